@@ -1,0 +1,56 @@
+"""Engine and speculation configuration (plain dataclasses, checked on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"  # a name in rayspec.proposers.PROPOSERS
+    num_speculative_tokens: int = 5  # the maximum draft length k
+    adaptive: bool = True  # lower k (down to 0) when speculation does not pay
+    # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # draft_model
+    draft_model: str | None = None  # hub id, directory or .gguf; None: the target's own checkpoint
+    draft_num_layers: int | None = None  # keep only the first N layers of the draft checkpoint
+    draft_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.method == "none":
+            self.num_speculative_tokens = 0
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    device: str | None = None  # None: cuda when visible, else cpu
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    kv_cache_memory_gb: float = 2.0  # target + draft KV budget; bounds the concurrent sequences
+    num_threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self):
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
+        if self.max_model_len < 2 or self.max_num_seqs < 1 or self.kv_cache_memory_gb <= 0:
+            raise ValueError("max_model_len >= 2, max_num_seqs >= 1 and kv_cache_memory_gb > 0 required")
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may need from the engine it serves."""
+
+    target_model: str
+    max_model_len: int
+    num_slots: int
+    device: torch.device
+    dtype: torch.dtype

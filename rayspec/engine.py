@@ -1,0 +1,286 @@
+"""LLMEngine: continuous batching with speculative decoding.
+
+One `step()`:
+  1. admit waiting requests while KV slots are free and prefill them in one forward;
+  2. for every other running sequence: pick the draft length (adaptive policy), ask the
+     proposer for drafts (one batched call), verify all of them in one target forward,
+     keep the accepted prefix plus one recovered/bonus token, and trim the KV cache.
+Requests join and leave between steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from rayspec.adaptive import AdaptiveDraftLength
+from rayspec.config import EngineConfig, ProposerContext
+from rayspec.metrics import SpecDecodeStats
+from rayspec.model import CausalLM, KVCache
+from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
+from rayspec.rejection import verify_greedy, verify_sampled
+from rayspec.runner import ModelRunner
+from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
+from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked (too long, bad token ids, duplicate id, ...)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # all output text so far
+    delta_text: str  # text added by this step
+    token_ids: list[int]  # all output tokens so far
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_steps: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None, tokenizer=None,
+                 proposer: Proposer | None = None):
+        from rayspec import loader
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        eos_ids: set[int] = set()
+        if model is None:
+            model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype)
+            eos_ids |= loader.generation_eos_ids(config.model)
+        self.model, self.tokenizer = model, tokenizer
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = eos_ids
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+        spec = config.speculative
+        self.max_k = spec.num_speculative_tokens
+        self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
+        num_slots = self._num_slots(model, spec)
+        self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1)
+        context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype)
+        self.proposer = proposer if proposer is not None else build_proposer(spec, context)
+        self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
+        self.stats = SpecDecodeStats()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def _num_slots(self, model: CausalLM, spec) -> int:
+        per_token = KVCache.bytes_per_token(model.args, self.dtype)
+        if spec.method == "draft_model":  # the draft keeps a cache of its own; count it roughly
+            per_token *= 2
+        per_slot = per_token * (self.max_model_len + self.max_k + 1)
+        num_slots = min(self.config.max_num_seqs, int(self.config.kv_cache_memory_gb * 2**30 // per_slot))
+        if num_slots < 1:
+            raise ValueError(
+                f"kv_cache_memory_gb={self.config.kv_cache_memory_gb} cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} ({per_slot / 2**20:.0f} MiB); raise it or lower max_model_len")
+        return num_slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.runner.cache.num_slots
+
+    # ---- requests ----------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model serves at most {self.max_model_len} in all")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})")
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        if params.stop and detok is None:
+            raise InvalidRequestError("stop strings need a tokenizer")
+        gen = None if params.greedy else make_generator(params.seed, self.device)
+        seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_token_ids, detok, gen)
+        self._requests[request_id] = seq
+        self.waiting.append(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return False
+        seq.finish("abort", flush=False)
+        self._release(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.runner.free(seq.request_id)
+        self.proposer.release(seq.request_id)
+        self._requests.pop(seq.request_id, None)
+
+    # ---- the step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        decoding = list(self.running)
+        admitted = self._admit()
+        touched: list[Sequence] = []
+        if admitted:
+            self._prefill(admitted)
+            touched += admitted
+        if decoding:
+            self._decode(decoding)
+            touched += decoding
+        outputs = [self._output(s) for s in touched]
+        for seq in touched:
+            if seq.finished:
+                self._release(seq)
+        return outputs
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting and self.runner.num_free_slots > 0:
+            seq = self.waiting.popleft()
+            self.runner.allocate(seq.request_id)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        ids = [s.request_id for s in seqs]
+        logits = self.runner.forward(ids, [s.token_ids for s in seqs], last_only=True)  # [B, vocab]
+        greedy = logits.argmax(-1).tolist()
+        for i, seq in enumerate(seqs):
+            tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
+            seq.append_tokens([tok])
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        p = seq.params
+        probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _draft_len(self, seq: Sequence, k: int) -> int:
+        if seq.params.num_speculative_tokens is not None:
+            k = min(k, seq.params.num_speculative_tokens)
+        return max(0, min(k, seq.remaining_tokens - 1))
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        start = time.perf_counter()
+        k = self.policy.choose([s.acceptance_ema for s in seqs]) if self.max_k else 0
+        draft_lens = [self._draft_len(s, k) for s in seqs]
+        if any(draft_lens):
+            requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
+                                       s.params.top_k, s.params.top_p, s.params.seed)
+                        for s, n in zip(seqs, draft_lens)]
+            drafts = self.proposer.propose(requests)
+        else:
+            drafts = [Draft([]) for _ in seqs]
+        ids = [s.request_id for s in seqs]
+        # the tokens without target KV yet (normally just the last one), then the drafts
+        pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]
+        inputs = [p + d.tokens for p, d in zip(pending, drafts)]
+        logits = self.runner.forward(ids, inputs, last_only=False)  # [B, Q, vocab]
+        offsets = [len(p) - 1 for p in pending]
+        width = 1 + max(len(d.tokens) for d in drafts)
+        # target logits at the position of each draft plus the bonus position: [B, width, vocab]
+        index = torch.tensor([[min(o + j, len(inp) - 1) for j in range(width)] for o, inp in zip(offsets, inputs)],
+                             device=self.device)
+        verify_logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
+        greedy_emitted = verify_greedy(verify_logits.argmax(-1), [d.tokens for d in drafts])
+        for i, seq in enumerate(seqs):
+            draft = drafts[i]
+            if seq.params.greedy:
+                emitted = greedy_emitted[i]
+            else:
+                n = len(draft.tokens)
+                probs = logits_to_probs(verify_logits[i, : n + 1], seq.params.temperature,
+                                        seq.params.top_k, seq.params.top_p)
+                emitted = verify_sampled(probs, draft.tokens, draft.probs, seq.generator)
+            num_accepted = len(emitted) - 1
+            self.runner.set_cached_len(seq.request_id,
+                                       self.runner.cached_len(seq.request_id) - len(draft.tokens) + num_accepted)
+            seq.append_tokens(emitted)
+            seq.num_steps += 1
+            seq.num_draft_tokens += len(draft.tokens)
+            seq.num_accepted_tokens += num_accepted
+            seq.acceptance_ema = self.policy.update_acceptance(seq.acceptance_ema, len(draft.tokens), num_accepted)
+            self.stats.observe(len(draft.tokens), num_accepted)
+        self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - start)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, text=seq.output_text, delta_text=seq.take_new_text(),
+            token_ids=seq.output_token_ids, finished=seq.finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps)
+
+    # ---- convenience -------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (all admitted at once, batched as slots allow)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+
+def engine_summary(engine: LLMEngine) -> str:
+    return json.dumps({"model": engine.config.model, "method": engine.config.speculative.method,
+                       "num_slots": engine.num_slots, "device": str(engine.device), **engine.stats.as_dict()})

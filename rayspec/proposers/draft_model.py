@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import torch
+
+from rayspec.model import CausalLM
+from rayspec.proposers.base import Draft, Proposer, ProposeRequest
+from rayspec.runner import ModelRunner
+from rayspec.sampling import logits_to_probs, make_generator
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelProposer(Proposer):
+    """A smaller causal LM with the target's tokenizer, on its own KV cache.
+
+    Rollback is implicit: the cached tokens are compared with the sequence the engine sends;
+    everything after the common prefix (rejected drafts) is overwritten by the catch-up forward.
+    """
+
+    name = "draft_model"
+
+    @classmethod
+    def create(cls, config, context) -> "DraftModelProposer":
+        from rayspec.loader import load_model
+
+        model, _ = load_model(config.draft_model or context.target_model, device=context.device,
+                              dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers)
+        return cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens)
+
+    def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, max_draft_tokens: int):
+        self.runner = ModelRunner(model, max_model_len, num_slots, slack=max_draft_tokens + 1)
+        self._fed: dict[str, list[int]] = {}  # tokens whose KV the draft cache holds, per sequence
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, seq_id: str) -> None:
+        self.runner.free(seq_id)
+        self._fed.pop(seq_id, None)
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, req: ProposeRequest) -> torch.Generator:
+        if req.seq_id not in self._generators:
+            seed = None if req.seed is None else req.seed + 1  # independent of the target's stream
+            self._generators[req.seq_id] = make_generator(seed, self.runner.device)
+        return self._generators[req.seq_id]
+
+    def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
+        active = [r for r in requests if r.num_tokens > 0]
+        if not active:
+            return [Draft([]) for _ in requests]
+        seq_ids, pending = [], []
+        for req in active:
+            if not self.runner.has(req.seq_id):
+                self.runner.allocate(req.seq_id)
+                self._fed[req.seq_id] = []
+            fed = self._fed[req.seq_id]
+            keep = min(common_prefix_len(fed, req.token_ids), len(req.token_ids) - 1)
+            self.runner.set_cached_len(req.seq_id, keep)
+            seq_ids.append(req.seq_id)
+            pending.append(req.token_ids[keep:])
+            self._fed[req.seq_id] = list(req.token_ids)
+        k = max(r.num_tokens for r in active)
+        tokens: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        logits = self.runner.forward(seq_ids, pending, last_only=True)  # [B, vocab]
+        for step in range(k):
+            next_tokens = logits.argmax(-1).tolist()
+            for i, req in enumerate(active):
+                if req.temperature > 0:
+                    p = logits_to_probs(logits[i:i + 1], req.temperature, req.top_k, req.top_p)[0]
+                    next_tokens[i] = int(torch.multinomial(p, 1, generator=self._generator(req)))
+                    probs[i].append(p)
+                tokens[i].append(next_tokens[i])
+            if step + 1 < k:
+                logits = self.runner.forward(seq_ids, [[t] for t in next_tokens], last_only=True)
+                for i, req in enumerate(active):
+                    self._fed[req.seq_id].append(next_tokens[i])
+        by_id = {}
+        for i, req in enumerate(active):
+            n = req.num_tokens
+            by_id[req.seq_id] = Draft(tokens[i][:n], torch.stack(probs[i][:n]) if probs[i] else None)
+        return [by_id.get(r.seq_id, Draft([])) for r in requests]

@@ -1,0 +1,66 @@
+"""Verification: which draft tokens a sequence keeps, and the token that follows them.
+
+Vocabulary (as in vLLM): of k draft tokens, the first m are *accepted*; then one more token
+is emitted: the *recovered* token at the first rejected position, or the *bonus* token
+sampled from the target after all k were accepted. So every step emits m + 1 tokens.
+
+Greedy: a draft is accepted iff it equals the target's argmax.
+Sampled: draft x at a position is accepted with probability min(1, p(x) / q(x)); on rejection
+the recovered token is drawn from normalise(max(0, p - q)). p and q are the processed
+(temperature / top-k / top-p) target and draft distributions. A proposer without
+probabilities (n-gram) is a point mass q = one_hot(x), so acceptance is p(x) and the
+residual is p with x removed. The emitted tokens are then distributed exactly as p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify_greedy(target_argmax: torch.Tensor, draft_tokens: list[list[int]]) -> list[list[int]]:
+    """target_argmax: [B, Q] target argmax at each verified position (Q >= 1 + max drafts).
+
+    Returns for each row the emitted tokens: accepted drafts + the bonus/recovered token.
+    """
+    rows = target_argmax.tolist()
+    out = []
+    for target, drafts in zip(rows, draft_tokens):
+        m = 0
+        while m < len(drafts) and drafts[m] == target[m]:
+            m += 1
+        out.append(drafts[:m] + [target[m]])
+    return out
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator,
+) -> list[int]:
+    """One sequence. target_probs: [k + 1, vocab]; draft_probs: [k, vocab] or None (point mass)."""
+    k = len(draft_tokens)
+    if k:
+        idx = torch.arange(k, device=target_probs.device)
+        drafts = torch.tensor(draft_tokens, device=target_probs.device)
+        p = target_probs[idx, drafts]  # [k]
+        q = draft_probs[idx, drafts] if draft_probs is not None else torch.ones_like(p)
+        u = torch.rand(k, generator=generator, device=target_probs.device)
+        # accept iff u < p/q, written without dividing (q > 0 for a token the draft sampled)
+        rejected = (u * q >= p).tolist()
+    else:
+        rejected = []
+    for j in range(k):
+        if rejected[j]:
+            if draft_probs is not None:
+                residual = (target_probs[j] - draft_probs[j]).clamp_min(0)
+            else:
+                residual = target_probs[j].clone()
+                residual[draft_tokens[j]] = 0
+            total = residual.sum()
+            if total <= 0:  # p == q exactly: rejection had probability 0; fall back to p
+                residual = target_probs[j]
+            recovered = int(torch.multinomial(residual, 1, generator=generator))
+            return draft_tokens[:j] + [recovered]
+    bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    return list(draft_tokens) + [bonus]

@@ -1,0 +1,78 @@
+"""Sampling parameters and the logits -> probabilities transform shared by target and draft.
+
+Temperature, top-k and top-p are applied identically to both distributions, which is what
+keeps rejection sampling lossless with respect to the *processed* target distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    max_tokens: int | None = 16  # None: until max_model_len
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: off)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (disabled) or positive")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits: [N, vocab] float32 -> probs: [N, vocab] after temperature, top-k, top-p."""
+    logits = logits / temperature
+    top_k = top_k if top_k > 0 else 0
+    if top_k or top_p < 1.0:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k and top_k < logits.shape[-1]:
+            remove[:, top_k:] = True
+        if top_p < 1.0:
+            sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+            # drop a token when the mass before it already reaches top_p (the first always stays)
+            before = sorted_probs.cumsum(-1) - sorted_probs
+            remove |= before >= top_p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    return logits.softmax(-1)
+
+
+def make_generator(seed: int | None, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs: [vocab] -> one token id."""
+    return int(torch.multinomial(probs, 1, generator=generator))

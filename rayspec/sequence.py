@@ -1,0 +1,152 @@
+"""Request state: tokens, incremental text, stop conditions and per-request speculation stats."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rayspec.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class IncrementalDetokenizer:
+    """Decodes tokens as they come without splitting multi-byte characters.
+
+    Text is emitted only once the decoded tail no longer ends in U+FFFD (an incomplete UTF-8
+    sequence); a few prompt tokens seed the window so leading-space rules decode correctly.
+    """
+
+    _CONTEXT = 4
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.tokens = list(prompt_ids[-self._CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """At the end, whatever is still held back (an incomplete character shows as U+FFFD)."""
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return full[len(prefix):]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
+    eos_token_ids: set[int]
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    # speculation
+    num_steps: int = 0  # verification steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_ema: float | None = None
+    _new_text: str = ""
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_tokens - self.num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_tokens(self, tokens: list[int]) -> int:
+        """Append emitted tokens one by one until a stop condition; returns how many were kept."""
+        if self.first_token_time is None and tokens:
+            self.first_token_time = time.monotonic()
+        kept = 0
+        for tok in tokens:
+            self.token_ids.append(tok)
+            kept += 1
+            if self._check_stop(tok):
+                break
+        return kept
+
+    def _check_stop(self, tok: int) -> bool:
+        if self.detokenizer is not None:
+            self._append_text(self.detokenizer.add(tok))
+            if self.finished:
+                return True
+        if (tok in self.eos_token_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
+            self.finish("stop")
+        elif self.num_output_tokens >= self.max_tokens:
+            self.finish("length")
+        return self.finished
+
+    def _append_text(self, delta: str) -> None:
+        if not delta:
+            return
+        old_len = len(self.output_text)
+        self.output_text += delta
+        self._new_text += delta
+        for stop in self.params.stop:
+            # a stop string may straddle tokens: search from just before the new text
+            pos = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
+            if pos != -1:
+                cut = len(self.output_text) - pos
+                self.output_text = self.output_text[:pos]
+                self._new_text = self._new_text[: max(0, len(self._new_text) - cut)]
+                self.finish("stop", flush=False)
+                return
+
+    def finish(self, reason: str, flush: bool = True) -> None:
+        if self.finished:
+            return
+        if flush and self.detokenizer is not None:
+            tail = self.detokenizer.flush()
+            self.output_text += tail
+            self._new_text += tail
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def take_new_text(self) -> str:
+        text, self._new_text = self._new_text, ""
+        return text
