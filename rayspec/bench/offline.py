@@ -1,0 +1,153 @@
+"""`rayspec bench offline`: rayspec baseline vs a speculative method vs HF transformers, in-process.
+
+All systems decode the same chat-templated prompts greedily, interleaved prompt by prompt
+(so machine noise hits them alike); throughput is output tokens / wall time per system.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rayspec.bench.prompts import load_prompts
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.engine import LLMEngine
+from rayspec.sampling import SamplingParams
+
+
+@dataclass
+class SystemRun:
+    seconds: float = 0.0
+    tokens: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, run: SystemRun) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    outs = engine.generate(batch, params)
+    run.seconds += time.perf_counter() - start
+    for out in outs:
+        run.tokens += len(out.token_ids)
+        run.outputs.append(out.token_ids)
+
+
+def _run_hf(model, prompt_ids: list[int], max_tokens: int, run: SystemRun, eos_ids, **kwargs) -> None:
+    ids = torch.tensor([prompt_ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0], **kwargs)
+    run.seconds += time.perf_counter() - start
+    new = out[0, len(prompt_ids):].tolist()
+    run.tokens += len(new)
+    run.outputs.append(new)
+
+
+def _load_hf(model_dir, num_layers: int | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
+
+
+def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, prompts_file: str,
+                          num_prompts: int, max_tokens: int, concurrency: int = 1, adaptive: bool = True,
+                          draft_model: str | None = None, draft_num_layers: int | None = None,
+                          prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
+                          progress: bool = True) -> dict:
+    from rayspec import loader
+
+    target, tokenizer = loader.load_model(model, device="cpu")
+    eos = loader.generation_eos_ids(model) | {tokenizer.eos_token_id}
+
+    def engine(spec: SpeculativeConfig) -> LLMEngine:
+        config = EngineConfig(model=model, speculative=spec, device="cpu", max_num_seqs=max(concurrency, 1))
+        eng = LLMEngine(config, model=target, tokenizer=tokenizer)
+        eng.eos_token_ids |= eos
+        return eng
+
+    baseline = engine(SpeculativeConfig(method="none", num_speculative_tokens=0))
+    spec_cfg = SpeculativeConfig(method=method, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
+                                 draft_model=draft_model, draft_num_layers=draft_num_layers,
+                                 prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
+    speculative = engine(spec_cfg)
+    texts = load_prompts(prompts_file, num_prompts)
+    prompt_ids = [baseline.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+    hf_model = hf_assistant = None
+    hf_kwargs: dict = {}
+    with_hf = with_hf and concurrency == 1
+    if with_hf:
+        model_dir = loader.resolve_model_dir(model)
+        hf_model = _load_hf(model_dir)
+        if method == "ngram":
+            hf_kwargs = {"prompt_lookup_num_tokens": num_speculative_tokens,
+                         "max_matching_ngram_size": prompt_lookup_max}
+        elif method == "draft_model":
+            hf_assistant = _load_hf(loader.resolve_model_dir(draft_model or model), draft_num_layers)
+            hf_kwargs = {"assistant_model": hf_assistant}
+
+    # warm-up (allocations, kernel selection) outside the timed runs
+    _run_engine(baseline, prompt_ids[:1], 8, SystemRun())
+    _run_engine(speculative, prompt_ids[:1], 8, SystemRun())
+    if hf_model is not None:
+        _run_hf(hf_model, prompt_ids[0], 8, SystemRun(), eos)
+
+    runs = {name: SystemRun() for name in ("baseline", "method", "hf", "hf_assisted")}
+    batches = [prompt_ids[i:i + concurrency] for i in range(0, len(prompt_ids), concurrency)]
+    spec_stats_before = speculative.stats.as_dict()
+    for i, batch in enumerate(batches):
+        if progress:
+            print(f"  batch {i + 1}/{len(batches)}", flush=True)
+        _run_engine(baseline, batch, max_tokens, runs["baseline"])
+        _run_engine(speculative, batch, max_tokens, runs["method"])
+        if hf_model is not None:
+            _run_hf(hf_model, batch[0], max_tokens, runs["hf"], eos)
+            if method != "none":
+                _run_hf(hf_model, batch[0], max_tokens, runs["hf_assisted"], eos, **hf_kwargs)
+    stats = speculative.stats
+    drafts = stats.num_drafts - spec_stats_before["num_drafts"]
+    draft_tokens = stats.num_draft_tokens - spec_stats_before["num_draft_tokens"]
+    accepted = stats.num_accepted_tokens - spec_stats_before["num_accepted_tokens"]
+    base, meth = runs["baseline"], runs["method"]
+    return {
+        "model": model,
+        "method": method,
+        "num_speculative_tokens": num_speculative_tokens,
+        "adaptive": adaptive,
+        "prompts": prompts_file,
+        "num_prompts": len(prompt_ids),
+        "max_tokens": max_tokens,
+        "concurrency": concurrency,
+        "total_output_tokens": meth.tokens,
+        "output_throughput": meth.throughput,
+        "baseline_output_throughput": base.throughput,
+        "speedup": meth.throughput / base.throughput if base.throughput else None,
+        "hf_output_throughput": runs["hf"].throughput if with_hf else None,
+        "hf_assisted_output_throughput": runs["hf_assisted"].throughput if with_hf and method != "none" else None,
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "greedy_match": meth.outputs == base.outputs,
+        "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def format_result(result: dict) -> str:
+    keys = ["method", "prompts", "concurrency", "output_throughput", "baseline_output_throughput", "speedup",
+            "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
+            "spec_decode_acceptance_rate", "greedy_match"]
+    return json.dumps({k: result[k] for k in keys}, indent=2)

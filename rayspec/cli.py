@@ -1,0 +1,107 @@
+"""The `rayspec` command: fetch-model, generate, bench offline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, directory, .gguf or the default")
+    p.add_argument("--method", default="ngram", help="speculative method: none, ngram, draft_model")
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--no-adaptive", action="store_true", help="always draft the full length")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--draft-num-layers", type=int, default=None, help="keep only the first N draft layers")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=5)
+
+
+def cmd_fetch_model(args) -> int:
+    from rayspec.loader import convert_gguf, fetch_default_model
+
+    path = convert_gguf(Path(args.gguf)) if args.gguf else fetch_default_model(force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.engine import LLMEngine
+    from rayspec.sampling import SamplingParams
+
+    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+                             adaptive=not args.no_adaptive, draft_model=args.draft_model,
+                             draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
+                             prompt_lookup_max=args.prompt_lookup_max)
+    engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
+    ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
+    engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed))
+    start, n = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            n = len(out.token_ids)
+    seconds = time.perf_counter() - start
+    print(f"\n\n[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tok/s; {json.dumps(engine.stats.as_dict())}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_bench_offline(args) -> int:
+    from rayspec.bench.offline import format_result, run_offline_benchmark
+
+    result = run_offline_benchmark(
+        model=args.model, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+        prompts_file=args.prompts, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+        concurrency=args.concurrency, adaptive=not args.no_adaptive, draft_model=args.draft_model,
+        draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf)
+    print(format_result(result))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayspec", description="lossless speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="put the default model (SmolLM2-135M-Instruct) in the local cache")
+    p.add_argument("--gguf", default=None, help="convert this GGUF file instead")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_fetch_model)
+
+    p = sub.add_parser("generate", help="generate from one chat prompt, streaming to stdout")
+    _add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("offline", help="in-process: rayspec baseline vs method vs HF transformers")
+    _add_engine_args(p)
+    p.add_argument("--prompts", required=True, help="Spec-Bench JSONL file")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
