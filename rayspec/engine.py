@@ -261,8 +261,9 @@ class LLMEngine:
         self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - start)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        delta = seq.take_new_text()  # text keeps back a possible stop-string start, like delta
         return RequestOutput(
-            request_id=seq.request_id, text=seq.output_text, delta_text=seq.take_new_text(),
+            request_id=seq.request_id, text=seq.sent_text, delta_text=delta,
             token_ids=seq.output_token_ids, finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps)

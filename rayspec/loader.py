@@ -189,7 +189,9 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
         state = {k: v for k, v in state.items()
                  if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
     model = build_model(config, state, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # a checkpoint without tokenizer files serves token ids only (tokenizer None)
+    has_tokenizer = any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
     return model, tokenizer
 
 

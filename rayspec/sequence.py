@@ -73,7 +73,7 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_ema: float | None = None
-    _new_text: str = ""
+    _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -126,14 +126,11 @@ class Sequence:
             return
         old_len = len(self.output_text)
         self.output_text += delta
-        self._new_text += delta
         for stop in self.params.stop:
             # a stop string may straddle tokens: search from just before the new text
             pos = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
             if pos != -1:
-                cut = len(self.output_text) - pos
                 self.output_text = self.output_text[:pos]
-                self._new_text = self._new_text[: max(0, len(self._new_text) - cut)]
                 self.finish("stop", flush=False)
                 return
 
@@ -141,12 +138,21 @@ class Sequence:
         if self.finished:
             return
         if flush and self.detokenizer is not None:
-            tail = self.detokenizer.flush()
-            self.output_text += tail
-            self._new_text += tail
+            self.output_text += self.detokenizer.flush()
         self.status = Status.FINISHED
         self.finish_reason = reason
 
     def take_new_text(self) -> str:
-        text, self._new_text = self._new_text, ""
+        """Text not handed out yet. While running, the last len(longest stop string) - 1
+        characters stay back: they may begin a stop string, which is never returned."""
+        end = len(self.output_text)
+        if not self.finished and self.params.stop:
+            end -= max(len(s) for s in self.params.stop) - 1
+        end = max(end, self._sent)
+        text, self._sent = self.output_text[self._sent:end], end
         return text
+
+    @property
+    def sent_text(self) -> str:
+        """All text handed out so far (the concatenation of take_new_text results)."""
+        return self.output_text[:self._sent]

@@ -103,7 +103,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     if hf_model is not None:
         _run_hf(hf_model, prompt_ids[0], 8, SystemRun(), eos)
 
-    runs = {name: SystemRun() for name in ("baseline", "method", "hf", "hf_assisted")}
+    runs = {name: SystemRun() for name in ("baseline", "method", "hf", "hf_assisted", "baseline_c1")}
     batches = [prompt_ids[i:i + concurrency] for i in range(0, len(prompt_ids), concurrency)]
     spec_stats_before = speculative.stats.as_dict()
     for i, batch in enumerate(batches):
@@ -111,6 +111,9 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
             print(f"  batch {i + 1}/{len(batches)}", flush=True)
         _run_engine(baseline, batch, max_tokens, runs["baseline"])
         _run_engine(speculative, batch, max_tokens, runs["method"])
+        if concurrency > 1:  # the same prompts one at a time: how well batching scales
+            for prompt in batch:
+                _run_engine(baseline, [prompt], max_tokens, runs["baseline_c1"])
         if hf_model is not None:
             _run_hf(hf_model, batch[0], max_tokens, runs["hf"], eos)
             if method != "none":
@@ -133,6 +136,9 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "output_throughput": meth.throughput,
         "baseline_output_throughput": base.throughput,
         "speedup": meth.throughput / base.throughput if base.throughput else None,
+        "baseline_concurrency1_output_throughput": runs["baseline_c1"].throughput if concurrency > 1 else None,
+        "baseline_concurrency_scaling": (base.throughput / runs["baseline_c1"].throughput
+                                         if concurrency > 1 and runs["baseline_c1"].throughput else None),
         "hf_output_throughput": runs["hf"].throughput if with_hf else None,
         "hf_assisted_output_throughput": runs["hf_assisted"].throughput if with_hf and method != "none" else None,
         "spec_decode_num_drafts": drafts,
@@ -148,6 +154,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
 
 def format_result(result: dict) -> str:
     keys = ["method", "prompts", "concurrency", "output_throughput", "baseline_output_throughput", "speedup",
+            "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
             "spec_decode_acceptance_rate", "greedy_match"]
     return json.dumps({k: result[k] for k in keys}, indent=2)

@@ -49,6 +49,25 @@ class DraftModelProposer(Proposer):
             self._generators[req.seq_id] = make_generator(seed, self.runner.device)
         return self._generators[req.seq_id]
 
+    def _forward_last(self, seq_ids: list[str], pending: list[list[int]]) -> torch.Tensor:
+        """The catch-up forward, split where padding would run past a row's cache end.
+
+        Rows are padded to the longest; a sequence just joined (its whole prompt pending) next
+        to one deep in its context would write padding past capacity. Rows that fit go in one
+        batch, the others recurse (the longest row always fits on its own).
+        """
+        q = max(len(p) for p in pending)
+        fits = [self.runner.cached_len(s) + q <= self.runner.cache.capacity for s in seq_ids]
+        if all(fits):
+            return self.runner.forward(seq_ids, pending, last_only=True)
+        out: list[torch.Tensor | None] = [None] * len(seq_ids)
+        for group in (True, False):
+            idx = [i for i, f in enumerate(fits) if f is group]
+            logits = self._forward_last([seq_ids[i] for i in idx], [pending[i] for i in idx])
+            for j, i in enumerate(idx):
+                out[i] = logits[j]
+        return torch.stack(out)
+
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         active = [r for r in requests if r.num_tokens > 0]
         if not active:
@@ -67,7 +86,7 @@ class DraftModelProposer(Proposer):
         k = max(r.num_tokens for r in active)
         tokens: list[list[int]] = [[] for _ in active]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
-        logits = self.runner.forward(seq_ids, pending, last_only=True)  # [B, vocab]
+        logits = self._forward_last(seq_ids, pending)  # [B, vocab]
         for step in range(k):
             next_tokens = logits.argmax(-1).tolist()
             for i, req in enumerate(active):

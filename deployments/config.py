@@ -1,0 +1,168 @@
+"""Application arguments (the `args:` block of a serve config), validated with pydantic.
+
+Deployment options (replicas, autoscaling, resources) are computed here from the config and
+applied with `.options(...)` in deployments.app; the decorators carry no resources.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rayspec.config import EngineConfig, SpeculativeConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculativeArgs(_Strict):
+    """Mirrors rayspec.config.SpeculativeConfig."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = Field(5, ge=0)
+    adaptive: bool = True
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(5, ge=1)
+    draft_model: str | None = None
+    draft_num_layers: int | None = Field(None, ge=1)
+    draft_dtype: str | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        from rayspec.proposers import PROPOSERS
+
+        if method not in PROPOSERS:
+            raise ValueError(f"unknown speculative method {method!r}; registered: {sorted(PROPOSERS)}")
+        return method
+
+    @model_validator(mode="after")
+    def _lookup_range(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+    def to_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**self.model_dump())
+
+
+class EngineArgs(_Strict):
+    """Mirrors the engine fields of rayspec.config.EngineConfig."""
+
+    max_model_len: int = Field(2048, ge=2)
+    max_num_seqs: int = Field(16, ge=1)
+    kv_cache_memory_gb: float = Field(2.0, gt=0)
+    dtype: str | None = None
+    device: str | None = None  # None: cuda when Ray gave the replica a GPU, else cpu
+    num_threads: int | None = Field(None, ge=1)  # torch CPU threads per replica
+
+
+class RayActorOptions(BaseModel):
+    """The usual ray_actor_options; other Ray keys (runtime_env, accelerator_type, ...) pass through."""
+
+    model_config = ConfigDict(extra="allow")
+    num_cpus: float | None = Field(None, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+    memory: float | None = Field(None, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v not in (None, {})}
+
+
+class DeploymentArgs(_Strict):
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int | None = None
+    ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
+    health_check_period_s: float | None = None
+    graceful_shutdown_timeout_s: float | None = None
+
+    @model_validator(mode="after")
+    def _replicas_xor_autoscaling(self):
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        if self.autoscaling_config is not None:
+            lo = self.autoscaling_config.get("min_replicas", 1)
+            hi = self.autoscaling_config.get("max_replicas", lo)
+            if not 0 <= lo <= hi or hi < 1:
+                raise ValueError("autoscaling_config needs 0 <= min_replicas <= max_replicas, max_replicas >= 1")
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        if self.autoscaling_config is not None:
+            return int(self.autoscaling_config.get("max_replicas", self.autoscaling_config.get("min_replicas", 1)))
+        return self.num_replicas or 1
+
+    def options(self, *, name: str, default_cpus: float, default_max_ongoing: int) -> dict[str, Any]:
+        """Keyword arguments for Deployment.options(...)."""
+        opts: dict[str, Any] = {"name": name}
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            opts["num_replicas"] = self.num_replicas or 1
+        opts["max_ongoing_requests"] = self.max_ongoing_requests or default_max_ongoing
+        for key in ("max_queued_requests", "health_check_period_s", "graceful_shutdown_timeout_s"):
+            if getattr(self, key) is not None:
+                opts[key] = getattr(self, key)
+        actor = self.ray_actor_options.to_dict()
+        actor.setdefault("num_cpus", default_cpus)
+        opts["ray_actor_options"] = actor
+        return opts
+
+
+INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
+
+
+class AppArgs(_Strict):
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None  # the `model` clients send; default: `model`
+    speculative: SpeculativeArgs = Field(default_factory=SpeculativeArgs)
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    topology: Literal["colocated", "disaggregated"] = "colocated"
+    ingress: DeploymentArgs = Field(default_factory=DeploymentArgs)
+    verifier: DeploymentArgs = Field(default_factory=DeploymentArgs)
+    proposer: DeploymentArgs = Field(default_factory=DeploymentArgs)
+
+    @model_validator(mode="after")
+    def _topology(self):
+        if self.topology == "disaggregated" and self.speculative.method == "none":
+            raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, speculative=self.speculative.to_config(), **self.engine.model_dump())
+
+    # ---- deployment options -------------------------------------------------------------
+    def ingress_options(self) -> dict[str, Any]:
+        per_verifier = 4 * self.engine.max_num_seqs
+        return self.ingress.options(name=INGRESS_NAME, default_cpus=0.5,
+                                    default_max_ongoing=max(64, per_verifier * self.verifier.max_replicas))
+
+    def verifier_options(self) -> dict[str, Any]:
+        # requests past the KV slots wait inside the engine (continuous batching), so accept more
+        return self.verifier.options(name=VERIFIER_NAME, default_cpus=1,
+                                     default_max_ongoing=4 * self.engine.max_num_seqs)
+
+    def proposer_options(self) -> dict[str, Any]:
+        # every verifier replica has at most one propose call in flight (plus one release flush)
+        return self.proposer.options(name=PROPOSER_NAME, default_cpus=1,
+                                     default_max_ongoing=2 * self.verifier.max_replicas + 2)
+
+    def proposer_num_slots(self) -> int:
+        """Draft-model KV slots in one proposer replica: every verifier replica's sequences may land there."""
+        return self.engine.max_num_seqs * self.verifier.max_replicas
+
+
+def load_app_args(args: dict | AppArgs | None) -> AppArgs:
+    if isinstance(args, AppArgs):
+        return args
+    return AppArgs.model_validate(args or {})

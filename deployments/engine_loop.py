@@ -1,0 +1,217 @@
+"""A background thread that owns an LLMEngine.
+
+All engine calls (build, add, step, abort, stats) happen on that thread. Callers hand requests in
+through a thread-safe queue and get RequestOutputs back through a callback, which the verifier
+points at an asyncio queue with `loop.call_soon_threadsafe`. No Ray import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
+
+logger = logging.getLogger("rayspec.serve")
+
+Deliver = Callable[[Any], None]  # gets RequestOutput items, or an Exception that ends the stream
+
+
+@dataclass
+class _Stream:
+    deliver: Deliver
+    submitted: float
+    first_token: float | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any  # str | list[int] | ("chat", messages)
+    params: Any
+    deliver: Deliver
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class EngineLoop:
+    def __init__(self, engine_factory: Callable[[], LLMEngine], metrics=None, idle_poll_s: float = 0.2):
+        self._factory = engine_factory
+        self.metrics = metrics
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.engine: LLMEngine | None = None  # only the loop thread touches it
+        self.snapshot: dict[str, Any] = {}
+        self.num_finished = 0
+        self.num_aborted = 0
+        self._thread = threading.Thread(target=self._run, name="rayspec-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread -----------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("engine did not start in time")
+        if self._error is not None:
+            raise RuntimeError(f"engine failed to start: {self._error!r}") from self._error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def submit(self, request_id: str, prompt, params, deliver: Deliver) -> None:
+        self._commands.put(_Add(request_id, prompt, params, deliver))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
+        """Run fn(engine) on the loop thread and return its result."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run(engine):
+            try:
+                box["value"] = fn(engine)
+            except BaseException as err:  # noqa: BLE001 - handed back to the caller
+                box["error"] = err
+            done.set()
+
+        self._commands.put(("call", run))
+        if not done.wait(timeout):
+            raise TimeoutError("engine loop did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # ---- the loop thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as err:  # noqa: BLE001
+            logger.exception("engine construction failed")
+            self._error = err
+            self._ready.set()
+            return
+        self._update_snapshot()
+        self._ready.set()
+        engine = self.engine
+        while not self._stop.is_set():
+            idle = not engine.has_unfinished_requests()
+            self._drain(block=idle)
+            if self._stop.is_set():
+                break
+            if not engine.has_unfinished_requests():
+                flush = getattr(engine.proposer, "flush", None)
+                if flush is not None:
+                    try:
+                        flush()
+                    except Exception:  # noqa: BLE001 - releases are retried on the next call
+                        logger.exception("proposer flush failed")
+                self._update_snapshot()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as err:  # noqa: BLE001 - fail the running requests, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(err)
+                continue
+            now = time.perf_counter()
+            for out in outputs:
+                self._dispatch(out, now)
+            self._update_snapshot()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Add):
+            try:
+                prompt = cmd.prompt
+                if isinstance(prompt, tuple) and prompt and prompt[0] == "chat":
+                    prompt = engine.encode_chat(prompt[1])
+                engine.add_request(prompt, cmd.params, cmd.request_id)
+            except InvalidRequestError as err:
+                cmd.deliver(err)
+                return
+            except Exception as err:  # noqa: BLE001 - e.g. a chat template error: the request's fault
+                cmd.deliver(InvalidRequestError(f"{type(err).__name__}: {err}"))
+                return
+            self._streams[cmd.request_id] = _Stream(cmd.deliver, cmd.submitted)
+            return
+        kind, arg = cmd
+        if kind == "abort":
+            if self._streams.pop(arg, None) is not None and engine.abort_request(arg):
+                self.num_aborted += 1
+        elif kind == "call":
+            arg(engine)
+        elif kind == "stop":
+            self._stop.set()
+
+    def _dispatch(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if stream.first_token is None and out.token_ids:
+            stream.first_token = now
+            if self.metrics is not None:
+                self.metrics.observe_ttft(now - stream.submitted)
+        if out.finished:
+            del self._streams[out.request_id]
+            self.num_finished += 1
+            if self.metrics is not None and stream.first_token is not None and out.num_output_tokens > 1:
+                self.metrics.observe_tpot((now - stream.first_token) / (out.num_output_tokens - 1))
+        try:
+            stream.deliver(out)
+        except Exception:  # noqa: BLE001 - the caller's event loop is gone: drop the request
+            if not out.finished:
+                self._streams.pop(out.request_id, None)
+                if self.engine.abort_request(out.request_id):
+                    self.num_aborted += 1
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            try:
+                stream.deliver(RuntimeError(f"engine step failed: {err!r}"))
+            except Exception:  # noqa: BLE001
+                pass
+        self._streams.clear()
+
+    def _update_snapshot(self) -> None:
+        engine = self.engine
+        self.snapshot = {
+            "model": engine.config.model,
+            "method": engine.config.speculative.method,
+            "device": str(engine.device),
+            "num_slots": engine.num_slots,
+            "max_model_len": engine.max_model_len,
+            "num_running": engine.num_running,
+            "num_waiting": engine.num_waiting,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            **engine.stats.as_dict(),
+        }
+        if self.metrics is not None:
+            self.metrics.update(self.snapshot)

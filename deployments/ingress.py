@@ -1,0 +1,216 @@
+"""OpenAI-compatible HTTP ingress (FastAPI) in front of the verifier deployment.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats.
+The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
+"""
+
+
+import json
+import logging
+from typing import AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.config import load_app_args
+from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, finish_reason,
+                                         new_id, now, usage)
+from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from rayspec.engine import InvalidRequestError
+
+logger = logging.getLogger("rayspec.serve")
+app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")
+
+
+def _error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError):
+    return _error_response(err)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, err: RequestValidationError):
+    errors = err.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                    for e in errors[:5])
+    return _error_response(OpenAIError(msg or "invalid request", param=".".join(loc) or None))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, err: StarletteHTTPException):
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return _error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
+
+
+def _as_openai_error(err: BaseException) -> OpenAIError | None:
+    """Errors caused by the request (engine InvalidRequestError, bad values) -> 400; else None."""
+    cause = getattr(err, "cause", None) or err  # a RayTaskError carries the replica's exception
+    if isinstance(cause, OpenAIError):
+        return cause
+    if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
+        return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request")
+    if isinstance(cause, ValidationError):
+        return OpenAIError(str(cause))
+    return None
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _prepend(first, gen) -> AsyncIterator[GenerateChunk]:
+    if first is not None:
+        yield first
+        if first.finished:
+            return
+    async for chunk in gen:
+        yield chunk
+
+
+@serve.deployment
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, args: dict, verifier):
+        self.cfg = load_app_args(args)
+        self.model_name = self.cfg.model_name
+        self.verifier = verifier
+
+    # ---- Python handle API ---------------------------------------------------------------
+    async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+        return await self.verifier.generate.remote(GenerateRequest.model_validate(request))
+
+    async def generate_stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
+        gen = self.verifier.options(stream=True).generate_stream.remote(GenerateRequest.model_validate(request))
+        async for chunk in gen:
+            yield chunk
+
+    async def stats(self) -> dict:
+        return await self.verifier.get_stats.remote()
+
+    # ---- HTTP ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                             "owned_by": "rayspec", "root": self.cfg.model}]}
+
+    @app.get("/v1/stats")
+    async def http_stats(self):
+        return await self.stats()
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        request = self._to_generate(body)
+        if body.stream:
+            return await self._stream_response(request, body, chat=False)
+        resp = await self._call(request)
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
+                "choices": [{"index": 0, "text": resp.text, "logprobs": None,
+                             "finish_reason": finish_reason(resp.finish_reason)}],
+                "usage": usage(resp.num_prompt_tokens, resp.num_output_tokens, resp.num_draft_tokens,
+                               resp.num_accepted_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        request = self._to_generate(body)
+        if body.stream:
+            return await self._stream_response(request, body, chat=True)
+        resp = await self._call(request)
+        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": resp.text},
+                             "logprobs": None, "finish_reason": finish_reason(resp.finish_reason)}],
+                "usage": usage(resp.num_prompt_tokens, resp.num_output_tokens, resp.num_draft_tokens,
+                               resp.num_accepted_tokens)}
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                              status_code=404, type="not_found_error", param="model", code="model_not_found")
+
+    @staticmethod
+    def _to_generate(body) -> GenerateRequest:
+        try:
+            request = body.to_generate()
+            request.sampling_params()  # reject bad values here, before any RPC
+            return request
+        except (OpenAIError, InvalidRequestError, ValidationError) as err:
+            raise _as_openai_error(err) from None
+
+    async def _call(self, request: GenerateRequest) -> GenerateResponse:
+        try:
+            return await self.verifier.generate.remote(request)
+        except Exception as err:  # noqa: BLE001
+            mapped = _as_openai_error(err)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    async def _stream_response(self, request: GenerateRequest, body, chat: bool):
+        gen = self.verifier.options(stream=True).generate_stream.remote(request)
+        try:  # wait for the first chunk so that request errors still become a 400
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except Exception as err:  # noqa: BLE001
+            mapped = _as_openai_error(err)
+            if mapped is None:
+                raise
+            raise mapped from None
+        return StreamingResponse(self._sse_events(first, gen, body, chat), media_type="text/event-stream")
+
+    async def _sse_events(self, first, gen, body, chat: bool) -> AsyncIterator[str]:
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = body.include_usage
+
+        def event(choice: dict | None, usage_block=None) -> str:
+            data = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                    "choices": [choice] if choice is not None else []}
+            if include_usage:
+                data["usage"] = usage_block
+            return _sse(data)
+
+        last: GenerateChunk | None = None
+        finished = False
+        try:
+            if chat:
+                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            chunks = _prepend(first, gen)
+            async for chunk in chunks:
+                last = chunk
+                reason = finish_reason(chunk.finish_reason) if chunk.finished else None
+                if chat:
+                    delta = {"content": chunk.delta_text} if chunk.delta_text else {}
+                    if delta or reason:
+                        yield event({"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason})
+                elif chunk.delta_text or reason:
+                    yield event({"index": 0, "text": chunk.delta_text, "logprobs": None, "finish_reason": reason})
+                if chunk.finished:
+                    finished = True
+            if include_usage and last is not None:
+                yield event(None, usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
+                                        last.num_accepted_tokens))
+            yield "data: [DONE]\n\n"
+        except Exception as err:  # noqa: BLE001 - the status line is gone: report in-band
+            logger.exception("stream failed")
+            mapped = _as_openai_error(err) or OpenAIError(f"internal error: {err}", 500, "internal_error")
+            yield _sse(mapped.body())
+        finally:
+            if not finished:  # client went away (or error): cancel the verifier request -> abort, slot freed
+                gen.cancel()

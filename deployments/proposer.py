@@ -1,0 +1,56 @@
+"""The proposer deployment: any registered rayspec proposer (ngram, draft_model, ...) behind a handle.
+
+State (a draft model's KV cache) is keyed by the verifier's seq ids, which are unique per
+verifier replica, so several verifiers can share one proposer. A replica that never saw a
+sequence (or lost it: restart, another replica) simply re-prefills from the token list the
+request carries (the draft model proposer recomputes from the common prefix); n-gram is stateless.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from ray import serve
+
+from deployments.config import load_app_args
+from rayspec.config import ProposerContext
+from rayspec.loader import default_device, parse_dtype
+from rayspec.proposers import Draft, ProposeRequest, build_proposer
+
+
+def make_proposer(args):
+    cfg = load_app_args(args)
+    if cfg.engine.num_threads:
+        torch.set_num_threads(cfg.engine.num_threads)
+    device = torch.device(cfg.engine.device) if cfg.engine.device else default_device()
+    context = ProposerContext(cfg.model, cfg.engine.max_model_len, cfg.proposer_num_slots(), device,
+                              parse_dtype(cfg.engine.dtype, device))
+    return build_proposer(cfg.speculative.to_config(), context), device
+
+
+@serve.deployment
+class Proposer:
+    def __init__(self, args: dict):
+        self.proposer, self.device = make_proposer(args)
+        self._lock = threading.Lock()  # proposer state is not thread-safe
+        self.num_calls = 0
+        self.num_requests = 0
+
+    def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
+        with self._lock:
+            for seq_id in released or ():
+                self.proposer.release(seq_id)
+            if not requests:
+                return []
+            drafts = self.proposer.propose(requests)
+            self.num_calls += 1
+            self.num_requests += len(requests)
+        for d in drafts:  # CPU tensors travel anywhere (the verifier moves them to its device)
+            if d.probs is not None and d.probs.device.type != "cpu":
+                d.probs = d.probs.cpu()
+        return drafts
+
+    def stats(self) -> dict:
+        return {"method": self.proposer.name, "device": str(self.device), "num_calls": self.num_calls,
+                "num_requests": self.num_requests}

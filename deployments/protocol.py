@@ -1,0 +1,69 @@
+"""Pydantic request/response models of the verifier (and of the ingress' Python handle API)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rayspec.engine import InvalidRequestError
+from rayspec.sampling import SamplingParams
+
+
+class GenerateRequest(BaseModel):
+    """One generation: `prompt` (text or token ids) or chat `messages` (the model's chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None
+    request_id: str | None = None  # optional tag echoed back (the engine id is replica-unique)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  max_tokens=self.max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
+                                  seed=self.seed, ignore_eos=self.ignore_eos,
+                                  num_speculative_tokens=self.num_speculative_tokens)
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
+
+
+class GenerateChunk(BaseModel):
+    """One streamed increment."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    time_to_first_token_s: float | None = None
+    latency_s: float | None = None

@@ -1,0 +1,143 @@
+"""The verifier deployment: one LLMEngine per replica, stepping on a background thread.
+
+colocated: the proposer lives inside the engine (no RPC per step).
+disaggregated: the engine drafts through RemoteProposer -> the Proposer deployment, one call per step.
+A caller that is cancelled or disconnects aborts its request, which frees its KV slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from ray import serve
+
+logger = logging.getLogger("ray.serve")
+
+from deployments.config import load_app_args
+from deployments.engine_loop import EngineLoop
+from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from rayspec.engine import LLMEngine, RequestOutput
+
+
+def _replica_tag() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve
+        return uuid.uuid4().hex[:8]
+
+
+@serve.deployment
+class Verifier:
+    def __init__(self, args: dict, proposer_handle=None):
+        cfg = load_app_args(args)
+        self.cfg = cfg
+        engine_config = cfg.engine_config()
+
+        def factory() -> LLMEngine:
+            proposer = None
+            if proposer_handle is not None:
+                from deployments.remote_proposer import RemoteProposer
+                from rayspec.loader import default_device
+
+                device = engine_config.device or default_device()
+                proposer = RemoteProposer(proposer_handle, device=device)
+            return LLMEngine(engine_config, proposer=proposer)
+
+        try:
+            from deployments.metrics import VerifierMetrics
+
+            metrics = VerifierMetrics(cfg.model_name)
+        except Exception:  # noqa: BLE001 - metrics are best effort
+            logger.exception("metrics disabled")
+            metrics = None
+        self.loop = EngineLoop(factory, metrics=metrics)
+        self.loop.wait_ready()
+        # seq ids unique across verifier replicas: a shared proposer keys its state on them
+        self._prefix = f"{_replica_tag()}-"
+        self._ids = itertools.count()
+
+    def check_health(self) -> None:
+        if not self.loop.alive:
+            raise RuntimeError("engine loop is not running")
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
+
+    # ---- generation ------------------------------------------------------------------------
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if isinstance(request, dict):
+            request = GenerateRequest.model_validate(request)
+        params = request.sampling_params()  # raises InvalidRequestError for bad values
+        rid = f"{self._prefix}{next(self._ids)}"
+        prompt = ("chat", request.messages) if request.messages is not None else request.prompt
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # cancelled or disconnected: free the slot
+                self.loop.abort(rid)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        sent = 0
+        async for out in self._stream(request):
+            new = out.token_ids[sent:]
+            sent = len(out.token_ids)
+            if not (new or out.delta_text or out.finished):
+                continue
+            yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text,
+                                delta_token_ids=new, finished=out.finished, finish_reason=out.finish_reason,
+                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        start = time.perf_counter()
+        first = None
+        last = None
+        async for out in self._stream(request):
+            if first is None and out.token_ids:
+                first = time.perf_counter() - start
+            last = out
+        return GenerateResponse(request_id=request.request_id or last.request_id, text=last.text,
+                                token_ids=last.token_ids, finish_reason=last.finish_reason,
+                                num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+                                num_draft_tokens=last.num_draft_tokens, num_accepted_tokens=last.num_accepted_tokens,
+                                time_to_first_token_s=first, latency_s=time.perf_counter() - start)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        """Engine counters (SpecDecodeStats) and queue sizes as of the last step."""
+        return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None)
+
+    async def reset_stats(self) -> dict:
+        from rayspec.metrics import SpecDecodeStats
+
+        def reset(engine):
+            engine.stats = SpecDecodeStats()
+            return True
+
+        await asyncio.to_thread(self.loop.call, reset)
+        return self.get_stats()
+
+    def model_info(self) -> dict:
+        return {"model": self.cfg.model, "served_model_name": self.cfg.model_name,
+                "max_model_len": self.loop.snapshot["max_model_len"],
+                "method": self.cfg.speculative.method, "topology": self.cfg.topology}

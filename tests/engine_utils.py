@@ -1,0 +1,100 @@
+"""Helpers shared by the core engine tests (not a test module)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+from rayspec import loader
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.engine import LLMEngine, RequestOutput
+from rayspec.sampling import SamplingParams
+
+
+def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
+                max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
+                kv_cache_memory_gb: float = 2.0, **spec) -> LLMEngine:
+    """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory."""
+    config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          kv_cache_memory_gb=kv_cache_memory_gb,
+                          speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                                        adaptive=adaptive, **spec))
+    if loaded is None:
+        return LLMEngine(config, proposer=proposer)
+    return LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
+
+
+def run_to_completion(engine: LLMEngine, done: dict[str, RequestOutput] | None = None,
+                      max_steps: int = 10_000) -> dict[str, RequestOutput]:
+    done = {} if done is None else done
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done, "a request finished twice"
+                done[out.request_id] = out
+    raise AssertionError("engine did not finish")
+
+
+def run_alone(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
+    """Each prompt on its own (batch size 1), one after the other."""
+    return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+
+def run_batch(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(list(prompts), params)]
+
+
+def run_joining(engine: LLMEngine, prompts, params: SamplingParams, first: int = 2,
+                steps_before_join: int = 3) -> list[list[int]]:
+    """Start `first` requests, step a few times, then add the rest while those are mid-decode."""
+    ids = [engine.add_request(p, params) for p in prompts[:first]]
+    done: dict[str, RequestOutput] = {}
+    for _ in range(steps_before_join):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.num_running > 0, "the first requests finished before the others joined"
+    ids += [engine.add_request(p, params) for p in prompts[first:]]
+    run_to_completion(engine, done)
+    return [done[i].token_ids for i in ids]
+
+
+def tv_distance(p, q) -> float:
+    p = torch.as_tensor(p, dtype=torch.float64)
+    q = torch.as_tensor(q, dtype=torch.float64)
+    return 0.5 * float((p - q).abs().sum())
+
+
+def empirical(samples, vocab: int) -> torch.Tensor:
+    counts = torch.bincount(torch.as_tensor(samples, dtype=torch.long), minlength=vocab).double()
+    return counts / counts.sum()
+
+
+def tv_threshold(p, n: int, delta: float = 1e-4) -> float:
+    """A bound the TV distance of an n-sample empirical distribution exceeds with prob. < delta.
+
+    E[TV] <= 0.5 * sum_i sqrt(p_i (1 - p_i) / n) (Jensen), and TV changes by at most 1/n when
+    one sample changes, so McDiarmid adds sqrt(ln(1/delta) / (2n)).
+    """
+    p = torch.as_tensor(p, dtype=torch.float64)
+    mean = 0.5 * float((p * (1 - p) / n).sqrt().sum())
+    return mean + math.sqrt(math.log(1 / delta) / (2 * n))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_model(spec: str, num_layers: int | None = None):
+    """(model, tokenizer), loaded once per process and shared by every test module."""
+    return loader.load_model(spec, num_layers=num_layers)
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_reference(spec: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    """Target-only greedy output of one prompt run alone (cached across modules)."""
+    engine = make_engine(spec, "none", loaded=cached_model(spec))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return tuple(engine.generate([prompt], params)[0].token_ids)

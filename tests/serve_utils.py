@@ -1,0 +1,42 @@
+"""Helpers shared by the Ray Serve tests (tests/test_serve_*.py)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_args(model_dir, **overrides) -> dict:
+    """AppArgs for a fast CPU app on the tiny random model."""
+    args = {
+        "model": str(model_dir),
+        "served_model_name": "tiny",
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+        "engine": {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25, "num_threads": 1},
+        "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+        "verifier": {"ray_actor_options": {"num_cpus": 0.5}},
+        "proposer": {"ray_actor_options": {"num_cpus": 0.5}},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(args.get(key), dict):
+            args[key] = {**args[key], **value}
+        else:
+            args[key] = value
+    return args
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(interval)

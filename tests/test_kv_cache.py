@@ -1,0 +1,180 @@
+"""The slot KV cache: the model matches Hugging Face, rolling back rejected drafts leaves the
+cache as if they were never written, and slot compaction keeps every sequence intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import make_engine, run_alone, run_to_completion
+from rayspec import loader
+from rayspec.runner import CacheFullError, ModelRunner
+from rayspec.sampling import SamplingParams
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tokenizer = loader.load_model(str(tiny_model_dir))
+    return model, tokenizer
+
+
+def fresh_logits(model, tokens: list[int], n_last: int) -> torch.Tensor:
+    """Logits of the last n_last positions from a runner that only ever saw `tokens`."""
+    runner = ModelRunner(model, max_model_len=256, num_slots=1, slack=8)
+    runner.allocate("fresh")
+    return runner.forward(["fresh"], [tokens], last_only=False)[0, -n_last:]
+
+
+def test_model_matches_huggingface(tiny_model_dir, tiny):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokens = [5, 17, 300, 4000, 12, 9, 777, 48000, 3]
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    assert torch.allclose(fresh_logits(tiny[0], tokens, len(tokens)), expected, atol=ATOL)
+
+
+def test_incremental_equals_full_forward(tiny):
+    model = tiny[0]
+    tokens = [11, 22, 33, 44, 55, 66, 77, 88]
+    runner = ModelRunner(model, 256, 1, slack=8)
+    runner.allocate("s")
+    steps = [runner.forward(["s"], [tokens[:3]], last_only=True)[0]]
+    for t in tokens[3:]:
+        steps.append(runner.forward(["s"], [[t]], last_only=True)[0])
+    assert runner.cached_len("s") == len(tokens)
+    assert torch.allclose(torch.stack(steps), fresh_logits(model, tokens, len(tokens) - 2), atol=ATOL)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2])  # of 3 drafts written, keep this many
+def test_rollback_then_overwrite(tiny, keep):
+    """Write drafts, roll back with set_cached_len, write other tokens: same logits as a cache
+    that only ever saw the final tokens."""
+    model = tiny[0]
+    prompt, drafts, replacement = [7, 8, 9, 10, 11], [100, 200, 300], [41, 42, 43]
+    runner = ModelRunner(model, 256, num_slots=2, slack=8)
+    runner.allocate("s")
+    runner.forward(["s"], [prompt], last_only=True)
+    runner.forward(["s"], [drafts], last_only=False)
+    assert runner.cached_len("s") == len(prompt) + 3
+    runner.set_cached_len("s", len(prompt) + keep)
+    got = runner.forward(["s"], [replacement], last_only=False)[0]
+    final = prompt + drafts[:keep] + replacement
+    assert runner.cached_len("s") == len(final)
+    assert torch.allclose(got, fresh_logits(model, final, len(replacement)), atol=ATOL)
+
+
+def test_rollback_batched_rows_of_different_lengths(tiny):
+    """Two sequences in one batch, different draft lengths and different rollbacks."""
+    model = tiny[0]
+    runner = ModelRunner(model, 256, num_slots=3, slack=8)
+    prompts = {"a": [1, 2, 3, 4, 5, 6], "b": [9, 8, 7]}
+    for s in prompts:
+        runner.allocate(s)
+    runner.forward(list(prompts), list(prompts.values()), last_only=True)
+    runner.forward(["a", "b"], [[50, 51, 52, 53], [60]], last_only=False)  # b is padded
+    runner.set_cached_len("a", 6 + 1)  # a keeps one draft
+    runner.set_cached_len("b", 3)  # b keeps none
+    got = runner.forward(["a", "b"], [[70, 71], [80, 81, 82]], last_only=False)
+    a_final, b_final = prompts["a"] + [50, 70, 71], prompts["b"] + [80, 81, 82]
+    assert torch.allclose(got[0, :2], fresh_logits(model, a_final, 2), atol=ATOL)
+    assert torch.allclose(got[1, :3], fresh_logits(model, b_final, 3), atol=ATOL)
+
+
+@pytest.mark.parametrize("freed", ["a", "b", "c"])
+def test_slot_compaction_keeps_sequences(tiny, freed):
+    """Freeing a sequence moves the last slot into the hole; the others decode on unchanged."""
+    model = tiny[0]
+    runner = ModelRunner(model, 256, num_slots=3, slack=8)
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 13]}
+    for s in prompts:
+        runner.allocate(s)
+    runner.forward(list(prompts), list(prompts.values()), last_only=True)
+    runner.free(freed)
+    assert runner.num_free_slots == 1 and not runner.has(freed)
+    rest = [s for s in prompts if s != freed]
+    assert sorted(runner._slot_of[s] for s in rest) == [0, 1]  # packed
+    nxt = {s: [20 + i, 30 + i] for i, s in enumerate(rest)}
+    got = runner.forward(rest, [nxt[s] for s in rest], last_only=False)
+    for i, s in enumerate(rest):
+        assert torch.allclose(got[i], fresh_logits(model, prompts[s] + nxt[s], 2), atol=ATOL), s
+    # the hole is reusable, and a new sequence starts from an empty cache
+    runner.allocate("d")
+    got = runner.forward(["d"], [[3, 2, 1]], last_only=False)[0]
+    assert torch.allclose(got, fresh_logits(model, [3, 2, 1], 3), atol=ATOL)
+
+
+def test_cache_capacity_is_enforced(tiny):
+    runner = ModelRunner(tiny[0], max_model_len=8, num_slots=1, slack=2)
+    runner.allocate("s")
+    runner.forward(["s"], [list(range(1, 9))], last_only=True)
+    with pytest.raises(CacheFullError):
+        runner.forward(["s"], [[1, 2, 3]], last_only=True)
+    runner.allocate("s")  # allocating twice is a no-op
+    with pytest.raises(CacheFullError):
+        runner.allocate("t")
+
+
+@pytest.mark.parametrize("method,spec", [
+    ("ngram", dict(k=4, prompt_lookup_min=1)),
+    ("draft_model", dict(k=3)),  # an unrelated draft model: nearly every draft rejected
+])
+def test_engine_cache_after_rejections_equals_recomputation(tiny_model_dir, tiny_draft_dir, tiny, method, spec):
+    """Mid-generation, after drafts were rejected, the target cache of every running sequence
+    holds exactly its tokens: the next logits equal a fresh computation over them."""
+    spec = dict(spec)
+    if method == "draft_model":
+        spec["draft_model"] = str(tiny_draft_dir)
+    engine = make_engine(tiny_model_dir, method, loaded=tiny, **spec)
+    prompts = ["one two three one two three one two", "The cat sat on the mat. The cat", "x y z"]
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)) for p in prompts]
+    for _ in range(12):
+        engine.step()
+    assert engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens  # rejections happened
+    seqs = [engine._requests[i] for i in ids]
+    assert all(not s.finished for s in seqs)
+    for s in seqs:
+        assert engine.runner.cached_len(s.request_id) == len(s.token_ids) - 1
+    logits = engine.runner.forward(ids, [[s.token_ids[-1]] for s in seqs], last_only=True)
+    for i, s in enumerate(seqs):
+        assert torch.allclose(logits[i], fresh_logits(tiny[0], s.token_ids, 1)[0], atol=ATOL)
+        engine.runner.set_cached_len(s.request_id, len(s.token_ids) - 1)  # undo the probe
+    if method == "draft_model":  # the draft's own cache (rolled back implicitly) is right too
+        runner = engine.proposer.runner
+        for s in seqs:
+            fed = engine.proposer._fed[s.request_id]
+            assert runner.cached_len(s.request_id) == len(fed)
+            probe = runner.forward([s.request_id], [[5]], last_only=True)[0]
+            assert torch.allclose(probe, fresh_logits(runner.model, fed + [5], 1)[0], atol=ATOL)
+            runner.set_cached_len(s.request_id, len(fed))
+    run_to_completion(engine)
+
+
+@pytest.mark.parametrize("method,spec", [
+    ("none", {}),
+    ("ngram", dict(k=4, prompt_lookup_min=1)),
+    ("draft_model", dict(k=3, draft_num_layers=1)),
+])
+def test_engine_compaction_when_middle_sequence_leaves(tiny_model_dir, tiny, method, spec):
+    """The middle of three sequences finishes first (its slot is refilled by the last one);
+    the two others still decode exactly as when run alone."""
+    engine = make_engine(tiny_model_dir, method, loaded=tiny, **spec)
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = ["The cat sat on the mat. The cat", "a b c a b c a b", "one two three one two three"]
+    alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny), prompts, long)
+    ids = [engine.add_request(prompts[0], long),
+           engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
+           engine.add_request(prompts[2], long)]
+    engine.step()
+    assert [engine.runner._slot_of[i] for i in ids] == [0, 1, 2]
+    done: dict = {}
+    while ids[1] not in done:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not engine.runner.has(ids[1]) and engine.runner._slot_of[ids[2]] == 1  # compacted
+    run_to_completion(engine, done)
+    assert done[ids[0]].token_ids == alone[0]
+    assert done[ids[1]].token_ids == alone[1][:3]
+    assert done[ids[2]].token_ids == alone[2]

@@ -1,0 +1,169 @@
+"""Speculative sampling at temperature > 0 is lossless: emitted tokens follow the target's
+processed (temperature / top-k / top-p) distribution, whatever the proposer drafts.
+
+(a) the rejection rule alone (rayspec.rejection.verify_sampled) on hand-made distributions;
+(b) end to end through LLMEngine on a 16-token model, against exact marginals computed
+    from the target alone with Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import empirical, make_engine, tv_distance, tv_threshold
+from rayspec.rejection import verify_greedy, verify_sampled
+from rayspec.sampling import SamplingParams, logits_to_probs
+
+V = 7
+
+
+def _dist(*weights) -> torch.Tensor:
+    w = torch.tensor(weights, dtype=torch.float32)
+    return w / w.sum()
+
+
+P0 = _dist(0.30, 0.05, 0.20, 0.0, 0.15, 0.10, 0.20)
+P1 = _dist(0.05, 0.40, 0.0, 0.25, 0.10, 0.10, 0.10)
+P2 = _dist(0.14, 0.14, 0.14, 0.14, 0.14, 0.15, 0.15)
+Q0 = _dist(0.05, 0.40, 0.20, 0.10, 0.05, 0.0, 0.20)  # puts mass where P0 has none (token 3)
+Q1 = _dist(0.30, 0.10, 0.30, 0.0, 0.10, 0.10, 0.10)
+ONE_HOT_1 = _dist(0, 1, 0, 0, 0, 0, 0)
+
+# (id, target rows [k+1, V], draft rows [k, V] or None, fixed point-mass drafts)
+RULE_CASES = [
+    ("draft-probs", torch.stack([P0, P1, P2]), torch.stack([Q0, Q1]), None),
+    ("draft-equals-target", torch.stack([P0, P1, P2]), torch.stack([P0, P1]), None),
+    ("point-mass-likely", torch.stack([P0, P1, P2]), None, [0, 1]),
+    ("point-mass-impossible", torch.stack([P0, P1, P2]), None, [3, 2]),  # p(draft) = 0: always rejected
+    ("point-mass-certain", torch.stack([ONE_HOT_1, P1]), None, [1]),  # always accepted, then bonus ~ P1
+    ("no-draft", torch.stack([P0]), None, []),
+]
+
+
+@pytest.mark.parametrize("name,target,draft_probs,fixed", RULE_CASES, ids=[c[0] for c in RULE_CASES])
+def test_verify_sampled_first_token_follows_target(name, target, draft_probs, fixed):
+    trials = 20_000
+    gen = torch.Generator().manual_seed(1234)
+    k = target.shape[0] - 1
+    if draft_probs is not None:  # drafts really sampled from the draft distribution
+        all_drafts = torch.stack([torch.multinomial(draft_probs[j], trials, replacement=True, generator=gen)
+                                  for j in range(k)], dim=1).tolist()
+    firsts, seconds, accepted, lengths = [], [], 0, []
+    for t in range(trials):
+        drafts = all_drafts[t] if draft_probs is not None else fixed
+        out = verify_sampled(target, drafts, draft_probs, gen)
+        assert 1 <= len(out) <= k + 1 and out[:-1] == list(drafts[:len(out) - 1])
+        lengths.append(len(out))
+        firsts.append(out[0])
+        if k >= 1 and out[0] == drafts[0]:
+            accepted += 1
+            if len(out) > 1:
+                seconds.append(out[1])  # the target row 1 is conditioned on drafts[0]
+    emp = empirical(firsts, V)
+    assert tv_distance(emp, target[0]) < 0.02, (name, emp, target[0])
+    if k >= 1 and len(seconds) > 2000:
+        emp2 = empirical(seconds, V)
+        assert tv_distance(emp2, target[1]) < 0.035, (name, emp2, target[1])
+    if name == "draft-equals-target":
+        assert all(n == k + 1 for n in lengths)  # p == q: nothing is ever rejected
+    if name == "point-mass-impossible":
+        assert accepted == 0
+    if name == "point-mass-certain":
+        assert all(n == 2 for n in lengths)
+
+
+def test_verify_sampled_acceptance_rate_is_min_p_over_q():
+    """The acceptance probability of the first draft is sum_x min(p(x), q(x))."""
+    trials = 20_000
+    gen = torch.Generator().manual_seed(7)
+    target, draft = torch.stack([P0, P1]), Q0[None]
+    drafts = torch.multinomial(Q0, trials, replacement=True, generator=gen).tolist()
+    accepted = sum(len(verify_sampled(target, [d], draft, gen)) == 2 for d in drafts)
+    expected = float(torch.minimum(P0, Q0).sum())
+    assert abs(accepted / trials - expected) < 0.015
+
+
+@pytest.mark.parametrize("argmax,drafts,expected", [
+    ([[4, 5, 6]], [[4, 5]], [[4, 5, 6]]),  # all accepted + bonus
+    ([[4, 5, 6]], [[4, 9]], [[4, 5]]),  # second rejected: recovered = target argmax
+    ([[4, 5, 6]], [[9, 5]], [[4]]),  # first rejected
+    ([[4, 5, 6]], [[]], [[4]]),  # no drafts
+    ([[1, 2, 3], [7, 8, 9]], [[1, 2], [7]], [[1, 2, 3], [7, 8]]),  # rows of different draft lengths
+])
+def test_verify_greedy(argmax, drafts, expected):
+    assert verify_greedy(torch.tensor(argmax), drafts) == expected
+
+
+# ---- end to end on a 16-token model ------------------------------------------------------
+
+VOCAB = 16
+# every token appears, in a repeating pattern, so the n-gram proposer always finds a match
+PROMPT = [3, 7, 1, 12, 5, 9, 14, 0, 8, 11, 4, 13, 6, 10, 15, 2, 3, 7, 1, 12, 5, 9, 14, 0]
+TEMPERATURE, TOP_K, TOP_P = 0.9, 6, 0.9
+NUM_REQUESTS = 3000
+
+
+@pytest.fixture(scope="module")
+def v16_dirs(tmp_path_factory):
+    from conftest import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("v16")
+    target = make_tiny_model_dir(root / "target", seed=11, vocab_size=VOCAB, with_tokenizer=False)
+    draft = make_tiny_model_dir(root / "draft", seed=12, num_layers=1, vocab_size=VOCAB, with_tokenizer=False)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def exact_marginals(v16_dirs):
+    """Marginals of generated tokens 1..3 from the target alone (HF forward + the sampler's transform)."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(v16_dirs[0], dtype=torch.float32).eval()
+
+    def probs(contexts: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor(contexts)).logits[:, -1].float()
+        return logits_to_probs(logits, TEMPERATURE, TOP_K, TOP_P).double()
+
+    p1 = probs([PROMPT])[0]  # [V]
+    p2 = probs([PROMPT + [a] for a in range(VOCAB)])  # [V(t1), V]
+    p3 = probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
+    m2 = p1 @ p2
+    m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    return p1, m2, m3
+
+
+# (id, speculative config): both draft flavours, point masses (ngram) and sampled drafts with probs
+E2E_METHODS = [
+    ("none", dict(method="none")),
+    ("ngram", dict(method="ngram", k=3, prompt_lookup_min=1, prompt_lookup_max=3)),
+    ("draft_model", dict(method="draft_model", k=3)),
+]
+
+
+@pytest.mark.parametrize("name,spec", E2E_METHODS, ids=[m[0] for m in E2E_METHODS])
+def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, name, spec):
+    target_dir, draft_dir = v16_dirs
+    spec = dict(spec)
+    if spec["method"] == "draft_model":
+        spec["draft_model"] = str(draft_dir)
+    engine = make_engine(target_dir, max_model_len=40, max_num_seqs=64, **spec)
+    assert engine.tokenizer is None
+    # even seeds: the draft model's generator uses seed + 1, so no stream is shared between requests
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=5,
+                             ignore_eos=True, seed=2 * i) for i in range(NUM_REQUESTS)]
+    outs = engine.generate([PROMPT] * NUM_REQUESTS, params)
+    assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in outs)
+    for pos, exact in zip(range(3), exact_marginals):
+        emp = empirical([o.token_ids[pos] for o in outs], VOCAB)
+        tv, bound = tv_distance(emp, exact), tv_threshold(exact, NUM_REQUESTS)
+        assert tv < bound, f"{name}: token {pos + 1}: TV {tv:.4f} >= {bound:.4f}\n{emp}\n{exact}"
+    stats = engine.stats
+    if spec["method"] == "none":
+        assert stats.num_draft_tokens == 0
+    else:
+        # tokens 2 and 3 went through verification; both outcomes happened many times
+        assert stats.num_drafts >= NUM_REQUESTS
+        assert 0.05 * stats.num_draft_tokens < stats.num_accepted_tokens < 0.95 * stats.num_draft_tokens, \
+            stats.as_dict()

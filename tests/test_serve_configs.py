@@ -1,0 +1,126 @@
+"""Every serve config in configs/ validates with AppArgs; option computation; the default one served (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+from pydantic import ValidationError  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from deployments.config import AppArgs  # noqa: E402
+from rayspec.proposers import PROPOSERS  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SERVE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "cluster.yaml")
+NEEDS = {"llama3_eagle3.yaml": "eagle3"}  # config -> speculative method not registered yet
+
+
+def app_args(path: Path) -> dict:
+    doc = yaml.safe_load(path.read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    assert app["name"] == "rayspec" and app["route_prefix"] == "/"
+    return app["args"]
+
+
+def test_expected_configs_exist():
+    names = {p.name for p in CONFIGS.glob("*.yaml")}
+    assert {"default.yaml", "baseline.yaml", "draft_model.yaml", "disaggregated.yaml", "fractional_gpu.yaml",
+            "autoscaling.yaml", "llama3_eagle3.yaml", "cluster.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_config_validates_and_builds(path):
+    method = NEEDS.get(path.name)
+    if method is not None and method not in PROPOSERS:
+        with pytest.raises(ValidationError, match="unknown speculative method"):
+            AppArgs.model_validate(app_args(path))
+        pytest.skip(f"{path.name} needs speculative method {method!r} (the EAGLE issue): not registered yet")
+    cfg = AppArgs.model_validate(app_args(path))
+    cfg.engine_config()
+    for opts in (cfg.ingress_options(), cfg.verifier_options(), cfg.proposer_options()):
+        assert opts["max_ongoing_requests"] >= 1 and "num_cpus" in opts["ray_actor_options"]
+    build_app(app_args(path))  # binds the graph (no cluster needed)
+
+
+def test_placement_options_from_configs():
+    frac = AppArgs.model_validate(app_args(CONFIGS / "fractional_gpu.yaml"))
+    assert frac.topology == "disaggregated"
+    assert frac.proposer_options()["ray_actor_options"]["num_gpus"] == 0.25
+    assert frac.verifier_options()["ray_actor_options"]["num_gpus"] == 0.75
+    dis = AppArgs.model_validate(app_args(CONFIGS / "disaggregated.yaml"))
+    assert dis.proposer_options()["ray_actor_options"]["num_gpus"] == 1
+    assert dis.verifier_options()["ray_actor_options"]["num_gpus"] == 1
+    auto = AppArgs.model_validate(app_args(CONFIGS / "autoscaling.yaml"))
+    opts = auto.verifier_options()
+    assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 2
+    assert auto.proposer_num_slots() == 2 * auto.engine.max_num_seqs
+    draft = AppArgs.model_validate(app_args(CONFIGS / "draft_model.yaml"))
+    assert draft.speculative.draft_num_layers == 8 and draft.topology == "colocated"
+
+
+def test_cluster_config():
+    doc = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
+    types = doc["available_node_types"]
+    head = types[doc["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    assert any(t["resources"].get("GPU", 0) >= 1 for t in types.values())
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"topology": "disaggregated", "speculative": {"method": "none"}}, "disaggregated"),
+    ({"speculative": {"method": "medusa"}}, "unknown speculative method"),
+    ({"speculative": {"num_speculative_tokens": -1}}, "num_speculative_tokens"),
+    ({"topology": "sideways"}, "topology"),
+    ({"verifier": {"num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}}, "not both"),
+    ({"verifier": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas"),
+    ({"engine": {"max_num_seqs": 0}}, "max_num_seqs"),
+    ({"engine": {"kv_cache_gb": 1}}, "kv_cache_gb"),
+    ({"proposer": {"ray_actor_options": {"num_gpus": -1}}}, "num_gpus"),
+])
+def test_invalid_args(args, match):
+    with pytest.raises(ValidationError, match=match):
+        AppArgs.model_validate(args)
+
+
+def test_defaults_and_overrides():
+    cfg = AppArgs.model_validate({"verifier": {"ray_actor_options": {"num_gpus": 0.5, "resources": {"x": 1}}}})
+    assert cfg.model_name == cfg.model and cfg.topology == "colocated"
+    opts = cfg.verifier_options()
+    assert opts["num_replicas"] == 1
+    assert opts["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0.5, "resources": {"x": 1}}
+    assert opts["max_ongoing_requests"] == 4 * cfg.engine.max_num_seqs
+
+
+@pytest.mark.slow
+def test_default_config_served(smollm2):
+    """configs/default.yaml as written (real SmolLM2-135M on CPU), over HTTP with the openai client."""
+    import openai
+    import ray
+    from ray import serve
+    from serve_utils import free_port
+
+    doc = yaml.safe_load((CONFIGS / "default.yaml").read_text())
+    args = doc["applications"][0]["args"]
+    args["engine"]["num_threads"] = 2
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name="rayspec", route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        resp = client.chat.completions.create(
+            model=args["served_model_name"], temperature=0, max_tokens=24,
+            messages=[{"role": "user", "content": "List the numbers from 1 to 10, separated by commas."}])
+        assert resp.choices[0].message.content.strip()
+        assert resp.usage.completion_tokens > 0
+        stats = serve.get_app_handle("rayspec").stats.remote().result()
+        assert stats["method"] == "ngram" and stats["num_draft_tokens"] > 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,240 @@
+"""The OpenAI HTTP API and the Python handle API on a real local Ray cluster (tiny random model)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from serve_utils import free_port, tiny_args, wait_for  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from deployments.protocol import GenerateRequest  # noqa: E402
+from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from rayspec.engine import LLMEngine  # noqa: E402
+from rayspec.sampling import SamplingParams  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    metrics_port = free_port()
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = tiny_args(tiny_model_dir)
+    serve.run(build_app(args), name="rayspec", route_prefix="/")
+    yield {"url": f"http://127.0.0.1:{port}", "args": args, "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def local_engine(tiny_model_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4,
+                                  kv_cache_memory_gb=0.25,
+                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+
+
+def verifier_stats():
+    return serve.get_deployment_handle("Verifier", app_name="rayspec").get_stats.remote().result()
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_greedy_matches_engine(client, local_engine):
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    ref = local_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert resp.choices[0].text == ref.text
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    u = resp.usage
+    assert u.prompt_tokens == ref.num_prompt_tokens and u.completion_tokens == ref.num_output_tokens
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    details = u.completion_tokens_details
+    assert details.accepted_prediction_tokens >= 0 and details.rejected_prediction_tokens >= 0
+
+
+def test_completion_token_ids_and_length(client, local_engine):
+    ids = local_engine.encode(PROMPT)
+    resp = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 5
+    ref = local_engine.generate([ids], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert resp.choices[0].text == ref.text
+
+
+def test_chat_greedy_matches_engine(client, local_engine):
+    messages = [{"role": "user", "content": "Say hello hello hello"}]
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    ref = local_engine.generate([local_engine.encode_chat(messages)], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == ref.text
+    assert resp.usage.prompt_tokens == ref.num_prompt_tokens
+
+
+def test_streaming_completion_and_chat(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+    messages = [{"role": "user", "content": "count: one two three"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_sse_wire_format(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_sampled_request_runs(client):
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.8, top_p=0.9,
+                                     seed=3, extra_body={"top_k": 20, "num_speculative_tokens": 2})
+    assert resp.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 10**9]}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi " * 2000}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi " * 2000, "stream": True}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5000}, 400, None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+])
+def test_errors_are_openai_json(server, path, body, status, param):
+    r = httpx.post(server["url"] + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert param in (err["param"] or "")
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server["url"] + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
+
+
+def test_disconnect_aborts_and_frees_slot(server):
+    before = verifier_stats()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0.9, "ignore_eos": True,
+            "stream": True, "num_speculative_tokens": 0}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # the response is closed after a few chunks: the verifier must abort the request
+    stats = wait_for(lambda: (s := verifier_stats())["num_aborted"] > before["num_aborted"] and s, timeout=30)
+    wait_for(lambda: verifier_stats()["num_running"] == 0, timeout=30)
+    assert stats["num_finished"] == before["num_finished"] or stats["num_aborted"] > before["num_aborted"]
+
+
+def test_python_handle_api(server):
+    handle = serve.get_app_handle("rayspec")
+    req = GenerateRequest(prompt=PROMPT, max_tokens=12, temperature=0)
+    resp = handle.generate.remote(req).result()
+    streamed = list(handle.options(stream=True).generate_stream.remote(req))
+    assert "".join(c.delta_text for c in streamed) == resp.text
+    assert sum(len(c.delta_token_ids) for c in streamed) == resp.num_output_tokens
+    assert streamed[-1].finished
+
+
+def test_handle_from_second_app(server):
+    from deployments.handle_example import HandleClient
+
+    client_handle = serve.run(HandleClient.options(ray_actor_options={"num_cpus": 0}).bind("rayspec"),
+                              name="client", route_prefix="/client")
+    req = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+    direct = serve.get_app_handle("rayspec").generate.remote(GenerateRequest(**req)).result()
+    assert client_handle.complete.remote(req).result()["text"] == direct.text
+    assert client_handle.complete_streamed.remote(req).result()["text"] == direct.text
+    r = httpx.post(server["url"] + "/client", json=req, timeout=60)
+    assert r.status_code == 200 and r.json()["text"] == direct.text
+    serve.delete("client")
+
+
+def test_engine_stats(server):
+    stats = httpx.get(server["url"] + "/v1/stats", timeout=30).json()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+                "acceptance_rate", "num_running", "num_waiting", "num_slots"):
+        assert key in stats
+    assert stats["method"] == "ngram" and stats["num_draft_tokens"] > 0
+
+
+def _metric_values(text: str, name: str) -> list[tuple[str, float]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            labels, value = line.rsplit(" ", 1)
+            out.append((labels, float(value)))
+    return out
+
+
+def test_prometheus_metrics(server, client):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+
+    def scrape():
+        try:
+            text = httpx.get(server["metrics_url"], timeout=10).text
+        except httpx.HTTPError:
+            return None
+        names = ["ray_spec_decode_num_drafts", "ray_spec_decode_num_draft_tokens",
+                 "ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_accepted_tokens_per_pos",
+                 "ray_time_to_first_token_seconds_bucket", "ray_time_per_output_token_seconds_bucket",
+                 "ray_num_requests_running", "ray_num_requests_waiting"]
+        return text if all(_metric_values(text, n) for n in names) else None
+
+    text = wait_for(scrape, timeout=60, interval=1.0)
+    assert sum(v for _, v in _metric_values(text, "ray_spec_decode_num_draft_tokens")) > 0
+    assert any('position="0"' in labels for labels, _ in _metric_values(text, "ray_spec_decode_num_accepted_tokens_per_pos"))
+    assert all('model_name="tiny"' in labels for labels, _ in _metric_values(text, "ray_num_requests_running"))
