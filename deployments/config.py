@@ -162,6 +162,20 @@ class AppArgs(_Strict):
         return self.engine.max_num_seqs * self.verifier.max_replicas
 
 
+def replica_device(configured: str | None) -> str:
+    """The device a replica uses: the configured one, else CUDA only when Ray assigned this replica a GPU."""
+    if configured:
+        return configured
+    import ray
+    import torch
+
+    try:
+        has_gpu = bool(ray.get_gpu_ids())
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        has_gpu = True
+    return "cuda" if has_gpu and torch.cuda.is_available() else "cpu"
+
+
 def load_app_args(args: dict | AppArgs | None) -> AppArgs:
     if isinstance(args, AppArgs):
         return args

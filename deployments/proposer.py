@@ -13,9 +13,9 @@ import threading
 import torch
 from ray import serve
 
-from deployments.config import load_app_args
+from deployments.config import load_app_args, replica_device
 from rayspec.config import ProposerContext
-from rayspec.loader import default_device, parse_dtype
+from rayspec.loader import parse_dtype
 from rayspec.proposers import Draft, ProposeRequest, build_proposer
 
 
@@ -23,7 +23,7 @@ def make_proposer(args):
     cfg = load_app_args(args)
     if cfg.engine.num_threads:
         torch.set_num_threads(cfg.engine.num_threads)
-    device = torch.device(cfg.engine.device) if cfg.engine.device else default_device()
+    device = torch.device(replica_device(cfg.engine.device))
     context = ProposerContext(cfg.model, cfg.engine.max_model_len, cfg.proposer_num_slots(), device,
                               parse_dtype(cfg.engine.dtype, device))
     return build_proposer(cfg.speculative.to_config(), context), device

@@ -18,7 +18,7 @@ from ray import serve
 
 logger = logging.getLogger("ray.serve")
 
-from deployments.config import load_app_args
+from deployments.config import load_app_args, replica_device
 from deployments.engine_loop import EngineLoop
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from rayspec.engine import LLMEngine, RequestOutput
@@ -37,15 +37,13 @@ class Verifier:
         cfg = load_app_args(args)
         self.cfg = cfg
         engine_config = cfg.engine_config()
+        engine_config.device = replica_device(cfg.engine.device)
 
         def factory() -> LLMEngine:
             proposer = None
             if proposer_handle is not None:
                 from deployments.remote_proposer import RemoteProposer
-                from rayspec.loader import default_device
-
-                device = engine_config.device or default_device()
-                proposer = RemoteProposer(proposer_handle, device=device)
+                proposer = RemoteProposer(proposer_handle, device=engine_config.device)
             return LLMEngine(engine_config, proposer=proposer)
 
         try:

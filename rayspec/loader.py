@@ -80,9 +80,13 @@ def _snapshot(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:  # honours HF_HUB_OFFLINE and falls back to the local cache
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; read it now so that setting it
+    # later (in a running server, a test) still keeps the hub from being contacted
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    try:  # falls back to the local cache when the hub cannot be reached
         return Path(snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
+            local_files_only=offline))
     except LocalEntryNotFoundError as err:
         raise ModelNotFoundError(
             f"{repo_id} is not in the Hugging Face cache and the hub cannot be reached: {err}") from err

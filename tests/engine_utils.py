@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -12,6 +13,10 @@ from rayspec import loader
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine, RequestOutput
 from rayspec.sampling import SamplingParams
+
+# One intra-op thread: these models are small, and on a 2-core machine that also runs other
+# work, two spinning OpenMP threads make each step 3-30x slower (measured), one never does.
+torch.set_num_threads(int(os.environ.get("RAYSPEC_TEST_THREADS", "1")))
 
 
 def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,

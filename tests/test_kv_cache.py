@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import make_engine, run_alone, run_to_completion
-from rayspec import loader
+from engine_utils import cached_model, make_engine, run_alone, run_to_completion
 from rayspec.runner import CacheFullError, ModelRunner
 from rayspec.sampling import SamplingParams
 
@@ -16,8 +15,7 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    model, tokenizer = loader.load_model(str(tiny_model_dir))
-    return model, tokenizer
+    return cached_model(str(tiny_model_dir))
 
 
 def fresh_logits(model, tokens: list[int], n_last: int) -> torch.Tensor:

@@ -62,9 +62,9 @@ def test_verify_sampled_first_token_follows_target(name, target, draft_probs, fi
                 seconds.append(out[1])  # the target row 1 is conditioned on drafts[0]
     emp = empirical(firsts, V)
     assert tv_distance(emp, target[0]) < 0.02, (name, emp, target[0])
-    if k >= 1 and len(seconds) > 2000:
+    if k >= 1 and len(seconds) > 2000:  # enough accepted first drafts to look at the next token
         emp2 = empirical(seconds, V)
-        assert tv_distance(emp2, target[1]) < 0.035, (name, emp2, target[1])
+        assert tv_distance(emp2, target[1]) < tv_threshold(target[1], len(seconds)), (name, emp2, target[1])
     if name == "draft-equals-target":
         assert all(n == k + 1 for n in lengths)  # p == q: nothing is ever rejected
     if name == "point-mass-impossible":

@@ -1,0 +1,151 @@
+"""Engine limits: request validation, a KV budget smaller than the load, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import cached_model, make_engine, run_alone, run_to_completion
+from rayspec.engine import InvalidRequestError
+from rayspec.model import KVCache
+from rayspec.sampling import SamplingParams
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return cached_model(str(tiny_model_dir))
+
+
+@pytest.fixture
+def engine(tiny_model_dir, tiny):
+    return make_engine(tiny_model_dir, "ngram", loaded=tiny, max_model_len=MAX_LEN)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    (list(range(3, 3 + MAX_LEN + 10)), SamplingParams(max_tokens=1), "max_model_len|at most"),  # longer
+    (list(range(3, 3 + MAX_LEN)), SamplingParams(max_tokens=1), "at most 64"),  # no room for one token
+    (list(range(3, 3 + MAX_LEN - 10)), SamplingParams(max_tokens=11), "exceeds max_model_len"),
+    ([], SamplingParams(), "empty"),
+    ([5, 10**6], SamplingParams(), r"token ids must be in \[0, 49152\)"),
+    ([5, -1], SamplingParams(), "token ids"),
+])
+def test_invalid_requests_raise(engine, prompt, params, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_prompt_that_fits_exactly(engine):
+    prompt = list(range(3, 3 + MAX_LEN - 10))
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    # max_tokens=None: up to max_model_len
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert len(prompt) + len(out.token_ids) == MAX_LEN and out.finish_reason == "length"
+
+
+def test_long_text_prompt_raises(engine):
+    with pytest.raises(InvalidRequestError, match="max_model_len|at most"):
+        engine.add_request("word " * 200, SamplingParams())
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("hello", SamplingParams(max_tokens=2), request_id="x")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("hello", SamplingParams(max_tokens=2), request_id="x")
+    run_to_completion(engine)
+    engine.add_request("hello", SamplingParams(max_tokens=2), request_id="x")  # free again once finished
+
+
+def test_without_tokenizer(tmp_path):
+    from conftest import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "m", vocab_size=32, with_tokenizer=False)
+    engine = make_engine(path, "ngram", max_model_len=MAX_LEN)
+    assert engine.tokenizer is None
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        engine.add_request("text needs a tokenizer")
+    with pytest.raises(InvalidRequestError, match="stop strings"):
+        engine.add_request([1, 2, 3], SamplingParams(stop=["x"]))
+    (out,) = engine.generate([[4, 5, 6, 4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out.token_ids) == 6 and out.text == ""
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(max_tokens=0), dict(num_speculative_tokens=-1), dict(stop=[""])])
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def _two_slot_budget_gb(tiny, max_len: int, k: int, draft: bool = False) -> float:
+    per_slot = KVCache.bytes_per_token(tiny[0].args, tiny[0].lm_head.weight.dtype) * (max_len + k + 1)
+    return 2.5 * per_slot * (2 if draft else 1) / 2**30
+
+
+@pytest.mark.parametrize("method,spec", [("none", {}), ("ngram", dict(prompt_lookup_min=1)),
+                                         ("draft_model", dict(draft_num_layers=1))])
+def test_kv_budget_of_two_slots_serves_five_requests(tiny_model_dir, tiny, method, spec):
+    k = 3
+    budget = _two_slot_budget_gb(tiny, MAX_LEN, k, draft=method == "draft_model")
+    engine = make_engine(tiny_model_dir, method, k=k, loaded=tiny, max_model_len=MAX_LEN,
+                         kv_cache_memory_gb=budget, **spec)
+    assert engine.num_slots == 2
+    prompts = ["The cat sat on the mat.", "a b c a b c", "Hello", "one two one two", "x"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done, most_running = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        most_running = max(most_running, engine.num_running)
+        assert engine.num_running + engine.num_waiting + len(done) == len(prompts)
+        assert engine.num_running <= 2
+    assert most_running == 2
+    alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), prompts, params)
+    assert [done[i].token_ids for i in ids] == alone
+
+
+def test_kv_budget_too_small_for_one_sequence(tiny_model_dir, tiny):
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        make_engine(tiny_model_dir, loaded=tiny, max_model_len=MAX_LEN, kv_cache_memory_gb=1e-9)
+
+
+@pytest.mark.parametrize("method,spec", [("ngram", dict(prompt_lookup_min=1)), ("draft_model", dict(draft_num_layers=1))])
+def test_abort_frees_the_slot(tiny_model_dir, tiny, method, spec):
+    k = 3
+    budget = _two_slot_budget_gb(tiny, MAX_LEN, k, draft=method == "draft_model")
+    engine = make_engine(tiny_model_dir, method, k=k, loaded=tiny, max_model_len=MAX_LEN,
+                         kv_cache_memory_gb=budget, **spec)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["a b c a b c", "The cat sat on the mat.", "Hello there"]
+    a, b, c = (engine.add_request(p, params) for p in prompts)
+    engine.step()
+    engine.step()
+    assert (engine.num_running, engine.num_waiting, engine.runner.num_free_slots) == (2, 1, 0)
+    assert engine.abort_request(a)
+    assert (engine.num_running, engine.runner.num_free_slots) == (1, 1)
+    assert not engine.runner.has(a)
+    if method == "draft_model":
+        assert not engine.proposer.runner.has(a)
+    assert not engine.abort_request(a)  # unknown now
+    assert not engine.abort_request("never-added")
+    outs = engine.step()  # c is admitted into the freed slot
+    assert engine.runner.has(c) and engine.num_waiting == 0
+    assert a not in {o.request_id for o in outs}
+    done = run_to_completion(engine, {o.request_id: o for o in outs if o.finished})
+    assert set(done) == {b, c}
+    alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), prompts, params)
+    assert done[b].token_ids == alone[1] and done[c].token_ids == alone[2]
+    assert engine.runner.num_free_slots == 2
+
+
+def test_abort_waiting_request(engine):
+    ids = [engine.add_request("hello", SamplingParams(max_tokens=4)) for _ in range(3)]
+    assert engine.num_waiting == 3
+    assert engine.abort_request(ids[1])
+    assert engine.num_waiting == 2
+    done = run_to_completion(engine)
+    assert set(done) == {ids[0], ids[2]}
