@@ -1,4 +1,4 @@
-"""The `rayspec` command: fetch-model, generate, bench offline."""
+"""The `rayspec` command: fetch-model, generate, bench offline, bench serve."""
 
 from __future__ import annotations
 
@@ -68,6 +68,32 @@ def cmd_bench_offline(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    from rayspec.bench.serve import format_result, parse_concurrency, run_serve_benchmark, write_plot
+
+    try:
+        concurrency = parse_concurrency(args.concurrency)
+    except ValueError as err:
+        print(f"rayspec bench serve: {err}", file=sys.stderr)
+        return 2
+    if args.label and len(args.label) != len(args.endpoint):
+        print(f"rayspec bench serve: {len(args.label)} --label for {len(args.endpoint)} --endpoint", file=sys.stderr)
+        return 2
+    result = run_serve_benchmark(
+        endpoints=args.endpoint, labels=args.label, model=args.model, prompts_file=args.prompts,
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, concurrency=concurrency,
+        temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup, timeout=args.timeout,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_result(result))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        write_plot(result, args.plot)
+    failed = sum(r["num_errors"] for r in result["results"])
+    return 1 if failed and not any(r["num_completed"] for r in result["results"]) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayspec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_offline)
+
+    p = bench.add_parser("serve", help="streaming chat requests against running OpenAI-compatible endpoints")
+    p.add_argument("--endpoint", action="append", required=True,
+                   help="base URL, e.g. http://localhost:8000 (repeat to compare endpoints side by side)")
+    p.add_argument("--label", action="append", default=None, help="name for each --endpoint, in order (repeat)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="served model name")
+    p.add_argument("--prompts", required=True, help="Spec-Bench JSONL file (turns[0] is the user message)")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated sweep of requests in flight")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="ask the server to always decode max-tokens")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up requests per endpoint before the sweep")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG: output tok/s and mean TPOT vs concurrency")
+    p.set_defaults(func=cmd_bench_serve)
     return parser
 
 

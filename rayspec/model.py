@@ -95,10 +95,10 @@ class Linear(nn.Linear):
     Why: on CPU, MKL runs x @ W^T with 1-4 rows (decode, short verification) well below
     memory bandwidth, while W @ x^T streams W at full speed (measured on 2 cores: 2 rows
     through a 1536x576 weight 23 -> 9 ms per 60 weights). Above a few rows the two are
-    even or plain linear wins. A single row is doubled: the one-column product is slow too.
+    even or plain linear wins (measured crossover around 8-12 rows). A single row is doubled: the one-column product is slow too.
     """
 
-    FEW_ROWS = 4
+    FEW_ROWS = 8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [N, in]

@@ -113,7 +113,8 @@ def test_kv_budget_too_small_for_one_sequence(tiny_model_dir, tiny):
         make_engine(tiny_model_dir, loaded=tiny, max_model_len=MAX_LEN, kv_cache_memory_gb=1e-9)
 
 
-@pytest.mark.parametrize("method,spec", [("ngram", dict(prompt_lookup_min=1)), ("draft_model", dict(draft_num_layers=1))])
+@pytest.mark.parametrize("method,spec", [("ngram", dict(prompt_lookup_min=1)),
+                                         ("draft_model", dict(draft_num_layers=1))])
 def test_abort_frees_the_slot(tiny_model_dir, tiny, method, spec):
     k = 3
     budget = _two_slot_budget_gb(tiny, MAX_LEN, k, draft=method == "draft_model")
@@ -149,3 +150,26 @@ def test_abort_waiting_request(engine):
     assert engine.num_waiting == 2
     done = run_to_completion(engine)
     assert set(done) == {ids[0], ids[2]}
+
+
+@pytest.mark.parametrize("method,spec", [("ngram", dict(prompt_lookup_min=1)),
+                                         ("draft_model", dict(draft_num_layers=1)),
+                                         ("draft_model", dict())])
+def test_long_prompt_joins_next_to_a_sequence_near_the_end(tiny_model_dir, tiny_draft_dir, tiny, method, spec):
+    """A long prompt joining while another sequence is deep in its context: batched catch-up
+    (the draft model pads every row to the longest) must stay inside each row's cache."""
+    spec = dict(spec)
+    if method == "draft_model" and "draft_num_layers" not in spec:
+        spec["draft_model"] = str(tiny_draft_dir)
+    engine = make_engine(tiny_model_dir, method, k=3, loaded=tiny, max_model_len=MAX_LEN, **spec)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # up to max_model_len
+    first = list(range(100, 110))
+    joiner = list(range(200, 200 + MAX_LEN - 12))
+    a = engine.add_request(first, params)
+    while len(engine._requests[a].token_ids) < MAX_LEN - 8:
+        engine.step()
+    b = engine.add_request(joiner, params)
+    done = run_to_completion(engine)
+    assert len(done[a].token_ids) == MAX_LEN - len(first) and len(done[b].token_ids) == 12
+    alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), [first, joiner], params)
+    assert [done[a].token_ids, done[b].token_ids] == alone

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from engine_utils import cached_model, greedy_reference, make_engine, run_to_completion
+from engine_utils import cached_model, greedy_reference, make_engine
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.sampling import SamplingParams
 from rayspec.sequence import IncrementalDetokenizer
@@ -208,27 +208,28 @@ def test_streamed_text_of_random_tokens(tiny_model_dir, tiny):
 # ---- the same on SmolLM2, where n-gram drafts are accepted several tokens at a time ----------
 
 SMOL_PROMPT = "List the colors: red, green, blue, red, green, blue, red, green,"
+SMOL_N = 32  # as in test_greedy_equivalence, so the cached reference is shared
 
 
 @pytest.mark.slow
 def test_smollm2_stops_inside_accepted_drafts(smollm2):
     model, tok = cached_model(smollm2)
-    ref = list(greedy_reference(smollm2, SMOL_PROMPT, N))
+    ref = list(greedy_reference(smollm2, SMOL_PROMPT, SMOL_N))
     ref_text = tok.decode(ref, skip_special_tokens=True)
     stop = "green, blue"
     assert stop in ref_text
-    j = next(i for i in range(4, N) if ref[i] not in ref[:i])
+    j = next(i for i in range(4, SMOL_N) if ref[i] not in ref[:i])
     engine = make_engine(smollm2, "ngram", k=4, loaded=(model, tok))
-    params = [SamplingParams(temperature=0, max_tokens=N, stop=[stop]),
-              SamplingParams(temperature=0, max_tokens=N, stop_token_ids=[ref[j]]),
+    params = [SamplingParams(temperature=0, max_tokens=SMOL_N, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=SMOL_N, stop_token_ids=[ref[j]]),
               SamplingParams(temperature=0, max_tokens=13),
-              SamplingParams(temperature=0, max_tokens=N)]
+              SamplingParams(temperature=0, max_tokens=SMOL_N)]
     by_stop, by_token, by_length, full = engine.generate([SMOL_PROMPT] * 4, params)
     assert full.token_ids == ref and full.text == ref_text
     assert by_stop.finish_reason == "stop" and by_stop.text == ref_text[:ref_text.find(stop)]
     assert ref[:len(by_stop.token_ids)] == by_stop.token_ids
     assert by_token.finish_reason == "stop" and by_token.token_ids == ref[:j + 1]
     assert by_length.finish_reason == "length" and by_length.token_ids == ref[:13]
-    # drafts were accepted several at a time, so the stops fell inside multi-token steps
-    assert full.num_steps < N - 4 and by_length.num_steps < 12
+    # drafts were accepted several at a time: stop conditions were checked inside multi-token steps
+    assert full.num_steps < SMOL_N - 4 and by_length.num_steps < 12
     assert engine.stats.mean_acceptance_length > 2

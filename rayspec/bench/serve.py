@@ -1,0 +1,310 @@
+"""`rayspec bench serve`: a serving benchmark against running OpenAI-compatible endpoints.
+
+Each prompt (Spec-Bench JSONL, `turns[0]` as the user message) is sent as a streaming chat
+completion. For every endpoint and every concurrency level of the sweep, exactly `concurrency`
+requests are kept in flight until all prompts are done. Endpoints are interleaved per level
+(A@1, B@1, A@2, B@2, ...) so that machine noise hits them alike.
+
+Per endpoint per level: TTFT, TPOT (time per output token after the first), ITL (gaps between
+streamed content chunks) and end-to-end latency (mean/p50/p90/p99, in ms), output tokens/s,
+requests/s, errors, and the draft acceptance rate, both from the responses' usage
+(`completion_tokens_details.accepted/rejected_prediction_tokens`) and, where the endpoint offers
+`GET /v1/stats` (the rayspec ingress does), from the engine counters' deltas over the level
+(acceptance rate and mean acceptance length = 1 + accepted / num_drafts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from rayspec.bench.prompts import load_prompts
+
+STATS_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None  # seconds to the first content chunk
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)  # gaps between content chunks
+    completion_tokens: int = 0
+    accepted: int | None = None
+    rejected: int | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+def base_url(endpoint: str) -> str:
+    url = endpoint.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """mean / p50 / p90 / p99 of `values` (seconds) in ms; None where there are no values."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    arr = np.asarray(values, dtype=np.float64) * scale
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                       temperature: float, ignore_eos: bool = False) -> RequestResult:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    res = RequestResult()
+    num_chunks = 0
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {text[:200]}"
+                res.e2e = time.perf_counter() - start
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:  # in-band error after the status line
+                    err = chunk["error"]
+                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+                    res.e2e = now - start
+                    return res
+                usage = chunk.get("usage")
+                if usage:
+                    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("completion_tokens_details") or {}
+                    if details.get("accepted_prediction_tokens") is not None:
+                        res.accepted = int(details["accepted_prediction_tokens"])
+                        res.rejected = int(details.get("rejected_prediction_tokens") or 0)
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if delta.get("content"):
+                        num_chunks += 1
+                        if res.ttft is None:
+                            res.ttft = now - start
+                        else:
+                            res.itls.append(now - last)
+                        last = now
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as err:
+        res.error = f"{type(err).__name__}: {err}"
+        res.e2e = time.perf_counter() - start
+        return res
+    res.e2e = time.perf_counter() - start
+    if not res.completion_tokens:  # server sent no usage: fall back to content chunks
+        res.completion_tokens = num_chunks
+    res.ok = True
+    return res
+
+
+async def fetch_stats(client: httpx.AsyncClient, url: str) -> dict | None:
+    try:
+        r = await client.get(url + "/v1/stats", timeout=30)
+        if r.status_code != 200:
+            return None
+        stats = r.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(stats, dict) or not all(k in stats for k in STATS_KEYS):
+        return None
+    return stats
+
+
+def stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    d = {k: int(after[k]) - int(before[k]) for k in STATS_KEYS}
+    drafted, accepted, drafts = d["num_draft_tokens"], d["num_accepted_tokens"], d["num_drafts"]
+    d["acceptance_rate"] = accepted / drafted if drafted > 0 else None
+    d["mean_acceptance_length"] = 1 + accepted / drafts if drafts > 0 else None
+    d["method"] = after.get("method")
+    return d
+
+
+async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: list[str], concurrency: int,
+                    max_tokens: int, temperature: float, ignore_eos: bool = False) -> dict:
+    """Send all prompts keeping exactly `concurrency` requests in flight; return the level's metrics."""
+    stats_before = await fetch_stats(client, url)
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[RequestResult] = []
+
+    async def worker():
+        while True:
+            try:
+                prompt = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results.append(await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    duration = time.perf_counter() - start
+    stats_after = await fetch_stats(client, url) if stats_before is not None else None
+
+    ok = [r for r in results if r.ok]
+    errors = [r.error for r in results if not r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    with_acc = [r for r in ok if r.accepted is not None]
+    acc = sum(r.accepted for r in with_acc)
+    rej = sum(r.rejected for r in with_acc)
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_errors": len(errors),
+        "errors": sorted(set(errors))[:5],
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "output_throughput": tokens / duration if duration > 0 else 0.0,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": summarize([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": summarize([g for r in ok for g in r.itls]),
+        "e2e_ms": summarize([r.e2e for r in ok]),
+        "usage_acceptance": {"accepted_tokens": acc, "rejected_tokens": rej,
+                             "acceptance_rate": acc / (acc + rej) if acc + rej > 0 else None}
+        if with_acc else None,
+        "server_stats": stats_delta(stats_before, stats_after),
+    }
+
+
+async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], model: str, prompts: list[str],
+                                    concurrencies: list[int], max_tokens: int, temperature: float,
+                                    ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0,
+                                    log=print) -> dict:
+    urls = [base_url(e) for e in endpoints]
+    limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
+    clients = [httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) for _ in urls]
+    results: list[dict] = []
+    try:
+        for client, url, label in zip(clients, urls, labels):
+            for prompt in prompts[:warmup]:
+                r = await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos)
+                if not r.ok:
+                    log(f"[{label}] warmup request failed: {r.error}")
+        for c in concurrencies:
+            for client, url, label in zip(clients, urls, labels):
+                level = await run_level(client, url, model, prompts, c, max_tokens, temperature, ignore_eos)
+                level = {"label": label, "endpoint": url, **level}
+                results.append(level)
+                log(f"[{label}] concurrency {c}: {level['output_throughput']:.1f} tok/s, "
+                    f"{level['num_errors']} errors, {level['duration_s']:.1f} s")
+    finally:
+        for client in clients:
+            await client.aclose()
+    return {"config": {"endpoints": urls, "labels": labels, "model": model, "num_prompts": len(prompts),
+                       "max_tokens": max_tokens, "temperature": temperature, "concurrency": concurrencies,
+                       "ignore_eos": ignore_eos, "warmup": warmup},
+            "results": results}
+
+
+def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, model: str = "smollm2-135m-instruct",
+                        prompts_file: str | None = None, num_prompts: int | None = None, max_tokens: int = 128,
+                        concurrency: list[int] | str = (1, 2, 4, 8), temperature: float = 0.0,
+                        ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0, log=print) -> dict:
+    if not endpoints:
+        raise ValueError("give at least one --endpoint")
+    if labels and len(labels) != len(endpoints):
+        raise ValueError(f"{len(labels)} --label for {len(endpoints)} --endpoint")
+    labels = list(labels) if labels else [base_url(e).split("://", 1)[-1] for e in endpoints]
+    concurrencies = parse_concurrency(concurrency) if isinstance(concurrency, str) else [int(c) for c in concurrency]
+    if prompts_file is None:
+        raise ValueError("give --prompts")
+    prompts = load_prompts(prompts_file, num_prompts)
+    return asyncio.run(run_serve_benchmark_async(endpoints, labels, model, prompts, concurrencies, max_tokens,
+                                                 temperature, ignore_eos, warmup, timeout, log))
+
+
+def parse_concurrency(text: str) -> list[int]:
+    values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"bad --concurrency {text!r}: want positive integers like 1,2,4,8")
+    return values
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_result(result: dict) -> str:
+    head = (f"{'endpoint':<16} {'conc':>4} {'ok/err':>7} {'tok/s':>8} {'req/s':>6} "
+            f"{'TTFT mean/p50/p99 ms':>22} {'TPOT mean/p99':>14} {'ITL mean/p99':>14} "
+            f"{'E2E mean/p99 ms':>17} {'acc(usage)':>10} {'acc(srv)':>8} {'mal':>5}")
+    lines = [head, "-" * len(head)]
+    for r in result["results"]:
+        ttft, tpot, itl, e2e = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"]
+        ua, ss = r["usage_acceptance"] or {}, r["server_stats"] or {}
+        lines.append(
+            f"{r['label'][:16]:<16} {r['concurrency']:>4} {str(r['num_completed']) + '/' + str(r['num_errors']):>7} "
+            f"{r['output_throughput']:>8.1f} {r['request_throughput']:>6.2f} "
+            f"{_fmt(ttft['mean']) + '/' + _fmt(ttft['p50']) + '/' + _fmt(ttft['p99']):>22} "
+            f"{_fmt(tpot['mean']) + '/' + _fmt(tpot['p99']):>14} {_fmt(itl['mean']) + '/' + _fmt(itl['p99']):>14} "
+            f"{_fmt(e2e['mean'], '.0f') + '/' + _fmt(e2e['p99'], '.0f'):>17} "
+            f"{_fmt(ua.get('acceptance_rate'), '.3f'):>10} {_fmt(ss.get('acceptance_rate'), '.3f'):>8} "
+            f"{_fmt(ss.get('mean_acceptance_length'), '.2f'):>5}")
+    errors = [(r["label"], r["concurrency"], e) for r in result["results"] for e in r["errors"]]
+    for label, c, e in errors:
+        lines.append(f"error [{label} @ {c}]: {e}")
+    lines.append("(acc(usage): accepted/(accepted+rejected) from response usage; acc(srv), mal: acceptance rate and "
+                 "mean acceptance length from /v1/stats deltas)")
+    return "\n".join(lines)
+
+
+def write_plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tp, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in result["config"]["labels"]:
+        rows = sorted((r for r in result["results"] if r["label"] == label), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        ax_tp.plot(xs, [r["output_throughput"] for r in rows], marker="o", label=label)
+        tp = [(x, r["tpot_ms"]["mean"]) for x, r in zip(xs, rows) if r["tpot_ms"]["mean"] is not None]
+        ax_tpot.plot([x for x, _ in tp], [v for _, v in tp], marker="o", label=label)
+    for ax, title, ylabel in ((ax_tp, "Output throughput", "output tokens/s"),
+                              (ax_tpot, "Mean TPOT", "ms per output token")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["config"]["concurrency"], [str(c) for c in result["config"]["concurrency"]])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    cfg = result["config"]
+    fig.suptitle(f"{cfg['model']}: {cfg['num_prompts']} prompts, max_tokens {cfg['max_tokens']}, "
+                 f"temperature {cfg['temperature']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

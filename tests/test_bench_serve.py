@@ -1,0 +1,71 @@
+"""`rayspec bench serve` against a real Serve app on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("matplotlib")
+
+from serve_utils import free_port, tiny_args  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from rayspec.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(tiny_args(tiny_model_dir)), name="rayspec", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_bench_serve_cli(server, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "turns": [t]}) for i, t in enumerate(
+        ["Repeat after me: the quick brown fox, the quick brown fox.", "Count: one two three four five"])) + "\n")
+    out_json, out_png = tmp_path / "res.json", tmp_path / "plot.png"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: every request is an error, not a crash
+    rc = main(["bench", "serve", "--endpoint", server, "--endpoint", server + "/v1", "--endpoint", dead,
+               "--label", "A", "--label", "B", "--label", "dead", "--model", "tiny", "--prompts", str(prompts),
+               "--num-prompts", "2", "--max-tokens", "8", "--concurrency", "1,2", "--warmup", "1",
+               "--timeout", "60", "--output-json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "tok/s" in table and "error [dead @ 1]" in table
+
+    result = json.loads(out_json.read_text())
+    assert result["config"]["concurrency"] == [1, 2] and result["config"]["labels"] == ["A", "B", "dead"]
+    # interleaved: A@1, B@1, dead@1, A@2, B@2, dead@2
+    assert [(r["label"], r["concurrency"]) for r in result["results"]] == [
+        ("A", 1), ("B", 1), ("dead", 1), ("A", 2), ("B", 2), ("dead", 2)]
+    for r in result["results"]:
+        assert r["num_requests"] == 2
+        if r["label"] == "dead":
+            assert r["num_errors"] == 2 and r["num_completed"] == 0 and r["errors"]
+            assert r["output_throughput"] == 0 and r["ttft_ms"]["mean"] is None and r["server_stats"] is None
+            continue
+        assert r["num_errors"] == 0 and r["num_completed"] == 2
+        assert 2 <= r["output_tokens"] <= 16 and r["output_throughput"] > 0 and r["request_throughput"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            s = r[key]
+            assert set(s) == {"mean", "p50", "p90", "p99"}
+            if key == "tpot_ms" and s["mean"] is None:  # both answers a single token (EOS)
+                continue
+            assert 0 < s["p50"] <= s["p90"] <= s["p99"] and s["mean"] > 0
+        assert r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        ua = r["usage_acceptance"]
+        assert ua is not None and ua["accepted_tokens"] >= 0 and ua["rejected_tokens"] >= 0
+        assert ua["acceptance_rate"] is None or 0 <= ua["acceptance_rate"] <= 1
+        ss = r["server_stats"]
+        assert ss is not None and ss["method"] == "ngram" and ss["num_drafts"] >= 0
+        assert ss["acceptance_rate"] is None or 0 <= ss["acceptance_rate"] <= 1
+        assert ss["mean_acceptance_length"] is None or 1 <= ss["mean_acceptance_length"] <= 5
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
