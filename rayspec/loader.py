@@ -169,7 +169,7 @@ def build_model(config, state_dict: dict | None, device, dtype) -> CausalLM:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}...")
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(dtype).eval()
+    return model.to(dtype).eval().pack_for_cpu()
 
 
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None):
