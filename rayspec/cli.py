@@ -18,6 +18,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-num-layers", type=int, default=None, help="keep only the first N draft layers")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
+    p.add_argument("--eagle-topk", type=int, default=1, help="eagle3/eagle: branching per tree node (1: a chain)")
+    p.add_argument("--num-steps", type=int, default=None, help="eagle3/eagle: tree depth")
 
 
 def cmd_fetch_model(args) -> int:
@@ -36,7 +38,8 @@ def cmd_generate(args) -> int:
     spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                              adaptive=not args.no_adaptive, draft_model=args.draft_model,
                              draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
-                             prompt_lookup_max=args.prompt_lookup_max)
+                             prompt_lookup_max=args.prompt_lookup_max, eagle_topk=args.eagle_topk,
+                             num_steps=args.num_steps)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
     engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed))
@@ -52,6 +55,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from rayspec.eagle.train import TrainConfig, run
+
+    cfg = TrainConfig(kind=args.kind, target=args.target, prompts=tuple(args.prompts), work_dir=args.work_dir,
+                      output=args.output, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                      draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+                      ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+    print(run(cfg))
+    return 0
+
+
 def cmd_bench_offline(args) -> int:
     from rayspec.bench.offline import format_result, run_offline_benchmark
 
@@ -60,7 +75,8 @@ def cmd_bench_offline(args) -> int:
         prompts_file=args.prompts, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         concurrency=args.concurrency, adaptive=not args.no_adaptive, draft_model=args.draft_model,
         draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf)
+        prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
+        eagle_topk=args.eagle_topk, num_steps=args.num_steps)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_offline)
+
+    p = sub.add_parser("train", help="train a draft head by self-distillation").add_subparsers(
+        dest="kind", required=True)
+    for kind in ("eagle3", "eagle"):
+        t = p.add_parser(kind, help=f"train an {kind} head for a target model")
+        t.add_argument("--target", default="smollm2-135m-instruct")
+        t.add_argument("--prompts", nargs="+", required=True,
+                       help="JSONL prompt files (Spec-Bench `turns` or GSM8K-style `question`)")
+        t.add_argument("--work-dir", required=True, help="answers, features, checkpoints (resumable)")
+        t.add_argument("--output", required=True, help="where the head is written")
+        t.add_argument("--max-prompts", type=int, default=None)
+        t.add_argument("--max-new-tokens", type=int, default=192)
+        t.add_argument("--draft-vocab-size", type=int, default=4096)
+        t.add_argument("--intermediate-size", type=int, default=None)
+        t.add_argument("--ttt-steps", type=int, default=3)
+        t.add_argument("--epochs", type=int, default=2)
+        t.add_argument("--lr", type=float, default=1e-3)
+        t.add_argument("--batch-tokens", type=int, default=4096)
+        t.add_argument("--checkpoint-every", type=int, default=100)
+        t.add_argument("--seed", type=int, default=0)
+        t.set_defaults(func=cmd_train)
 
     p = bench.add_parser("serve", help="streaming chat requests against running OpenAI-compatible endpoints")
     p.add_argument("--endpoint", action="append", required=True,

@@ -15,14 +15,20 @@ class SpeculativeConfig:
     # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    # draft_model
+    # draft_model: the draft LM; eagle3 / eagle: the head (hub id or directory)
     draft_model: str | None = None  # hub id, directory or .gguf; None: the target's own checkpoint
     draft_num_layers: int | None = None  # keep only the first N layers of the draft checkpoint
     draft_dtype: str | None = None
+    # eagle3 / eagle tree drafting (names as SGLang's): branching per node (1 = a chain) and
+    # tree depth (None: num_speculative_tokens); num_speculative_tokens caps the tree's nodes
+    eagle_topk: int = 1
+    num_steps: int | None = None
 
     def __post_init__(self):
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.eagle_topk < 1 or (self.num_steps is not None and self.num_steps < 1):
+            raise ValueError("eagle_topk and num_steps must be >= 1")
         if self.method == "none":
             self.num_speculative_tokens = 0
 
@@ -54,3 +60,4 @@ class ProposerContext:
     num_slots: int
     device: torch.device
     dtype: torch.dtype
+    target: object = None  # the target CausalLM when the proposer lives in the same process

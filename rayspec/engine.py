@@ -23,8 +23,8 @@ from rayspec.config import EngineConfig, ProposerContext
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM, KVCache
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
-from rayspec.rejection import verify_greedy, verify_sampled
-from rayspec.runner import ModelRunner
+from rayspec.rejection import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents
+from rayspec.runner import ModelRunner, TreeQuery, last_rows
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
 
@@ -75,8 +75,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
         num_slots = self._num_slots(model, spec)
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1)
-        context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype)
+        context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model)
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
+        # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
+        self.feature_layers = self.proposer.feature_layers
         self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.stats = SpecDecodeStats()
         self.waiting: deque[Sequence] = deque()
@@ -199,11 +201,23 @@ class LLMEngine:
             admitted.append(seq)
         return admitted
 
+    def _target_forward(self, ids, inputs, trees=None):
+        """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None)."""
+        if self.feature_layers is None:
+            return self.runner.forward_hidden(ids, inputs, trees=trees)[0], None
+        if self.feature_layers == ():
+            hidden = self.runner.forward_hidden(ids, inputs, trees=trees)[0]
+            return hidden, hidden
+        return self.runner.forward_hidden(ids, inputs, trees=trees, aux_layers=self.feature_layers)[0]
+
     def _prefill(self, seqs: list[Sequence]) -> None:
         ids = [s.request_id for s in seqs]
-        logits = self.runner.forward(ids, [s.token_ids for s in seqs], last_only=True)  # [B, vocab]
+        hidden, features = self._target_forward(ids, [s.token_ids for s in seqs])
+        logits = self.model.logits(last_rows(hidden, [len(s.token_ids) for s in seqs]))  # [B, vocab]
         greedy = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
+            if features is not None:
+                seq.features, seq.features_start = [features[i, : len(seq.token_ids)].clone()], 0
             tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
             seq.append_tokens([tok])
 
@@ -223,7 +237,8 @@ class LLMEngine:
         draft_lens = [self._draft_len(s, k) for s in seqs]
         if any(draft_lens):
             requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
-                                       s.params.top_k, s.params.top_p, s.params.seed)
+                                       s.params.top_k, s.params.top_p, s.params.seed,
+                                       *self._take_features(s))
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
         else:
@@ -232,7 +247,12 @@ class LLMEngine:
         # the tokens without target KV yet (normally just the last one), then the drafts
         pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]
         inputs = [p + d.tokens for p, d in zip(pending, drafts)]
-        logits = self.runner.forward(ids, inputs, last_only=False)  # [B, Q, vocab]
+        # token trees (EAGLE greedy) are verified in the same forward under a tree mask
+        trees = None
+        if any(not d.is_chain for d in drafts):
+            trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(pending, drafts)]
+        hidden, features = self._target_forward(ids, inputs, trees)
+        logits = self.model.logits(hidden)  # [B, Q, vocab]
         offsets = [len(p) - 1 for p in pending]
         width = 1 + max(len(d.tokens) for d in drafts)
         # target logits at the position of each draft plus the bonus position: [B, width, vocab]
@@ -240,18 +260,29 @@ class LLMEngine:
                              device=self.device)
         verify_logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
         greedy_emitted = verify_greedy(verify_logits.argmax(-1), [d.tokens for d in drafts])
+        target_argmax = logits.argmax(-1).tolist() if trees is not None else None  # [B][Q]
         for i, seq in enumerate(seqs):
             draft = drafts[i]
-            if seq.params.greedy:
-                emitted = greedy_emitted[i]
+            start = self.runner.cached_len(seq.request_id) - (0 if trees is not None else len(inputs[i]))
+            if not draft.is_chain:
+                emitted, path = verify_tree_greedy(target_argmax[i], len(pending[i]), draft)
+                rows = list(range(len(pending[i]))) + [len(pending[i]) + j for j in path]
             else:
-                n = len(draft.tokens)
-                probs = logits_to_probs(verify_logits[i, : n + 1], seq.params.temperature,
-                                        seq.params.top_k, seq.params.top_p)
-                emitted = verify_sampled(probs, draft.tokens, draft.probs, seq.generator)
+                if seq.params.greedy:
+                    emitted = greedy_emitted[i]
+                else:
+                    n = len(draft.tokens)
+                    probs = logits_to_probs(verify_logits[i, : n + 1], seq.params.temperature,
+                                            seq.params.top_k, seq.params.top_p)
+                    emitted = verify_sampled(probs, draft.tokens, draft.probs, seq.generator)
+                rows = list(range(len(pending[i]) + len(emitted) - 1))
             num_accepted = len(emitted) - 1
-            self.runner.set_cached_len(seq.request_id,
-                                       self.runner.cached_len(seq.request_id) - len(draft.tokens) + num_accepted)
+            if trees is not None:
+                self.runner.keep_path(seq.request_id, rows)
+            else:
+                self.runner.set_cached_len(seq.request_id, start + len(rows))
+            if features is not None:
+                seq.features.append(features[i, rows].clone())
             seq.append_tokens(emitted)
             seq.num_steps += 1
             seq.num_draft_tokens += len(draft.tokens)
@@ -259,6 +290,15 @@ class LLMEngine:
             seq.acceptance_ema = self.policy.update_acceptance(seq.acceptance_ema, len(draft.tokens), num_accepted)
             self.stats.observe(len(draft.tokens), num_accepted)
         self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - start)
+
+    @staticmethod
+    def _take_features(seq: Sequence) -> tuple[torch.Tensor | None, int]:
+        if not seq.features:
+            return None, seq.features_start
+        feats = torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]
+        start = seq.features_start
+        seq.features, seq.features_start = [], start + len(feats)
+        return feats, start
 
     def _output(self, seq: Sequence) -> RequestOutput:
         delta = seq.take_new_text()  # text keeps back a possible stop-string start, like delta

@@ -78,8 +78,10 @@ class ForwardBatch:
     slots:     [B] long, cache row of each sequence
     positions: [B, Q] long, absolute position of each query token (padding continues past the end)
     kv_len:    keys 0..kv_len-1 are attended (max over rows of start + Q)
-    mask:      [B, 1, Q, kv_len] bool or None (None: a single query per row that sees everything)
+    mask:      [B, 1, Q, kv_len] additive float or None (None: one query per row that sees everything)
     slot_range: (first, last+1) when `slots` is contiguous and ascending, so reads are views
+    cache_positions: [B, Q] long, where each token's key/value is written; None: `positions`
+               (tree queries differ: siblings share a rope position but need their own cache rows)
     """
 
     slots: torch.Tensor
@@ -87,6 +89,7 @@ class ForwardBatch:
     kv_len: int
     mask: torch.Tensor | None
     slot_range: tuple[int, int] | None
+    cache_positions: torch.Tensor | None = None
 
 
 def _onednn_linear_available() -> bool:
@@ -117,7 +120,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self._packed is not None and x.device.type == "cpu" and x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and self.weight.requires_grad)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and self.weight._version == self._packed_version):  # stale after in-place updates
             rows = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
@@ -150,13 +153,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, input_size: int | None = None):
+        """input_size: width of the attention input when it is not hidden_size (EAGLE-3: 2x)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, bias = args.hidden_size, args.attention_bias
-        self.q_proj = Linear(h, args.num_heads * args.head_dim, bias=bias)
-        self.k_proj = Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = Linear(h, args.num_kv_heads * args.head_dim, bias=bias)
+        d_in = input_size or h
+        self.q_proj = Linear(d_in, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = Linear(d_in, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = Linear(d_in, args.num_kv_heads * args.head_dim, bias=bias)
         self.o_proj = Linear(args.num_heads * args.head_dim, h, bias=False)
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
@@ -169,8 +174,9 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         # Write this step's keys/values at their positions: [B, Q, kv_heads, head_dim] targets.
         rows = batch.slots[:, None]
-        cache_k[rows, :, batch.positions] = k.transpose(1, 2)
-        cache_v[rows, :, batch.positions] = v.transpose(1, 2)
+        where = batch.positions if batch.cache_positions is None else batch.cache_positions
+        cache_k[rows, :, where] = k.transpose(1, 2)
+        cache_v[rows, :, where] = v.transpose(1, 2)
         if batch.slot_range is not None:
             lo, hi = batch.slot_range
             keys, values = cache_k[lo:hi, :, : batch.kv_len], cache_v[lo:hi, :, : batch.kv_len]
@@ -237,13 +243,24 @@ class CausalLM(nn.Module):
         sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
         return cos, sin
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids: [B, Q] -> hidden: [B, Q, hidden_size]
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch,
+                aux_layers: tuple[int, ...] | None = None):
+        """input_ids: [B, Q] -> hidden: [B, Q, hidden_size] after the final norm.
+
+        With aux_layers, also returns the inputs of those layers concatenated,
+        [B, Q, len(aux_layers) * hidden_size] (the features an EAGLE-3 head drafts from).
+        """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(batch.positions, x.dtype)
+        aux = []
         for i, layer in enumerate(self.model.layers):
+            if aux_layers is not None and i in aux_layers:
+                aux.append(x)
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
-        return self.model.norm(x)
+        hidden = self.model.norm(x)
+        if aux_layers is None:
+            return hidden
+        return hidden, torch.cat(aux, dim=-1)
 
     def pack_for_cpu(self) -> "CausalLM":
         """Prepack every projection for oneDNN inference on CPU (no-op elsewhere)."""

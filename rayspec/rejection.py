@@ -64,3 +64,29 @@ def verify_sampled(
             return draft_tokens[:j] + [recovered]
     bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
     return list(draft_tokens) + [bonus]
+
+
+def verify_tree_parents(num_pending: int, draft) -> list[int]:
+    """Parents for a verification row: the pending tokens as a chain, the draft tree under the last."""
+    chain = list(range(-1, num_pending - 1))
+    return chain + [num_pending - 1 if p < 0 else num_pending + p for p in draft.parents]
+
+
+def verify_tree_greedy(target_argmax: list[int], num_pending: int, draft) -> tuple[list[int], list[int]]:
+    """Greedy acceptance over a token tree: follow the child that matches the target's argmax.
+
+    target_argmax[r]: the target's choice after row r of the verification row (pending tokens,
+    then the tree nodes). Returns (emitted tokens: the accepted path plus the target's next
+    token, accepted node indices in path order).
+    """
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(draft.parents):
+        children.setdefault(p, []).append(j)
+    node, row, path = -1, num_pending - 1, []
+    while True:
+        want = target_argmax[row]
+        match = next((c for c in children.get(node, ()) if draft.tokens[c] == want), None)
+        if match is None:
+            return [draft.tokens[j] for j in path] + [want], path
+        path.append(match)
+        node, row = match, num_pending + match

@@ -7,6 +7,8 @@ forward over every running sequence reads the cache through views, not copies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rayspec.model import CausalLM, ForwardBatch, KVCache
@@ -74,41 +76,123 @@ class ModelRunner:
         """
         hidden, lengths = self.forward_hidden(seq_ids, token_lists)
         if last_only:
-            idx = torch.tensor([n - 1 for n in lengths], device=self.device)
-            hidden = hidden[torch.arange(len(seq_ids), device=self.device), idx]
+            hidden = last_rows(hidden, lengths)
         return self.model.logits(hidden)
 
-    def forward_hidden(self, seq_ids, token_lists) -> tuple[torch.Tensor, list[int]]:
+    def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, **model_kwargs):
+        """Run the model over new tokens; returns (model output, row lengths).
+
+        Without trees the tokens extend each sequence and its cached length grows.
+        With trees, row i computes nodes trees[i].first.. of a token tree hanging off the
+        sequence's cached prefix: node j sits in cache row cached_len + j at rope position
+        cached_len + depth(j) and sees the prefix plus its own ancestors. The cached length
+        does not move; the caller keeps an accepted path with `keep_path`.
+        model_kwargs go to the model (aux_layers for a target, features for an EAGLE head).
+        """
         B = len(seq_ids)
         lengths = [len(t) for t in token_lists]
         Q = max(lengths)
         starts = [self._cached_len[s] for s in seq_ids]
-        for s, start, n in zip(seq_ids, starts, lengths):
-            if start + Q > self.cache.capacity:  # padding included: it is written too
+        dev = self.device
+        if trees is None:
+            ends = [start + Q for start in starts]  # padding included: it is written too
+        else:
+            ends = [start + max(len(t.parents), t.first + Q) for start, t in zip(starts, trees)]
+        for s, end in zip(seq_ids, ends):
+            if end > self.cache.capacity:
                 raise CacheFullError(f"sequence {s} exceeds the cache capacity")
         slots_list = [self._slot_of[s] for s in seq_ids]
         padded = [t + [0] * (Q - len(t)) for t in token_lists]
-        input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)
-        start_t = torch.tensor(starts, dtype=torch.long, device=self.device)
-        positions = start_t[:, None] + torch.arange(Q, device=self.device)  # [B, Q]
-        kv_len = max(starts) + Q
-        if B == 1 and Q == 1:
-            mask = None
+        input_ids = torch.tensor(padded, dtype=torch.long, device=dev)
+        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        kv_len = max(ends)
+        cache_positions = None
+        if trees is None:
+            positions = start_t[:, None] + torch.arange(Q, device=dev)  # [B, Q]
+            if B == 1 and Q == 1:
+                mask = None
+            else:
+                keys = torch.arange(kv_len, device=dev)
+                visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, kv_len]
+                mask = additive_mask(visible, self.dtype)
         else:
-            keys = torch.arange(kv_len, device=self.device)
-            visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, kv_len]
-            # an additive float mask keeps SDPA on its fused CPU kernel (a bool mask falls back to math)
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+            positions, cache_positions, visible = tree_layout(trees, starts, Q, kv_len, dev)
+            mask = additive_mask(visible, self.dtype)
         lo = slots_list[0]
         contiguous = slots_list == list(range(lo, lo + B))
         batch = ForwardBatch(
-            slots=torch.tensor(slots_list, dtype=torch.long, device=self.device),
+            slots=torch.tensor(slots_list, dtype=torch.long, device=dev),
             positions=positions,
             kv_len=kv_len,
             mask=mask,
             slot_range=(lo, lo + B) if contiguous else None,
+            cache_positions=cache_positions,
         )
-        hidden = self.model(input_ids, self.cache, batch)
-        for s, start, n in zip(seq_ids, starts, lengths):
-            self._cached_len[s] = start + n
-        return hidden, lengths
+        out = self.model(input_ids, self.cache, batch, **model_kwargs)
+        if trees is None:
+            for s, start, n in zip(seq_ids, starts, lengths):
+                self._cached_len[s] = start + n
+        return out, lengths
+
+    def keep_path(self, seq_id: str, tree_rows: list[int]) -> None:
+        """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path
+        order) to follow the prefix contiguously, and extend the cached length over them."""
+        start = self._cached_len[seq_id]
+        slot = self._slot_of[seq_id]
+        if tree_rows != list(range(len(tree_rows))):
+            src = torch.tensor(tree_rows, dtype=torch.long, device=self.device) + start
+            dst = torch.arange(start, start + len(tree_rows), device=self.device)
+            for cache in (self.cache.k, self.cache.v):
+                for layer in cache:
+                    layer[slot, :, dst] = layer[slot, :, src]
+        self._cached_len[seq_id] = start + len(tree_rows)
+
+
+@dataclass
+class TreeQuery:
+    """A token tree under a sequence's cached prefix (see ModelRunner.forward_hidden).
+
+    parents[j]: the node j hangs from (an earlier index), or -1 for the prefix's last token.
+    first: this forward computes nodes first..first+len(tokens)-1; earlier ones are cached.
+    """
+
+    parents: list[int]
+    first: int = 0
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device):
+    """Rope positions [B, Q], cache rows [B, Q] and visibility [B, 1, Q, kv_len] for tree rows."""
+    B = len(trees)
+    positions = torch.zeros(B, Q, dtype=torch.long)
+    cache_positions = torch.zeros(B, Q, dtype=torch.long)
+    visible = torch.zeros(B, 1, Q, kv_len, dtype=torch.bool)
+    for b, (tree, start) in enumerate(zip(trees, starts)):
+        depths = tree_depths(tree.parents)
+        visible[b, 0, :, :start] = True
+        for q in range(Q):
+            node = min(tree.first + q, len(tree.parents) - 1)  # padding repeats the last node
+            positions[b, q] = start + depths[node]
+            cache_positions[b, q] = start + node if tree.first + q < len(tree.parents) else start + tree.first + q
+            a = node
+            while a >= 0:
+                visible[b, 0, q, start + a] = True
+                a = tree.parents[a]
+    return positions.to(device), cache_positions.to(device), visible.to(device)
+
+
+def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:
+    # an additive float mask keeps SDPA on its fused CPU kernel (a bool mask falls back to math)
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[B, Q, H] -> [B, H]: the last real (unpadded) row of each sequence."""
+    idx = torch.tensor([n - 1 for n in lengths], device=hidden.device)
+    return hidden[torch.arange(len(lengths), device=hidden.device), idx]

@@ -73,6 +73,10 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_ema: float | None = None
+    # target hidden features not yet handed to an EAGLE proposer: tensors for positions
+    # features_start, features_start + 1, ...
+    features: list = field(default_factory=list)
+    features_start: int = 0
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):

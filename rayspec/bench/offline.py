@@ -64,6 +64,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                           num_prompts: int, max_tokens: int, concurrency: int = 1, adaptive: bool = True,
                           draft_model: str | None = None, draft_num_layers: int | None = None,
                           prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
+                          eagle_topk: int = 1, num_steps: int | None = None,
                           progress: bool = True) -> dict:
     from rayspec import loader
 
@@ -79,7 +80,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     baseline = engine(SpeculativeConfig(method="none", num_speculative_tokens=0))
     spec_cfg = SpeculativeConfig(method=method, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
                                  draft_model=draft_model, draft_num_layers=draft_num_layers,
-                                 prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
+                                 prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+                                 eagle_topk=eagle_topk, num_steps=num_steps)
     speculative = engine(spec_cfg)
     texts = load_prompts(prompts_file, num_prompts)
     prompt_ids = [baseline.encode_chat([{"role": "user", "content": t}]) for t in texts]

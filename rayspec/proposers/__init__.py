@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.draft_model import DraftModelProposer
+from rayspec.proposers.eagle import Eagle1Proposer, EagleProposer
 from rayspec.proposers.ngram import NgramProposer
 from rayspec.proposers.none import NoProposer
 
@@ -11,6 +12,8 @@ PROPOSERS: dict[str, type[Proposer]] = {
     NoProposer.name: NoProposer,
     NgramProposer.name: NgramProposer,
     DraftModelProposer.name: DraftModelProposer,
+    EagleProposer.name: EagleProposer,
+    Eagle1Proposer.name: Eagle1Proposer,
 }
 
 

@@ -22,6 +22,10 @@ class ProposeRequest:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # EAGLE: target hidden features [m, F] of the positions features_start.. committed since the
+    # last call (the engine sends them only to proposers with `feature_layers`)
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass
@@ -30,6 +34,13 @@ class Draft:
     # [len(tokens), vocab] probabilities the tokens were sampled from; None for a point mass
     # (deterministic proposers, and every proposer at temperature 0)
     probs: torch.Tensor | None = None
+    # a token tree: parents[j] is the index of token j's parent, -1 for a child of the last
+    # committed token (parents come before children). None: a chain.
+    parents: list[int] | None = None
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or self.parents == list(range(-1, len(self.tokens) - 1))
 
 
 class Proposer(ABC):
@@ -43,6 +54,9 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         """Draft for every request in one batched call."""
+
+    # None: no target features needed; () the final hidden state; (i, j, ...) the inputs of those layers
+    feature_layers: tuple[int, ...] | None = None
 
     def release(self, seq_id: str) -> None:
         """Forget a finished or aborted sequence."""

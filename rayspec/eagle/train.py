@@ -1,0 +1,286 @@
+"""Train an EAGLE-3 (or EAGLE-1) head by self-distillation: `rayspec train eagle3 ...`.
+
+1. the target answers the prompts (greedy), 2. one target forward per conversation gives the
+features and labels (the target's greedy choice), 3. the head learns to predict those labels
+with training-time test (TTT, as EAGLE-3): step s feeds the head its own output from step s-1
+and attends, like at inference, to true-feature keys up to s-1 positions back plus its own
+drafted keys, so the head learns to draft several tokens ahead from its own predictions.
+
+Everything lands in --work-dir (answers, feature shards, checkpoints: resumable at every
+stage); the head is written to --output in the published EAGLE layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+from rayspec.eagle.head import Eagle3Head, EagleHead, attach_target, build_head
+
+
+@dataclass
+class TrainConfig:
+    kind: str = "eagle3"
+    target: str = "smollm2-135m-instruct"
+    prompts: tuple[str, ...] = ()
+    work_dir: str = "eagle-work"
+    output: str = "eagle-head"
+    max_prompts: int | None = None
+    max_new_tokens: int = 192
+    draft_vocab_size: int = 4096  # eagle3: most frequent target choices in the data
+    intermediate_size: int | None = None  # None: the target's
+    ttt_steps: int = 3
+    epochs: int = 2
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    batch_tokens: int = 4096
+    weight_decay: float = 0.0
+    checkpoint_every: int = 100
+    seed: int = 0
+    num_threads: int | None = None
+
+
+# ---- data ------------------------------------------------------------------------------
+def load_examples(shards: list[Path], kind: str) -> list[dict]:
+    examples = []
+    for path in shards:
+        data = torch.load(path, weights_only=True)
+        feats = data["aux"] if kind == "eagle3" else data["final"]
+        for ids, f, label in zip(data["ids"], feats, data["label"]):
+            if len(ids) >= 3:
+                examples.append({"ids": ids.long(), "feat": f, "label": label.long()})
+    return examples
+
+
+def make_batches(examples: list[dict], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Group conversations of similar length so padding stays small."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["ids"]))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(examples[i]["ids"])
+        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(examples: list[dict], idx: list[int], t2d_index: torch.Tensor | None):
+    """-> feats [B, T, F], next_ids [B, T], labels [B, T] (draft ids, -100 = no loss), lengths [B].
+
+    Pair position i: features at i with token i+1; the label is the target's choice after
+    token i+1 (what the head must draft next)."""
+    rows = [examples[i] for i in idx]
+    T = max(len(r["ids"]) for r in rows) - 1
+    B = len(rows)
+    feats = torch.zeros(B, T, rows[0]["feat"].shape[-1])
+    next_ids = torch.zeros(B, T, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(r["ids"]) - 1
+        feats[b, :n] = r["feat"][:n].float()
+        next_ids[b, :n] = r["ids"][1:]
+        lab = r["label"][1:]  # target's choice after token i+1
+        if t2d_index is not None:
+            lab = t2d_index[lab]  # -100 where the draft vocabulary lacks it
+        labels[b, :n] = lab
+        lengths[b] = n
+    return feats, next_ids, labels, lengths
+
+
+# ---- TTT forward -----------------------------------------------------------------------
+def ttt_mask(T: int, step: int, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, step*T] bool: step `step` (1-based) query i sees step-1 keys j <= i-step+1 and,
+    for each later step t, the key of its own draft chain at i-step+t (all within the row)."""
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    blocks = [j <= i - step + 1]
+    for t in range(2, step + 1):
+        blocks.append(j == i - step + t)
+    mask = torch.cat(blocks, dim=1)  # [T, step*T]
+    key_ok = (torch.arange(T)[None, :] < lengths[:, None]).repeat(1, step)  # [B, step*T]
+    mask = mask[None] & key_ok[:, None, :]
+    mask |= torch.eye(T, dtype=torch.bool).repeat(1, step)[None] & (torch.arange(step * T) >= (step - 1) * T)[None, None]
+    return mask[:, None]
+
+
+def attn_ttt(attn, x, cos, sin, store: list, mask):
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    rot = lambda t: torch.cat((-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]), dim=-1)  # noqa: E731
+    q = q * cos + rot(q) * sin
+    k = k * cos + rot(k) * sin
+    store.append((k, v))
+    keys = torch.cat([s[0] for s in store], dim=2)
+    values = torch.cat([s[1] for s in store], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                         enable_gqa=attn.num_heads != attn.num_kv_heads)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def head_step(head: EagleHead, emb, hidden_in, cos, sin, stores, mask, first: bool):
+    if isinstance(head, Eagle3Head):
+        layer = head.midlayer
+        hid = head.fc(hidden_in) if first else hidden_in
+        x = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(hid)), dim=-1)
+        h = hid + attn_ttt(layer.self_attn, x, cos, sin, stores[0], mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+    x = head.fc(torch.cat((emb, hidden_in), dim=-1))
+    for li, layer in enumerate(head.layers):
+        normed = x if layer.input_layernorm is None else layer.input_layernorm(x)
+        x = x + attn_ttt(layer.self_attn, normed, cos, sin, stores[li], mask)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
+
+
+def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
+    """Mean over steps (weights 0.8^s) of cross-entropy; returns (loss, per-step accuracy)."""
+    B, T, _ = feats.shape
+    positions = torch.arange(T)[None].expand(B, T)
+    cos, sin = head.rope(positions, feats.dtype)
+    emb = head.embed_tokens(next_ids).detach()
+    stores = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
+    hidden_in, total, weight_sum, accs = feats, 0.0, 0.0, []
+    for s in range(1, steps + 1):
+        out = head_step(head, emb, hidden_in, cos, sin, stores, ttt_mask(T, s, lengths), first=s == 1)
+        logits = head.draft_logits(out)  # [B, T, V]
+        lab = labels.clone()
+        lab[:, : s - 1] = -100  # the first s-1 positions have no chain of s-1 drafts before them
+        valid = lab != -100
+        if valid.any():
+            loss = F.cross_entropy(logits[valid], lab[valid])
+            total = total + (0.8 ** (s - 1)) * loss
+            weight_sum += 0.8 ** (s - 1)
+            accs.append((logits[valid].argmax(-1) == lab[valid]).float().mean().item())
+        # the next step reads this step's output one position later (as a drafted feature)
+        hidden_in = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
+    return total / max(weight_sum, 1e-9), accs
+
+
+# ---- the run ---------------------------------------------------------------------------
+def run(cfg: TrainConfig) -> Path:
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.eagle.data import extract_features, generate_answers, read_prompt_file
+    from rayspec.engine import LLMEngine
+    from rayspec.loader import load_model, resolve_model_dir
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    target, tokenizer = load_model(cfg.target, device="cpu", dtype="float32")
+    target.requires_grad_(False)
+
+    # 1. answers
+    answers = work / "answers.jsonl"
+    prompts: list[str] = []
+    for p in cfg.prompts:
+        prompts += read_prompt_file(p)
+    random.Random(cfg.seed).shuffle(prompts)
+    prompts = prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+    engine = LLMEngine(EngineConfig(model=cfg.target, speculative=SpeculativeConfig(method="none"),
+                                    max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)
+    generate_answers(engine, prompts, answers, cfg.max_new_tokens)
+    del engine
+
+    # 2. features
+    tcfg = new_eagle_config(cfg.kind, resolve_model_dir(cfg.target), target.args.num_layers,
+                            target.args.hidden_size, draft_vocab_size=cfg.draft_vocab_size,
+                            intermediate_size=cfg.intermediate_size)
+    feat_dir = work / f"features-{cfg.kind}"
+    shards = sorted(feat_dir.glob("features-*.pt"))
+    if not (feat_dir / "DONE").exists():
+        feat_dir.mkdir(exist_ok=True)
+        shards = extract_features(target, answers, feat_dir, tcfg.aux_layers or (target.args.num_layers - 1,))
+        (feat_dir / "DONE").write_text("ok")
+    examples = load_examples(shards, cfg.kind)
+    n_tokens = sum(len(e["ids"]) for e in examples)
+    print(f"{len(examples)} conversations, {n_tokens} tokens")
+
+    # 3. the head
+    torch.manual_seed(cfg.seed)
+    head = build_head(tcfg)
+    attach_target(head, target, has_own_embedding=False)
+    t2d_index = None
+    if cfg.kind == "eagle3":
+        counts = Counter()
+        for e in examples:
+            counts.update(e["label"].tolist())
+        vocab = sorted(t for t, _ in counts.most_common(tcfg.draft_vocab_size))
+        vocab += sorted(set(range(target.args.vocab_size)) - set(vocab))[: tcfg.draft_vocab_size - len(vocab)]
+        draft_ids = torch.tensor(sorted(vocab))
+        covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
+        print(f"draft vocabulary {len(draft_ids)} tokens covers {covered:.1%} of the target's choices")
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+        t2d_index = torch.full((target.args.vocab_size,), -100, dtype=torch.long)
+        t2d_index[draft_ids] = torch.arange(len(draft_ids))
+        with torch.no_grad():  # start the readout from the target's own LM head rows
+            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+            head.norm.weight.copy_(target.model.norm.weight)
+    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens", "target_lm_head"))]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    rng = random.Random(cfg.seed)
+    epoch_batches = [make_batches(examples, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
+    total_steps = sum(len(b) for b in epoch_batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
+                                              * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps))))
+    ckpt_path = work / f"checkpoint-{cfg.kind}.pt"
+    step = 0
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        head.load_state_dict(ckpt["head"], strict=False)
+        opt.load_state_dict(ckpt["opt"])
+        sched.load_state_dict(ckpt["sched"])
+        step = ckpt["step"]
+        print(f"resumed at step {step}/{total_steps}")
+    flat = [b for batches in epoch_batches for b in batches]
+    head.train()
+    start = time.time()
+    history = []
+    bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.kind}", unit="batch")
+    while step < total_steps:
+        feats, next_ids, labels, lengths = collate(examples, flat[step], t2d_index)
+        loss, accs = ttt_loss(head, feats, next_ids, labels, lengths, cfg.ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        history.append({"step": step, "loss": loss.item(), "acc": accs})
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        bar.update(1)
+        if step % cfg.checkpoint_every == 0 or step == total_steps:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step}, ckpt_path)
+            with (work / f"history-{cfg.kind}.jsonl").open("a") as f:
+                for h in history:
+                    f.write(json.dumps(h) + "\n")
+            history = []
+    bar.close()
+    head.eval()
+    out = save_eagle_head(head, cfg.output)
+    (Path(cfg.output) / "training.json").write_text(json.dumps(
+        {**asdict(cfg), "conversations": len(examples), "tokens": n_tokens,
+         "train_seconds_this_run": round(time.time() - start, 1)}, indent=2) + "\n")
+    return out

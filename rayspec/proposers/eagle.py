@@ -1,0 +1,201 @@
+"""EAGLE-3 and EAGLE-1 proposers: a draft head fed with the target's hidden states.
+
+Per sequence the head keeps its own KV cache over "pairs": head position i reads the target
+features at i with token i+1. The engine hands over the features of every token the target
+has committed (`ProposeRequest.features`), the head catches up on them in one batched
+forward, then drafts:
+- greedy requests draft a tree (EAGLE-2 style): each depth expands the `eagle_topk` best
+  frontier nodes by path probability into their `eagle_topk` best children, and the
+  `num_tokens` best nodes overall are sent for verification (topk 1 is a chain);
+- sampled requests (temperature > 0) draft a chain sampled from the head's distribution,
+  with the probabilities, so the engine's rejection rule stays exact.
+Drafted positions are dropped from the head cache afterwards (only committed pairs stay).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayspec.eagle.head import EagleHead
+from rayspec.proposers.base import Draft, Proposer, ProposeRequest
+from rayspec.runner import ModelRunner, TreeQuery, last_rows
+from rayspec.sampling import logits_to_probs, make_generator
+
+
+class _Node:
+    __slots__ = ("token", "parent", "score", "depth", "hidden", "fed")
+
+    def __init__(self, token: int, parent: int, score: float, depth: int, hidden: torch.Tensor):
+        self.token, self.parent, self.score, self.depth = token, parent, score, depth
+        self.hidden = hidden  # [H] head output that predicted this node (its input feature)
+        self.fed = -1  # head-cache tree index once fed
+
+
+class EagleProposer(Proposer):
+    name = "eagle3"
+    kind = "eagle3"
+
+    @classmethod
+    def create(cls, config, context) -> "EagleProposer":
+        from rayspec.eagle.checkpoint import load_eagle_head
+
+        if not config.draft_model:
+            raise ValueError(f"method {cls.name!r} needs the head's location in `draft_model`")
+        if context.target is None:
+            raise ValueError(f"method {cls.name!r} runs next to its target (it shares the embedding)")
+        head = load_eagle_head(config.draft_model, context.target, kind=cls.kind, device=context.device,
+                               dtype=context.dtype)
+        return cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
+                   topk=config.eagle_topk, depth=config.num_steps)
+
+    def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
+                 topk: int = 1, depth: int | None = None):
+        self.head = head
+        self.topk = max(1, topk)
+        self.depth = depth or max_draft_tokens
+        slack = self.topk * self.depth + max_draft_tokens + 2
+        self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack)
+        self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
+        self._generators: dict[str, torch.Generator] = {}
+
+    # what the engine must hand over: inputs of these target layers, or () for the final hidden state
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.config.aux_layers if self.head.config.kind == "eagle3" else ()
+
+    def release(self, seq_id: str) -> None:
+        self.runner.free(seq_id)
+        self._features.pop(seq_id, None)
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, req: ProposeRequest) -> torch.Generator:
+        if req.seq_id not in self._generators:
+            seed = None if req.seed is None else req.seed + 0x5EED
+            self._generators[req.seq_id] = make_generator(seed, self.runner.device)
+        return self._generators[req.seq_id]
+
+    # ---- catch-up --------------------------------------------------------------------
+    def _take_features(self, req: ProposeRequest) -> None:
+        if not self.runner.has(req.seq_id):
+            self.runner.allocate(req.seq_id)
+            self._features[req.seq_id] = []
+        if req.features is not None and len(req.features):
+            buffered = sum(len(f) for f in self._features[req.seq_id])
+            expected = self.runner.cached_len(req.seq_id) + buffered
+            if req.features_start != expected:
+                raise RuntimeError(f"{req.seq_id}: features start at {req.features_start}, expected {expected}")
+            self._features[req.seq_id].append(req.features.to(self.runner.device, self.runner.dtype))
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
+        for req in requests:
+            self._take_features(req)
+        active = [r for r in requests if r.num_tokens > 0]
+        if not active:
+            return [Draft([]) for _ in requests]
+        ids = [r.seq_id for r in active]
+        # catch up: pairs (features at i, token i+1) for every committed position not yet cached
+        feats, toks = [], []
+        for req in active:
+            f = torch.cat(self._features[req.seq_id]) if self._features[req.seq_id] else None
+            start = self.runner.cached_len(req.seq_id)
+            if f is None or start + len(f) != len(req.token_ids) - 1:
+                raise RuntimeError(f"{req.seq_id}: the head has no features up to the last committed token")
+            feats.append(f)
+            toks.append(req.token_ids[start + 1: start + 1 + len(f)])
+            self._features[req.seq_id] = []
+        q = max(len(t) for t in toks)
+        padded = torch.zeros(len(active), q, feats[0].shape[-1], dtype=feats[0].dtype, device=feats[0].device)
+        for i, f in enumerate(feats):
+            padded[i, : len(f)] = f
+        hidden, lengths = self.runner.forward_hidden(ids, toks, features=padded)
+        last = last_rows(hidden, lengths)  # [B, H]: predicts the first draft token
+        committed = [self.runner.cached_len(s) for s in ids]
+        drafts = self._draft(active, last)
+        for s, n in zip(ids, committed):
+            self.runner.set_cached_len(s, n)
+        by_id = dict(zip(ids, drafts))
+        return [by_id.get(r.seq_id, Draft([])) for r in requests]
+
+    # ---- drafting --------------------------------------------------------------------
+    def _draft(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
+        """Grow one tree (a chain for sampled requests) per request, one head forward per depth."""
+        B = len(reqs)
+        sampled = [r.temperature > 0 for r in reqs]
+        width = [1 if sampled[i] else self.topk for i in range(B)]
+        depth = [r.num_tokens if (sampled[i] or self.topk == 1) else min(self.depth, r.num_tokens)
+                 for i, r in enumerate(reqs)]
+        nodes: list[list[_Node]] = [[] for _ in range(B)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        fed_parents: list[list[int]] = [[] for _ in range(B)]  # head-cache tree of fed nodes
+        logits = self.head.draft_logits(last)  # [B, draft_vocab]
+        frontier = [self._expand(i, reqs[i], logits[i], -1, 0.0, 1, last[i], width[i], nodes[i], probs[i])
+                    for i in range(B)]
+        for d in range(2, max(depth) + 1):
+            rows = [i for i in range(B) if d <= depth[i] and frontier[i]]
+            if not rows:
+                break
+            ids, toks, inputs, trees = [], [], [], []
+            for i in rows:
+                chosen = frontier[i]
+                for n in chosen:
+                    node = nodes[i][n]
+                    parent_fed = nodes[i][node.parent].fed if node.parent >= 0 else -1
+                    node.fed = len(fed_parents[i])
+                    fed_parents[i].append(parent_fed)
+                ids.append(reqs[i].seq_id)
+                toks.append([nodes[i][n].token for n in chosen])
+                inputs.append(torch.stack([nodes[i][n].hidden for n in chosen]))
+                trees.append(TreeQuery(list(fed_parents[i]), first=len(fed_parents[i]) - len(chosen)))
+            q = max(len(t) for t in toks)
+            feats = torch.zeros(len(rows), q, inputs[0].shape[-1], dtype=inputs[0].dtype, device=inputs[0].device)
+            for j, x in enumerate(inputs):
+                feats[j, : len(x)] = x
+            out, _ = self.runner.forward_hidden(ids, toks, trees=trees, features=feats)  # [R, q, H]
+            logits = self.head.draft_logits(out)  # [R, q, draft_vocab]
+            for j, i in enumerate(rows):
+                children = []
+                for c, n in enumerate(frontier[i]):
+                    node = nodes[i][n]
+                    children += self._expand(i, reqs[i], logits[j, c], n, node.score, d, out[j, c], width[i],
+                                             nodes[i], probs[i])
+                # the next frontier: the best `width` new nodes by path score
+                frontier[i] = sorted(children, key=lambda n: -nodes[i][n].score)[: width[i]]
+        return [self._select(nodes[i], probs[i], reqs[i].num_tokens, sampled[i]) for i in range(B)]
+
+    def _expand(self, i, req, logits, parent, score, depth, hidden, width, nodes, probs) -> list[int]:
+        """Add the children of one node: the top `width` tokens, or one sampled token."""
+        if req.temperature > 0:
+            p = logits_to_probs(logits[None], req.temperature, req.top_k, req.top_p)[0]  # [draft_vocab]
+            d = int(torch.multinomial(p, 1, generator=self._generator(req)))
+            full = torch.zeros(self.head.args.vocab_size, dtype=p.dtype, device=p.device)
+            full[self.head.to_target(torch.arange(len(p), device=p.device))] = p  # draft -> target ids
+            probs.append(full)
+            token = int(self.head.to_target(torch.tensor(d, device=p.device)))
+            nodes.append(_Node(token, parent, 0.0, depth, hidden))
+            return [len(nodes) - 1]
+        logp = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logp, width)
+        tokens = self.head.to_target(top.indices).tolist()
+        added = []
+        for t, lp in zip(tokens, top.values.tolist()):
+            nodes.append(_Node(t, parent, score + lp, depth, hidden))
+            added.append(len(nodes) - 1)
+        return added
+
+    @staticmethod
+    def _select(nodes: list[_Node], probs: list[torch.Tensor], budget: int, sampled: bool) -> Draft:
+        if sampled:  # a chain, in order
+            n = min(budget, len(nodes))
+            return Draft([nd.token for nd in nodes[:n]], torch.stack(probs[:n]) if n else None)
+        # best nodes by path score; shallower first on ties so every kept node's parent is kept
+        keep = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))[:budget]
+        keep.sort(key=lambda n: (nodes[n].depth, n))  # parents before children
+        index = {n: j for j, n in enumerate(keep)}
+        parents = [index[nodes[n].parent] if nodes[n].parent >= 0 else -1 for n in keep]
+        return Draft([nodes[n].token for n in keep], None, parents)
+
+
+class Eagle1Proposer(EagleProposer):
+    name = "eagle"
+    kind = "eagle"
