@@ -227,12 +227,16 @@ class LLMEngine:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _draft_len(self, seq: Sequence, k: int) -> int:
+        if seq.params.seed is not None and not seq.params.greedy:
+            # the adaptive k depends on measured time; a seeded sample must not, or the same
+            # seed would consume its random stream differently from run to run
+            k = self.max_k
         if seq.params.num_speculative_tokens is not None:
             k = min(k, seq.params.num_speculative_tokens)
         return max(0, min(k, seq.remaining_tokens - 1))
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        start = time.perf_counter()
+        step_start = time.perf_counter()
         k = self.policy.choose([s.acceptance_ema for s in seqs]) if self.max_k else 0
         draft_lens = [self._draft_len(s, k) for s in seqs]
         if any(draft_lens):
@@ -263,7 +267,7 @@ class LLMEngine:
         target_argmax = logits.argmax(-1).tolist() if trees is not None else None  # [B][Q]
         for i, seq in enumerate(seqs):
             draft = drafts[i]
-            start = self.runner.cached_len(seq.request_id) - (0 if trees is not None else len(inputs[i]))
+            kv_start = self.runner.cached_len(seq.request_id) - (0 if trees is not None else len(inputs[i]))
             if not draft.is_chain:
                 emitted, path = verify_tree_greedy(target_argmax[i], len(pending[i]), draft)
                 rows = list(range(len(pending[i]))) + [len(pending[i]) + j for j in path]
@@ -280,7 +284,7 @@ class LLMEngine:
             if trees is not None:
                 self.runner.keep_path(seq.request_id, rows)
             else:
-                self.runner.set_cached_len(seq.request_id, start + len(rows))
+                self.runner.set_cached_len(seq.request_id, kv_start + len(rows))
             if features is not None:
                 seq.features.append(features[i, rows].clone())
             seq.append_tokens(emitted)
@@ -289,7 +293,7 @@ class LLMEngine:
             seq.num_accepted_tokens += num_accepted
             seq.acceptance_ema = self.policy.update_acceptance(seq.acceptance_ema, len(draft.tokens), num_accepted)
             self.stats.observe(len(draft.tokens), num_accepted)
-        self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - start)
+        self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
 
     @staticmethod
     def _take_features(seq: Sequence) -> tuple[torch.Tensor | None, int]:
