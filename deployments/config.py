@@ -6,11 +6,40 @@ applied with `.options(...)` in deployments.app; the decorators carry no resourc
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayspec.config import EngineConfig, SpeculativeConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_local_path(spec: str | None) -> str | None:
+    """A relative model/head path that exists from the working directory or, failing that, from the
+    repo root -> an absolute path (replicas may run elsewhere); anything else (hub ids, the
+    default model's name, absolute paths, paths that do not exist) is returned as it is."""
+    from rayspec.loader import DEFAULT_MODEL
+
+    if not spec or spec in (DEFAULT_MODEL, "default"):
+        return spec
+    path = Path(spec).expanduser()
+    if path.is_absolute():
+        return spec
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / path).exists():
+            return str((base / path).resolve())
+    return spec
+
+
+def feeds_target_features(method: str) -> bool:
+    """EAGLE-style proposers: they draft from target hidden states handed over every step."""
+    from rayspec.proposers import PROPOSERS
+    from rayspec.proposers.eagle import EagleProposer
+
+    cls = PROPOSERS.get(method)
+    return cls is not None and issubclass(cls, EagleProposer)
 
 
 class _Strict(BaseModel):
@@ -28,6 +57,10 @@ class SpeculativeArgs(_Strict):
     draft_model: str | None = None
     draft_num_layers: int | None = Field(None, ge=1)
     draft_dtype: str | None = None
+    # eagle3 / eagle tree drafting (SGLang's names): branching per node (1 = a chain) and tree
+    # depth (None: num_speculative_tokens); num_speculative_tokens caps the nodes verified
+    eagle_topk: int = Field(1, ge=1)
+    num_steps: int | None = Field(None, ge=1)
 
     @field_validator("method")
     @classmethod
@@ -38,10 +71,17 @@ class SpeculativeArgs(_Strict):
             raise ValueError(f"unknown speculative method {method!r}; registered: {sorted(PROPOSERS)}")
         return method
 
+    @field_validator("draft_model")
+    @classmethod
+    def _local_draft(cls, spec: str | None) -> str | None:
+        return resolve_local_path(spec)
+
     @model_validator(mode="after")
     def _lookup_range(self):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if feeds_target_features(self.method) and not self.draft_model:
+            raise ValueError(f"method {self.method!r} needs the EAGLE head's location in draft_model")
         return self
 
     def to_config(self) -> SpeculativeConfig:
@@ -128,10 +168,20 @@ class AppArgs(_Strict):
     verifier: DeploymentArgs = Field(default_factory=DeploymentArgs)
     proposer: DeploymentArgs = Field(default_factory=DeploymentArgs)
 
+    @field_validator("model")
+    @classmethod
+    def _local_model(cls, spec: str) -> str:
+        return resolve_local_path(spec)
+
     @model_validator(mode="after")
     def _topology(self):
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
+        if (self.topology == "disaggregated" and feeds_target_features(self.speculative.method)
+                and self.proposer.max_replicas != 1):
+            # the head's KV cache is built from features streamed once; another replica cannot rebuild it
+            raise ValueError(f"method {self.speculative.method!r} keeps per-sequence head state fed by the "
+                             "verifier's features: the proposer deployment must have exactly one replica")
         return self
 
     @property

@@ -1,9 +1,15 @@
-"""The proposer deployment: any registered rayspec proposer (ngram, draft_model, ...) behind a handle.
+"""The proposer deployment: any registered rayspec proposer (ngram, draft_model, eagle3, eagle) behind a handle.
 
 State (a draft model's KV cache) is keyed by the verifier's seq ids, which are unique per
 verifier replica, so several verifiers can share one proposer. A replica that never saw a
 sequence (or lost it: restart, another replica) simply re-prefills from the token list the
 request carries (the draft model proposer recomputes from the common prefix); n-gram is stateless.
+
+EAGLE heads draft from the target's hidden states: the verifier asks once for `feature_layers`,
+then its engine extracts those features and sends each sequence's new rows with every request
+(CPU tensors; moved to this replica's device here). The head's cache is built from that stream,
+so an EAGLE proposer must be a single replica (AppArgs checks). Without the target in this
+process, the head loads the target's embedding (and, for EAGLE-1, its LM head) itself.
 """
 
 from __future__ import annotations
@@ -36,8 +42,17 @@ class Proposer:
         self._lock = threading.Lock()  # proposer state is not thread-safe
         self.num_calls = 0
         self.num_requests = 0
+        self.num_tree_drafts = 0
+
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """What the verifier's engine must hand over (rayspec.proposers.base.Proposer.feature_layers)."""
+        layers = self.proposer.feature_layers
+        return None if layers is None else tuple(layers)
 
     def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
+        for r in requests:
+            if r.features is not None and r.features.device != self.device:
+                r.features = r.features.to(self.device)
         with self._lock:
             for seq_id in released or ():
                 self.proposer.release(seq_id)
@@ -49,8 +64,12 @@ class Proposer:
         for d in drafts:  # CPU tensors travel anywhere (the verifier moves them to its device)
             if d.probs is not None and d.probs.device.type != "cpu":
                 d.probs = d.probs.cpu()
+            if not d.is_chain:  # token trees (EAGLE, greedy) travel as they are: tokens + parents
+                self.num_tree_drafts += 1
         return drafts
 
     def stats(self) -> dict:
+        layers = self.proposer.feature_layers
         return {"method": self.proposer.name, "device": str(self.device), "num_calls": self.num_calls,
-                "num_requests": self.num_requests}
+                "num_requests": self.num_requests, "num_tree_drafts": self.num_tree_drafts,
+                "feature_layers": None if layers is None else list(layers)}

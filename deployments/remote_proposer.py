@@ -4,9 +4,15 @@ One RPC per engine step carries the whole batch (ProposeRequest list -> Draft li
 finished sequences are queued and ride along on the next call (or on `flush()`, which the engine
 loop calls when idle), so there is never an RPC per request per token. It blocks the engine
 thread, which is where the engine calls it: `handle.propose.remote(...).result()`.
+
+EAGLE: `feature_layers` is asked of the proposer deployment once, at construction; the engine
+reads it and then puts the target features of every newly committed token into the requests,
+which are sent as CPU tensors. Drafts come back whole: token trees keep their `parents`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -16,14 +22,25 @@ from rayspec.proposers import Draft, Proposer, ProposeRequest
 class RemoteProposer(Proposer):
     name = "remote"
 
-    def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 120.0):
+    def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 120.0,
+                 startup_timeout_s: float | None = 1800.0):
         self.handle = handle
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
         self._released: list[str] = []
         self.num_calls = 0
+        # waits for the proposer replica to be up (it may be loading a large target's embedding)
+        layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
+        self.feature_layers: tuple[int, ...] | None = None if layers is None else tuple(layers)
+
+    @staticmethod
+    def _portable(req: ProposeRequest) -> ProposeRequest:
+        if req.features is None or req.features.device.type == "cpu":
+            return req
+        return dataclasses.replace(req, features=req.features.cpu())
 
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
+        requests = [self._portable(r) for r in requests]
         released, self._released = self._released, []
         try:
             drafts = self.handle.propose.remote(requests, released).result(timeout_s=self.timeout_s)

@@ -12,12 +12,10 @@ pytest.importorskip("ray.serve")
 from pydantic import ValidationError  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.config import AppArgs  # noqa: E402
-from rayspec.proposers import PROPOSERS  # noqa: E402
+from deployments.config import REPO_ROOT, AppArgs  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SERVE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "cluster.yaml")
-NEEDS = {"llama3_eagle3.yaml": "eagle3"}  # config -> speculative method not registered yet
 
 
 def app_args(path: Path) -> dict:
@@ -31,16 +29,12 @@ def app_args(path: Path) -> dict:
 def test_expected_configs_exist():
     names = {p.name for p in CONFIGS.glob("*.yaml")}
     assert {"default.yaml", "baseline.yaml", "draft_model.yaml", "disaggregated.yaml", "fractional_gpu.yaml",
-            "autoscaling.yaml", "llama3_eagle3.yaml", "cluster.yaml"} <= names
+            "autoscaling.yaml", "llama3_eagle3.yaml", "eagle3.yaml", "eagle3_disaggregated.yaml",
+            "cluster.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
 def test_config_validates_and_builds(path):
-    method = NEEDS.get(path.name)
-    if method is not None and method not in PROPOSERS:
-        with pytest.raises(ValidationError, match="unknown speculative method"):
-            AppArgs.model_validate(app_args(path))
-        pytest.skip(f"{path.name} needs speculative method {method!r} (the EAGLE issue): not registered yet")
     cfg = AppArgs.model_validate(app_args(path))
     cfg.engine_config()
     for opts in (cfg.ingress_options(), cfg.verifier_options(), cfg.proposer_options()):
@@ -64,6 +58,37 @@ def test_placement_options_from_configs():
     assert draft.speculative.draft_num_layers == 8 and draft.topology == "colocated"
 
 
+def test_eagle_configs():
+    head = "heads/smollm2-135m-eagle3"
+    for name, topology in (("eagle3.yaml", "colocated"), ("eagle3_disaggregated.yaml", "disaggregated")):
+        cfg = AppArgs.model_validate(app_args(CONFIGS / name))
+        spec = cfg.engine_config().speculative
+        assert cfg.topology == topology and spec.method == "eagle3"
+        # the repo-relative head path, made absolute once the head is there
+        assert spec.draft_model in (head, str(REPO_ROOT / head))
+        assert (spec.num_speculative_tokens, spec.eagle_topk, spec.num_steps) == (8, 4, 5)
+    dis = AppArgs.model_validate(app_args(CONFIGS / "eagle3_disaggregated.yaml"))
+    assert dis.proposer_options()["ray_actor_options"]["num_gpus"] == 0.25
+    assert dis.verifier_options()["ray_actor_options"]["num_gpus"] == 0.75
+    assert dis.proposer_options()["num_replicas"] == 1
+    llama = AppArgs.model_validate(app_args(CONFIGS / "llama3_eagle3.yaml")).engine_config()
+    assert llama.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert llama.speculative.draft_model == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert (llama.speculative.num_speculative_tokens, llama.speculative.eagle_topk, llama.speculative.num_steps) \
+        == (8, 4, 5)
+
+
+def test_relative_paths_resolve_from_cwd_then_repo_root(tmp_path, monkeypatch):
+    (tmp_path / "heads" / "h").mkdir(parents=True)
+    spec = {"method": "eagle3", "draft_model": "heads/h"}
+    monkeypatch.chdir(tmp_path)
+    assert AppArgs.model_validate({"speculative": spec}).speculative.draft_model == str(tmp_path / "heads" / "h")
+    monkeypatch.chdir(tmp_path / "heads")  # not here: tried from the repo root, else left as is (a hub id)
+    assert AppArgs.model_validate({"speculative": spec}).speculative.draft_model == "heads/h"
+    assert AppArgs.model_validate({"model": "configs"}).model == str(REPO_ROOT / "configs")
+    assert AppArgs.model_validate({"model": "smollm2-135m-instruct"}).model == "smollm2-135m-instruct"
+
+
 def test_cluster_config():
     doc = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
     types = doc["available_node_types"]
@@ -82,6 +107,11 @@ def test_cluster_config():
     ({"engine": {"max_num_seqs": 0}}, "max_num_seqs"),
     ({"engine": {"kv_cache_gb": 1}}, "kv_cache_gb"),
     ({"proposer": {"ray_actor_options": {"num_gpus": -1}}}, "num_gpus"),
+    ({"speculative": {"method": "eagle3"}}, "draft_model"),
+    ({"speculative": {"method": "eagle", "draft_model": "h", "eagle_topk": 0}}, "eagle_topk"),
+    ({"speculative": {"method": "eagle3", "draft_model": "h", "num_steps": 0}}, "num_steps"),
+    ({"topology": "disaggregated", "speculative": {"method": "eagle3", "draft_model": "h"},
+      "proposer": {"num_replicas": 2}}, "exactly one replica"),
 ])
 def test_invalid_args(args, match):
     with pytest.raises(ValidationError, match=match):

@@ -31,6 +31,20 @@ class _Node:
         self.fed = -1  # head-cache tree index once fed
 
 
+def _load_target_io(context):
+    """The target without its decoder layers: the embedding (and LM head) a head shares with it.
+
+    args.num_layers stays the full count (EAGLE-3 picks its default feature layers from it)."""
+    import dataclasses
+
+    from rayspec.loader import load_hf_config, load_model, resolve_model_dir
+
+    num_layers = load_hf_config(resolve_model_dir(context.target_model)).num_hidden_layers
+    target, _ = load_model(context.target_model, device=context.device, dtype=context.dtype, num_layers=0)
+    target.args = dataclasses.replace(target.args, num_layers=num_layers)
+    return target
+
+
 class EagleProposer(Proposer):
     name = "eagle3"
     kind = "eagle3"
@@ -41,9 +55,10 @@ class EagleProposer(Proposer):
 
         if not config.draft_model:
             raise ValueError(f"method {cls.name!r} needs the head's location in `draft_model`")
-        if context.target is None:
-            raise ValueError(f"method {cls.name!r} runs next to its target (it shares the embedding)")
-        head = load_eagle_head(config.draft_model, context.target, kind=cls.kind, device=context.device,
+        target = context.target
+        if target is None:  # a proposer deployment (disaggregated): load what the head shares
+            target = _load_target_io(context)
+        head = load_eagle_head(config.draft_model, target, kind=cls.kind, device=context.device,
                                dtype=context.dtype)
         return cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                    topk=config.eagle_topk, depth=config.num_steps)

@@ -1,0 +1,197 @@
+"""EAGLE-3 served on Ray Serve, colocated and disaggregated (tiny random target, hand-set head).
+
+Greedy outputs over the Python handle and over HTTP must equal the target's own greedy output
+(an in-process engine without speculation) while the head drafts token trees (eagle_topk 4) or
+chains (eagle_topk 1). Disaggregated, the verifier's engine sends the target features of every
+committed token to the proposer deployment and gets drafts back, token trees with their parents.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import httpx
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from conftest import make_tiny_model_dir  # noqa: E402
+from serve_utils import free_port, tiny_args  # noqa: E402
+
+from deployments.app import build_app  # noqa: E402
+from deployments.protocol import GenerateRequest  # noqa: E402
+from deployments.proposer import Proposer  # noqa: E402
+from deployments.remote_proposer import RemoteProposer  # noqa: E402
+from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head  # noqa: E402
+from rayspec.eagle.head import build_head  # noqa: E402
+from rayspec.engine import LLMEngine  # noqa: E402
+from rayspec.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["one two three four five six seven one two three four five six seven one two",
+           "The quick brown fox jumps over the lazy dog. The quick brown",
+           "1, 2, 3, 4, 5, 6,"]
+MAX_TOKENS = 32
+TARGET_LAYERS = 8  # EAGLE-3 default feature layers of an 8-layer target: inputs of layers 2, 4, 5
+ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
+# app name -> (topology, eagle_topk)
+APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1)}
+
+
+def copy_head(target_dir, draft_tokens: list[int]):
+    """An EAGLE-3 head set by hand to predict "the next token repeats this one", over a draft
+    vocabulary of `draft_tokens` (so d2t maps draft ids to scattered target ids).
+
+    A random head is next to never accepted; this one is on the runs a tiny random model
+    produces, so accepted paths (and the features of accepted tokens) are exercised too.
+    Attention looks (almost) only at the current position and copies the normed embedding's
+    first kv_heads x head_dim dims; fc and the MLP are off; lm_head reads those dims back.
+    """
+    from safetensors.torch import load_file
+
+    config = new_eagle_config("eagle3", target_dir, TARGET_LAYERS, 64, draft_vocab_size=len(draft_tokens))
+    torch.manual_seed(0)
+    head = build_head(config)
+    a = head.args
+    hd, groups = a.head_dim, a.num_kv_heads
+    per_group = a.num_heads // groups
+    width = groups * hd
+    attn = head.midlayer.self_attn
+    emb = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    ids = torch.tensor(sorted(draft_tokens))
+    with torch.no_grad():
+        for w in (head.fc.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                  head.midlayer.mlp.down_proj.weight, head.lm_head.weight):
+            w.zero_()
+        attn.k_proj.weight[:, :width] = torch.eye(width)
+        attn.v_proj.weight[:, :width] = torch.eye(width)
+        for h in range(a.num_heads):
+            g = h // per_group
+            attn.q_proj.weight[h * hd:(h + 1) * hd, g * hd:(g + 1) * hd] = 30.0 * torch.eye(hd)
+            attn.o_proj.weight[g * hd:(g + 1) * hd, h * hd:(h + 1) * hd] = torch.eye(hd) / per_group
+        normed = torch.nn.functional.rms_norm(emb[ids], (a.hidden_size,))
+        head.lm_head.weight[:, :width] = normed[:, :width]
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    return head
+
+
+def _engine(target, **spec) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(target), **ENGINE, speculative=SpeculativeConfig(**spec)))
+
+
+@pytest.fixture(scope="module")
+def eagle_setup(tmp_path_factory):
+    """A tiny 8-layer target, its greedy outputs (no speculation) and an EAGLE-3 head for it."""
+    root = tmp_path_factory.mktemp("serve-eagle")
+    target = make_tiny_model_dir(root / "target", num_layers=TARGET_LAYERS)
+    ref = _engine(target, method="none").generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    draft_tokens = sorted({t for o in ref for t in o.token_ids} | set(range(3, 67)))
+    head_dir = save_eagle_head(copy_head(target, draft_tokens), root / "head")
+    return {"target": target, "head": head_dir, "ref": ref}
+
+
+def _spec(head_dir, topk: int) -> dict:
+    return {"method": "eagle3", "draft_model": str(head_dir), "num_speculative_tokens": 4, "eagle_topk": topk,
+            "num_steps": 3, "adaptive": False}
+
+
+# ---- the remote proposer without Ray: a handle that pickles, as between Ray actors -------------
+class _LocalHandle:
+    def __init__(self, replica):
+        self.replica, self.calls = replica, []
+
+    def __getattr__(self, name):
+        handle = self
+
+        class _Method:
+            def remote(self, *args):
+                args = pickle.loads(pickle.dumps(args))
+                handle.calls.append((name, args))
+                value = pickle.loads(pickle.dumps(getattr(handle.replica, name)(*args)))
+                return type("Response", (), {"result": lambda self, timeout_s=None: value})()
+
+        return _Method()
+
+
+def test_remote_proposer_carries_features_and_trees(eagle_setup):
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=_spec(eagle_setup["head"], 4),
+                     engine={**ENGINE, "device": "cpu"})
+    replica = Proposer.func_or_class(args)  # the deployment's class, in this process
+    handle = _LocalHandle(replica)
+    remote = RemoteProposer(handle, device="cpu")
+    assert remote.feature_layers == (2, 4, 5)
+    engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
+                                    speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in eagle_setup["ref"]]
+    assert [name for name, _ in handle.calls].count("feature_layers") == 1  # asked once
+    sent = [r for name, args in handle.calls if name == "propose" for r in args[0]]
+    assert sent and all(r.features is not None and r.features.device.type == "cpu" for r in sent)
+    assert sent[0].features.shape[-1] == 3 * 64 and sent[0].features_start == 0
+    stats = replica.stats()
+    assert stats["num_tree_drafts"] > 0 and stats["feature_layers"] == [2, 4, 5]
+    assert sum(o.num_accepted_tokens for o in out) > 0
+    remote.flush()  # finished sequences are released on the proposer side too
+    name, (requests, released) = handle.calls[-1]
+    assert name == "propose" and not requests and released
+
+
+# ---- served -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(eagle_setup):
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        for name, (topology, topk) in APPS.items():
+            args = tiny_args(eagle_setup["target"], topology=topology, speculative=_spec(eagle_setup["head"], topk),
+                             engine=ENGINE)
+            serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("app", list(APPS))
+def test_greedy_matches_target_alone(served, eagle_setup, app):
+    handle = serve.get_app_handle(app)
+    responses = [handle.generate.remote(GenerateRequest(prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                                        ignore_eos=True)) for p in PROMPTS]  # one batch
+    results = [r.result(timeout_s=120) for r in responses]
+    ref = eagle_setup["ref"]
+    assert [r.token_ids for r in results] == [o.token_ids for o in ref]
+    assert sum(r.num_draft_tokens for r in results) > 0
+    assert sum(r.num_accepted_tokens for r in results) > 0
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    resp = httpx.post(f"{served}/{app}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == ref[1].text
+
+
+@pytest.mark.parametrize("app", ["disaggregated", "chain"])
+def test_proposer_deployment_drafts_from_sent_features(served, app):
+    stats = serve.get_deployment_handle("Proposer", app_name=app).stats.remote().result(timeout_s=60)
+    assert stats["method"] == "eagle3" and stats["feature_layers"] == [2, 4, 5]
+    assert stats["num_calls"] > 0
+    if APPS[app][1] > 1:
+        assert stats["num_tree_drafts"] > 0  # trees came back to the verifier with their parents
+    else:
+        assert stats["num_tree_drafts"] == 0
+
+
+def test_sampled_requests_draft_chains_remotely(served, eagle_setup):
+    """temperature > 0: chains with draft probabilities over the wire; a seeded request samples
+    exactly what an in-process colocated engine samples."""
+    params = {"max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True}
+    handle = serve.get_app_handle("disaggregated")
+    engine = _engine(eagle_setup["target"], **_spec(eagle_setup["head"], 4))
+    for prompt in PROMPTS[:2]:
+        got = handle.generate.remote(GenerateRequest(prompt=prompt, **params)).result(timeout_s=120)
+        want = engine.generate([prompt], SamplingParams(**params))[0]
+        assert got.token_ids == want.token_ids and got.num_draft_tokens > 0
