@@ -69,7 +69,9 @@ def verify_sampled(
 def verify_tree_parents(num_pending: int, draft) -> list[int]:
     """Parents for a verification row: the pending tokens as a chain, the draft tree under the last."""
     chain = list(range(-1, num_pending - 1))
-    return chain + [num_pending - 1 if p < 0 else num_pending + p for p in draft.parents]
+    # a chain draft (parents None: sampled, or no draft at all) can share a batch with trees
+    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+    return chain + [num_pending - 1 if p < 0 else num_pending + p for p in parents]
 
 
 def verify_tree_greedy(target_argmax: list[int], num_pending: int, draft) -> tuple[list[int], list[int]]:

@@ -45,7 +45,14 @@ class EagleConfig:
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
     # as EAGLE-3 and vLLM: inputs of layer 2, the middle layer and the third from last
-    return tuple(sorted({2, num_target_layers // 2, num_target_layers - 3}))
+    ids = {2, num_target_layers // 2, num_target_layers - 3}
+    if len(ids) == 3 and min(ids) >= 0 and max(ids) < num_target_layers:  # 7 layers or more
+        return tuple(sorted(ids))
+    # fewer layers: those would repeat or fall outside; take up to 3 distinct ones, evenly spread
+    n = min(3, num_target_layers)
+    if n <= 1:
+        return (0,)
+    return tuple(sorted({round(i * (num_target_layers - 1) / (n - 1)) for i in range(n)}))
 
 
 class Eagle3Layer(nn.Module):
