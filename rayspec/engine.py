@@ -79,7 +79,8 @@ class LLMEngine:
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
-        self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
+        # a token tree's acceptance is not a chain's geometric series the policy models: trees keep k
+        self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive and spec.eagle_topk == 1)
         self.stats = SpecDecodeStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -152,10 +152,11 @@ def test_exact_max_tokens_when_every_draft_is_accepted(tiny_model_dir, tiny, bas
     assert out.num_steps == -(-(max_tokens - 1) // (k + 1))
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
 @pytest.mark.parametrize("name,spec", SPECS, ids=SPEC_IDS)
-def test_seed_reproduces_sampled_output(tiny_model_dir, tiny, name, spec):
+def test_seed_reproduces_sampled_output(tiny_model_dir, tiny, name, spec, adaptive):
     def sampled(seed: int, batch: bool) -> list[int]:
-        engine = _engine(tiny_model_dir, tiny, spec)
+        engine = _engine(tiny_model_dir, tiny, spec, adaptive=adaptive)
         params = SamplingParams(temperature=1.5, top_p=0.95, max_tokens=N, ignore_eos=True, seed=seed)
         if not batch:
             return engine.generate([PROMPT], params)[0].token_ids
