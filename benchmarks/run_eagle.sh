@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Offline benchmark of the EAGLE issue: SmolLM2-135M with the trained EAGLE-3 head in heads/,
+# greedy, concurrency 1, 128 new tokens, 10 prompts of each shared set.
+# Usage (inside .venv, on a quiet machine): benchmarks/run_eagle.sh [shared-prompts-dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROMPTS=${1:-../shared/data/prompts}
+OUT=benchmarks/results
+HEAD=${HEAD:-heads/smollm2-135m-eagle3}
+K=${K:-8}; TOPK=${TOPK:-4}; STEPS=${STEPS:-4}
+mkdir -p "$OUT"
+for set in mt_bench humaneval gsm8k; do
+  rayspec bench offline --method eagle3 --draft-model "$HEAD" --num-speculative-tokens "$K" \
+    --eagle-topk "$TOPK" --num-steps "$STEPS" --prompts "$PROMPTS/$set.jsonl" --num-prompts 10 \
+    --max-tokens 128 --no-hf --output-json "$OUT/offline_eagle3_$set.json"
+done
+python benchmarks/summarize.py "$OUT"/offline_eagle3_*.json
