@@ -23,6 +23,9 @@ class SpeculativeConfig:
     # tree depth (None: num_speculative_tokens); num_speculative_tokens caps the tree's nodes
     eagle_topk: int = 1
     num_steps: int | None = None
+    # trees only while at most this many sequences run: a tree multiplies the verified rows,
+    # cheap at batch 1, not at batch 8 (there chains with the adaptive k take over)
+    tree_max_batch: int = 2
 
     def __post_init__(self):
         if self.num_speculative_tokens < 0:

@@ -79,8 +79,8 @@ class LLMEngine:
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
-        # a token tree's acceptance is not a chain's geometric series the policy models: trees keep k
-        self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive and spec.eagle_topk == 1)
+        self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
+        self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.stats = SpecDecodeStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -238,12 +238,15 @@ class LLMEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         step_start = time.perf_counter()
-        k = self.policy.choose([s.acceptance_ema for s in seqs]) if self.max_k else 0
+        # small batches verify token trees of max_k nodes (the adaptive policy models chains,
+        # whose acceptance is a geometric series; a tree's is not); larger ones adaptive chains
+        use_tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
+        k = self.max_k if use_tree else (self.policy.choose([s.acceptance_ema for s in seqs]) if self.max_k else 0)
         draft_lens = [self._draft_len(s, k) for s in seqs]
         if any(draft_lens):
             requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
                                        s.params.top_k, s.params.top_p, s.params.seed,
-                                       *self._take_features(s))
+                                       *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
         else:
@@ -292,9 +295,11 @@ class LLMEngine:
             seq.num_steps += 1
             seq.num_draft_tokens += len(draft.tokens)
             seq.num_accepted_tokens += num_accepted
-            seq.acceptance_ema = self.policy.update_acceptance(seq.acceptance_ema, len(draft.tokens), num_accepted)
+            if draft.is_chain:
+                seq.acceptance_ema = self.policy.update_acceptance(seq.acceptance_ema, len(draft.tokens), num_accepted)
             self.stats.observe(len(draft.tokens), num_accepted)
-        self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
+        if not use_tree:
+            self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
 
     @staticmethod
     def _take_features(seq: Sequence) -> tuple[torch.Tensor | None, int]:

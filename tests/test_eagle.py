@@ -145,6 +145,7 @@ def random_heads(target_dir, target, tmp_path_factory):
 
 
 def _eagle_engine(target_dir, target, head_dir, kind, k, topk, depth=None, **kw):
+    kw.setdefault("tree_max_batch", 8)  # trees at every batch size tested here
     return make_engine(target_dir, kind, k=k, loaded=target, draft_model=str(head_dir), eagle_topk=topk,
                        num_steps=depth, **kw)
 

@@ -97,7 +97,7 @@ def eagle_setup(tmp_path_factory):
 
 def _spec(head_dir, topk: int) -> dict:
     return {"method": "eagle3", "draft_model": str(head_dir), "num_speculative_tokens": 4, "eagle_topk": topk,
-            "num_steps": 3, "adaptive": False}
+            "num_steps": 3, "adaptive": False, "tree_max_batch": 8}
 
 
 # ---- the remote proposer without Ray: a handle that pickles, as between Ray actors -------------

@@ -26,6 +26,8 @@ class ProposeRequest:
     # last call (the engine sends them only to proposers with `feature_layers`)
     features: torch.Tensor | None = None
     features_start: int = 0
+    # a token tree of up to num_tokens nodes is welcome (else a chain of num_tokens)
+    tree: bool = False
 
 
 @dataclass

@@ -137,9 +137,9 @@ class EagleProposer(Proposer):
         """Grow one tree (a chain for sampled requests) per request, one head forward per depth."""
         B = len(reqs)
         sampled = [r.temperature > 0 for r in reqs]
-        width = [1 if sampled[i] else self.topk for i in range(B)]
-        depth = [r.num_tokens if (sampled[i] or self.topk == 1) else min(self.depth, r.num_tokens)
-                 for i, r in enumerate(reqs)]
+        tree = [r.tree and not sampled[i] and self.topk > 1 for i, r in enumerate(reqs)]
+        width = [self.topk if tree[i] else 1 for i in range(B)]
+        depth = [min(self.depth, r.num_tokens) if tree[i] else r.num_tokens for i, r in enumerate(reqs)]
         nodes: list[list[_Node]] = [[] for _ in range(B)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
         fed_parents: list[list[int]] = [[] for _ in range(B)]  # head-cache tree of fed nodes
