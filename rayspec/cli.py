@@ -62,7 +62,7 @@ def cmd_train(args) -> int:
                       output=args.output, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
                       draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+                      checkpoint_every=args.checkpoint_every, seed=args.seed, answers_only=args.answers_only)
     print(run(cfg))
     return 0
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         t = p.add_parser(kind, help=f"train an {kind} head for a target model")
         t.add_argument("--target", default="smollm2-135m-instruct")
         t.add_argument("--prompts", nargs="+", required=True,
-                       help="JSONL prompt files (Spec-Bench `turns` or GSM8K-style `question`)")
+                       help="JSONL prompt files (Spec-Bench `turns` or GSM8K-style `question`); FILE:N takes N at random")
         t.add_argument("--work-dir", required=True, help="answers, features, checkpoints (resumable)")
         t.add_argument("--output", required=True, help="where the head is written")
         t.add_argument("--max-prompts", type=int, default=None)
@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--batch-tokens", type=int, default=4096)
         t.add_argument("--checkpoint-every", type=int, default=100)
         t.add_argument("--seed", type=int, default=0)
+        t.add_argument("--answers-only", action="store_true",
+                       help="loss only on positions whose next token the target wrote (not the user's)")
         t.set_defaults(func=cmd_train)
 
     p = bench.add_parser("serve", help="streaming chat requests against running OpenAI-compatible endpoints")

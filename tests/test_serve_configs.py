@@ -150,7 +150,7 @@ def test_default_config_served(smollm2):
         assert resp.choices[0].message.content.strip()
         assert resp.usage.completion_tokens > 0
         stats = serve.get_app_handle("rayspec").stats.remote().result()
-        assert stats["method"] == "ngram" and stats["num_draft_tokens"] > 0
+        assert stats["method"] == args["speculative"]["method"] and stats["num_draft_tokens"] > 0
     finally:
         serve.shutdown()
         ray.shutdown()

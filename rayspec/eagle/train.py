@@ -46,6 +46,7 @@ class TrainConfig:
     batch_tokens: int = 4096
     weight_decay: float = 0.0
     checkpoint_every: int = 100
+    answers_only: bool = False  # loss only where the target wrote the next token (not the user)
     seed: int = 0
     num_threads: int | None = None
 
@@ -79,7 +80,7 @@ def make_batches(examples: list[dict], batch_tokens: int, rng: random.Random) ->
     return batches
 
 
-def collate(examples: list[dict], idx: list[int], t2d_index: torch.Tensor | None):
+def collate(examples: list[dict], idx: list[int], t2d_index: torch.Tensor | None, answers_only: bool = False):
     """-> feats [B, T, F], next_ids [B, T], labels [B, T] (draft ids, -100 = no loss), lengths [B].
 
     Pair position i: features at i with token i+1; the label is the target's choice after
@@ -99,6 +100,8 @@ def collate(examples: list[dict], idx: list[int], t2d_index: torch.Tensor | None
         if t2d_index is not None:
             lab = t2d_index[lab]  # -100 where the draft vocabulary lacks it
         labels[b, :n] = lab
+        if answers_only and "prompt_len" in r:  # pair i drafts token i+2: keep it when the target wrote it
+            labels[b, : max(0, r["prompt_len"] - 2)] = -100
         lengths[b] = n
     return feats, next_ids, labels, lengths
 
@@ -192,9 +195,13 @@ def run(cfg: TrainConfig) -> Path:
     # 1. answers
     answers = work / "answers.jsonl"
     prompts: list[str] = []
-    for p in cfg.prompts:
-        prompts += read_prompt_file(p)
-    random.Random(cfg.seed).shuffle(prompts)
+    for spec in cfg.prompts:  # "file.jsonl" or "file.jsonl:N" (N prompts drawn at random from it)
+        path, _, count = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "")
+        rows = read_prompt_file(path)
+        if count:
+            random.Random(cfg.seed).shuffle(rows)
+            rows = rows[: int(count)]
+        prompts += rows
     prompts = prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
     engine = LLMEngine(EngineConfig(model=cfg.target, speculative=SpeculativeConfig(method="none"),
                                     max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)
@@ -212,6 +219,11 @@ def run(cfg: TrainConfig) -> Path:
         shards = extract_features(target, answers, feat_dir, tcfg.aux_layers or (target.args.num_layers - 1,))
         (feat_dir / "DONE").write_text("ok")
     examples = load_examples(shards, cfg.kind)
+    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if len(r["prompt_ids"]) + len(r["output_ids"]) >= 3]
+    if len(rows) == len(examples):  # shards follow answers.jsonl row by row
+        for e, r in zip(examples, rows):
+            e["prompt_len"] = len(r["prompt_ids"])
     n_tokens = sum(len(e["ids"]) for e in examples)
     print(f"{len(examples)} conversations, {n_tokens} tokens")
 
@@ -259,7 +271,7 @@ def run(cfg: TrainConfig) -> Path:
     history = []
     bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.kind}", unit="batch")
     while step < total_steps:
-        feats, next_ids, labels, lengths = collate(examples, flat[step], t2d_index)
+        feats, next_ids, labels, lengths = collate(examples, flat[step], t2d_index, cfg.answers_only)
         loss, accs = ttt_loss(head, feats, next_ids, labels, lengths, cfg.ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
