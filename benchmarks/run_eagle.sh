@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PROMPTS=${1:-../shared/data/prompts}
 OUT=benchmarks/results
 HEAD=${HEAD:-heads/smollm2-135m-eagle3}
-K=${K:-8}; TOPK=${TOPK:-4}; STEPS=${STEPS:-4}
+K=${K:-6}; TOPK=${TOPK:-2}; STEPS=${STEPS:-4}
 mkdir -p "$OUT"
 for set in mt_bench humaneval gsm8k; do
   rayspec bench offline --method eagle3 --draft-model "$HEAD" --num-speculative-tokens "$K" \

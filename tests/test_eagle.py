@@ -660,6 +660,16 @@ def test_collate_aligns_pairs_and_labels(train_data, target):
     assert labels[1, lp - 2: lp - 2 + len(answer)].tolist() == answer  # pair lp-2 reads the last prompt token
 
 
+def test_collate_answers_only_masks_the_prompt(train_data):
+    examples = load_examples(train_data["eagle3"], "eagle3")
+    lp = len(TRAIN_PROMPTS[1])
+    examples[1]["prompt_len"] = lp
+    _, _, every, _ = collate(examples, [1], None)
+    _, _, answers, _ = collate(examples, [1], None, answers_only=True)
+    assert (answers[0, : lp - 2] == -100).all()  # pairs whose next token the user wrote: no loss
+    assert torch.equal(answers[0, lp - 2:], every[0, lp - 2:])  # the target's tokens keep theirs
+
+
 def test_ttt_mask_matches_draft_visibility():
     T, lengths = 6, torch.tensor([6, 4])
     m1 = ttt_mask(T, 1, lengths)
