@@ -26,6 +26,9 @@ class SpeculativeConfig:
     # trees only while at most this many sequences run: a tree multiplies the verified rows,
     # cheap at batch 1, not at batch 8 (there chains with the adaptive k take over)
     tree_max_batch: int = 2
+    # no drafts at all while this many sequences or more run (as vLLM's
+    # speculative_disable_by_batch_size): large batches already use the target's compute well
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.num_speculative_tokens < 0:

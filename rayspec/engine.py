@@ -81,6 +81,7 @@ class LLMEngine:
         self.feature_layers = self.proposer.feature_layers
         self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
+        self.disable_by_batch_size = spec.disable_by_batch_size
         self.stats = SpecDecodeStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -242,6 +243,8 @@ class LLMEngine:
         # whose acceptance is a geometric series; a tree's is not); larger ones adaptive chains
         use_tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
         k = self.max_k if use_tree else (self.policy.choose([s.acceptance_ema for s in seqs]) if self.max_k else 0)
+        if self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size:
+            use_tree, k = False, 0
         draft_lens = [self._draft_len(s, k) for s in seqs]
         if any(draft_lens):
             requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,

@@ -173,3 +173,22 @@ def test_long_prompt_joins_next_to_a_sequence_near_the_end(tiny_model_dir, tiny_
     assert len(done[a].token_ids) == MAX_LEN - len(first) and len(done[b].token_ids) == 12
     alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), [first, joiner], params)
     assert [done[a].token_ids, done[b].token_ids] == alone
+
+
+def test_disable_by_batch_size_stops_drafting(tiny_model_dir):
+    """No drafts while >= disable_by_batch_size sequences run; outputs still equal the baseline."""
+    loaded = cached_model(str(tiny_model_dir))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], [11, 12, 13, 11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = make_engine(tiny_model_dir, "none", loaded=loaded)
+    ref = [o.token_ids for o in base.generate(prompts, params)]
+    off = make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded, prompt_lookup_min=1, disable_by_batch_size=2)
+    assert [o.token_ids for o in off.generate(prompts, params)] == ref
+    assert off.stats.num_draft_tokens == 0  # always >= 2 running together
+    drafted = []
+    for limit in (2, None):  # one sequence at a time: the limit changes nothing
+        eng = make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded, prompt_lookup_min=1, disable_by_batch_size=limit)
+        for p, r in zip(prompts, ref):
+            assert eng.generate([p], params)[0].token_ids == r
+        drafted.append(eng.stats.num_draft_tokens)
+    assert drafted[0] == drafted[1] > 0
