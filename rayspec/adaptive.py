@@ -50,10 +50,6 @@ class AdaptiveDraftLength:
         if not self.enabled or self.max_k == 0:
             return self.max_k
         bucket = self._bucket(len(acceptances))
-        if (bucket, 0) not in self._cost and any(b == bucket for b, _ in self._cost):
-            # measure the no-draft step once: guessed from a drafting step's cost it looks only
-            # a few % cheaper, and a policy that never tries k=0 keeps drafting at a loss
-            return 0
         best_k, best_rate = self.max_k, -1.0
         for k in range(self.max_k + 1):
             cost = self._estimated_cost(bucket, k)

@@ -144,17 +144,6 @@ def test_adaptive_defaults_and_probe():
     assert choices == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]  # a 1-token probe now and then
 
 
-def test_adaptive_measures_the_no_draft_step_early():
-    policy = AdaptiveDraftLength(4)
-    assert policy.choose([None]) == 4  # nothing measured: draft
-    policy.observe_step(1, 4, 0.020)
-    assert policy.choose([0.3]) == 0  # k=0 never measured in this bucket: measure it now
-    for k in range(4):  # each draft token adds a quarter of a step
-        policy.observe_step(1, k, 0.010 * (1 + 0.25 * k))
-    assert policy.choose([0.1]) == 0  # at 10% acceptance drafting loses
-    assert policy.choose([0.95]) == 4
-
-
 def test_adaptive_costs_are_per_batch_bucket():
     policy = AdaptiveDraftLength(3)
     for k in range(4):
