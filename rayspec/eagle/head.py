@@ -102,14 +102,7 @@ class EagleHead(nn.Module):
 
     rope = CausalLM.rope
 
-    def new_cache(self, num_slots: int, capacity: int, dtype, device) -> KVCache:
-        return KVCache(self.args, num_slots, capacity, dtype, device)
-
-    def pack_for_cpu(self) -> "EagleHead":
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
-        return self
+    pack_for_cpu = CausalLM.pack_for_cpu  # the same oneDNN prepacking of every projection
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
