@@ -51,6 +51,8 @@ class EngineLoop:
         self.snapshot: dict[str, Any] = {}
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0  # engine.step() wall time, to tell engine time from serving overhead
         self._thread = threading.Thread(target=self._run, name="rayspec-engine", daemon=True)
         self._thread.start()
 
@@ -122,7 +124,10 @@ class EngineLoop:
                 self._update_snapshot()
                 continue
             try:
+                started = time.perf_counter()
                 outputs = engine.step()
+                self.step_seconds += time.perf_counter() - started
+                self.num_steps += 1
             except Exception as err:  # noqa: BLE001 - fail the running requests, keep serving
                 logger.exception("engine step failed")
                 self._fail_all(err)
@@ -211,6 +216,8 @@ class EngineLoop:
             "num_waiting": engine.num_waiting,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
+            "num_steps": self.num_steps,
+            "step_seconds": round(self.step_seconds, 4),
             **engine.stats.as_dict(),
         }
         if self.metrics is not None:

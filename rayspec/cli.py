@@ -20,6 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--eagle-topk", type=int, default=1, help="eagle3/eagle: branching per tree node (1: a chain)")
     p.add_argument("--num-steps", type=int, default=None, help="eagle3/eagle: tree depth")
+    p.add_argument("--eagle-stop-prob", type=float, default=0.0,
+                   help="eagle3/eagle: stop drafting deeper when the frontier's path probability is below this")
 
 
 def cmd_fetch_model(args) -> int:
@@ -39,7 +41,7 @@ def cmd_generate(args) -> int:
                              adaptive=not args.no_adaptive, draft_model=args.draft_model,
                              draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
                              prompt_lookup_max=args.prompt_lookup_max, eagle_topk=args.eagle_topk,
-                             num_steps=args.num_steps)
+                             num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
     engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed))
@@ -76,7 +78,7 @@ def cmd_bench_offline(args) -> int:
         concurrency=args.concurrency, adaptive=not args.no_adaptive, draft_model=args.draft_model,
         draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
-        eagle_topk=args.eagle_topk, num_steps=args.num_steps)
+        eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +101,7 @@ def cmd_bench_serve(args) -> int:
         endpoints=args.endpoint, labels=args.label, model=args.model, prompts_file=args.prompts,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, concurrency=concurrency,
         temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup, timeout=args.timeout,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        log=lambda msg: print(msg, file=sys.stderr, flush=True), rounds=args.rounds)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to always decode max-tokens")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per endpoint before the sweep")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat each level this many times, endpoints taking turns (sums tokens and time)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: output tok/s and mean TPOT vs concurrency")
     p.set_defaults(func=cmd_bench_serve)

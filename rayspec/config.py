@@ -23,6 +23,10 @@ class SpeculativeConfig:
     # tree depth (None: num_speculative_tokens); num_speculative_tokens caps the tree's nodes
     eagle_topk: int = 1
     num_steps: int | None = None
+    # greedy drafts stop growing deeper once the frontier's summed path probability (the head's
+    # own estimate of reaching that depth) is below this: a head step costs more than it returns
+    # there. 0: always num_steps deep.
+    eagle_stop_prob: float = 0.0
     # trees only while at most this many sequences run: a tree multiplies the verified rows,
     # cheap at batch 1, not at batch 8 (there chains with the adaptive k take over)
     tree_max_batch: int = 2
@@ -35,6 +39,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.eagle_topk < 1 or (self.num_steps is not None and self.num_steps < 1):
             raise ValueError("eagle_topk and num_steps must be >= 1")
+        if not 0.0 <= self.eagle_stop_prob < 1.0:
+            raise ValueError("eagle_stop_prob must be in [0, 1)")
         if self.method == "none":
             self.num_speculative_tokens = 0
 

@@ -69,3 +69,23 @@ def test_bench_serve_cli(server, tmp_path, capsys):
         assert ss["acceptance_rate"] is None or 0 <= ss["acceptance_rate"] <= 1
         assert ss["mean_acceptance_length"] is None or 1 <= ss["mean_acceptance_length"] <= 5
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
+
+
+def test_bench_serve_rounds_sum_tokens_and_time(server, tmp_path):
+    """--rounds R repeats each level R times with endpoints taking turns; the level's numbers are
+    over all rounds (tokens and time summed), and the per-round throughputs are kept."""
+    from rayspec.bench.serve import run_serve_benchmark
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "turns": ["Say hello twice."]}) + "\n")
+    order = []
+    result = run_serve_benchmark([server, server + "/v1"], ["A", "B"], model="tiny", prompts_file=str(prompts),
+                                 max_tokens=6, concurrency=[1], warmup=0, rounds=3, log=order.append)
+    assert [m.split("]")[0] for m in order] == ["[A", "[B"] * 3  # turns: A, B, A, B, A, B
+    assert result["config"]["rounds"] == 3
+    for r in result["results"]:
+        assert r["num_rounds"] == 3 and r["num_requests"] == 3 and r["num_completed"] == 3
+        assert len(r["round_output_throughput"]) == 3
+        assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+        assert min(r["round_output_throughput"]) <= r["output_throughput"] <= max(r["round_output_throughput"])
+        assert r["server_stats"]["num_drafts"] >= 0

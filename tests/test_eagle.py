@@ -250,6 +250,34 @@ def test_tree_batch_with_sampled_and_undrafted_requests(target_dir, target, refe
     assert engine.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_stop_prob_stays_exact_and_drafts_less(target_dir, target, reference, trained, topk):
+    """eagle_stop_prob ends a draft early where the head is unsure: outputs unchanged, fewer
+    drafted tokens, and no draft grows past a depth whose frontier the head gave < stop_prob."""
+    head_dir = trained["eagle3"][0]
+    full = _eagle_engine(target_dir, target, head_dir, "eagle3", 6, topk, 4)
+    assert run_batch(full, PROMPTS, GREEDY) == reference
+    stop = 0.5
+    engine = _eagle_engine(target_dir, target, head_dir, "eagle3", 6, topk, 4, eagle_stop_prob=stop)
+    proposer = engine.proposer
+    reach = []
+    original = proposer._worth_growing
+
+    def spy(frontier, nodes, sampled):
+        kept = original(frontier, nodes, sampled)
+        if frontier:
+            reach.append((sum(math.exp(nodes[n].score) for n in frontier), bool(kept)))
+        return kept
+
+    proposer._worth_growing = spy
+    got = run_batch(engine, PROMPTS, GREEDY)
+    assert got == reference
+    assert engine.stats.num_drafts > 0 and engine.stats.num_accepted_tokens > 0
+    assert engine.stats.num_draft_tokens < full.stats.num_draft_tokens
+    assert reach and all(kept == (r >= stop) for r, kept in reach)
+    assert any(not kept for _, kept in reach) and any(kept for _, kept in reach)
+
+
 # ---- T > 0: sampled chains keep the target distribution -----------------------------------------
 
 V16 = 16

@@ -3,7 +3,8 @@
 Each prompt (Spec-Bench JSONL, `turns[0]` as the user message) is sent as a streaming chat
 completion. For every endpoint and every concurrency level of the sweep, exactly `concurrency`
 requests are kept in flight until all prompts are done. Endpoints are interleaved per level
-(A@1, B@1, A@2, B@2, ...) so that machine noise hits them alike.
+(A@1, B@1, A@2, B@2, ...), and with `--rounds R` each level is repeated R times in turn
+(A, B, A, B, ...) with tokens and time summed, so that drift in machine speed hits them alike.
 
 Per endpoint per level: TTFT, TPOT (time per output token after the first), ITL (gaps between
 streamed content chunks) and end-to-end latency (mean/p50/p90/p99, in ms), output tokens/s,
@@ -150,7 +151,7 @@ def stats_delta(before: dict | None, after: dict | None) -> dict | None:
 
 async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: list[str], concurrency: int,
                     max_tokens: int, temperature: float, ignore_eos: bool = False) -> dict:
-    """Send all prompts keeping exactly `concurrency` requests in flight; return the level's metrics."""
+    """Send all prompts keeping exactly `concurrency` requests in flight; return the raw round."""
     stats_before = await fetch_stats(client, url)
     queue: asyncio.Queue[str] = asyncio.Queue()
     for p in prompts:
@@ -169,7 +170,24 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
     duration = time.perf_counter() - start
     stats_after = await fetch_stats(client, url) if stats_before is not None else None
+    return {"results": results, "duration_s": duration, "server_stats": stats_delta(stats_before, stats_after)}
 
+
+def _merge_stats(deltas: list[dict | None]) -> dict | None:
+    if not deltas or any(d is None for d in deltas):
+        return None
+    d = {k: sum(x[k] for x in deltas) for k in STATS_KEYS}
+    drafted, accepted, drafts = d["num_draft_tokens"], d["num_accepted_tokens"], d["num_drafts"]
+    d["acceptance_rate"] = accepted / drafted if drafted > 0 else None
+    d["mean_acceptance_length"] = 1 + accepted / drafts if drafts > 0 else None
+    d["method"] = deltas[-1].get("method")
+    return d
+
+
+def level_metrics(concurrency: int, rounds: list[dict]) -> dict:
+    """One endpoint at one concurrency, over all its rounds (tokens and time summed)."""
+    results = [r for rnd in rounds for r in rnd["results"]]
+    duration = sum(rnd["duration_s"] for rnd in rounds)
     ok = [r for r in results if r.ok]
     errors = [r.error for r in results if not r.ok]
     tokens = sum(r.completion_tokens for r in ok)
@@ -178,6 +196,7 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
     rej = sum(r.rejected for r in with_acc)
     return {
         "concurrency": concurrency,
+        "num_rounds": len(rounds),
         "num_requests": len(results),
         "num_completed": len(ok),
         "num_errors": len(errors),
@@ -185,6 +204,9 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
         "duration_s": duration,
         "output_tokens": tokens,
         "output_throughput": tokens / duration if duration > 0 else 0.0,
+        # per round, to show the spread the noise gives
+        "round_output_throughput": [sum(r.completion_tokens for r in rnd["results"] if r.ok) / rnd["duration_s"]
+                                    for rnd in rounds if rnd["duration_s"] > 0],
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": summarize([t for r in ok if (t := r.tpot) is not None]),
@@ -193,14 +215,14 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
         "usage_acceptance": {"accepted_tokens": acc, "rejected_tokens": rej,
                              "acceptance_rate": acc / (acc + rej) if acc + rej > 0 else None}
         if with_acc else None,
-        "server_stats": stats_delta(stats_before, stats_after),
+        "server_stats": _merge_stats([rnd["server_stats"] for rnd in rounds]),
     }
 
 
 async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], model: str, prompts: list[str],
                                     concurrencies: list[int], max_tokens: int, temperature: float,
                                     ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0,
-                                    log=print) -> dict:
+                                    log=print, rounds: int = 1) -> dict:
     urls = [base_url(e) for e in endpoints]
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) for _ in urls]
@@ -212,25 +234,31 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                 if not r.ok:
                     log(f"[{label}] warmup request failed: {r.error}")
         for c in concurrencies:
-            for client, url, label in zip(clients, urls, labels):
-                level = await run_level(client, url, model, prompts, c, max_tokens, temperature, ignore_eos)
-                level = {"label": label, "endpoint": url, **level}
-                results.append(level)
-                log(f"[{label}] concurrency {c}: {level['output_throughput']:.1f} tok/s, "
-                    f"{level['num_errors']} errors, {level['duration_s']:.1f} s")
+            done: dict[str, list[dict]] = {label: [] for label in labels}
+            for i in range(rounds):  # A, B, C, A, B, C: drift in machine speed hits every endpoint alike
+                for client, url, label in zip(clients, urls, labels):
+                    rnd = await run_level(client, url, model, prompts, c, max_tokens, temperature, ignore_eos)
+                    done[label].append(rnd)
+                    tokens = sum(r.completion_tokens for r in rnd["results"] if r.ok)
+                    log(f"[{label}] concurrency {c} round {i + 1}/{rounds}: "
+                        f"{tokens / max(rnd['duration_s'], 1e-9):.1f} tok/s, "
+                        f"{sum(not r.ok for r in rnd['results'])} errors, {rnd['duration_s']:.1f} s")
+            for url, label in zip(urls, labels):
+                results.append({"label": label, "endpoint": url, **level_metrics(c, done[label])})
     finally:
         for client in clients:
             await client.aclose()
     return {"config": {"endpoints": urls, "labels": labels, "model": model, "num_prompts": len(prompts),
                        "max_tokens": max_tokens, "temperature": temperature, "concurrency": concurrencies,
-                       "ignore_eos": ignore_eos, "warmup": warmup},
+                       "ignore_eos": ignore_eos, "warmup": warmup, "rounds": rounds},
             "results": results}
 
 
 def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, model: str = "smollm2-135m-instruct",
                         prompts_file: str | None = None, num_prompts: int | None = None, max_tokens: int = 128,
                         concurrency: list[int] | str = (1, 2, 4, 8), temperature: float = 0.0,
-                        ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0, log=print) -> dict:
+                        ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0, log=print,
+                        rounds: int = 1) -> dict:
     if not endpoints:
         raise ValueError("give at least one --endpoint")
     if labels and len(labels) != len(endpoints):
@@ -241,7 +269,7 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, m
         raise ValueError("give --prompts")
     prompts = load_prompts(prompts_file, num_prompts)
     return asyncio.run(run_serve_benchmark_async(endpoints, labels, model, prompts, concurrencies, max_tokens,
-                                                 temperature, ignore_eos, warmup, timeout, log))
+                                                 temperature, ignore_eos, warmup, timeout, log, rounds))
 
 
 def parse_concurrency(text: str) -> list[int]:

@@ -14,6 +14,8 @@ Drafted positions are dropped from the head cache afterwards (only committed pai
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rayspec.eagle.head import EagleHead
@@ -61,11 +63,12 @@ class EagleProposer(Proposer):
         head = load_eagle_head(config.draft_model, target, kind=cls.kind, device=context.device,
                                dtype=context.dtype)
         return cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
-                   topk=config.eagle_topk, depth=config.num_steps)
+                   topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob)
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
-                 topk: int = 1, depth: int | None = None):
+                 topk: int = 1, depth: int | None = None, stop_prob: float = 0.0):
         self.head = head
+        self.stop_prob = stop_prob
         self.topk = max(1, topk)
         self.depth = depth or max_draft_tokens
         slack = self.topk * self.depth + max_draft_tokens + 2
@@ -146,6 +149,7 @@ class EagleProposer(Proposer):
         logits = self.head.draft_logits(last)  # [B, draft_vocab]
         frontier = [self._expand(i, reqs[i], logits[i], -1, 0.0, 1, last[i], width[i], nodes[i], probs[i])
                     for i in range(B)]
+        frontier = [self._worth_growing(frontier[i], nodes[i], sampled[i]) for i in range(B)]
         for d in range(2, max(depth) + 1):
             rows = [i for i in range(B) if d <= depth[i] and frontier[i]]
             if not rows:
@@ -176,7 +180,15 @@ class EagleProposer(Proposer):
                                              nodes[i], probs[i])
                 # the next frontier: the best `width` new nodes by path score
                 frontier[i] = sorted(children, key=lambda n: -nodes[i][n].score)[: width[i]]
+                frontier[i] = self._worth_growing(frontier[i], nodes[i], sampled[i])
         return [self._select(nodes[i], probs[i], reqs[i].num_tokens, sampled[i]) for i in range(B)]
+
+    def _worth_growing(self, frontier: list[int], nodes: list[_Node], sampled: bool) -> list[int]:
+        """The frontier, or [] when the head itself gives it too little chance to be reached."""
+        if sampled or self.stop_prob <= 0 or not frontier:
+            return frontier
+        reach = sum(math.exp(nodes[n].score) for n in frontier)
+        return frontier if reach >= self.stop_prob else []
 
     def _expand(self, i, req, logits, parent, score, depth, hidden, width, nodes, probs) -> list[int]:
         """Add the children of one node: the top `width` tokens, or one sampled token."""
