@@ -7,11 +7,11 @@ cd "$(dirname "$0")/.."
 PROMPTS=${1:-../shared/data/prompts}
 OUT=benchmarks/results
 HEAD=${HEAD:-heads/smollm2-135m-eagle3}
-K=${K:-6}; TOPK=${TOPK:-2}; STEPS=${STEPS:-4}
+K=${K:-8}; TOPK=${TOPK:-2}; STEPS=${STEPS:-4}; STOP=${STOP:-0.2}; LOOKUP=${LOOKUP:-5}
 mkdir -p "$OUT"
 for set in mt_bench humaneval gsm8k; do
   rayspec bench offline --method eagle3 --draft-model "$HEAD" --num-speculative-tokens "$K" \
-    --eagle-topk "$TOPK" --num-steps "$STEPS" --prompts "$PROMPTS/$set.jsonl" --num-prompts 10 \
+    --eagle-topk "$TOPK" --num-steps "$STEPS" --eagle-stop-prob "$STOP" --eagle-prompt-lookup "$LOOKUP" --prompts "$PROMPTS/$set.jsonl" --num-prompts 10 \
     --max-tokens 128 --no-hf --output-json "$OUT/offline_eagle3_$set.json"
 done
 python benchmarks/summarize.py "$OUT"/offline_eagle3_*.json

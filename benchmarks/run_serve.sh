@@ -14,13 +14,13 @@ TAG=${TAG:-serve_mt_bench}
 N=${N:-10}; ROUNDS=${ROUNDS:-2}; CONC=${CONC:-1,2,4,8}
 mkdir -p "$OUT"
 offline() {
-  rayspec bench offline --method eagle3 --draft-model heads/smollm2-135m-eagle3 --num-speculative-tokens 6 \
-    --eagle-topk 2 --num-steps 4 --prompts "$PROMPTS" --num-prompts "$N" --max-tokens 128 --no-hf \
+  rayspec bench offline --method eagle3 --draft-model heads/smollm2-135m-eagle3 --num-speculative-tokens 8 \
+    --eagle-topk 2 --num-steps 4 --eagle-stop-prob 0.2 --eagle-prompt-lookup 5 --prompts "$PROMPTS" --num-prompts "$N" --max-tokens 128 --no-hf \
     --output-json "$1" > /dev/null
 }
 serve shutdown -y > /dev/null 2>&1 || true
 offline "$OUT/${TAG}_offline_before.json"
-serve run benchmarks/serve_bench.yaml > "${TMPDIR:-/tmp}/rayspec_serve_run.log" 2>&1 &
+serve run "${CONFIG:-benchmarks/serve_bench.yaml}" > "${TMPDIR:-/tmp}/rayspec_serve_run.log" 2>&1 &
 SERVE_PID=$!
 trap 'serve shutdown -y > /dev/null 2>&1 || true; kill $SERVE_PID 2> /dev/null || true' EXIT
 for app in spec base disagg; do

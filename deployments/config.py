@@ -62,6 +62,7 @@ class SpeculativeArgs(_Strict):
     eagle_topk: int = Field(1, ge=1)
     num_steps: int | None = Field(None, ge=1)
     eagle_stop_prob: float = Field(0.0, ge=0.0, lt=1.0)  # stop drafting deeper below this path probability
+    eagle_prompt_lookup: int = Field(0, ge=0)  # add an n-gram prompt-lookup branch of up to this many tokens
     tree_max_batch: int = Field(2, ge=0)  # trees while at most this many sequences run, then chains
     disable_by_batch_size: int | None = Field(None, ge=1)  # no drafts while this many or more run
 

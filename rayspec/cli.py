@@ -22,6 +22,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-steps", type=int, default=None, help="eagle3/eagle: tree depth")
     p.add_argument("--eagle-stop-prob", type=float, default=0.0,
                    help="eagle3/eagle: stop drafting deeper when the frontier's path probability is below this")
+    p.add_argument("--eagle-prompt-lookup", type=int, default=0,
+                   help="eagle3/eagle: add an n-gram prompt-lookup branch of up to N tokens to greedy trees")
 
 
 def cmd_fetch_model(args) -> int:
@@ -41,7 +43,8 @@ def cmd_generate(args) -> int:
                              adaptive=not args.no_adaptive, draft_model=args.draft_model,
                              draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
                              prompt_lookup_max=args.prompt_lookup_max, eagle_topk=args.eagle_topk,
-                             num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob)
+                             num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
+                             eagle_prompt_lookup=args.eagle_prompt_lookup)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
     engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed))
@@ -78,7 +81,8 @@ def cmd_bench_offline(args) -> int:
         concurrency=args.concurrency, adaptive=not args.no_adaptive, draft_model=args.draft_model,
         draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
-        eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob)
+        eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
+        eagle_prompt_lookup=args.eagle_prompt_lookup)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,10 @@ class SpeculativeConfig:
     # own estimate of reaching that depth) is below this: a head step costs more than it returns
     # there. 0: always num_steps deep.
     eagle_stop_prob: float = 0.0
+    # greedy EAGLE trees also take the n-gram prompt-lookup continuation (prompt_lookup_min/max)
+    # of up to this many tokens as one more branch, verified first; the node budget stays
+    # num_speculative_tokens. 0: off. Repetitive text (code, quoting the prompt) gains most.
+    eagle_prompt_lookup: int = 0
     # trees only while at most this many sequences run: a tree multiplies the verified rows,
     # cheap at batch 1, not at batch 8 (there chains with the adaptive k take over)
     tree_max_batch: int = 2
@@ -39,6 +43,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.eagle_topk < 1 or (self.num_steps is not None and self.num_steps < 1):
             raise ValueError("eagle_topk and num_steps must be >= 1")
+        if self.eagle_prompt_lookup < 0:
+            raise ValueError("eagle_prompt_lookup must be >= 0")
         if not 0.0 <= self.eagle_stop_prob < 1.0:
             raise ValueError("eagle_stop_prob must be in [0, 1)")
         if self.method == "none":

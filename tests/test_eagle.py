@@ -278,6 +278,41 @@ def test_stop_prob_stays_exact_and_drafts_less(target_dir, target, reference, tr
     assert any(not kept for _, kept in reach) and any(kept for _, kept in reach)
 
 
+@pytest.mark.parametrize("head", ["trained", "random"])
+def test_prompt_lookup_branch_stays_exact(target_dir, target, reference, trained, random_heads, head):
+    """eagle_prompt_lookup grafts the n-gram continuation onto greedy trees: outputs unchanged,
+    the branch is really verified, within the node budget, parents before children."""
+    head_dir = trained["eagle3"][0] if head == "trained" else random_heads["eagle3"]
+    engine = _eagle_engine(target_dir, target, head_dir, "eagle3", 6, 2, 3, eagle_prompt_lookup=4)
+    proposer = engine.proposer
+    grafted, drafts = [], []
+    original_add, original_propose = proposer._add_lookup_branch, proposer.propose
+
+    def add(req, nodes):
+        before = len(nodes)
+        original_add(req, nodes)
+        sure = [n for n in nodes if n.score == 0.0]
+        if sure:
+            grafted.append((len(sure), len(nodes) - before))
+
+    def propose(requests):
+        out = original_propose(requests)
+        drafts.extend((r.num_tokens, d) for r, d in zip(requests, out))
+        return out
+
+    proposer._add_lookup_branch, proposer.propose = add, propose
+    got = run_batch(engine, PROMPTS, GREEDY)
+    assert got == reference
+    assert grafted, "the n-gram lookup never matched: the test prompts do not exercise the branch"
+    if head == "random":  # a random head rarely agrees with the lookup: new nodes were added
+        assert any(new > 0 for _, new in grafted)
+    for budget, d in drafts:
+        assert len(d.tokens) <= budget
+        if d.parents is not None:
+            assert all(p < j for j, p in enumerate(d.parents))
+    assert engine.stats.num_accepted_tokens > 0
+
+
 # ---- T > 0: sampled chains keep the target distribution -----------------------------------------
 
 V16 = 16

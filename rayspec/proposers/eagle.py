@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
+from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.runner import ModelRunner, TreeQuery, last_rows
 from rayspec.sampling import logits_to_probs, make_generator
 
@@ -63,12 +65,15 @@ class EagleProposer(Proposer):
         head = load_eagle_head(config.draft_model, target, kind=cls.kind, device=context.device,
                                dtype=context.dtype)
         return cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
-                   topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob)
+                   topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob,
+                   lookup=(config.eagle_prompt_lookup, config.prompt_lookup_min, config.prompt_lookup_max))
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
-                 topk: int = 1, depth: int | None = None, stop_prob: float = 0.0):
+                 topk: int = 1, depth: int | None = None, stop_prob: float = 0.0,
+                 lookup: tuple[int, int, int] = (0, 2, 5)):
         self.head = head
         self.stop_prob = stop_prob
+        self.lookup_tokens, self.lookup_min, self.lookup_max = lookup  # n-gram branch (0: none)
         self.topk = max(1, topk)
         self.depth = depth or max_draft_tokens
         slack = self.topk * self.depth + max_draft_tokens + 2
@@ -181,7 +186,25 @@ class EagleProposer(Proposer):
                 # the next frontier: the best `width` new nodes by path score
                 frontier[i] = sorted(children, key=lambda n: -nodes[i][n].score)[: width[i]]
                 frontier[i] = self._worth_growing(frontier[i], nodes[i], sampled[i])
+        for i in range(B):
+            if tree[i] and self.lookup_tokens:
+                self._add_lookup_branch(reqs[i], nodes[i])
         return [self._select(nodes[i], probs[i], reqs[i].num_tokens, sampled[i]) for i in range(B)]
+
+    def _add_lookup_branch(self, req: ProposeRequest, nodes: list[_Node]) -> None:
+        """Graft the n-gram prompt-lookup continuation onto the tree as a sure branch: its nodes
+        (shared with the head's where the tokens agree) get path score 0, so _select keeps them
+        first and their head-drafted children stay below them."""
+        chain = find_ngram_continuation(np.asarray(req.token_ids, dtype=np.int64), self.lookup_min,
+                                        self.lookup_max, min(self.lookup_tokens, req.num_tokens))
+        parent = -1
+        for depth, token in enumerate(chain, start=1):
+            match = next((n for n, nd in enumerate(nodes) if nd.parent == parent and nd.token == token), None)
+            if match is None:
+                nodes.append(_Node(token, parent, 0.0, depth, None))
+                match = len(nodes) - 1
+            nodes[match].score = 0.0
+            parent = match
 
     def _worth_growing(self, frontier: list[int], nodes: list[_Node], sampled: bool) -> list[int]:
         """The frontier, or [] when the head itself gives it too little chance to be reached."""
