@@ -220,5 +220,9 @@ class EngineLoop:
             "step_seconds": round(self.step_seconds, 4),
             **engine.stats.as_dict(),
         }
+        remote = engine.proposer
+        if hasattr(remote, "call_seconds"):  # disaggregated: the per-step proposer RPC
+            self.snapshot["proposer_calls"] = remote.num_calls
+            self.snapshot["proposer_call_seconds"] = round(remote.call_seconds, 4)
         if self.metrics is not None:
             self.metrics.update(self.snapshot)

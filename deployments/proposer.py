@@ -15,6 +15,7 @@ process, the head loads the target's embedding (and, for EAGLE-1, its LM head) i
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 from ray import serve
@@ -43,6 +44,7 @@ class Proposer:
         self.num_calls = 0
         self.num_requests = 0
         self.num_tree_drafts = 0
+        self.propose_seconds = 0.0  # drafting time inside this replica (the rest of a call is transport)
 
     def feature_layers(self) -> tuple[int, ...] | None:
         """What the verifier's engine must hand over (rayspec.proposers.base.Proposer.feature_layers)."""
@@ -58,7 +60,9 @@ class Proposer:
                 self.proposer.release(seq_id)
             if not requests:
                 return []
+            started = time.perf_counter()
             drafts = self.proposer.propose(requests)
+            self.propose_seconds += time.perf_counter() - started
             self.num_calls += 1
             self.num_requests += len(requests)
         for d in drafts:  # CPU tensors travel anywhere (the verifier moves them to its device)
@@ -71,5 +75,6 @@ class Proposer:
     def stats(self) -> dict:
         layers = self.proposer.feature_layers
         return {"method": self.proposer.name, "device": str(self.device), "num_calls": self.num_calls,
+                "propose_seconds": round(self.propose_seconds, 4),
                 "num_requests": self.num_requests, "num_tree_drafts": self.num_tree_drafts,
                 "feature_layers": None if layers is None else list(layers)}

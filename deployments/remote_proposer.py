@@ -13,6 +13,7 @@ which are sent as CPU tensors. Drafts come back whole: token trees keep their `p
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -29,6 +30,7 @@ class RemoteProposer(Proposer):
         self.timeout_s = timeout_s
         self._released: list[str] = []
         self.num_calls = 0
+        self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
         # waits for the proposer replica to be up (it may be loading a large target's embedding)
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
         self.feature_layers: tuple[int, ...] | None = None if layers is None else tuple(layers)
@@ -42,12 +44,14 @@ class RemoteProposer(Proposer):
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         requests = [self._portable(r) for r in requests]
         released, self._released = self._released, []
+        started = time.perf_counter()
         try:
             drafts = self.handle.propose.remote(requests, released).result(timeout_s=self.timeout_s)
         except BaseException:
             self._released = released + self._released  # try again next time
             raise
         self.num_calls += 1
+        self.call_seconds += time.perf_counter() - started
         if self.device is not None:
             for d in drafts:
                 if d.probs is not None and d.probs.device != self.device:

@@ -75,6 +75,10 @@ def cmd_train(args) -> int:
 def cmd_bench_offline(args) -> int:
     from rayspec.bench.offline import format_result, run_offline_benchmark
 
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     result = run_offline_benchmark(
         model=args.model, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
         prompts_file=args.prompts, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
@@ -141,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=cmd_bench_offline)
 
