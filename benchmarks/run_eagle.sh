@@ -14,4 +14,9 @@ for set in mt_bench humaneval gsm8k; do
     --eagle-topk "$TOPK" --num-steps "$STEPS" --eagle-stop-prob "$STOP" --eagle-prompt-lookup "$LOOKUP" --prompts "$PROMPTS/$set.jsonl" --num-prompts 10 \
     --max-tokens 128 --no-hf --output-json "$OUT/offline_eagle3_$set.json"
 done
-python benchmarks/summarize.py "$OUT"/offline_eagle3_*.json
+# n-gram in the same sitting, for the "faster than ngram on every set" comparison
+for set in mt_bench humaneval gsm8k; do
+  rayspec bench offline --method ngram --num-speculative-tokens 5 --prompts "$PROMPTS/$set.jsonl" --num-prompts 10 \
+    --max-tokens 128 --no-hf --output-json "$OUT/offline_ngram_${set}_with_eagle3.json"
+done
+python benchmarks/summarize.py "$OUT"/offline_eagle3_*.json "$OUT"/offline_ngram_*_with_eagle3.json

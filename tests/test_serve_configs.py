@@ -137,7 +137,6 @@ def test_default_config_served(smollm2):
 
     doc = yaml.safe_load((CONFIGS / "default.yaml").read_text())
     args = doc["applications"][0]["args"]
-    args["engine"]["num_threads"] = 2
     ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
