@@ -252,13 +252,28 @@ def test_tree_batch_with_sampled_and_undrafted_requests(target_dir, target, refe
 
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
 def test_stop_prob_stays_exact_and_drafts_less(target_dir, target, reference, trained, topk):
-    """eagle_stop_prob ends a draft early where the head is unsure: outputs unchanged, fewer
-    drafted tokens, and no draft grows past a depth whose frontier the head gave < stop_prob."""
+    """eagle_stop_prob ends a draft early where the head is unsure: outputs unchanged, fewer head
+    forwards (and, for chains, fewer drafted tokens), and no draft grows past a depth whose
+    frontier the head gave < stop_prob."""
     head_dir = trained["eagle3"][0]
+
+    def counting(engine):
+        calls = [0]
+        original = engine.proposer.runner.forward_hidden
+
+        def forward_hidden(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        engine.proposer.runner.forward_hidden = forward_hidden
+        return calls
+
     full = _eagle_engine(target_dir, target, head_dir, "eagle3", 6, topk, 4)
+    full_calls = counting(full)
     assert run_batch(full, PROMPTS, GREEDY) == reference
     stop = 0.5
     engine = _eagle_engine(target_dir, target, head_dir, "eagle3", 6, topk, 4, eagle_stop_prob=stop)
+    calls = counting(engine)
     proposer = engine.proposer
     reach = []
     original = proposer._worth_growing
@@ -273,9 +288,12 @@ def test_stop_prob_stays_exact_and_drafts_less(target_dir, target, reference, tr
     got = run_batch(engine, PROMPTS, GREEDY)
     assert got == reference
     assert engine.stats.num_drafts > 0 and engine.stats.num_accepted_tokens > 0
-    assert engine.stats.num_draft_tokens < full.stats.num_draft_tokens
     assert reach and all(kept == (r >= stop) for r, kept in reach)
     assert any(not kept for _, kept in reach) and any(kept for _, kept in reach)
+    # per draft, fewer head forwards (a catch-up forward plus one per depth grown)
+    assert calls[0] / engine.stats.num_drafts < full_calls[0] / full.stats.num_drafts
+    if topk == 1:
+        assert engine.stats.num_draft_tokens / engine.stats.num_drafts < full.stats.num_draft_tokens / full.stats.num_drafts
 
 
 @pytest.mark.parametrize("head", ["trained", "random"])
