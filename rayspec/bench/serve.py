@@ -141,11 +141,15 @@ async def fetch_stats(client: httpx.AsyncClient, url: str) -> dict | None:
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
-    d = {k: int(after[k]) - int(before[k]) for k in STATS_KEYS}
+    return _with_rates({k: int(after[k]) - int(before[k]) for k in STATS_KEYS}, after.get("method"))
+
+
+def _with_rates(d: dict, method: str | None) -> dict:
+    """Counter deltas plus acceptance rate and mean acceptance length (1 + accepted / drafts)."""
     drafted, accepted, drafts = d["num_draft_tokens"], d["num_accepted_tokens"], d["num_drafts"]
     d["acceptance_rate"] = accepted / drafted if drafted > 0 else None
     d["mean_acceptance_length"] = 1 + accepted / drafts if drafts > 0 else None
-    d["method"] = after.get("method")
+    d["method"] = method
     return d
 
 
@@ -176,12 +180,7 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
 def _merge_stats(deltas: list[dict | None]) -> dict | None:
     if not deltas or any(d is None for d in deltas):
         return None
-    d = {k: sum(x[k] for x in deltas) for k in STATS_KEYS}
-    drafted, accepted, drafts = d["num_draft_tokens"], d["num_accepted_tokens"], d["num_drafts"]
-    d["acceptance_rate"] = accepted / drafted if drafted > 0 else None
-    d["mean_acceptance_length"] = 1 + accepted / drafts if drafts > 0 else None
-    d["method"] = deltas[-1].get("method")
-    return d
+    return _with_rates({k: sum(x[k] for x in deltas) for k in STATS_KEYS}, deltas[-1].get("method"))
 
 
 def level_metrics(concurrency: int, rounds: list[dict]) -> dict:
