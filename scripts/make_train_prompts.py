@@ -2294,8 +2294,10 @@ def build_chat(rng):
 
 
 def select(pools, quotas, rng, must_keep):
-    """Dedupe each pool, keep the must-keep prompts, fill up to the quota at random."""
-    out = []
+    """Dedupe each pool, keep the must-keep prompts, fill up to the quota at random.
+
+    -> (chosen, leftover): the leftover prompts feed the `--extra` files."""
+    out, leftover = [], []
     seen = set()
     for cat, pool in pools.items():
         uniq = list(dict.fromkeys(pool))
@@ -2303,13 +2305,17 @@ def select(pools, quotas, rng, must_keep):
         rest = [p for p in uniq if p not in set(keep)]
         n = max(0, min(len(rest), quotas[cat] - len(keep)))
         chosen = keep + rng.sample(rest, n)
+        leftover += [(cat, p) for p in rest if p not in set(chosen)]
         for p in chosen:
             key = " ".join(p.lower().split())
             if key not in seen:
                 seen.add(key)
                 out.append((cat, p))
     rng.shuffle(out)
-    return out
+    picked = {" ".join(p.lower().split()) for _, p in out}
+    leftover = [(c, p) for c, p in dict.fromkeys(leftover) if " ".join(p.lower().split()) not in picked]
+    random.Random(len(leftover)).shuffle(leftover)
+    return out, leftover
 
 
 # Instruction wrappers shared on purpose with the evaluation prompts (format, not content).
@@ -2361,8 +2367,13 @@ def write(rows, prefix, path):
 
 
 def main():
-    code = build_code(random.Random(SEED))
-    chat = build_chat(random.Random(SEED + 1))
+    code, code_extra = build_code(random.Random(SEED))
+    chat, chat_extra = build_chat(random.Random(SEED + 1))
+    if "--extra" in sys.argv[1:]:  # the pools' prompts that the quotas left out: more training data
+        check_against_eval(code_extra + chat_extra)
+        write(code_extra, "code-extra", OUT_DIR / "code_prompts_extra.jsonl")
+        write(chat_extra, "chat-extra", OUT_DIR / "chat_prompts_extra.jsonl")
+        return
     check_against_eval(code + chat)
     write(code, "code", OUT_DIR / "code_prompts.jsonl")
     write(chat, "chat", OUT_DIR / "chat_prompts.jsonl")
