@@ -23,11 +23,11 @@ class SpeculativeConfig:
     # tree depth (None: num_speculative_tokens); num_speculative_tokens caps the tree's nodes
     eagle_topk: int = 1
     num_steps: int | None = None
-    # greedy drafts stop growing deeper once the frontier's summed path probability (the head's
+    # tree drafts stop growing deeper once the frontier's summed path probability (the head's
     # own estimate of reaching that depth) is below this: a head step costs more than it returns
     # there. 0: always num_steps deep.
     eagle_stop_prob: float = 0.0
-    # greedy EAGLE trees also take the n-gram prompt-lookup continuation (prompt_lookup_min/max)
+    # EAGLE trees also take the n-gram prompt-lookup continuation (prompt_lookup_min/max)
     # of up to this many tokens as one more branch, verified first; the node budget stays
     # num_speculative_tokens. 0: off. Repetitive text (code, quoting the prompt) gains most.
     eagle_prompt_lookup: int = 0

@@ -23,7 +23,8 @@ from rayspec.config import EngineConfig, ProposerContext
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM, KVCache
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
-from rayspec.rejection import verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents
+from rayspec.rejection import (verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents,
+                               verify_tree_sampled)
 from rayspec.runner import ModelRunner, TreeQuery, last_rows
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
@@ -271,12 +272,16 @@ class LLMEngine:
                              device=self.device)
         verify_logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1]))
         greedy_emitted = verify_greedy(verify_logits.argmax(-1), [d.tokens for d in drafts])
-        target_argmax = logits.argmax(-1).tolist() if trees is not None else None  # [B][Q]
+        target_argmax = logits.argmax(-1).tolist() if trees is not None else None  # [B][Q] (greedy trees)
         for i, seq in enumerate(seqs):
             draft = drafts[i]
             kv_start = self.runner.cached_len(seq.request_id) - (0 if trees is not None else len(inputs[i]))
             if not draft.is_chain:
-                emitted, path = verify_tree_greedy(target_argmax[i], len(pending[i]), draft)
+                if seq.params.greedy:
+                    emitted, path = verify_tree_greedy(target_argmax[i], len(pending[i]), draft)
+                else:
+                    emitted, path = verify_tree_sampled(self._row_probs(seq, logits[i]), len(pending[i]), draft,
+                                                        seq.generator)
                 rows = list(range(len(pending[i]))) + [len(pending[i]) + j for j in path]
             else:
                 if seq.params.greedy:
@@ -303,6 +308,12 @@ class LLMEngine:
             self.stats.observe(len(draft.tokens), num_accepted)
         if not use_tree:
             self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
+
+    @staticmethod
+    def _row_probs(seq: Sequence, row_logits: torch.Tensor):
+        """row -> the processed target distribution there (computed only for rows a walk visits)."""
+        p = seq.params
+        return lambda r: logits_to_probs(row_logits[r][None], p.temperature, p.top_k, p.top_p)[0]
 
     @staticmethod
     def _take_features(seq: Sequence) -> tuple[torch.Tensor | None, int]:

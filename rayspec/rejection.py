@@ -10,6 +10,8 @@ the recovered token is drawn from normalise(max(0, p - q)). p and q are the proc
 (temperature / top-k / top-p) target and draft distributions. A proposer without
 probabilities (n-gram) is a point mass q = one_hot(x), so acceptance is p(x) and the
 residual is p with x removed. The emitted tokens are then distributed exactly as p.
+Token trees are verified greedily (`verify_tree_greedy`) or, when sampled, by applying the
+point-mass rule to siblings in turn (`verify_tree_sampled`).
 """
 
 from __future__ import annotations
@@ -92,3 +94,41 @@ def verify_tree_greedy(target_argmax: list[int], num_pending: int, draft) -> tup
             return [draft.tokens[j] for j in path] + [want], path
         path.append(match)
         node, row = match, num_pending + match
+
+
+def verify_tree_sampled(probs_at, num_pending: int, draft, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """Lossless acceptance over a token tree at temperature > 0 (multi-round, over siblings).
+
+    The tree's tokens were chosen deterministically (the head's top candidates), so each
+    child is a point-mass draft: at a node with target distribution p, the first child x is
+    accepted with probability p(x); on rejection p loses x (renormalised) and the next
+    sibling is tried against that residual, and so on. When every child is rejected, the
+    emitted token is sampled from what is left of p. By induction each round emits exactly
+    the distribution it was handed, so the whole walk emits tokens distributed as the target.
+
+    probs_at(row) -> [vocab] processed target probabilities after row `row` of the
+    verification row (pending tokens, then the tree nodes). Returns (emitted tokens, accepted
+    node indices in path order), like verify_tree_greedy.
+    """
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(draft.parents):
+        children.setdefault(p, []).append(j)
+    node, row, path = -1, num_pending - 1, []
+    while True:
+        p = probs_at(row).clone()  # [vocab]
+        accepted = None
+        for c in children.get(node, ()):
+            token = draft.tokens[c]
+            total = p.sum()
+            u = torch.rand((), generator=generator, device=p.device)
+            if u * total < p[token]:  # accept with probability p(token) / total
+                accepted = c
+                break
+            p[token] = 0
+        if accepted is None:
+            if p.sum() <= 0:  # every token with mass was a rejected sibling: cannot happen
+                p = probs_at(row)  # unless rounding left none; fall back to the target row
+            token = int(torch.multinomial(p, 1, generator=generator))
+            return [draft.tokens[j] for j in path] + [token], path
+        path.append(accepted)
+        node, row = accepted, num_pending + accepted

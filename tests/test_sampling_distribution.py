@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine_utils import empirical, make_engine, tv_distance, tv_threshold
-from rayspec.rejection import verify_greedy, verify_sampled
+from rayspec.proposers.base import Draft
+from rayspec.rejection import verify_greedy, verify_sampled, verify_tree_sampled
 from rayspec.sampling import SamplingParams, logits_to_probs
 
 V = 7
@@ -82,6 +83,36 @@ def test_verify_sampled_acceptance_rate_is_min_p_over_q():
     accepted = sum(len(verify_sampled(target, [d], draft, gen)) == 2 for d in drafts)
     expected = float(torch.minimum(P0, Q0).sum())
     assert abs(accepted / trials - expected) < 0.015
+
+
+# A tree under the last pending token: root children 0 (token 0), 1 (token 2), 2 (token 3: p = 0
+# there), and under node 0 the children 3 (token 1) and 4 (token 6).
+TREE = Draft(tokens=[0, 2, 3, 1, 6], parents=[-1, -1, -1, 0, 0])
+# target rows of the verification row: 2 pending tokens, then the 5 nodes
+TREE_ROWS = torch.stack([P2, P0, P1, P2, P2, P0, P1])
+
+
+def test_verify_tree_sampled_follows_target():
+    """Multi-round rejection over siblings: the first token ~ the root row, and the token after an
+    accepted node ~ that node's row, whichever sibling got accepted."""
+    trials = 30_000
+    gen = torch.Generator().manual_seed(99)
+    firsts, after = [], {0: [], 2: []}
+    for _ in range(trials):
+        out, path = verify_tree_sampled(lambda r: TREE_ROWS[r], 2, TREE, gen)
+        assert len(out) == len(path) + 1 and [TREE.tokens[j] for j in path] == out[:-1]
+        assert all(TREE.parents[b] == a for a, b in zip([-1] + path, path))  # a path down the tree
+        firsts.append(out[0])
+        if path and out[0] in after:
+            after[out[0]].append(out[1])
+    assert 3 not in firsts  # p = 0 at the root for token 3
+    emp = empirical(firsts, V)
+    assert tv_distance(emp, P0) < tv_threshold(P0, trials), (emp, P0)
+    # after token 0 (node 0: its children are drafts too) the next token follows node 0's row;
+    # after token 2 (node 1, a leaf) the bonus token follows node 1's row
+    for token, row in ((0, TREE_ROWS[2 + 0]), (2, TREE_ROWS[2 + 1])):
+        emp = empirical(after[token], V)
+        assert tv_distance(emp, row) < tv_threshold(row, len(after[token])), (token, emp, row)
 
 
 @pytest.mark.parametrize("argmax,drafts,expected", [

@@ -4,11 +4,14 @@ Per sequence the head keeps its own KV cache over "pairs": head position i reads
 features at i with token i+1. The engine hands over the features of every token the target
 has committed (`ProposeRequest.features`), the head catches up on them in one batched
 forward, then drafts:
-- greedy requests draft a tree (EAGLE-2 style): each depth expands the `eagle_topk` best
-  frontier nodes by path probability into their `eagle_topk` best children, and the
-  `num_tokens` best nodes overall are sent for verification (topk 1 is a chain);
-- sampled requests (temperature > 0) draft a chain sampled from the head's distribution,
-  with the probabilities, so the engine's rejection rule stays exact.
+- where the engine asks for a tree (small batches, `eagle_topk` > 1), a tree (EAGLE-2 style):
+  each depth expands the `eagle_topk` best frontier nodes by path probability into their
+  `eagle_topk` best children, and the `num_tokens` best nodes overall are sent for
+  verification. The nodes are chosen, not sampled, also for sampled requests: the engine
+  verifies those with multi-round rejection over siblings, each node a point-mass draft
+  (rayspec.rejection.verify_tree_sampled), so temperature > 0 stays exact;
+- otherwise a chain: the top token per depth (greedy), or for sampled requests a chain
+  sampled from the head's distribution, with the probabilities, for the rejection rule.
 Drafted positions are dropped from the head cache afterwards (only committed pairs stay).
 """
 
@@ -142,17 +145,17 @@ class EagleProposer(Proposer):
 
     # ---- drafting --------------------------------------------------------------------
     def _draft(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
-        """Grow one tree (a chain for sampled requests) per request, one head forward per depth."""
+        """Grow one tree (or chain) per request, one head forward per depth."""
         B = len(reqs)
-        sampled = [r.temperature > 0 for r in reqs]
-        tree = [r.tree and not sampled[i] and self.topk > 1 for i, r in enumerate(reqs)]
+        tree = [r.tree and self.topk > 1 for r in reqs]
+        sampled = [r.temperature > 0 and not tree[i] for i, r in enumerate(reqs)]  # a sampled chain
         width = [self.topk if tree[i] else 1 for i in range(B)]
         depth = [min(self.depth, r.num_tokens) if tree[i] else r.num_tokens for i, r in enumerate(reqs)]
         nodes: list[list[_Node]] = [[] for _ in range(B)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
         fed_parents: list[list[int]] = [[] for _ in range(B)]  # head-cache tree of fed nodes
         logits = self.head.draft_logits(last)  # [B, draft_vocab]
-        frontier = [self._expand(i, reqs[i], logits[i], -1, 0.0, 1, last[i], width[i], nodes[i], probs[i])
+        frontier = [self._expand(reqs[i], sampled[i], logits[i], -1, 0.0, 1, last[i], width[i], nodes[i], probs[i])
                     for i in range(B)]
         frontier = [self._worth_growing(frontier[i], nodes[i], sampled[i]) for i in range(B)]
         for d in range(2, max(depth) + 1):
@@ -181,8 +184,8 @@ class EagleProposer(Proposer):
                 children = []
                 for c, n in enumerate(frontier[i]):
                     node = nodes[i][n]
-                    children += self._expand(i, reqs[i], logits[j, c], n, node.score, d, out[j, c], width[i],
-                                             nodes[i], probs[i])
+                    children += self._expand(reqs[i], sampled[i], logits[j, c], n, node.score, d, out[j, c],
+                                             width[i], nodes[i], probs[i])
                 # the next frontier: the best `width` new nodes by path score
                 frontier[i] = sorted(children, key=lambda n: -nodes[i][n].score)[: width[i]]
                 frontier[i] = self._worth_growing(frontier[i], nodes[i], sampled[i])
@@ -213,9 +216,9 @@ class EagleProposer(Proposer):
         reach = sum(math.exp(nodes[n].score) for n in frontier)
         return frontier if reach >= self.stop_prob else []
 
-    def _expand(self, i, req, logits, parent, score, depth, hidden, width, nodes, probs) -> list[int]:
+    def _expand(self, req, sample, logits, parent, score, depth, hidden, width, nodes, probs) -> list[int]:
         """Add the children of one node: the top `width` tokens, or one sampled token."""
-        if req.temperature > 0:
+        if sample:
             p = logits_to_probs(logits[None], req.temperature, req.top_k, req.top_p)[0]  # [draft_vocab]
             d = int(torch.multinomial(p, 1, generator=self._generator(req)))
             full = torch.zeros(self.head.args.vocab_size, dtype=p.dtype, device=p.device)
