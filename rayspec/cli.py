@@ -67,7 +67,8 @@ def cmd_train(args) -> int:
                       output=args.output, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
                       draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed, answers_only=args.answers_only)
+                      checkpoint_every=args.checkpoint_every, seed=args.seed, answers_only=args.answers_only,
+                      init_head=args.init_head, warmup_steps=args.warmup_steps)
     print(run(cfg))
     return 0
 
@@ -167,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--lr", type=float, default=1e-3)
         t.add_argument("--batch-tokens", type=int, default=4096)
         t.add_argument("--checkpoint-every", type=int, default=100)
+        t.add_argument("--warmup-steps", type=int, default=50)
+        t.add_argument("--init-head", default=None,
+                       help="train further from this head (its weights, shape and draft vocabulary; "
+                            "--draft-vocab-size and --intermediate-size are then ignored)")
         t.add_argument("--seed", type=int, default=0)
         t.add_argument("--answers-only", action="store_true",
                        help="loss only on positions whose next token the target wrote (not the user's)")

@@ -852,3 +852,50 @@ def test_train_run_end_to_end(tiny_model_dir, tmp_path, kind):
     engine = make_engine(tiny_model_dir, kind, k=4, loaded=loaded, draft_model=str(out), eagle_topk=2, num_steps=2)
     assert engine.generate([prompt], params)[0].token_ids == ref
     assert engine.stats.num_drafts > 0
+
+
+def test_train_further_from_a_head_with_more_prompts(tiny_model_dir, tmp_path):
+    """--init-head on a work dir that gained prompts: only the new answers get features, training starts
+    from the head's weights and keeps its draft vocabulary, and the result serves losslessly."""
+    import shutil
+
+    from rayspec.eagle.train import TrainConfig, run
+
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({"turns": [f"Name {i} colours."]}) + "\n" for i in range(3)))
+    common = dict(kind="eagle3", target=str(tiny_model_dir), max_new_tokens=12, draft_vocab_size=512,
+                  warmup_steps=2, batch_tokens=256, checkpoint_every=2, num_threads=1)
+    base = run(TrainConfig(prompts=(str(first),), work_dir=str(tmp_path / "a"), output=str(tmp_path / "head-a"),
+                           epochs=1, **common))
+    work_b = tmp_path / "b"
+    work_b.mkdir()
+    shutil.copy(tmp_path / "a" / "answers.jsonl", work_b / "answers.jsonl")
+    shutil.copytree(tmp_path / "a" / "features-eagle3", work_b / "features-eagle3")
+    old_shards = {p.name: p.read_bytes() for p in (work_b / "features-eagle3").glob("features-*.pt")}
+
+    out = run(TrainConfig(prompts=(str(first), str(more)), work_dir=str(work_b), output=str(tmp_path / "head-b"),
+                          epochs=1, init_head=str(base), **{**common, "draft_vocab_size": 256}))
+    assert len((work_b / "answers.jsonl").read_text().splitlines()) == 7
+    shards = sorted((work_b / "features-eagle3").glob("features-*.pt"))
+    assert len(shards) == len(old_shards) + 1  # the 3 new conversations, in one new shard
+    assert all((work_b / "features-eagle3" / n).read_bytes() == b for n, b in old_shards.items())
+    assert sum(len(torch.load(s, weights_only=True)["ids"]) for s in shards) == 7
+    before, after = read_state_dict(base), read_state_dict(out)
+    assert torch.equal(before["d2t"], after["d2t"]) and torch.equal(before["t2d"], after["t2d"])  # vocabulary kept
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 512  # the head's, not the flag's
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])  # it trained
+
+    # answers that no longer match the shards row by row are refused, not silently mixed up
+    rows = (work_b / "answers.jsonl").read_text().splitlines()
+    (work_b / "answers.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")
+    with pytest.raises(RuntimeError, match="row by row"):
+        run(TrainConfig(prompts=(str(first), str(more)), work_dir=str(work_b), output=str(tmp_path / "head-c"),
+                        epochs=1, init_head=str(base), **common))
+
+    loaded = cached_model(str(tiny_model_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    ref = make_engine(tiny_model_dir, "none", loaded=loaded).generate(["Name 2 colours."], params)[0].token_ids
+    engine = make_engine(tiny_model_dir, "eagle3", k=4, loaded=loaded, draft_model=str(out), eagle_topk=2, num_steps=2)
+    assert engine.generate(["Name 2 colours."], params)[0].token_ids == ref

@@ -18,6 +18,12 @@ from tqdm import tqdm
 from rayspec.runner import ModelRunner
 
 
+def read_answers(path: Path) -> list[dict]:
+    """Rows of answers.jsonl that make at least one training position."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if len(r["prompt_ids"]) + len(r["output_ids"]) >= 3]
+
+
 def read_prompt_file(path: str | Path) -> list[str]:
     """User messages from a Spec-Bench JSONL (`turns[0]`) or a Q/A JSONL (`question`, as GSM8K)."""
     out = []
@@ -55,17 +61,17 @@ def generate_answers(engine, prompts: list[str], out_path: Path, max_tokens: int
 
 
 @torch.inference_mode()
-def extract_features(model, answers_path: Path, out_dir: Path, aux_layers: tuple[int, ...],
-                     shard_tokens: int = 200_000, max_len: int = 1024) -> list[Path]:
-    """Write shards of {"ids", "aux", "final", "label"} lists (one entry per conversation)."""
-    rows = [json.loads(line) for line in answers_path.read_text().splitlines() if line.strip()]
+def extract_features(model, rows: list[dict], out_dir: Path, aux_layers: tuple[int, ...],
+                     shard_tokens: int = 200_000, max_len: int = 1024, first_shard: int = 0) -> list[Path]:
+    """Write shards of {"ids", "aux", "final", "label"} lists (one entry per answers row), numbered
+    from `first_shard` (so a work dir that gained answers extracts only the new rows)."""
     runner = ModelRunner(model, max_len, 1, slack=1)
     shards, current, n_tokens = [], {"ids": [], "aux": [], "final": [], "label": []}, 0
 
     def flush():
         nonlocal current, n_tokens
         if current["ids"]:
-            path = out_dir / f"features-{len(shards):04d}.pt"
+            path = out_dir / f"features-{first_shard + len(shards):04d}.pt"
             torch.save(current, path)
             shards.append(path)
         current, n_tokens = {"ids": [], "aux": [], "final": [], "label": []}, 0

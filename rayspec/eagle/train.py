@@ -49,6 +49,7 @@ class TrainConfig:
     answers_only: bool = False  # loss only where the target wrote the next token (not the user)
     seed: int = 0
     num_threads: int | None = None
+    init_head: str | None = None  # start from this head (its weights and draft vocabulary), not from scratch
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -178,9 +179,28 @@ def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
 
 
 # ---- the run ---------------------------------------------------------------------------
+def init_from_head(spec: str, kind: str, target) -> EagleHead:
+    """A trainable float32 copy of a saved head (what --init-head continues from)."""
+    from rayspec.eagle.checkpoint import eagle_config_from_hf, read_state_dict
+    from rayspec.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(spec)
+    state = read_state_dict(model_dir)
+    config = eagle_config_from_hf(json.loads((model_dir / "config.json").read_text()), target.args.num_layers,
+                                  target.args.hidden_size, fc_bias="fc.bias" in state)
+    if config.kind != kind:
+        raise ValueError(f"{spec} is an {config.kind} head, not {kind}")
+    head = build_head(config)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "target_lm_head."))]
+    if missing or unexpected:
+        raise ValueError(f"{spec}: not a {kind} head of this shape (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    return head.float()
+
+
 def run(cfg: TrainConfig) -> Path:
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.eagle.data import extract_features, generate_answers, read_prompt_file
+    from rayspec.eagle.data import extract_features, generate_answers, read_answers, read_prompt_file
     from rayspec.engine import LLMEngine
     from rayspec.loader import load_model, resolve_model_dir
 
@@ -209,46 +229,55 @@ def run(cfg: TrainConfig) -> Path:
     del engine
 
     # 2. features
-    tcfg = new_eagle_config(cfg.kind, resolve_model_dir(cfg.target), target.args.num_layers,
-                            target.args.hidden_size, draft_vocab_size=cfg.draft_vocab_size,
-                            intermediate_size=cfg.intermediate_size)
+    init = init_from_head(cfg.init_head, cfg.kind, target) if cfg.init_head else None
+    tcfg = init.config if init is not None else new_eagle_config(
+        cfg.kind, resolve_model_dir(cfg.target), target.args.num_layers, target.args.hidden_size,
+        draft_vocab_size=cfg.draft_vocab_size, intermediate_size=cfg.intermediate_size)
     feat_dir = work / f"features-{cfg.kind}"
+    feat_dir.mkdir(exist_ok=True)
+    rows = read_answers(answers)
     shards = sorted(feat_dir.glob("features-*.pt"))
-    if not (feat_dir / "DONE").exists():
-        feat_dir.mkdir(exist_ok=True)
-        shards = extract_features(target, answers, feat_dir, tcfg.aux_layers or (target.args.num_layers - 1,))
-        (feat_dir / "DONE").write_text("ok")
-    examples = load_examples(shards, cfg.kind)
-    rows = [json.loads(line) for line in answers.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if len(r["prompt_ids"]) + len(r["output_ids"]) >= 3]
-    if len(rows) == len(examples):  # shards follow answers.jsonl row by row
-        for e, r in zip(examples, rows):
-            e["prompt_len"] = len(r["prompt_ids"])
+    examples = load_examples(shards, cfg.kind)  # shards follow answers.jsonl row by row
+
+    def same(e, r):
+        return torch.equal(e["ids"], torch.tensor((r["prompt_ids"] + r["output_ids"])[: len(e["ids"])]))
+
+    if len(examples) > len(rows) or (examples and not same(examples[-1], rows[len(examples) - 1])):
+        raise RuntimeError(f"{feat_dir} does not match {answers} row by row; delete the features to redo them")
+    if len(examples) < len(rows):  # new answers (or a fresh work dir): extract only what is missing
+        new = extract_features(target, rows[len(examples):], feat_dir,
+                               tcfg.aux_layers or (target.args.num_layers - 1,), first_shard=len(shards))
+        examples += load_examples(new, cfg.kind)
+    for e, r in zip(examples, rows):
+        e["prompt_len"] = len(r["prompt_ids"])
     n_tokens = sum(len(e["ids"]) for e in examples)
     print(f"{len(examples)} conversations, {n_tokens} tokens")
 
-    # 3. the head
+    # 3. the head: fresh, or the weights (and draft vocabulary) of an existing head to train further
     torch.manual_seed(cfg.seed)
-    head = build_head(tcfg)
+    head = init if init is not None else build_head(tcfg)
     attach_target(head, target, has_own_embedding=False)
     t2d_index = None
     if cfg.kind == "eagle3":
         counts = Counter()
         for e in examples:
             counts.update(e["label"].tolist())
-        vocab = sorted(t for t, _ in counts.most_common(tcfg.draft_vocab_size))
-        vocab += sorted(set(range(target.args.vocab_size)) - set(vocab))[: tcfg.draft_vocab_size - len(vocab)]
-        draft_ids = torch.tensor(sorted(vocab))
-        covered = sum(counts[t] for t in vocab) / max(1, sum(counts.values()))
+        if init is not None:
+            draft_ids = torch.nonzero(head.t2d).flatten()
+        else:
+            vocab = sorted(t for t, _ in counts.most_common(tcfg.draft_vocab_size))
+            vocab += sorted(set(range(target.args.vocab_size)) - set(vocab))[: tcfg.draft_vocab_size - len(vocab)]
+            draft_ids = torch.tensor(sorted(vocab))
+            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+            head.t2d.zero_()
+            head.t2d[draft_ids] = True
+            with torch.no_grad():  # start the readout from the target's own LM head rows
+                head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+                head.norm.weight.copy_(target.model.norm.weight)
+        covered = sum(counts[t] for t in draft_ids.tolist()) / max(1, sum(counts.values()))
         print(f"draft vocabulary {len(draft_ids)} tokens covers {covered:.1%} of the target's choices")
-        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        head.t2d.zero_()
-        head.t2d[draft_ids] = True
         t2d_index = torch.full((target.args.vocab_size,), -100, dtype=torch.long)
         t2d_index[draft_ids] = torch.arange(len(draft_ids))
-        with torch.no_grad():  # start the readout from the target's own LM head rows
-            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
-            head.norm.weight.copy_(target.model.norm.weight)
     params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens", "target_lm_head"))]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
