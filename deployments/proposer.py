@@ -23,6 +23,7 @@ from ray import serve
 from deployments.config import load_app_args, replica_device
 from rayspec.config import ProposerContext
 from rayspec.loader import parse_dtype
+from rayspec.malloc import keep_freed_memory
 from rayspec.proposers import Draft, ProposeRequest, build_proposer
 
 
@@ -31,6 +32,8 @@ def make_proposer(args):
     if cfg.engine.num_threads:
         torch.set_num_threads(cfg.engine.num_threads)
     device = torch.device(replica_device(cfg.engine.device))
+    if device.type == "cpu":
+        keep_freed_memory()
     context = ProposerContext(cfg.model, cfg.engine.max_model_len, cfg.proposer_num_slots(), device,
                               parse_dtype(cfg.engine.dtype, device))
     return build_proposer(cfg.speculative.to_config(), context), device

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
+from rayspec.malloc import keep_freed_memory
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM, KVCache
@@ -70,6 +71,8 @@ class LLMEngine:
         self.eos_token_ids = eos_ids
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()
 
         spec = config.speculative
         self.max_k = spec.num_speculative_tokens

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import Eagle3Head, EagleHead, attach_target, build_head
+from rayspec.malloc import keep_freed_memory
 
 
 @dataclass
@@ -206,6 +207,7 @@ def run(cfg: TrainConfig) -> Path:
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    keep_freed_memory()
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
