@@ -181,11 +181,6 @@ class AppArgs(_Strict):
     def _topology(self):
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
-        if (self.topology == "disaggregated" and feeds_target_features(self.speculative.method)
-                and self.proposer.max_replicas != 1):
-            # the head's KV cache is built from features streamed once; another replica cannot rebuild it
-            raise ValueError(f"method {self.speculative.method!r} keeps per-sequence head state fed by the "
-                             "verifier's features: the proposer deployment must have exactly one replica")
         return self
 
     @property

@@ -224,5 +224,6 @@ class EngineLoop:
         if hasattr(remote, "call_seconds"):  # disaggregated: the per-step proposer RPC
             self.snapshot["proposer_calls"] = remote.num_calls
             self.snapshot["proposer_call_seconds"] = round(remote.call_seconds, 4)
+            self.snapshot["proposer_features_resent"] = remote.num_resent
         if self.metrics is not None:
             self.metrics.update(self.snapshot)

@@ -8,12 +8,16 @@ request carries (the draft model proposer recomputes from the common prefix); n-
 EAGLE heads draft from the target's hidden states: the verifier asks once for `feature_layers`,
 then its engine extracts those features and sends each sequence's new rows with every request
 (CPU tensors; moved to this replica's device here). The head's cache is built from that stream,
-so an EAGLE proposer must be a single replica (AppArgs checks). Without the target in this
-process, the head loads the target's embedding (and, for EAGLE-1, its LM head) itself.
+so each verifier's calls carry its tag as Serve's multiplexed model id and stick to one proposer
+replica; a replica that lacks a sequence's features (first call routed elsewhere, a replaced
+replica) answers `resend_features_from` and the verifier's RemoteProposer sends them again.
+Without the target in this process, the head loads the target's embedding (and, for EAGLE-1,
+its LM head) itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -54,7 +58,19 @@ class Proposer:
         layers = self.proposer.feature_layers
         return None if layers is None else tuple(layers)
 
-    def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
+    @serve.multiplexed(max_num_models_per_replica=4096)
+    async def _pin(self, verifier_tag: str) -> str:
+        """Nothing to load: registering the verifier's tag makes Serve's router send that verifier's
+        later calls here, to the replica holding its sequences' state (see RemoteProposer)."""
+        return verifier_tag
+
+    async def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
+        tag = serve.get_multiplexed_model_id()
+        if tag:
+            await self._pin(tag)
+        return await asyncio.to_thread(self._propose, requests, released)
+
+    def _propose(self, requests: list[ProposeRequest], released: list[str] | None) -> list[Draft]:
         for r in requests:
             if r.features is not None and r.features.device != self.device:
                 r.features = r.features.to(self.device)

@@ -5,35 +5,50 @@ finished sequences are queued and ride along on the next call (or on `flush()`, 
 loop calls when idle), so there is never an RPC per request per token. It blocks the engine
 thread, which is where the engine calls it: `handle.propose.remote(...).result()`.
 
+Affinity: every call carries this verifier replica's tag as Serve's multiplexed model id, so the
+router keeps sending one verifier's batches to the same proposer replica (the one that holds
+their draft state) while there are several.
+
 EAGLE: `feature_layers` is asked of the proposer deployment once, at construction; the engine
 reads it and then puts the target features of every newly committed token into the requests,
-which are sent as CPU tensors. Drafts come back whole: token trees keep their `parents`.
+which are sent as CPU tensors. The features sent are also kept here, per sequence: a proposer
+replica that lacks a sequence's features (its first call landed elsewhere, the replica was
+replaced, or it evicted the sequence) answers with `resend_features_from`, and the same call is
+retried once for those sequences with the features again from that position. So with several
+proposer replicas, or after one is replaced, requests keep going; a sequence that is still not
+caught up after the retry just gets no draft for that step. Drafts come back whole: token trees
+keep their `parents`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
 
 from rayspec.proposers import Draft, Proposer, ProposeRequest
 
+logger = logging.getLogger(__name__)
+
 
 class RemoteProposer(Proposer):
     name = "remote"
 
     def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 120.0,
-                 startup_timeout_s: float | None = 1800.0):
-        self.handle = handle
+                 startup_timeout_s: float | None = 1800.0, affinity: str | None = None):
+        self.handle = handle.options(multiplexed_model_id=affinity) if affinity else handle
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
         self._released: list[str] = []
         self.num_calls = 0
+        self.num_resent = 0  # sequences whose features were sent again (a replica lacked them)
         self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
         # waits for the proposer replica to be up (it may be loading a large target's embedding)
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
         self.feature_layers: tuple[int, ...] | None = None if layers is None else tuple(layers)
+        self._sent: dict[str, list[torch.Tensor]] = {}  # seq id -> CPU features sent so far, in order
 
     @staticmethod
     def _portable(req: ProposeRequest) -> ProposeRequest:
@@ -41,17 +56,40 @@ class RemoteProposer(Proposer):
             return req
         return dataclasses.replace(req, features=req.features.cpu())
 
+    def _remember(self, req: ProposeRequest) -> None:
+        if req.features is not None and len(req.features):
+            self._sent.setdefault(req.seq_id, []).append(req.features)
+
+    def _again(self, req: ProposeRequest, start: int) -> ProposeRequest:
+        sent = torch.cat(self._sent.get(req.seq_id) or [torch.empty(0)])
+        return dataclasses.replace(req, features=sent[start:] if len(sent) > start else None, features_start=start)
+
+    def _call(self, requests: list[ProposeRequest], released: list[str]) -> list[Draft]:
+        started = time.perf_counter()
+        drafts = self.handle.propose.remote(requests, released).result(timeout_s=self.timeout_s)
+        self.num_calls += 1
+        self.call_seconds += time.perf_counter() - started
+        return drafts
+
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         requests = [self._portable(r) for r in requests]
+        for r in requests:
+            self._remember(r)
         released, self._released = self._released, []
-        started = time.perf_counter()
         try:
-            drafts = self.handle.propose.remote(requests, released).result(timeout_s=self.timeout_s)
+            drafts = self._call(requests, released)
         except BaseException:
             self._released = released + self._released  # try again next time
             raise
-        self.num_calls += 1
-        self.call_seconds += time.perf_counter() - started
+        retry = [i for i, d in enumerate(drafts) if d.resend_features_from is not None]
+        if retry:
+            self.num_resent += len(retry)
+            again = self._call([self._again(requests[i], drafts[i].resend_features_from) for i in retry], [])
+            for i, d in zip(retry, again):
+                if d.resend_features_from is not None:
+                    logger.warning("proposer still lacks features of %s; no draft this step", requests[i].seq_id)
+                    d = Draft([])
+                drafts[i] = d
         if self.device is not None:
             for d in drafts:
                 if d.probs is not None and d.probs.device != self.device:
@@ -60,6 +98,7 @@ class RemoteProposer(Proposer):
 
     def release(self, seq_id: str) -> None:
         self._released.append(seq_id)
+        self._sent.pop(seq_id, None)
 
     def flush(self) -> None:
         if self._released:

@@ -38,12 +38,13 @@ class Verifier:
         self.cfg = cfg
         engine_config = cfg.engine_config()
         engine_config.device = replica_device(cfg.engine.device)
+        tag = _replica_tag()
 
         def factory() -> LLMEngine:
             proposer = None
             if proposer_handle is not None:
                 from deployments.remote_proposer import RemoteProposer
-                proposer = RemoteProposer(proposer_handle, device=engine_config.device)
+                proposer = RemoteProposer(proposer_handle, device=engine_config.device, affinity=tag)
             return LLMEngine(engine_config, proposer=proposer)
 
         try:
@@ -56,7 +57,7 @@ class Verifier:
         self.loop = EngineLoop(factory, metrics=metrics)
         self.loop.wait_ready()
         # seq ids unique across verifier replicas: a shared proposer keys its state on them
-        self._prefix = f"{_replica_tag()}-"
+        self._prefix = f"{tag}-"
         self._ids = itertools.count()
 
     def check_health(self) -> None:

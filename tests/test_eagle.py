@@ -22,7 +22,7 @@ from conftest import make_tiny_model_dir
 from engine_utils import (cached_model, empirical, make_engine, run_alone, run_batch, run_joining,
                           run_to_completion, tv_distance, tv_threshold)
 from rayspec.eagle.checkpoint import load_eagle_head, new_eagle_config, read_state_dict, save_eagle_head
-from rayspec.eagle.data import extract_features
+from rayspec.eagle.data import extract_features, read_answers
 from rayspec.eagle.head import Eagle1Head, Eagle3Head, attach_target, build_head, default_aux_layers
 from rayspec.eagle.train import collate, head_step, load_examples, ttt_loss, ttt_mask
 from rayspec.proposers.base import Draft
@@ -71,7 +71,7 @@ def train_data(target_dir, target, tmp_path_factory):
     for kind in ("eagle3", "eagle"):
         cfg = new_eagle_config(kind, target_dir, LAYERS, HIDDEN, draft_vocab_size=DRAFT_VOCAB)
         (work / kind).mkdir()
-        shards[kind] = extract_features(target[0], path, work / kind, cfg.aux_layers or (LAYERS - 1,))
+        shards[kind] = extract_features(target[0], read_answers(path), work / kind, cfg.aux_layers or (LAYERS - 1,))
     return shards
 
 

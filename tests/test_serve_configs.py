@@ -110,8 +110,6 @@ def test_cluster_config():
     ({"speculative": {"method": "eagle3"}}, "draft_model"),
     ({"speculative": {"method": "eagle", "draft_model": "h", "eagle_topk": 0}}, "eagle_topk"),
     ({"speculative": {"method": "eagle3", "draft_model": "h", "num_steps": 0}}, "num_steps"),
-    ({"topology": "disaggregated", "speculative": {"method": "eagle3", "draft_model": "h"},
-      "proposer": {"num_replicas": 2}}, "exactly one replica"),
 ])
 def test_invalid_args(args, match):
     with pytest.raises(ValidationError, match=match):

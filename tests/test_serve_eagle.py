@@ -8,6 +8,8 @@ committed token to the proposer deployment and gets drafts back, token trees wit
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import pickle
 
 import httpx
@@ -37,7 +39,8 @@ MAX_TOKENS = 32
 TARGET_LAYERS = 8  # EAGLE-3 default feature layers of an 8-layer target: inputs of layers 2, 4, 5
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
 # app name -> (topology, eagle_topk)
-APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1)}
+APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
+        "two_proposers": ("disaggregated", 4)}  # the last with 2 proposer replicas
 
 
 def copy_head(target_dir, draft_tokens: list[int]):
@@ -102,8 +105,14 @@ def _spec(head_dir, topk: int) -> dict:
 
 # ---- the remote proposer without Ray: a handle that pickles, as between Ray actors -------------
 class _LocalHandle:
-    def __init__(self, replica):
-        self.replica, self.calls = replica, []
+    """Calls go to `route(call number)`-th replica; arguments and results are pickled both ways."""
+
+    def __init__(self, *replicas, route=lambda n: 0):
+        self.replicas, self.route, self.calls, self.options_seen = replicas, route, [], []
+
+    def options(self, **kwargs):
+        self.options_seen.append(kwargs)
+        return self
 
     def __getattr__(self, name):
         handle = self
@@ -111,8 +120,12 @@ class _LocalHandle:
         class _Method:
             def remote(self, *args):
                 args = pickle.loads(pickle.dumps(args))
+                replica = handle.replicas[handle.route(len(handle.calls)) % len(handle.replicas)]
                 handle.calls.append((name, args))
-                value = pickle.loads(pickle.dumps(getattr(handle.replica, name)(*args)))
+                value = getattr(replica, name)(*args)
+                if inspect.iscoroutine(value):
+                    value = asyncio.run(value)
+                value = pickle.loads(pickle.dumps(value))
                 return type("Response", (), {"result": lambda self, timeout_s=None: value})()
 
         return _Method()
@@ -123,8 +136,9 @@ def test_remote_proposer_carries_features_and_trees(eagle_setup):
                      engine={**ENGINE, "device": "cpu"})
     replica = Proposer.func_or_class(args)  # the deployment's class, in this process
     handle = _LocalHandle(replica)
-    remote = RemoteProposer(handle, device="cpu")
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a")
     assert remote.feature_layers == (2, 4, 5)
+    assert handle.options_seen == [{"multiplexed_model_id": "verifier-a"}]  # calls stick to one replica
     engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
                                     speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -139,6 +153,31 @@ def test_remote_proposer_carries_features_and_trees(eagle_setup):
     remote.flush()  # finished sequences are released on the proposer side too
     name, (requests, released) = handle.calls[-1]
     assert name == "propose" and not requests and released
+    assert remote.num_resent == 0 and not remote._sent  # one replica: never resent; host copies freed
+
+
+@pytest.mark.parametrize("route", ["replaced", "round-robin"])
+def test_remote_eagle_proposer_survives_other_replicas(eagle_setup, route):
+    """Several proposer replicas: the verifier's calls may land on a replica that lacks a
+    sequence's features (routing before affinity holds, a replaced replica). It answers
+    resend_features_from, the call is retried with the kept features, and the output stays the
+    target's own. "replaced": replica A serves the first calls, then B (A is gone); "round-robin":
+    every call changes replica (the worst routing: each step rebuilds the sequence)."""
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=_spec(eagle_setup["head"], 4),
+                     engine={**ENGINE, "device": "cpu"})
+    replicas = [Proposer.func_or_class(args), Proposer.func_or_class(args)]
+    handle = _LocalHandle(*replicas, route={"replaced": lambda n: int(n > 6), "round-robin": lambda n: n}[route])
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a")
+    engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
+                                    speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in eagle_setup["ref"]]
+    assert remote.num_resent >= len(PROMPTS)  # every running sequence was caught up on the new replica
+    assert all(r.stats()["num_calls"] > 0 for r in replicas)
+    accepted = sum(o.num_accepted_tokens for o in out)
+    assert accepted > 0  # drafts after the switch were real, not empty
+    if route == "replaced":  # after one catch-up per sequence, B drafts on as A did
+        assert remote.num_resent == len(PROMPTS)
 
 
 # ---- served -------------------------------------------------------------------------------
@@ -151,6 +190,8 @@ def served(eagle_setup):
         for name, (topology, topk) in APPS.items():
             args = tiny_args(eagle_setup["target"], topology=topology, speculative=_spec(eagle_setup["head"], topk),
                              engine=ENGINE)
+            if name == "two_proposers":
+                args["proposer"] = {**args["proposer"], "num_replicas": 2}
             serve.run(build_app(args), name=name, route_prefix=f"/{name}")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -172,6 +213,21 @@ def test_greedy_matches_target_alone(served, eagle_setup, app):
     resp = httpx.post(f"{served}/{app}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == ref[1].text
+
+
+def test_two_eagle_proposer_replicas(served, eagle_setup):
+    """Two proposer replicas: the verifier's calls carry its tag (multiplexed model id), so they stick to
+    one replica; whatever the router does, outputs stay the target's and drafts keep being accepted."""
+    handle = serve.get_app_handle("two_proposers")
+    for _ in range(3):  # several rounds, so later calls route with the replica's registered tag
+        results = [r.result(timeout_s=120) for r in [
+            handle.generate.remote(GenerateRequest(prompt=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+            for p in PROMPTS]]
+        assert [r.token_ids for r in results] == [o.token_ids for o in eagle_setup["ref"]]
+        assert sum(r.num_accepted_tokens for r in results) > 0
+    stats = handle.stats.remote().result(timeout_s=60)
+    # a resend happens only when a call lands on a replica that does not hold the sequence
+    assert stats["proposer_calls"] > 0 and stats["proposer_features_resent"] <= len(PROMPTS)
 
 
 @pytest.mark.parametrize("app", ["disaggregated", "chain"])

@@ -39,6 +39,9 @@ class Draft:
     # a token tree: parents[j] is the index of token j's parent, -1 for a child of the last
     # committed token (parents come before children). None: a chain.
     parents: list[int] | None = None
+    # EAGLE: the proposer holds no continuous features for this sequence (it never saw it, or lost
+    # it: another replica, a restart, an evicted slot); send them again from this position
+    resend_features_from: int | None = None
 
     @property
     def is_chain(self) -> bool:

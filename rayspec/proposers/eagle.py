@@ -17,6 +17,7 @@ Drafted positions are dropped from the head cache afterwards (only committed pai
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -83,6 +84,8 @@ class EagleProposer(Proposer):
         self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
         self._generators: dict[str, torch.Generator] = {}
+        self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
+        self._clock = itertools.count()
 
     # what the engine must hand over: inputs of these target layers, or () for the final hidden state
     @property
@@ -93,6 +96,7 @@ class EagleProposer(Proposer):
         self.runner.free(seq_id)
         self._features.pop(seq_id, None)
         self._generators.pop(seq_id, None)
+        self._last_used.pop(seq_id, None)
 
     def _generator(self, req: ProposeRequest) -> torch.Generator:
         if req.seq_id not in self._generators:
@@ -101,46 +105,63 @@ class EagleProposer(Proposer):
         return self._generators[req.seq_id]
 
     # ---- catch-up --------------------------------------------------------------------
-    def _take_features(self, req: ProposeRequest) -> None:
+    def _allocate(self, seq_id: str) -> None:
+        if self.runner.num_free_slots == 0:  # sequences left behind by another verifier's routing
+            stale = min((s for s in self._last_used if s in self._features), key=self._last_used.get)
+            self.release(stale)  # if it comes back, it is caught up through resend_features_from
+        self.runner.allocate(seq_id)
+        self._features[seq_id] = []
+
+    def _take_features(self, req: ProposeRequest) -> bool:
+        """Buffer the request's features; False when they do not continue what this proposer holds."""
+        if self.runner.has(req.seq_id) and req.features_start == 0 and req.features is not None:
+            self.release(req.seq_id)  # features from the start again (a resend): rebuild from scratch
         if not self.runner.has(req.seq_id):
-            self.runner.allocate(req.seq_id)
-            self._features[req.seq_id] = []
+            if req.features_start > 0:  # a sequence that started elsewhere
+                return False
+            self._allocate(req.seq_id)
+        self._last_used[req.seq_id] = next(self._clock)
         if req.features is not None and len(req.features):
             buffered = sum(len(f) for f in self._features[req.seq_id])
             expected = self.runner.cached_len(req.seq_id) + buffered
             if req.features_start != expected:
-                raise RuntimeError(f"{req.seq_id}: features start at {req.features_start}, expected {expected}")
+                self.release(req.seq_id)
+                return False
             self._features[req.seq_id].append(req.features.to(self.runner.device, self.runner.dtype))
+        return True
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
-        for req in requests:
-            self._take_features(req)
-        active = [r for r in requests if r.num_tokens > 0]
-        if not active:
-            return [Draft([]) for _ in requests]
-        ids = [r.seq_id for r in active]
+        missing = {r.seq_id for r in requests if not self._take_features(r)}
         # catch up: pairs (features at i, token i+1) for every committed position not yet cached
-        feats, toks = [], []
-        for req in active:
+        active, feats, toks = [], [], []
+        for req in requests:
+            if req.num_tokens <= 0 or req.seq_id in missing:
+                continue
             f = torch.cat(self._features[req.seq_id]) if self._features[req.seq_id] else None
             start = self.runner.cached_len(req.seq_id)
-            if f is None or start + len(f) != len(req.token_ids) - 1:
-                raise RuntimeError(f"{req.seq_id}: the head has no features up to the last committed token")
+            if f is None or start + len(f) != len(req.token_ids) - 1:  # features short of the last token
+                self.release(req.seq_id)
+                missing.add(req.seq_id)
+                continue
+            active.append(req)
             feats.append(f)
             toks.append(req.token_ids[start + 1: start + 1 + len(f)])
             self._features[req.seq_id] = []
-        q = max(len(t) for t in toks)
-        padded = torch.zeros(len(active), q, feats[0].shape[-1], dtype=feats[0].dtype, device=feats[0].device)
-        for i, f in enumerate(feats):
-            padded[i, : len(f)] = f
-        hidden, lengths = self.runner.forward_hidden(ids, toks, features=padded)
-        last = last_rows(hidden, lengths)  # [B, H]: predicts the first draft token
-        committed = [self.runner.cached_len(s) for s in ids]
-        drafts = self._draft(active, last)
-        for s, n in zip(ids, committed):
-            self.runner.set_cached_len(s, n)
-        by_id = dict(zip(ids, drafts))
+        by_id: dict[str, Draft] = {s: Draft([], resend_features_from=0) for s in missing}
+        if active:
+            ids = [r.seq_id for r in active]
+            q = max(len(t) for t in toks)
+            padded = torch.zeros(len(active), q, feats[0].shape[-1], dtype=feats[0].dtype, device=feats[0].device)
+            for i, f in enumerate(feats):
+                padded[i, : len(f)] = f
+            hidden, lengths = self.runner.forward_hidden(ids, toks, features=padded)
+            last = last_rows(hidden, lengths)  # [B, H]: predicts the first draft token
+            committed = [self.runner.cached_len(s) for s in ids]
+            drafts = self._draft(active, last)
+            for s, n in zip(ids, committed):
+                self.runner.set_cached_len(s, n)
+            by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
 
     # ---- drafting --------------------------------------------------------------------
