@@ -251,3 +251,27 @@ def test_sampled_requests_draft_chains_remotely(served, eagle_setup):
         got = handle.generate.remote(GenerateRequest(prompt=prompt, **params)).result(timeout_s=120)
         want = engine.generate([prompt], SamplingParams(**params))[0]
         assert got.token_ids == want.token_ids and got.num_draft_tokens > 0
+
+
+def test_eagle_proposer_evicts_the_stalest_sequence(eagle_setup):
+    """Out of slots (sequences another verifier's routing left behind), the proposer frees the one it
+    saw last longest ago; when that one comes back it asks for its features again."""
+    from rayspec.proposers import ProposeRequest
+
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=_spec(eagle_setup["head"], 1),
+                     engine={**ENGINE, "device": "cpu", "max_num_seqs": 2})  # two draft slots
+    replica = Proposer.func_or_class(args)
+    torch.manual_seed(0)
+
+    def ask(seq_id, ids, start):
+        req = ProposeRequest(seq_id, ids, 2, features=torch.randn(len(ids) - 1 - start, 3 * 64), features_start=start)
+        return asyncio.run(replica.propose([req]))[0]
+
+    assert ask("a", [5, 6, 7], 0).tokens
+    assert ask("b", [8, 9, 10], 0).tokens
+    assert ask("a", [5, 6, 7, 11], 2).tokens  # a continues; b is now the stalest
+    assert ask("c", [13, 14, 15], 0).tokens  # no free slot: b goes
+    assert ask("a", [5, 6, 7, 11, 16], 3).tokens  # a kept its state
+    back = ask("b", [8, 9, 10, 12], 2)
+    assert back.resend_features_from == 0 and not back.tokens
+    assert ask("b", [8, 9, 10, 12], 0).tokens  # features from the start: rebuilt (c is evicted for it)
