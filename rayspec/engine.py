@@ -256,6 +256,9 @@ class LLMEngine:
                                        *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
+            lost = [r.seq_id for r, d in zip(requests, drafts) if d.resend_features_from is not None]
+            if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
+                raise RuntimeError(f"the proposer lost the target features of {lost}")
         else:
             drafts = [Draft([]) for _ in seqs]
         ids = [s.request_id for s in seqs]
