@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
-from rayspec.malloc import keep_freed_memory
 from rayspec.config import EngineConfig, ProposerContext
+from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM, KVCache
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer

@@ -899,3 +899,20 @@ def test_train_further_from_a_head_with_more_prompts(tiny_model_dir, tmp_path):
     ref = make_engine(tiny_model_dir, "none", loaded=loaded).generate(["Name 2 colours."], params)[0].token_ids
     engine = make_engine(tiny_model_dir, "eagle3", k=4, loaded=loaded, draft_model=str(out), eagle_topk=2, num_steps=2)
     assert engine.generate(["Name 2 colours."], params)[0].token_ids == ref
+
+
+def test_engine_refuses_a_local_proposer_that_lost_features(tiny_model_dir):
+    """resend_features_from is for a remote proposer to settle with its verifier (RemoteProposer does);
+    an in-process proposer asking for it is a bug and must fail loudly, not quietly stop drafting."""
+    from rayspec.proposers import Draft, Proposer
+
+    class Forgetful(Proposer):
+        name = "forgetful"
+        feature_layers = ()
+
+        def propose(self, requests):
+            return [Draft([], resend_features_from=0) for _ in requests]
+
+    engine = make_engine(tiny_model_dir, "ngram", k=2, loaded=cached_model(str(tiny_model_dir)), proposer=Forgetful())
+    with pytest.raises(RuntimeError, match="lost the target features"):
+        engine.generate(["Count from 1 to 5."], SamplingParams(temperature=0, max_tokens=8))
