@@ -66,8 +66,9 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def load_eagle_head(spec: str, target: CausalLM, kind: str | None = None, device=None, dtype=None) -> EagleHead:
-    """Load a head from a directory or hub id and attach it to its target."""
+def read_eagle_head(spec: str, target: CausalLM, kind: str | None = None) -> tuple[EagleHead, bool]:
+    """A head built from a directory or hub id, weights loaded, float32 on the CPU, not yet attached
+    to its target; and whether the checkpoint carries its own embedding."""
     from rayspec.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(spec)
@@ -89,6 +90,12 @@ def load_eagle_head(spec: str, target: CausalLM, kind: str | None = None, device
     missing = [k for k in missing if k != "embed_tokens.weight"]
     if missing or unexpected:
         raise ValueError(f"{spec}: not an {config.kind} checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    return head.float(), has_embedding
+
+
+def load_eagle_head(spec: str, target: CausalLM, kind: str | None = None, device=None, dtype=None) -> EagleHead:
+    """Load a head from a directory or hub id and attach it to its target."""
+    head, has_embedding = read_eagle_head(spec, target, kind)
     param = next(target.parameters())
     head = head.to(device=device or param.device, dtype=dtype or param.dtype)
     attach_target(head, target, has_embedding)

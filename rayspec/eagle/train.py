@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+from rayspec.eagle.checkpoint import new_eagle_config, read_eagle_head, save_eagle_head
 from rayspec.eagle.head import Eagle3Head, EagleHead, attach_target, build_head
 from rayspec.malloc import keep_freed_memory
 
@@ -180,25 +180,6 @@ def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
 
 
 # ---- the run ---------------------------------------------------------------------------
-def init_from_head(spec: str, kind: str, target) -> EagleHead:
-    """A trainable float32 copy of a saved head (what --init-head continues from)."""
-    from rayspec.eagle.checkpoint import eagle_config_from_hf, read_state_dict
-    from rayspec.loader import resolve_model_dir
-
-    model_dir = resolve_model_dir(spec)
-    state = read_state_dict(model_dir)
-    config = eagle_config_from_hf(json.loads((model_dir / "config.json").read_text()), target.args.num_layers,
-                                  target.args.hidden_size, fc_bias="fc.bias" in state)
-    if config.kind != kind:
-        raise ValueError(f"{spec} is an {config.kind} head, not {kind}")
-    head = build_head(config)
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "target_lm_head."))]
-    if missing or unexpected:
-        raise ValueError(f"{spec}: not a {kind} head of this shape (missing {missing[:4]}, unexpected {unexpected[:4]})")
-    return head.float()
-
-
 def run(cfg: TrainConfig) -> Path:
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.eagle.data import extract_features, generate_answers, read_answers, read_prompt_file
@@ -231,7 +212,7 @@ def run(cfg: TrainConfig) -> Path:
     del engine
 
     # 2. features
-    init = init_from_head(cfg.init_head, cfg.kind, target) if cfg.init_head else None
+    init = read_eagle_head(cfg.init_head, target, cfg.kind)[0] if cfg.init_head else None  # trains further
     tcfg = init.config if init is not None else new_eagle_config(
         cfg.kind, resolve_model_dir(cfg.target), target.args.num_layers, target.args.hidden_size,
         draft_vocab_size=cfg.draft_vocab_size, intermediate_size=cfg.intermediate_size)
