@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rayspec.model import CausalLM, ForwardBatch, KVCache
@@ -143,8 +144,8 @@ class ModelRunner:
             src = torch.tensor(tree_rows, dtype=torch.long, device=self.device) + start
             dst = torch.arange(start, start + len(tree_rows), device=self.device)
             for cache in (self.cache.k, self.cache.v):
-                for layer in cache:
-                    layer[slot, :, dst] = layer[slot, :, src]
+                rows = cache[:, slot]  # [layers, kv_heads, capacity, head_dim] view: one copy for all layers
+                rows[:, :, dst] = rows[:, :, src]
         self._cached_len[seq_id] = start + len(tree_rows)
 
 
@@ -169,10 +170,11 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device):
     """Rope positions [B, Q], cache rows [B, Q] and visibility [B, 1, Q, kv_len] for tree rows."""
+    # built in numpy: element writes into torch tensors cost microseconds each, on every draft step
     B = len(trees)
-    positions = torch.zeros(B, Q, dtype=torch.long)
-    cache_positions = torch.zeros(B, Q, dtype=torch.long)
-    visible = torch.zeros(B, 1, Q, kv_len, dtype=torch.bool)
+    positions = np.zeros((B, Q), dtype=np.int64)
+    cache_positions = np.zeros((B, Q), dtype=np.int64)
+    visible = np.zeros((B, 1, Q, kv_len), dtype=bool)
     for b, (tree, start) in enumerate(zip(trees, starts)):
         depths = tree_depths(tree.parents)
         visible[b, 0, :, :start] = True
@@ -184,7 +186,8 @@ def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, 
             while a >= 0:
                 visible[b, 0, q, start + a] = True
                 a = tree.parents[a]
-    return positions.to(device), cache_positions.to(device), visible.to(device)
+    return (torch.from_numpy(positions).to(device), torch.from_numpy(cache_positions).to(device),
+            torch.from_numpy(visible).to(device))
 
 
 def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:
