@@ -4,7 +4,9 @@
 #   1. offline engine, eagle3 (default config's settings) and its baseline, no Ray running, with
 #      2 torch threads (its best on this 2-core box) and with 1 (the served configs' setting);
 #   2. benchmarks/serve_bench.yaml (eagle3 colocated, baseline, eagle3 disaggregated), a
-#      concurrency sweep with the endpoints taking turns, ROUNDS rounds per level;
+#      concurrency sweep with the endpoints taking turns, ROUNDS rounds per level, each level
+#      sending at least WAVES x concurrency requests (the N prompts repeated) so that c8 is
+#      measured at 8 in flight, not mostly draining;
 #   3. the offline run again; then benchmarks/serve_ratios.py prints the ratios.
 # Usage (inside .venv, on a quiet machine): benchmarks/run_serve.sh [shared-prompts-dir]
 set -euo pipefail
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 PROMPTS=${1:-../shared/data/prompts}/mt_bench.jsonl
 OUT=${OUT:-benchmarks/results}
 TAG=${TAG:-serve_mt_bench}
-N=${N:-10}; ROUNDS=${ROUNDS:-2}; CONC=${CONC:-1,2,4,8}
+N=${N:-10}; ROUNDS=${ROUNDS:-2}; CONC=${CONC:-1,2,4,8}; WAVES=${WAVES:-4}
 mkdir -p "$OUT"
 offline() {  # $1: output JSON, $2: torch threads
   rayspec bench offline --num-threads "$2" --method eagle3 --draft-model heads/smollm2-135m-eagle3 --num-speculative-tokens 8 \
@@ -30,7 +32,7 @@ for app in spec base disagg; do
 done
 rayspec bench serve --endpoint http://127.0.0.1:8000/spec --label eagle3 \
   --endpoint http://127.0.0.1:8000/base --label base --endpoint http://127.0.0.1:8000/disagg --label disagg \
-  --prompts "$PROMPTS" --num-prompts "$N" --max-tokens 128 --concurrency "$CONC" --rounds "$ROUNDS" \
+  --prompts "$PROMPTS" --num-prompts "$N" --max-tokens 128 --concurrency "$CONC" --rounds "$ROUNDS" --waves "$WAVES" \
   --output-json "$OUT/$TAG.json" --plot "$OUT/$TAG.png"
 serve shutdown -y > /dev/null 2>&1 || true
 kill $SERVE_PID 2> /dev/null || true

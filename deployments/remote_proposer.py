@@ -18,6 +18,10 @@ retried once for those sequences with the features again from that position. So 
 proposer replicas, or after one is replaced, requests keep going; a sequence that is still not
 caught up after the retry just gets no draft for that step. Drafts come back whole: token trees
 keep their `parents`.
+
+A failed call (the proposer replica died mid-call, or the call timed out) loses nothing either:
+that step runs without drafts (a plain target step, so outputs are unchanged), and the next call
+goes to whichever replica Serve routes to; a replacement replica asks for the features again.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class RemoteProposer(Proposer):
         self._released: list[str] = []
         self.num_calls = 0
         self.num_resent = 0  # sequences whose features were sent again (a replica lacked them)
+        self.num_failed_calls = 0  # calls that raised (replica died, timeout): those steps had no drafts
         self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
         # waits for the proposer replica to be up (it may be loading a large target's embedding)
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
@@ -78,13 +83,16 @@ class RemoteProposer(Proposer):
         released, self._released = self._released, []
         try:
             drafts = self._call(requests, released)
-        except BaseException:
+        except Exception as err:  # noqa: BLE001 - a lost proposer costs this step's drafts, not the requests
             self._released = released + self._released  # try again next time
-            raise
+            return self._no_drafts(requests, err)
         retry = [i for i, d in enumerate(drafts) if d.resend_features_from is not None]
         if retry:
             self.num_resent += len(retry)
-            again = self._call([self._again(requests[i], drafts[i].resend_features_from) for i in retry], [])
+            try:
+                again = self._call([self._again(requests[i], drafts[i].resend_features_from) for i in retry], [])
+            except Exception as err:  # noqa: BLE001
+                again = self._no_drafts([requests[i] for i in retry], err)
             for i, d in zip(retry, again):
                 if d.resend_features_from is not None:
                     logger.warning("proposer still lacks features of %s; no draft this step", requests[i].seq_id)
@@ -95,6 +103,12 @@ class RemoteProposer(Proposer):
                 if d.probs is not None and d.probs.device != self.device:
                     d.probs = d.probs.to(self.device)
         return drafts
+
+    def _no_drafts(self, requests: list[ProposeRequest], err: Exception) -> list[Draft]:
+        self.num_failed_calls += 1
+        logger.warning("proposer call failed (%s: %s); %d sequence(s) step without drafts",
+                       type(err).__name__, err, len(requests))
+        return [Draft([]) for _ in requests]
 
     def release(self, seq_id: str) -> None:
         self._released.append(seq_id)

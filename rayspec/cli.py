@@ -110,7 +110,7 @@ def cmd_bench_serve(args) -> int:
         endpoints=args.endpoint, labels=args.label, model=args.model, prompts_file=args.prompts,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, concurrency=concurrency,
         temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup, timeout=args.timeout,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True), rounds=args.rounds)
+        log=lambda msg: print(msg, file=sys.stderr, flush=True), rounds=args.rounds, waves=args.waves)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat each level this many times, endpoints taking turns (sums tokens and time)")
+    p.add_argument("--waves", type=int, default=0,
+                   help="send at least this many x concurrency requests per level (prompts repeated), so a "
+                        "level runs at its concurrency instead of draining (0: each prompt once)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: output tok/s and mean TPOT vs concurrency")
     p.set_defaults(func=cmd_bench_serve)

@@ -89,3 +89,23 @@ def test_bench_serve_rounds_sum_tokens_and_time(server, tmp_path):
         assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
         assert min(r["round_output_throughput"]) <= r["output_throughput"] <= max(r["round_output_throughput"])
         assert r["server_stats"]["num_drafts"] >= 0
+
+
+def test_bench_serve_waves_keep_a_level_at_its_concurrency(server, tmp_path):
+    """--waves W sends at least W x concurrency requests per level (prompts repeated in order);
+    mean_in_flight reports the concurrency the level really had."""
+    from rayspec.bench.serve import level_prompts, run_serve_benchmark
+
+    assert level_prompts(["a", "b", "c"], 1, 2) == ["a", "b", "c"]  # never fewer than the prompts
+    assert level_prompts(["a", "b", "c"], 4, 2) == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert level_prompts(["a", "b"], 8, 0) == ["a", "b"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "turns": ["Say hello twice."]}) + "\n")
+    result = run_serve_benchmark([server], ["A"], model="tiny", prompts_file=str(prompts), max_tokens=6,
+                                 concurrency=[1, 3], warmup=0, waves=2, log=lambda m: None)
+    assert result["config"]["waves"] == 2
+    one, three = result["results"]
+    assert one["num_requests"] == 2 and three["num_requests"] == 6
+    assert three["num_completed"] == 6
+    assert 0 < one["mean_in_flight"] <= 1.0 + 1e-6
+    assert 1.0 < three["mean_in_flight"] <= 3.0 + 1e-6  # three at a time for most of the level

@@ -40,7 +40,8 @@ TARGET_LAYERS = 8  # EAGLE-3 default feature layers of an 8-layer target: inputs
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
 # app name -> (topology, eagle_topk)
 APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
-        "two_proposers": ("disaggregated", 4)}  # the last with 2 proposer replicas
+        "two_proposers": ("disaggregated", 4),  # with 2 proposer replicas
+        "killed": ("disaggregated", 4)}  # its proposer replica is killed by a test
 
 
 def copy_head(target_dir, draft_tokens: list[int]):
@@ -180,6 +181,38 @@ def test_remote_eagle_proposer_survives_other_replicas(eagle_setup, route):
         assert remote.num_resent == len(PROMPTS)
 
 
+def test_remote_proposer_call_that_fails_costs_drafts_not_requests(eagle_setup):
+    """A proposer replica dies mid-generation: its call raises. That step runs without drafts
+    (a plain target step), the next calls reach the replacement, which asks for the features
+    again; the requests finish with the target's own output."""
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=_spec(eagle_setup["head"], 4),
+                     engine={**ENGINE, "device": "cpu"})
+    first, replacement = Proposer.func_or_class(args), Proposer.func_or_class(args)
+
+    class Dying:  # replica 0: answers 4 propose calls, then its actor is gone
+        calls = 0
+
+        def feature_layers(self):
+            return first.feature_layers()
+
+        async def propose(self, requests, released=None):
+            Dying.calls += 1
+            if Dying.calls > 4:
+                raise RuntimeError("the replica's actor died")
+            return await first.propose(requests, released)
+
+    # call 0 asks feature_layers, calls 1-5 propose on replica 0 (the 5th raises), then replica 1
+    handle = _LocalHandle(Dying(), replacement, route=lambda n: 0 if n <= 5 else 1)
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a")
+    engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
+                                    speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in eagle_setup["ref"]]
+    assert remote.num_failed_calls == 1  # call 5 raised; the engine went on
+    assert remote.num_resent >= len(PROMPTS)  # the replacement caught every sequence up
+    assert replacement.stats()["num_calls"] > 0 and sum(o.num_accepted_tokens for o in out) > 0
+
+
 # ---- served -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(eagle_setup):
@@ -228,6 +261,42 @@ def test_two_eagle_proposer_replicas(served, eagle_setup):
     stats = handle.stats.remote().result(timeout_s=60)
     # a resend happens only when a call lands on a replica that does not hold the sequence
     assert stats["proposer_calls"] > 0 and stats["proposer_features_resent"] <= len(PROMPTS)
+
+
+def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
+    """The proposer replica's actor is killed while a request streams: the request finishes with
+    the target's own output (steps whose proposer call failed ran without drafts), and once Serve
+    has replaced the replica, requests draft again on the new one."""
+    import time
+
+    prompt, n = PROMPTS[1], 900  # long enough to be in flight when the kill lands
+    want = _engine(eagle_setup["target"], method="none").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    handle = serve.get_app_handle("killed")
+    stream = handle.options(stream=True).generate_stream.remote(
+        GenerateRequest(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True))
+    chunks = iter(stream)
+    got = list(next(chunks).delta_token_ids)
+    [replica] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::killed#Proposer#")]
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    got += [t for chunk in chunks for t in chunk.delta_token_ids]
+    assert got == want.token_ids
+    stats = handle.stats.remote().result(timeout_s=60)
+    assert stats["proposer_failed_calls"] >= 1  # the kill landed mid-request, and cost only drafts
+
+    request = GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    deadline = time.monotonic() + 90
+    while True:  # until the replacement replica is up and drafting
+        result = handle.generate.remote(request).result(timeout_s=120)
+        assert result.token_ids == eagle_setup["ref"][0].token_ids
+        if result.num_accepted_tokens > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert result.num_accepted_tokens > 0
+    new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith("SERVE_REPLICA::killed#Proposer#")]
+    assert new and replica["name"] not in new
 
 
 @pytest.mark.parametrize("app", ["disaggregated", "chain"])

@@ -2,7 +2,10 @@
 
 Each prompt (Spec-Bench JSONL, `turns[0]` as the user message) is sent as a streaming chat
 completion. For every endpoint and every concurrency level of the sweep, exactly `concurrency`
-requests are kept in flight until all prompts are done. Endpoints are interleaved per level
+requests are kept in flight until all prompts are done. With `--waves W` a level sends at least
+W x concurrency requests (the prompts repeated in order): with few prompts a high level would
+otherwise spend much of its time draining below its concurrency. `mean_in_flight` (request time
+summed over the level's wall time) shows how much concurrency a level really had. Endpoints are interleaved per level
 (A@1, B@1, A@2, B@2, ...), and with `--rounds R` each level is repeated R times in turn
 (A, B, A, B, ...) with tokens and time summed, so that drift in machine speed hits them alike.
 
@@ -183,6 +186,12 @@ def _merge_stats(deltas: list[dict | None]) -> dict | None:
     return _with_rates({k: sum(x[k] for x in deltas) for k in STATS_KEYS}, deltas[-1].get("method"))
 
 
+def level_prompts(prompts: list[str], concurrency: int, waves: int) -> list[str]:
+    """The prompts a level sends: all of them once, repeated in order up to waves x concurrency."""
+    n = max(len(prompts), waves * concurrency)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
 def level_metrics(concurrency: int, rounds: list[dict]) -> dict:
     """One endpoint at one concurrency, over all its rounds (tokens and time summed)."""
     results = [r for rnd in rounds for r in rnd["results"]]
@@ -207,6 +216,8 @@ def level_metrics(concurrency: int, rounds: list[dict]) -> dict:
         "round_output_throughput": [sum(r.completion_tokens for r in rnd["results"] if r.ok) / rnd["duration_s"]
                                     for rnd in rounds if rnd["duration_s"] > 0],
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        # requests in flight on average; below `concurrency` when the level drains at its end
+        "mean_in_flight": sum(r.e2e for r in results) / duration if duration > 0 else 0.0,
         "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": summarize([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": summarize([g for r in ok for g in r.itls]),
@@ -221,7 +232,7 @@ def level_metrics(concurrency: int, rounds: list[dict]) -> dict:
 async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], model: str, prompts: list[str],
                                     concurrencies: list[int], max_tokens: int, temperature: float,
                                     ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0,
-                                    log=print, rounds: int = 1) -> dict:
+                                    log=print, rounds: int = 1, waves: int = 0) -> dict:
     urls = [base_url(e) for e in endpoints]
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) for _ in urls]
@@ -236,12 +247,14 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
             done: dict[str, list[dict]] = {label: [] for label in labels}
             for i in range(rounds):  # A, B, C, A, B, C: drift in machine speed hits every endpoint alike
                 for client, url, label in zip(clients, urls, labels):
-                    rnd = await run_level(client, url, model, prompts, c, max_tokens, temperature, ignore_eos)
+                    rnd = await run_level(client, url, model, level_prompts(prompts, c, waves), c, max_tokens,
+                                          temperature, ignore_eos)
                     done[label].append(rnd)
                     tokens = sum(r.completion_tokens for r in rnd["results"] if r.ok)
                     log(f"[{label}] concurrency {c} round {i + 1}/{rounds}: "
                         f"{tokens / max(rnd['duration_s'], 1e-9):.1f} tok/s, "
-                        f"{sum(not r.ok for r in rnd['results'])} errors, {rnd['duration_s']:.1f} s")
+                        f"{sum(not r.ok for r in rnd['results'])} errors, {rnd['duration_s']:.1f} s, "
+                        f"{sum(r.e2e for r in rnd['results']) / max(rnd['duration_s'], 1e-9):.1f} in flight")
             for url, label in zip(urls, labels):
                 results.append({"label": label, "endpoint": url, **level_metrics(c, done[label])})
     finally:
@@ -249,7 +262,7 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
             await client.aclose()
     return {"config": {"endpoints": urls, "labels": labels, "model": model, "num_prompts": len(prompts),
                        "max_tokens": max_tokens, "temperature": temperature, "concurrency": concurrencies,
-                       "ignore_eos": ignore_eos, "warmup": warmup, "rounds": rounds},
+                       "ignore_eos": ignore_eos, "warmup": warmup, "rounds": rounds, "waves": waves},
             "results": results}
 
 
@@ -257,7 +270,7 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, m
                         prompts_file: str | None = None, num_prompts: int | None = None, max_tokens: int = 128,
                         concurrency: list[int] | str = (1, 2, 4, 8), temperature: float = 0.0,
                         ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0, log=print,
-                        rounds: int = 1) -> dict:
+                        rounds: int = 1, waves: int = 0) -> dict:
     if not endpoints:
         raise ValueError("give at least one --endpoint")
     if labels and len(labels) != len(endpoints):
@@ -268,7 +281,7 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, m
         raise ValueError("give --prompts")
     prompts = load_prompts(prompts_file, num_prompts)
     return asyncio.run(run_serve_benchmark_async(endpoints, labels, model, prompts, concurrencies, max_tokens,
-                                                 temperature, ignore_eos, warmup, timeout, log, rounds))
+                                                 temperature, ignore_eos, warmup, timeout, log, rounds, waves))
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -283,7 +296,7 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 
 def format_result(result: dict) -> str:
-    head = (f"{'endpoint':<16} {'conc':>4} {'ok/err':>7} {'tok/s':>8} {'req/s':>6} "
+    head = (f"{'endpoint':<16} {'conc':>4} {'flight':>6} {'ok/err':>7} {'tok/s':>8} {'req/s':>6} "
             f"{'TTFT mean/p50/p99 ms':>22} {'TPOT mean/p99':>14} {'ITL mean/p99':>14} "
             f"{'E2E mean/p99 ms':>17} {'acc(usage)':>10} {'acc(srv)':>8} {'mal':>5}")
     lines = [head, "-" * len(head)]
@@ -291,7 +304,7 @@ def format_result(result: dict) -> str:
         ttft, tpot, itl, e2e = r["ttft_ms"], r["tpot_ms"], r["itl_ms"], r["e2e_ms"]
         ua, ss = r["usage_acceptance"] or {}, r["server_stats"] or {}
         lines.append(
-            f"{r['label'][:16]:<16} {r['concurrency']:>4} {str(r['num_completed']) + '/' + str(r['num_errors']):>7} "
+            f"{r['label'][:16]:<16} {r['concurrency']:>4} {r['mean_in_flight']:>6.2f} {str(r['num_completed']) + '/' + str(r['num_errors']):>7} "
             f"{r['output_throughput']:>8.1f} {r['request_throughput']:>6.2f} "
             f"{_fmt(ttft['mean']) + '/' + _fmt(ttft['p50']) + '/' + _fmt(ttft['p99']):>22} "
             f"{_fmt(tpot['mean']) + '/' + _fmt(tpot['p99']):>14} {_fmt(itl['mean']) + '/' + _fmt(itl['p99']):>14} "
@@ -301,8 +314,8 @@ def format_result(result: dict) -> str:
     errors = [(r["label"], r["concurrency"], e) for r in result["results"] for e in r["errors"]]
     for label, c, e in errors:
         lines.append(f"error [{label} @ {c}]: {e}")
-    lines.append("(acc(usage): accepted/(accepted+rejected) from response usage; acc(srv), mal: acceptance rate and "
-                 "mean acceptance length from /v1/stats deltas)")
+    lines.append("(flight: requests in flight on average; acc(usage): accepted/(accepted+rejected) from response "
+                 "usage; acc(srv), mal: acceptance rate and mean acceptance length from /v1/stats deltas)")
     return "\n".join(lines)
 
 
