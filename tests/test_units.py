@@ -176,3 +176,34 @@ def test_spec_decode_stats():
     assert stats.as_dict() == {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 4,
                                "num_accepted_tokens_per_pos": [2, 2, 0, 0],
                                "acceptance_rate": 4 / 6, "mean_acceptance_length": 3.0}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is the CPU fast path")
+def test_packed_and_fused_projections_match_the_plain_layers():
+    """pack_for_cpu's oneDNN copies (q/k/v and gate/up fused) compute what the plain layers do, and
+    step aside once a weight changes (training in place) or gradients are on."""
+    from rayspec.model import MLP, Attention, ModelArgs
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    attn, mlp = Attention(args), MLP(args)
+    for rows in (1, 9):
+        x = torch.randn(2, rows, 64)
+        with torch.no_grad():
+            plain = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp(x)]
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                m.pack_for_cpu()
+            attn.fuse_for_cpu()
+            mlp.fuse_for_cpu()
+            q, k, v = attn.qkv(x)
+            assert [t.shape for t in (q, k, v)] == [(2, rows, 64), (2, rows, 32), (2, rows, 32)]
+            for got, want in zip([q, k, v, mlp(x)], plain):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert mlp.gate_up(x) is not None
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)  # an in-place update: the fused copy is stale now
+        assert mlp.gate_up(x) is None
+        want = mlp.down_proj(torch.nn.functional.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T))
+        torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+    assert attn.qkv(x) is None  # gradients on: the plain layers (autograd) run
