@@ -190,6 +190,31 @@ def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, 
             torch.from_numpy(visible).to(device))
 
 
+def prefill_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
+    """Split prompts (indices into `lengths`) into batches to prefill, padding included.
+
+    A padded batch costs about len(batch) x its longest prompt in tokens, and every forward a
+    fixed `overhead_tokens` more (weights read, per-op costs). On CPU, where prefill is
+    compute-bound, one 243-token prompt among seven of ~60 would make the batch cost 8 x 243;
+    here it goes alone. Exact minimum over groups of consecutive lengths in sorted order (n is
+    at most max_num_seqs, so the O(n^2) search is nothing).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of prefilling the j shortest prompts
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group: sorted positions i..j-1, its longest is position j-1
+            cost = best[i] + overhead_tokens + (j - i) * lengths[order[j - 1]]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:
     # an additive float mask keeps SDPA on its fused CPU kernel (a bool mask falls back to math)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
