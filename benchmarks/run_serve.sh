@@ -4,7 +4,8 @@
 #   1. offline engine, eagle3 (default config's settings) and its baseline, no Ray running, with
 #      2 torch threads (its best on this 2-core box) and with 1 (the served configs' setting);
 #   2. benchmarks/serve_bench.yaml (eagle3 colocated, baseline, eagle3 disaggregated), a
-#      concurrency sweep with the endpoints taking turns, ROUNDS rounds per level, each level
+#      concurrency sweep with the endpoints taking turns (order rotating per round), ROUNDS
+#      rounds per level (3: each endpoint goes first, second and third once), each level
 #      sending at least WAVES x concurrency requests (the N prompts repeated) so that c8 is
 #      measured at 8 in flight, not mostly draining;
 #   3. the offline run again; then benchmarks/serve_ratios.py prints the ratios.
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 PROMPTS=${1:-../shared/data/prompts}/mt_bench.jsonl
 OUT=${OUT:-benchmarks/results}
 TAG=${TAG:-serve_mt_bench}
-N=${N:-10}; ROUNDS=${ROUNDS:-2}; CONC=${CONC:-1,2,4,8}; WAVES=${WAVES:-4}
+N=${N:-10}; ROUNDS=${ROUNDS:-3}; CONC=${CONC:-1,2,4,8}; WAVES=${WAVES:-4}
 mkdir -p "$OUT"
 offline() {  # $1: output JSON, $2: torch threads
   rayspec bench offline --num-threads "$2" --method eagle3 --draft-model heads/smollm2-135m-eagle3 --num-speculative-tokens 8 \

@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per endpoint before the sweep")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--rounds", type=int, default=1,
-                   help="repeat each level this many times, endpoints taking turns (sums tokens and time)")
+                   help="repeat each level this many times, endpoints taking turns in a rotating order "
+                        "(sums tokens and time)")
     p.add_argument("--waves", type=int, default=0,
                    help="send at least this many x concurrency requests per level (prompts repeated), so a "
                         "level runs at its concurrency instead of draining (0: each prompt once)")

@@ -6,8 +6,9 @@ requests are kept in flight until all prompts are done. With `--waves W` a level
 W x concurrency requests (the prompts repeated in order): with few prompts a high level would
 otherwise spend much of its time draining below its concurrency. `mean_in_flight` (request time
 summed over the level's wall time) shows how much concurrency a level really had. Endpoints are interleaved per level
-(A@1, B@1, A@2, B@2, ...), and with `--rounds R` each level is repeated R times in turn
-(A, B, A, B, ...) with tokens and time summed, so that drift in machine speed hits them alike.
+(A@1, B@1, A@2, B@2, ...), and with `--rounds R` each level is repeated R times in turn, the
+order rotating each round (A B C, B C A, C A B, ...), with tokens and time summed, so that drift
+in machine speed hits them alike and none always goes first.
 
 Per endpoint per level: TTFT, TPOT (time per output token after the first), ITL (gaps between
 streamed content chunks) and end-to-end latency (mean/p50/p90/p99, in ms), output tokens/s,
@@ -245,8 +246,12 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                     log(f"[{label}] warmup request failed: {r.error}")
         for c in concurrencies:
             done: dict[str, list[dict]] = {label: [] for label in labels}
-            for i in range(rounds):  # A, B, C, A, B, C: drift in machine speed hits every endpoint alike
-                for client, url, label in zip(clients, urls, labels):
+            for i in range(rounds):
+                # endpoints take turns, and the order rotates each round (A B C, B C A, C A B): drift
+                # in machine speed hits every endpoint alike, and no endpoint always goes first
+                # (measured: the one going first after the others had run lost 3-4% at c4)
+                turn = i % len(urls)
+                for client, url, label in list(zip(clients, urls, labels))[turn:] + list(zip(clients, urls, labels))[:turn]:
                     rnd = await run_level(client, url, model, level_prompts(prompts, c, waves), c, max_tokens,
                                           temperature, ignore_eos)
                     done[label].append(rnd)
