@@ -226,5 +226,6 @@ class EngineLoop:
             self.snapshot["proposer_call_seconds"] = round(remote.call_seconds, 4)
             self.snapshot["proposer_features_resent"] = remote.num_resent
             self.snapshot["proposer_failed_calls"] = remote.num_failed_calls
+            self.snapshot["proposer_skipped_steps"] = remote.num_skipped_steps
         if self.metrics is not None:
             self.metrics.update(self.snapshot)

@@ -59,15 +59,19 @@ class Proposer:
         return None if layers is None else tuple(layers)
 
     @serve.multiplexed(max_num_models_per_replica=4096)
-    async def _pin(self, verifier_tag: str) -> str:
+    async def _register(self, verifier_tag: str) -> str:
         """Nothing to load: registering the verifier's tag makes Serve's router send that verifier's
         later calls here, to the replica holding its sequences' state (see RemoteProposer)."""
         return verifier_tag
 
-    async def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
+    async def pin(self) -> None:
+        """Registers the caller's tag (its multiplexed model id) on this replica, so the router sends
+        the caller's calls here. propose does not register: see RemoteProposer for why."""
         tag = serve.get_multiplexed_model_id()
         if tag:
-            await self._pin(tag)
+            await self._register(tag)
+
+    async def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
         return await asyncio.to_thread(self._propose, requests, released)
 
     def _propose(self, requests: list[ProposeRequest], released: list[str] | None) -> list[Draft]:

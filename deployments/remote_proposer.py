@@ -7,7 +7,11 @@ thread, which is where the engine calls it: `handle.propose.remote(...).result()
 
 Affinity: every call carries this verifier replica's tag as Serve's multiplexed model id, so the
 router keeps sending one verifier's batches to the same proposer replica (the one that holds
-their draft state) while there are several.
+their draft state) while there are several. The tag is registered on exactly one replica, by a
+`pin` call before the first propose (and again after a failed call: that replica may be gone);
+propose calls never register it. Why: the router learns registrations a moment late, and calls
+sent in that moment go to any replica; had they registered the tag too, it would sit on every
+replica and the router would spread the verifier's calls over all of them for good.
 
 EAGLE: `feature_layers` is asked of the proposer deployment once, at construction; the engine
 reads it and then puts the target features of every newly committed token into the requests,
@@ -22,6 +26,9 @@ keep their `parents`.
 A failed call (the proposer replica died mid-call, or the call timed out) loses nothing either:
 that step runs without drafts (a plain target step, so outputs are unchanged), and the next call
 goes to whichever replica Serve routes to; a replacement replica asks for the features again.
+After a failure the proposer is left alone for a while (1 s, doubling on each failure in a row up
+to a minute): steps in between run without drafts at once, so a proposer that hangs costs one
+timeout per interval, not one per step.
 """
 
 from __future__ import annotations
@@ -40,15 +47,21 @@ logger = logging.getLogger(__name__)
 class RemoteProposer(Proposer):
     name = "remote"
 
-    def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 120.0,
-                 startup_timeout_s: float | None = 1800.0, affinity: str | None = None):
+    MAX_BACKOFF_S = 60.0
+
+    def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 30.0,
+                 startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic):
         self.handle = handle.options(multiplexed_model_id=affinity) if affinity else handle
+        self.affinity = affinity
+        self._pinned = affinity is None  # with a tag, the first call pins it to one proposer replica
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
         self._released: list[str] = []
         self.num_calls = 0
         self.num_resent = 0  # sequences whose features were sent again (a replica lacked them)
         self.num_failed_calls = 0  # calls that raised (replica died, timeout): those steps had no drafts
+        self.num_skipped_steps = 0  # steps without drafts because a failure was recent
+        self._clock, self._backoff_s, self._skip_until = clock, 0.0, float("-inf")
         self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
         # waits for the proposer replica to be up (it may be loading a large target's embedding)
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
@@ -80,9 +93,16 @@ class RemoteProposer(Proposer):
         requests = [self._portable(r) for r in requests]
         for r in requests:
             self._remember(r)
+        if self._clock() < self._skip_until:  # a recent failure: do not wait on the proposer again yet
+            self.num_skipped_steps += 1
+            return [Draft([]) for _ in requests]
         released, self._released = self._released, []
         try:
+            if not self._pinned:
+                self.handle.pin.remote().result(timeout_s=self.timeout_s)
+                self._pinned = True
             drafts = self._call(requests, released)
+            self._backoff_s = 0.0
         except Exception as err:  # noqa: BLE001 - a lost proposer costs this step's drafts, not the requests
             self._released = released + self._released  # try again next time
             return self._no_drafts(requests, err)
@@ -106,6 +126,9 @@ class RemoteProposer(Proposer):
 
     def _no_drafts(self, requests: list[ProposeRequest], err: Exception) -> list[Draft]:
         self.num_failed_calls += 1
+        self._pinned = self.affinity is None  # pin again: that replica may be gone
+        self._backoff_s = min(max(2 * self._backoff_s, 1.0), self.MAX_BACKOFF_S)
+        self._skip_until = self._clock() + self._backoff_s
         logger.warning("proposer call failed (%s: %s); %d sequence(s) step without drafts",
                        type(err).__name__, err, len(requests))
         return [Draft([]) for _ in requests]
