@@ -171,6 +171,9 @@ class AppArgs(_Strict):
     ingress: DeploymentArgs = Field(default_factory=DeploymentArgs)
     verifier: DeploymentArgs = Field(default_factory=DeploymentArgs)
     proposer: DeploymentArgs = Field(default_factory=DeploymentArgs)
+    # disaggregated: how long a verifier step waits on its proposer call before stepping without
+    # drafts (then it leaves the proposer alone for 1 s, doubling to 60 s while calls keep failing)
+    proposer_call_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("model")
     @classmethod

@@ -84,7 +84,12 @@ class RemoteProposer(Proposer):
 
     def _call(self, requests: list[ProposeRequest], released: list[str]) -> list[Draft]:
         started = time.perf_counter()
-        drafts = self.handle.propose.remote(requests, released).result(timeout_s=self.timeout_s)
+        response = self.handle.propose.remote(requests, released)
+        try:
+            drafts = response.result(timeout_s=self.timeout_s)
+        except Exception:
+            response.cancel()  # a timed-out call must not run later on stale state (no-op once failed)
+            raise
         self.num_calls += 1
         self.call_seconds += time.perf_counter() - started
         return drafts

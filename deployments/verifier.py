@@ -44,7 +44,8 @@ class Verifier:
             proposer = None
             if proposer_handle is not None:
                 from deployments.remote_proposer import RemoteProposer
-                proposer = RemoteProposer(proposer_handle, device=engine_config.device, affinity=tag)
+                proposer = RemoteProposer(proposer_handle, device=engine_config.device, affinity=tag,
+                                          timeout_s=cfg.proposer_call_timeout_s)
             return LLMEngine(engine_config, proposer=proposer)
 
         try:

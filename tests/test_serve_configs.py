@@ -110,6 +110,7 @@ def test_cluster_config():
     ({"speculative": {"method": "eagle3"}}, "draft_model"),
     ({"speculative": {"method": "eagle", "draft_model": "h", "eagle_topk": 0}}, "eagle_topk"),
     ({"speculative": {"method": "eagle3", "draft_model": "h", "num_steps": 0}}, "num_steps"),
+    ({"proposer_call_timeout_s": 0}, "proposer_call_timeout_s"),
 ])
 def test_invalid_args(args, match):
     with pytest.raises(ValidationError, match=match):

@@ -105,11 +105,25 @@ def _spec(head_dir, topk: int) -> dict:
 
 
 # ---- the remote proposer without Ray: a handle that pickles, as between Ray actors -------------
+class _Response:
+    def __init__(self, handle, value, error):
+        self.handle, self.value, self.error = handle, value, error
+
+    def result(self, timeout_s=None):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def cancel(self):
+        self.handle.cancelled += 1
+
+
 class _LocalHandle:
     """Calls go to `route(call number)`-th replica; arguments and results are pickled both ways."""
 
     def __init__(self, *replicas, route=lambda n: 0):
         self.replicas, self.route, self.calls, self.options_seen = replicas, route, [], []
+        self.cancelled = 0  # responses cancelled by the caller
 
     def options(self, **kwargs):
         self.options_seen.append(kwargs)
@@ -123,11 +137,14 @@ class _LocalHandle:
                 args = pickle.loads(pickle.dumps(args))
                 replica = handle.replicas[handle.route(len(handle.calls)) % len(handle.replicas)]
                 handle.calls.append((name, args))
-                value = getattr(replica, name)(*args)
-                if inspect.iscoroutine(value):
-                    value = asyncio.run(value)
-                value = pickle.loads(pickle.dumps(value))
-                return type("Response", (), {"result": lambda self, timeout_s=None: value})()
+                try:
+                    value = getattr(replica, name)(*args)
+                    if inspect.iscoroutine(value):
+                        value = asyncio.run(value)
+                    value, error = pickle.loads(pickle.dumps(value)), None
+                except Exception as err:  # noqa: BLE001 - raised by result(), as a DeploymentResponse does
+                    value, error = None, err
+                return _Response(handle, value, error)
 
         return _Method()
 
@@ -238,13 +255,15 @@ def test_remote_proposer_backs_off_after_failures():
             raise TimeoutError("no answer")
 
     now = [0.0]
-    remote = RemoteProposer(_LocalHandle(Down()), clock=lambda: now[0])
+    handle = _LocalHandle(Down())
+    remote = RemoteProposer(handle, clock=lambda: now[0])
     request = ProposeRequest("s", [1, 2, 3], 2)
     for t, calls, skipped in [(0.0, 1, 0), (0.5, 1, 1), (1.0, 2, 1), (2.9, 2, 2), (3.0, 3, 2)]:
         now[0] = t
         assert [d.tokens for d in remote.propose([request])] == [[]]
         assert (Down.calls, remote.num_skipped_steps) == (calls, skipped), t
     assert remote.num_failed_calls == 3
+    assert handle.cancelled == 3  # a timed-out call is cancelled, not left to run later on stale state
 
 
 # ---- served -------------------------------------------------------------------------------
