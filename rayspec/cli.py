@@ -68,7 +68,8 @@ def cmd_train(args) -> int:
                       draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, answers_only=args.answers_only,
-                      init_head=args.init_head, warmup_steps=args.warmup_steps)
+                      init_head=args.init_head, warmup_steps=args.warmup_steps, grad_accum=args.grad_accum,
+                      num_workers=args.num_workers, num_threads=args.num_threads)
     print(run(cfg))
     return 0
 
@@ -172,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--init-head", default=None,
                        help="train further from this head (its weights, shape and draft vocabulary; "
                             "--draft-vocab-size and --intermediate-size are then ignored)")
+        t.add_argument("--grad-accum", type=int, default=1, help="batches per worker per optimizer step")
+        t.add_argument("--num-workers", type=int, default=1,
+                       help="> 1: train data-parallel on that many Ray Train CPU workers (joins the running "
+                            "Ray cluster; the work dir must be on storage they all see)")
+        t.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (per worker)")
         t.add_argument("--seed", type=int, default=0)
         t.add_argument("--answers-only", action="store_true",
                        help="loss only on positions whose next token the target wrote (not the user's)")

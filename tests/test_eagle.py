@@ -916,3 +916,40 @@ def test_engine_refuses_a_local_proposer_that_lost_features(tiny_model_dir):
     engine = make_engine(tiny_model_dir, "ngram", k=2, loaded=cached_model(str(tiny_model_dir)), proposer=Forgetful())
     with pytest.raises(RuntimeError, match="lost the target features"):
         engine.generate(["Count from 1 to 5."], SamplingParams(temperature=0, max_tokens=8))
+
+
+def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_path):
+    """`--num-workers 2` (Ray Train, gloo all-reduce) trains the head one process trains with
+    `--grad-accum 2` on the same data: each step takes the same two batches, one per worker."""
+    import shutil
+
+    import ray
+
+    from rayspec.eagle.train import TrainConfig, run
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}, then {i} words."]}) + "\n"
+                               for i in range(8)))
+    common = dict(kind="eagle3", target=str(tiny_model_dir), prompts=(str(prompts),), max_new_tokens=12,
+                  draft_vocab_size=512, epochs=2, warmup_steps=2, batch_tokens=64, checkpoint_every=100,
+                  num_threads=1, answers_only=True)
+    one = run(TrainConfig(work_dir=str(tmp_path / "one"), output=str(tmp_path / "head-one"), grad_accum=2, **common))
+    (tmp_path / "two").mkdir()  # the same answers and features: only the training differs
+    shutil.copy(tmp_path / "one" / "answers.jsonl", tmp_path / "two" / "answers.jsonl")
+    shutil.copytree(tmp_path / "one" / "features-eagle3", tmp_path / "two" / "features-eagle3")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        two = run(TrainConfig(work_dir=str(tmp_path / "two"), output=str(tmp_path / "head-two"), num_workers=2,
+                              **common))
+    finally:
+        ray.shutdown()
+    history = [[json.loads(line) for line in (tmp_path / d / "history-eagle3.jsonl").read_text().splitlines()]
+               for d in ("one", "two")]
+    assert len(history[0]) == len(history[1]) >= 3  # several steps of 2 batches each
+    for a, b in zip(*history):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    assert history[0][-1]["loss"] < history[0][0]["loss"]
+    first, second = read_state_dict(one), read_state_dict(two)
+    assert first.keys() == second.keys()
+    for k in first:
+        torch.testing.assert_close(second[k], first[k], atol=1e-4, rtol=1e-3, msg=k)

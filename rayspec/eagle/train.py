@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,8 @@ class TrainConfig:
     seed: int = 0
     num_threads: int | None = None
     init_head: str | None = None  # start from this head (its weights and draft vocabulary), not from scratch
+    grad_accum: int = 1  # batches per worker per optimizer step
+    num_workers: int = 1  # > 1: data-parallel training on that many Ray Train CPU workers (rayspec.eagle.train_ray)
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -181,22 +184,43 @@ def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
 
 # ---- the run ---------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> Path:
-    from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.eagle.data import extract_features, generate_answers, read_answers, read_prompt_file
-    from rayspec.engine import LLMEngine
-    from rayspec.loader import load_model, resolve_model_dir
-
+    """All three stages. Answers and features come from this process; training runs here, or on
+    `cfg.num_workers` Ray Train workers (data-parallel) when that is more than 1."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     keep_freed_memory()
-    work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    target, tokenizer = _load_target(cfg)
+    examples = prepare_data(cfg, target, tokenizer)
+    if cfg.num_workers > 1:
+        from rayspec.eagle.train_ray import train_on_ray  # Ray only here: the core runs without it
+
+        del examples, target
+        return train_on_ray(cfg)
+    return train_head(cfg, target, examples)
+
+
+def _load_target(cfg: TrainConfig):
+    from rayspec.loader import load_model
+
     target, tokenizer = load_model(cfg.target, device="cpu", dtype="float32")
     target.requires_grad_(False)
+    return target, tokenizer
 
-    # 1. answers
-    answers = work / "answers.jsonl"
+
+def _head_config(cfg: TrainConfig, target):
+    """-> (head to train further or None, its config): the init head's, else a new one."""
+    from rayspec.loader import resolve_model_dir
+
+    init = read_eagle_head(cfg.init_head, target, cfg.kind)[0] if cfg.init_head else None
+    tcfg = init.config if init is not None else new_eagle_config(
+        cfg.kind, resolve_model_dir(cfg.target), target.args.num_layers, target.args.hidden_size,
+        draft_vocab_size=cfg.draft_vocab_size, intermediate_size=cfg.intermediate_size)
+    return init, tcfg
+
+
+def _read_prompts(cfg: TrainConfig) -> list[str]:
+    from rayspec.eagle.data import read_prompt_file
+
     prompts: list[str] = []
     for spec in cfg.prompts:  # "file.jsonl" or "file.jsonl:N" (N prompts drawn at random from it)
         path, _, count = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "")
@@ -205,17 +229,28 @@ def run(cfg: TrainConfig) -> Path:
             random.Random(cfg.seed).shuffle(rows)
             rows = rows[: int(count)]
         prompts += rows
-    prompts = prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+
+
+def prepare_data(cfg: TrainConfig, target, tokenizer) -> list[dict]:
+    """Stages 1 and 2 (resumable): the target's answers, then its features; -> the examples."""
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.eagle.data import extract_features, generate_answers, read_answers
+    from rayspec.engine import LLMEngine
+
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+    # 1. answers
+    answers = work / "answers.jsonl"
     engine = LLMEngine(EngineConfig(model=cfg.target, speculative=SpeculativeConfig(method="none"),
                                     max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)
-    generate_answers(engine, prompts, answers, cfg.max_new_tokens)
+    generate_answers(engine, _read_prompts(cfg), answers, cfg.max_new_tokens)
     del engine
 
     # 2. features
-    init = read_eagle_head(cfg.init_head, target, cfg.kind)[0] if cfg.init_head else None  # trains further
-    tcfg = init.config if init is not None else new_eagle_config(
-        cfg.kind, resolve_model_dir(cfg.target), target.args.num_layers, target.args.hidden_size,
-        draft_vocab_size=cfg.draft_vocab_size, intermediate_size=cfg.intermediate_size)
+    _, tcfg = _head_config(cfg, target)
     feat_dir = work / f"features-{cfg.kind}"
     feat_dir.mkdir(exist_ok=True)
     rows = read_answers(answers)
@@ -233,10 +268,37 @@ def run(cfg: TrainConfig) -> Path:
         examples += load_examples(new, cfg.kind)
     for e, r in zip(examples, rows):
         e["prompt_len"] = len(r["prompt_ids"])
-    n_tokens = sum(len(e["ids"]) for e in examples)
-    print(f"{len(examples)} conversations, {n_tokens} tokens")
+    return examples
 
-    # 3. the head: fresh, or the weights (and draft vocabulary) of an existing head to train further
+
+def load_prepared(cfg: TrainConfig) -> list[dict]:
+    """The examples prepare_data left in the work dir (what a data-parallel worker reads)."""
+    from rayspec.eagle.data import read_answers
+
+    work = Path(cfg.work_dir)
+    examples = load_examples(sorted((work / f"features-{cfg.kind}").glob("features-*.pt")), cfg.kind)
+    for e, r in zip(examples, read_answers(work / "answers.jsonl")):
+        e["prompt_len"] = len(r["prompt_ids"])
+    return examples
+
+
+GradSync = Callable[[list[torch.Tensor], torch.Tensor], None]  # (grads, stats) -> summed over workers, in place
+
+
+def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, world: int = 1,
+               sync: GradSync | None = None) -> Path | None:
+    """Stage 3: train the head; returns where rank 0 wrote it.
+
+    One optimizer step takes world x grad_accum batches: worker `rank` computes the gradients of
+    its grad_accum of them and `sync` sums them over the workers (the mean loss of the batches,
+    as one process accumulating them all would have). Every worker then takes the same step."""
+    work = Path(cfg.work_dir)
+    n_tokens = sum(len(e["ids"]) for e in examples)
+    if rank == 0:
+        print(f"{len(examples)} conversations, {n_tokens} tokens")
+
+    # the head: fresh, or the weights (and draft vocabulary) of an existing head to train further
+    init, tcfg = _head_config(cfg, target)
     torch.manual_seed(cfg.seed)
     head = init if init is not None else build_head(tcfg)
     attach_target(head, target, has_own_embedding=False)
@@ -258,50 +320,69 @@ def run(cfg: TrainConfig) -> Path:
                 head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
                 head.norm.weight.copy_(target.model.norm.weight)
         covered = sum(counts[t] for t in draft_ids.tolist()) / max(1, sum(counts.values()))
-        print(f"draft vocabulary {len(draft_ids)} tokens covers {covered:.1%} of the target's choices")
+        if rank == 0:
+            print(f"draft vocabulary {len(draft_ids)} tokens covers {covered:.1%} of the target's choices")
         t2d_index = torch.full((target.args.vocab_size,), -100, dtype=torch.long)
         t2d_index[draft_ids] = torch.arange(len(draft_ids))
     params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens", "target_lm_head"))]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
-    epoch_batches = [make_batches(examples, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
-    total_steps = sum(len(b) for b in epoch_batches)
+    flat = [b for _ in range(cfg.epochs) for b in make_batches(examples, cfg.batch_tokens, rng)]
+    per_step = world * cfg.grad_accum
+    total_steps = len(flat) // per_step  # the last len(flat) % per_step batches are left out
+    if total_steps == 0:
+        raise ValueError(f"{len(flat)} batches make no step of {per_step} (workers x grad_accum)")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
                                               * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps))))
     ckpt_path = work / f"checkpoint-{cfg.kind}.pt"
     step = 0
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt.get("batches_per_step", 1) != per_step:
+            raise RuntimeError(f"{ckpt_path} was written with {ckpt.get('batches_per_step', 1)} batches per step, "
+                               f"this run takes {per_step} (workers x grad_accum); use those or a new work dir")
         head.load_state_dict(ckpt["head"], strict=False)
         opt.load_state_dict(ckpt["opt"])
         sched.load_state_dict(ckpt["sched"])
         step = ckpt["step"]
-        print(f"resumed at step {step}/{total_steps}")
-    flat = [b for batches in epoch_batches for b in batches]
+        if rank == 0:
+            print(f"resumed at step {step}/{total_steps}")
     head.train()
     start = time.time()
     history = []
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.kind}", unit="batch")
+    bar = tqdm(total=total_steps, initial=step, desc=f"train {cfg.kind}", unit="step", disable=rank != 0)
     while step < total_steps:
-        feats, next_ids, labels, lengths = collate(examples, flat[step], t2d_index, cfg.answers_only)
-        loss, accs = ttt_loss(head, feats, next_ids, labels, lengths, cfg.ttt_steps)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        stats = torch.zeros(1 + cfg.ttt_steps)  # summed over this step's batches: loss, accuracy per TTT step
+        for a in range(cfg.grad_accum):
+            batch = flat[step * per_step + rank * cfg.grad_accum + a]
+            feats, next_ids, labels, lengths = collate(examples, batch, t2d_index, cfg.answers_only)
+            loss, accs = ttt_loss(head, feats, next_ids, labels, lengths, cfg.ttt_steps)
+            (loss / per_step).backward()
+            stats += torch.tensor([loss.item()] + accs + [0.0] * (cfg.ttt_steps - len(accs)))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if sync is not None:
+            sync(grads, stats)
+        for p, g in zip(params, grads):
+            p.grad = g
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         step += 1
-        history.append({"step": step, "loss": loss.item(), "acc": accs})
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        mean = (stats / per_step).tolist()
+        history.append({"step": step, "loss": mean[0], "acc": mean[1:]})
+        bar.set_postfix(loss=f"{mean[0]:.3f}", acc="/".join(f"{a:.2f}" for a in mean[1:]))
         bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == total_steps:
+        if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total_steps):
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step}, ckpt_path)
+                        "step": step, "batches_per_step": per_step}, ckpt_path)
             with (work / f"history-{cfg.kind}.jsonl").open("a") as f:
                 for h in history:
                     f.write(json.dumps(h) + "\n")
             history = []
     bar.close()
+    if rank != 0:
+        return None
     head.eval()
     out = save_eagle_head(head, cfg.output)
     (Path(cfg.output) / "training.json").write_text(json.dumps(
