@@ -920,7 +920,8 @@ def test_engine_refuses_a_local_proposer_that_lost_features(tiny_model_dir):
 
 def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_path):
     """`--num-workers 2` (Ray Train, gloo all-reduce) trains the head one process trains with
-    `--grad-accum 2` on the same data: each step takes the same two batches, one per worker."""
+    `--grad-accum 2` on the same data: each step takes the same two batches, one per worker. Its
+    answers and features (2 Ray actors, chunks of prompts) are the ones one process makes."""
     import shutil
 
     import ray
@@ -941,8 +942,22 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
     try:
         two = run(TrainConfig(work_dir=str(tmp_path / "two"), output=str(tmp_path / "head-two"), num_workers=2,
                               **common))
+        # and the data stages on 2 Ray actors: the same answers and features as one process made
+        run(TrainConfig(work_dir=str(tmp_path / "three"), output=str(tmp_path / "head-three"), num_workers=2,
+                        **{**common, "epochs": 1}))
     finally:
         ray.shutdown()
+    data = {}
+    for d in ("one", "three"):
+        rows = [json.loads(line) for line in (tmp_path / d / "answers.jsonl").read_text().splitlines()]
+        shards = sorted((tmp_path / d / "features-eagle3").glob("features-*.pt"))
+        feats = [f for s in shards for f in torch.load(s, weights_only=True)["aux"]]
+        assert len(rows) == len(feats) == 8
+        data[d] = {r["prompt"]: (r["output_ids"], f) for r, f in zip(rows, feats)}  # row order may differ
+    assert data["one"].keys() == data["three"].keys()
+    for prompt, (ids, feat) in data["one"].items():
+        assert data["three"][prompt][0] == ids
+        torch.testing.assert_close(data["three"][prompt][1], feat, atol=2e-3, rtol=1e-2)
     history = [[json.loads(line) for line in (tmp_path / d / "history-eagle3.jsonl").read_text().splitlines()]
                for d in ("one", "two")]
     assert len(history[0]) == len(history[1]) >= 3  # several steps of 2 batches each

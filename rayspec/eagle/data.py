@@ -35,18 +35,14 @@ def read_prompt_file(path: str | Path) -> list[str]:
     return out
 
 
-def generate_answers(engine, prompts: list[str], out_path: Path, max_tokens: int) -> None:
-    """Greedy answers, continuously batched (finished requests are written at once)."""
+def answer_stream(engine, prompts: list[str], max_tokens: int, progress: bool = True):
+    """Greedy answers, continuously batched: yields answers.jsonl rows as requests finish."""
     from rayspec.sampling import SamplingParams
 
-    done = set()
-    if out_path.exists():
-        done = {json.loads(line)["prompt"] for line in out_path.read_text().splitlines() if line.strip()}
-    todo = [p for p in dict.fromkeys(prompts) if p not in done]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    queue = list(reversed(todo))
+    queue = list(reversed(prompts))
     meta: dict[str, tuple[str, list[int]]] = {}
-    with out_path.open("a") as f, tqdm(total=len(todo), desc="target answers", unit="prompt") as bar:
+    with tqdm(total=len(prompts), desc="target answers", unit="prompt", disable=not progress) as bar:
         while queue or engine.has_unfinished_requests():
             while queue and engine.num_waiting < engine.num_slots:
                 p = queue.pop()
@@ -55,39 +51,78 @@ def generate_answers(engine, prompts: list[str], out_path: Path, max_tokens: int
             for out in engine.step():
                 if out.finished:
                     p, ids = meta.pop(out.request_id)
-                    f.write(json.dumps({"prompt": p, "prompt_ids": ids, "output_ids": out.token_ids}) + "\n")
-                    f.flush()
                     bar.update(1)
+                    yield {"prompt": p, "prompt_ids": ids, "output_ids": out.token_ids}
 
 
-@torch.inference_mode()
+def unanswered(prompts: list[str], out_path: Path) -> list[str]:
+    """The prompts (deduplicated, in order) that answers.jsonl lacks."""
+    done = set()
+    if out_path.exists():
+        done = {json.loads(line)["prompt"] for line in out_path.read_text().splitlines() if line.strip()}
+    return [p for p in dict.fromkeys(prompts) if p not in done]
+
+
+def generate_answers(engine, prompts: list[str], out_path: Path, max_tokens: int) -> None:
+    """Stage 1 (resumable): answers of the prompts not answered yet, each appended as it finishes."""
+    with out_path.open("a") as f:
+        for row in answer_stream(engine, unanswered(prompts, out_path), max_tokens):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+
+class FeatureExtractor:
+    """One target forward per conversation -> its ids, aux features, final hidden state and labels."""
+
+    def __init__(self, model, aux_layers: tuple[int, ...], max_len: int = 1024):
+        self.model, self.aux_layers, self.max_len = model, aux_layers, max_len
+        self.runner = ModelRunner(model, max_len, 1, slack=1)
+
+    @torch.inference_mode()
+    def __call__(self, row: dict) -> dict[str, torch.Tensor]:
+        ids = (row["prompt_ids"] + row["output_ids"])[: self.max_len]
+        self.runner.allocate("s")
+        hidden, aux = self.runner.forward_hidden(["s"], [ids], aux_layers=self.aux_layers)[0]
+        self.runner.free("s")
+        label = self.model.logits(hidden[0]).argmax(-1)  # [L]: the target's choice after each position
+        return {"ids": torch.tensor(ids, dtype=torch.int32), "aux": aux[0].to(torch.float16),
+                "final": hidden[0].to(torch.float16), "label": label.to(torch.int32)}
+
+
+class ShardWriter:
+    """Appends examples to `features-NNNN.pt` shards of about `shard_tokens` tokens, in order."""
+
+    def __init__(self, out_dir: Path, first_shard: int = 0, shard_tokens: int = 200_000):
+        self.out_dir, self.first_shard, self.shard_tokens = out_dir, first_shard, shard_tokens
+        self.shards: list[Path] = []
+        self._current, self._tokens = self._empty(), 0
+
+    @staticmethod
+    def _empty() -> dict[str, list]:
+        return {"ids": [], "aux": [], "final": [], "label": []}
+
+    def add(self, example: dict[str, torch.Tensor]) -> None:
+        for key, rows in self._current.items():
+            rows.append(example[key])
+        self._tokens += len(example["ids"])
+        if self._tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> list[Path]:
+        if self._current["ids"]:
+            path = self.out_dir / f"features-{self.first_shard + len(self.shards):04d}.pt"
+            torch.save(self._current, path)
+            self.shards.append(path)
+        self._current, self._tokens = self._empty(), 0
+        return self.shards
+
+
 def extract_features(model, rows: list[dict], out_dir: Path, aux_layers: tuple[int, ...],
                      shard_tokens: int = 200_000, max_len: int = 1024, first_shard: int = 0) -> list[Path]:
-    """Write shards of {"ids", "aux", "final", "label"} lists (one entry per answers row), numbered
+    """Stage 2: shards of {"ids", "aux", "final", "label"} lists (one entry per answers row), numbered
     from `first_shard` (so a work dir that gained answers extracts only the new rows)."""
-    runner = ModelRunner(model, max_len, 1, slack=1)
-    shards, current, n_tokens = [], {"ids": [], "aux": [], "final": [], "label": []}, 0
-
-    def flush():
-        nonlocal current, n_tokens
-        if current["ids"]:
-            path = out_dir / f"features-{first_shard + len(shards):04d}.pt"
-            torch.save(current, path)
-            shards.append(path)
-        current, n_tokens = {"ids": [], "aux": [], "final": [], "label": []}, 0
-
+    extract = FeatureExtractor(model, aux_layers, max_len)
+    writer = ShardWriter(out_dir, first_shard, shard_tokens)
     for row in tqdm(rows, desc="target features", unit="conv"):
-        ids = (row["prompt_ids"] + row["output_ids"])[:max_len]
-        runner.allocate("s")
-        hidden, aux = runner.forward_hidden(["s"], [ids], aux_layers=aux_layers)[0]
-        runner.free("s")
-        label = model.logits(hidden[0]).argmax(-1)  # [L]: the target's choice after each position
-        current["ids"].append(torch.tensor(ids, dtype=torch.int32))
-        current["aux"].append(aux[0].to(torch.float16))
-        current["final"].append(hidden[0].to(torch.float16))
-        current["label"].append(label.to(torch.int32))
-        n_tokens += len(ids)
-        if n_tokens >= shard_tokens:
-            flush()
-    flush()
-    return shards
+        writer.add(extract(row))
+    return writer.flush()

@@ -232,25 +232,45 @@ def _read_prompts(cfg: TrainConfig) -> list[str]:
     return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
 
 
-def prepare_data(cfg: TrainConfig, target, tokenizer) -> list[dict]:
-    """Stages 1 and 2 (resumable): the target's answers, then its features; -> the examples."""
+def answer_engine(target, tokenizer, target_name: str):
+    """The engine that writes the answers: plain target decoding, 16 sequences batched."""
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.eagle.data import extract_features, generate_answers, read_answers
     from rayspec.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=target_name, speculative=SpeculativeConfig(method="none"),
+                                  max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)
+
+
+def prepare_data(cfg: TrainConfig, target, tokenizer) -> list[dict]:
+    """Stages 1 and 2 (resumable): the target's answers, then its features; -> the examples.
+    With num_workers > 1 both run on that many Ray actors, each holding a copy of the target."""
+    from rayspec.eagle.data import extract_features, generate_answers, read_answers, unanswered
 
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    _, tcfg = _head_config(cfg, target)
+    aux_layers = tcfg.aux_layers or (target.args.num_layers - 1,)
+    pool = None
+
+    def target_pool():  # started only when there is work for it
+        nonlocal pool
+        if pool is None:
+            from rayspec.eagle.train_ray import TargetPool  # Ray only here: the core runs without it
+
+            pool = TargetPool(cfg, aux_layers)
+        return pool
 
     # 1. answers
     answers = work / "answers.jsonl"
-    engine = LLMEngine(EngineConfig(model=cfg.target, speculative=SpeculativeConfig(method="none"),
-                                    max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)
-    generate_answers(engine, _read_prompts(cfg), answers, cfg.max_new_tokens)
-    del engine
+    todo = unanswered(_read_prompts(cfg), answers)
+    if cfg.num_workers > 1 and todo:
+        target_pool().answer(todo, answers)
+    elif todo:
+        generate_answers(answer_engine(target, tokenizer, cfg.target), _read_prompts(cfg), answers,
+                         cfg.max_new_tokens)
 
     # 2. features
-    _, tcfg = _head_config(cfg, target)
     feat_dir = work / f"features-{cfg.kind}"
     feat_dir.mkdir(exist_ok=True)
     rows = read_answers(answers)
@@ -263,9 +283,13 @@ def prepare_data(cfg: TrainConfig, target, tokenizer) -> list[dict]:
     if len(examples) > len(rows) or (examples and not same(examples[-1], rows[len(examples) - 1])):
         raise RuntimeError(f"{feat_dir} does not match {answers} row by row; delete the features to redo them")
     if len(examples) < len(rows):  # new answers (or a fresh work dir): extract only what is missing
-        new = extract_features(target, rows[len(examples):], feat_dir,
-                               tcfg.aux_layers or (target.args.num_layers - 1,), first_shard=len(shards))
+        if cfg.num_workers > 1:
+            new = target_pool().extract(rows[len(examples):], feat_dir, first_shard=len(shards))
+        else:
+            new = extract_features(target, rows[len(examples):], feat_dir, aux_layers, first_shard=len(shards))
         examples += load_examples(new, cfg.kind)
+    if pool is not None:
+        pool.close()
     for e, r in zip(examples, rows):
         e["prompt_len"] = len(r["prompt_ids"])
     return examples

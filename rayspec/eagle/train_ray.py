@@ -1,8 +1,10 @@
-"""Data-parallel head training on Ray Train: `rayspec train eagle3 ... --num-workers N`.
+"""Head training scaled out on Ray: `rayspec train eagle3 ... --num-workers N`.
 
-The answers and features are made first, by the calling process, into the work dir; each worker
-(a Ray Train TorchTrainer worker, torch.distributed over gloo) then loads them from there, so on
-a multi-node cluster the work dir must be on storage every node sees (NFS, a mounted bucket).
+Stages 1 and 2 (answers, features): N Ray actors each hold a copy of the target and take chunks
+of prompts (then of conversations); the calling process writes what comes back into the work
+dir, answers as chunks finish, feature shards in answers.jsonl's order. Stage 3 (training): N
+Ray Train TorchTrainer workers (torch.distributed over gloo) load the examples from the work dir,
+so on a multi-node cluster it must be on storage every node sees (NFS, a mounted bucket).
 Every optimizer step takes num_workers x grad_accum batches: each worker backpropagates its own,
 the gradients are summed with one all-reduce, and every worker takes the same step, so the result
 is the head one process would train accumulating all those batches. Rank 0 writes checkpoints
@@ -14,11 +16,95 @@ Workers run on CPU, `num_threads` torch threads each (default: 1 per worker).
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from rayspec.eagle.train import TrainConfig
+
+
+def _ensure_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()  # joins the running cluster (RAY_ADDRESS, `ray start`), else starts a local one
+
+
+class _TargetActor:
+    """A copy of the target on a Ray worker: answers prompts, extracts features."""
+
+    def __init__(self, target: str, num_threads: int, max_new_tokens: int, aux_layers: tuple[int, ...]):
+        from rayspec.eagle.data import FeatureExtractor
+        from rayspec.eagle.train import answer_engine
+        from rayspec.loader import load_model
+        from rayspec.malloc import keep_freed_memory
+
+        torch.set_num_threads(num_threads)
+        keep_freed_memory()
+        model, tokenizer = load_model(target, device="cpu", dtype="float32")
+        self.engine = answer_engine(model, tokenizer, target)
+        self.extract = FeatureExtractor(model, tuple(aux_layers))
+        self.max_new_tokens = max_new_tokens
+
+    def answer(self, prompts: list[str]) -> list[dict]:
+        from rayspec.eagle.data import answer_stream
+
+        return list(answer_stream(self.engine, prompts, self.max_new_tokens, progress=False))
+
+    def features(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+        return [self.extract(r) for r in rows]
+
+
+class TargetPool:
+    """cfg.num_workers target actors, fed chunks of work by a Ray ActorPool."""
+
+    def __init__(self, cfg: TrainConfig, aux_layers: tuple[int, ...]):
+        import ray
+        from ray.util import ActorPool
+
+        _ensure_ray()
+        self.num_workers = cfg.num_workers
+        threads = cfg.num_threads or 1
+        actor = ray.remote(num_cpus=threads)(_TargetActor)
+        target = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
+        self.actors = [actor.remote(target, threads, cfg.max_new_tokens, tuple(aux_layers))
+                       for _ in range(cfg.num_workers)]
+        self.pool = ActorPool(self.actors)
+
+    def close(self) -> None:
+        """Frees the actors' CPUs and memory for the training workers."""
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors, self.pool = [], None
+
+    def _chunks(self, items: list) -> list[list]:
+        size = max(1, min(64, math.ceil(len(items) / (2 * self.num_workers))))  # >= 2 chunks per worker
+        return [items[i: i + size] for i in range(0, len(items), size)]
+
+    def answer(self, prompts: list[str], out_path: Path) -> None:
+        """Appends each chunk's answers to out_path as it finishes (resumable chunk by chunk)."""
+        with out_path.open("a") as f, tqdm(total=len(prompts), desc="target answers", unit="prompt") as bar:
+            for rows in self.pool.map_unordered(lambda a, chunk: a.answer.remote(chunk), self._chunks(prompts)):
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+                f.flush()
+                bar.update(len(rows))
+
+    def extract(self, rows: list[dict], out_dir: Path, first_shard: int) -> list[Path]:
+        """Feature shards for `rows`, in their order."""
+        from rayspec.eagle.data import ShardWriter
+
+        writer = ShardWriter(out_dir, first_shard)
+        with tqdm(total=len(rows), desc="target features", unit="conv") as bar:
+            for examples in self.pool.map(lambda a, chunk: a.features.remote(chunk), self._chunks(rows)):
+                for e in examples:
+                    writer.add(e)
+                bar.update(len(examples))
+        return writer.flush()
 
 
 def _worker_loop(config: dict) -> None:
@@ -48,7 +134,6 @@ def _worker_loop(config: dict) -> None:
 
 def train_on_ray(cfg: TrainConfig) -> Path:
     """Stage 3 on cfg.num_workers Ray Train workers (joins the running Ray cluster, or starts one)."""
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -58,8 +143,7 @@ def train_on_ray(cfg: TrainConfig) -> Path:
     work = Path(cfg.work_dir).resolve()
     config = {**dataclasses.asdict(cfg), "work_dir": str(work), "output": str(Path(cfg.output).resolve()),
               "prompts": tuple(cfg.prompts), "target": absolute(cfg.target), "init_head": absolute(cfg.init_head)}
-    if not ray.is_initialized():
-        ray.init()
+    _ensure_ray()
     trainer = TorchTrainer(
         _worker_loop, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=False,
