@@ -34,6 +34,7 @@ class _Add:
     prompt: Any  # str | list[int] | ("chat", messages)
     params: Any
     deliver: Deliver
+    resume: tuple[list[int], int] = ((), 0)  # (output ids so far, characters already sent): see add_request
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -67,8 +68,8 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    def submit(self, request_id: str, prompt, params, deliver: Deliver) -> None:
-        self._commands.put(_Add(request_id, prompt, params, deliver))
+    def submit(self, request_id: str, prompt, params, deliver: Deliver, resume: tuple[list[int], int] = ((), 0)) -> None:
+        self._commands.put(_Add(request_id, prompt, params, deliver, resume))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -156,7 +157,8 @@ class EngineLoop:
                 prompt = cmd.prompt
                 if isinstance(prompt, tuple) and prompt and prompt[0] == "chat":
                     prompt = engine.encode_chat(prompt[1])
-                engine.add_request(prompt, cmd.params, cmd.request_id)
+                engine.add_request(prompt, cmd.params, cmd.request_id, resume_output_ids=list(cmd.resume[0]),
+                                   resume_sent_chars=cmd.resume[1])
             except InvalidRequestError as err:
                 cmd.deliver(err)
                 return

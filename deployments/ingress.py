@@ -17,6 +17,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import load_app_args
+from deployments.failover import FailoverStream, call_with_failover
 from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, finish_reason,
                                          new_id, now, usage)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
@@ -86,12 +87,19 @@ class OpenAIIngress:
 
     # ---- Python handle API ---------------------------------------------------------------
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
-        return await self.verifier.generate.remote(GenerateRequest.model_validate(request))
+        request = GenerateRequest.model_validate(request)
+        return await call_with_failover(lambda: self.verifier.generate.remote(request))
 
     async def generate_stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
-        gen = self.verifier.options(stream=True).generate_stream.remote(GenerateRequest.model_validate(request))
-        async for chunk in gen:
-            yield chunk
+        stream = FailoverStream(self.verifier, GenerateRequest.model_validate(request))
+        finished = False
+        try:
+            async for chunk in stream:
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:  # the caller went away: free the verifier's slot
+                stream.cancel()
 
     async def stats(self) -> dict:
         return await self.verifier.get_stats.remote()
@@ -153,7 +161,7 @@ class OpenAIIngress:
 
     async def _call(self, request: GenerateRequest) -> GenerateResponse:
         try:
-            return await self.verifier.generate.remote(request)
+            return await call_with_failover(lambda: self.verifier.generate.remote(request))
         except Exception as err:  # noqa: BLE001
             mapped = _as_openai_error(err)
             if mapped is None:
@@ -161,7 +169,7 @@ class OpenAIIngress:
             raise mapped from None
 
     async def _stream_response(self, request: GenerateRequest, body, chat: bool):
-        gen = self.verifier.options(stream=True).generate_stream.remote(request)
+        gen = FailoverStream(self.verifier, request)
         try:  # wait for the first chunk so that request errors still become a 400
             first = await gen.__anext__()
         except StopAsyncIteration:

@@ -24,6 +24,10 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
     request_id: str | None = None  # optional tag echoed back (the engine id is replica-unique)
+    # continue a generation another verifier replica started (the ingress' failover): the output
+    # token ids so far, and how many characters of their text the caller already has
+    resume_output_ids: list[int] = Field(default_factory=list)
+    resume_sent_chars: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _one_prompt(self):

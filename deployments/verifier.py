@@ -79,7 +79,8 @@ class Verifier:
         prompt = ("chat", request.messages) if request.messages is not None else request.prompt
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+                         resume=(request.resume_output_ids, request.resume_sent_chars))
         done = False
         try:
             while True:
@@ -97,7 +98,7 @@ class Verifier:
                 self.loop.abort(rid)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        sent = 0
+        sent = len(request.resume_output_ids)  # a resumed request's earlier tokens were streamed already
         async for out in self._stream(request):
             new = out.token_ids[sent:]
             sent = len(out.token_ids)

@@ -121,7 +121,12 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, resume_output_ids: list[int] | None = None,
+                    resume_sent_chars: int = 0) -> str:
+        """Queue a request. `resume_output_ids` continues a generation another engine started (a
+        replica that died): those output tokens are taken as already generated (prefilled with the
+        prompt, counted against max_tokens and stop conditions), and the first `resume_sent_chars`
+        characters of their text are not handed out again."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -147,6 +152,16 @@ class LLMEngine:
             raise InvalidRequestError("stop strings need a tokenizer")
         gen = None if params.greedy else make_generator(params.seed, self.device)
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_token_ids, detok, gen)
+        if resume_output_ids:
+            if any(not 0 <= t < vocab for t in resume_output_ids):
+                raise InvalidRequestError(f"resumed output token ids must be in [0, {vocab})")
+            if len(resume_output_ids) >= max_tokens:
+                raise InvalidRequestError("the resumed output leaves no token to generate")
+            seq.append_tokens(list(resume_output_ids))  # replays the text and the stop conditions
+            if seq.finished:
+                raise InvalidRequestError("the resumed output already ends the request")
+            seq.first_token_time = None
+            seq.mark_sent(resume_sent_chars)
         self._requests[request_id] = seq
         self.waiting.append(seq)
         return request_id

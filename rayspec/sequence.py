@@ -156,6 +156,10 @@ class Sequence:
         text, self._sent = self.output_text[self._sent:end], end
         return text
 
+    def mark_sent(self, chars: int) -> None:
+        """The first `chars` characters of the output text were handed out already (elsewhere)."""
+        self._sent = max(self._sent, min(chars, len(self.output_text)))
+
     @property
     def sent_text(self) -> str:
         """All text handed out so far (the concatenation of take_new_text results)."""

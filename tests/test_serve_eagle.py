@@ -41,7 +41,8 @@ ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
 # app name -> (topology, eagle_topk)
 APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
         "two_proposers": ("disaggregated", 4),  # with 2 proposer replicas
-        "killed": ("disaggregated", 4)}  # its proposer replica is killed by a test
+        "killed": ("disaggregated", 4),  # its proposer replica is killed by a test
+        "verifier_killed": ("disaggregated", 4)}  # its verifier replica is killed by a test
 
 
 def copy_head(target_dir, draft_tokens: list[int]):
@@ -412,3 +413,31 @@ def test_eagle_proposer_evicts_the_stalest_sequence(eagle_setup):
     back = ask("b", [8, 9, 10, 12], 2)
     assert back.resend_features_from == 0 and not back.tokens
     assert ask("b", [8, 9, 10, 12], 0).tokens  # features from the start: rebuilt (c is evicted for it)
+
+
+def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
+    """The verifier replica's actor is killed while a request streams through the ingress: the
+    ingress sends the request again with the tokens streamed so far, Serve's replacement replica
+    prefills them and goes on, and the caller gets one unbroken stream equal to the target's output."""
+    prompt, n = PROMPTS[1], 600
+    want = _engine(eagle_setup["target"], method="none").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    handle = serve.get_app_handle("verifier_killed")
+    stream = handle.options(stream=True).generate_stream.remote(
+        GenerateRequest(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True))
+    chunks = iter(stream)
+    got, text = [], ""
+    while len(got) < 32:
+        chunk = next(chunks)
+        got, text = got + chunk.delta_token_ids, text + chunk.delta_text
+    [replica] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::verifier_killed#Verifier#")]
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    rest = list(chunks)
+    got += [t for chunk in rest for t in chunk.delta_token_ids]
+    text += "".join(chunk.delta_text for chunk in rest)
+    assert got == want.token_ids and text == want.text  # nothing lost, nothing twice
+    assert rest[-1].finished and rest[-1].finish_reason == "length" and rest[-1].num_output_tokens == n
+    new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith("SERVE_REPLICA::verifier_killed#Verifier#")]
+    assert new and replica["name"] not in new  # it finished on the replacement

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from engine_utils import cached_model, greedy_reference, make_engine
+from engine_utils import cached_model, greedy_reference, make_engine, run_to_completion
+from rayspec.engine import InvalidRequestError
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.sampling import SamplingParams
 from rayspec.sequence import IncrementalDetokenizer
@@ -234,3 +235,37 @@ def test_smollm2_stops_inside_accepted_drafts(smollm2):
     # drafts were accepted several at a time: stop conditions were checked inside multi-token steps
     assert full.num_steps < SMOL_N - 4 and by_length.num_steps < 12
     assert engine.stats.mean_acceptance_length > 2
+
+
+@pytest.mark.parametrize("name,spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("cut", [1, 9])
+def test_resumed_request_continues_the_same_output(tiny_model_dir, tiny, baseline, name, spec, cut):
+    """A request resumed from the first `cut` output tokens (a replica died, another takes over):
+    the output token ids are the uninterrupted ones, the text not yet handed out follows on
+    exactly, and a stop string that straddles the resume point still stops it."""
+    tokens, text, deltas = baseline
+    sent = len("".join(deltas[:cut]))
+    engine = _engine(tiny_model_dir, tiny, spec)
+    rid = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+                             resume_output_ids=tokens[:cut], resume_sent_chars=sent)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert outs[-1].token_ids == tokens and outs[-1].finish_reason == "length"
+    assert "".join(o.delta_text for o in outs) == text[sent:]
+
+    stop, j = _boundary_stop(text, deltas)  # resumed right after the stop string's first half
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, stop=[stop]),
+                       resume_output_ids=tokens[:j], resume_sent_chars=0)
+    (out,) = run_to_completion(engine).values()
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+
+
+def test_resume_refuses_what_cannot_continue(tiny_model_dir, tiny, baseline):
+    tokens, _, _ = baseline
+    engine = _engine(tiny_model_dir, tiny, dict(method="none"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="no token"):
+        engine.add_request(PROMPT, params, resume_output_ids=tokens[:4])
+    with pytest.raises(InvalidRequestError, match="must be in"):
+        engine.add_request(PROMPT, params, resume_output_ids=[10**9])

@@ -1,0 +1,86 @@
+"""Requests survive a verifier replica that dies (the ingress side).
+
+A stream that breaks because its verifier replica's actor died is sent again with the output it
+had so far (`GenerateRequest.resume_output_ids`, `resume_sent_chars`): the next replica Serve
+routes to (another one, or the replacement once it is up) prefills prompt + those tokens and goes
+on, and the caller sees one unbroken stream. Greedy output is the same token for token; a sampled
+one keeps the target's distribution, though a seeded request's random stream restarts at the
+failover, so the same seed no longer reproduces it. A whole (non-streamed) request is sent again
+from the start. Usage counts add up over the replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable, TypeVar
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from deployments.protocol import GenerateChunk, GenerateRequest
+
+logger = logging.getLogger("rayspec.serve")
+
+MAX_FAILOVERS = 3
+REPLICA_LOST = (RayActorError, ActorUnavailableError)  # the verifier replica died or cannot be reached
+
+T = TypeVar("T")
+
+
+class FailoverStream:
+    """Async iterator of a request's GenerateChunks from the verifier, across replica deaths."""
+
+    def __init__(self, verifier, request: GenerateRequest):
+        self.verifier, self.request = verifier, request
+        self.output_ids: list[int] = []  # every token streamed so far, over all replicas
+        self.sent_chars = 0
+        self.num_failovers = 0
+        self._drafts_before = self._accepted_before = 0  # counts of the replicas that died
+        self._drafts = self._accepted = 0  # the current replica's, as of its last chunk
+        self._gen = self._open(request)
+
+    def _open(self, request: GenerateRequest):
+        return self.verifier.options(stream=True).generate_stream.remote(request)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        while True:
+            try:
+                chunk = await self._gen.__anext__()
+                break
+            except REPLICA_LOST as err:
+                if self.num_failovers >= MAX_FAILOVERS:
+                    raise
+                self.num_failovers += 1
+                logger.warning("verifier replica lost mid-stream (%s); resuming after %d tokens",
+                               type(err).__name__, len(self.output_ids))
+                self._drafts_before += self._drafts
+                self._accepted_before += self._accepted
+                self._drafts = self._accepted = 0
+                self._gen = self._open(self.request.model_copy(update={
+                    "resume_output_ids": list(self.request.resume_output_ids) + self.output_ids,
+                    "resume_sent_chars": self.request.resume_sent_chars + self.sent_chars}))
+        self.output_ids += chunk.delta_token_ids
+        self.sent_chars += len(chunk.delta_text)
+        self._drafts, self._accepted = chunk.num_draft_tokens, chunk.num_accepted_tokens
+        if self.num_failovers:
+            chunk = chunk.model_copy(update={"num_draft_tokens": self._drafts_before + self._drafts,
+                                             "num_accepted_tokens": self._accepted_before + self._accepted})
+        return chunk
+
+    def cancel(self) -> None:
+        """The caller went away: abort the request on its current replica."""
+        self._gen.cancel()
+
+
+async def call_with_failover(call: Callable[[], Awaitable[T]]) -> T:
+    """A whole request: sent again from the start if its verifier replica is lost."""
+    for attempt in range(MAX_FAILOVERS + 1):
+        try:
+            return await call()
+        except REPLICA_LOST as err:
+            if attempt == MAX_FAILOVERS:
+                raise
+            logger.warning("verifier replica lost (%s); sending the request again", type(err).__name__)
+    raise AssertionError("unreachable")
