@@ -68,7 +68,8 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    def submit(self, request_id: str, prompt, params, deliver: Deliver, resume: tuple[list[int], int] = ((), 0)) -> None:
+    def submit(self, request_id: str, prompt, params, deliver: Deliver,
+               resume: tuple[list[int], int] = ((), 0)) -> None:
         self._commands.put(_Add(request_id, prompt, params, deliver, resume))
 
     def abort(self, request_id: str) -> None:

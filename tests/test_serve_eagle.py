@@ -441,3 +441,25 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
            if a["name"].startswith("SERVE_REPLICA::verifier_killed#Verifier#")]
     assert new and replica["name"] not in new  # it finished on the replacement
+
+    # the same over HTTP: an SSE stream whose verifier replica is killed stays one valid stream
+    import json
+
+    [replica] = new
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    with httpx.stream("POST", f"{served}/verifier_killed/v1/completions", json=body, timeout=180) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: "):])
+            if len(events) == 16:
+                ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
+    assert chunks[-1]["usage"]["completion_tokens"] == n
+    assert replica not in [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
