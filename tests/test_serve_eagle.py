@@ -328,25 +328,34 @@ def test_two_eagle_proposer_replicas(served, eagle_setup):
     assert stats["proposer_calls"] > 0 and stats["proposer_failed_calls"] == 0
 
 
+def _stream_long_request(app: str, eagle_setup, n: int):
+    """-> (the target's own greedy output, an iterator over the app's chunks) for a long request."""
+    prompt = PROMPTS[1]
+    want = _engine(eagle_setup["target"], method="none").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    stream = serve.get_app_handle(app).options(stream=True).generate_stream.remote(
+        GenerateRequest(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True))
+    return want, iter(stream)
+
+
+def _replica_names(app: str, deployment: str) -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+
+
 def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
     """The proposer replica's actor is killed while a request streams: the request finishes with
     the target's own output (steps whose proposer call failed ran without drafts), and once Serve
     has replaced the replica, requests draft again on the new one."""
     import time
 
-    prompt, n = PROMPTS[1], 900  # long enough to be in flight when the kill lands
-    want = _engine(eagle_setup["target"], method="none").generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    want, chunks = _stream_long_request("killed", eagle_setup, 900)  # in flight when the kill lands
     handle = serve.get_app_handle("killed")
-    stream = handle.options(stream=True).generate_stream.remote(
-        GenerateRequest(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True))
-    chunks = iter(stream)
     got = []
     while len(got) < 64:  # the sequence's draft state now lives on that replica
         got += next(chunks).delta_token_ids
-    [replica] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("SERVE_REPLICA::killed#Proposer#")]
-    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    [replica] = _replica_names("killed", "Proposer")
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
     got += [t for chunk in chunks for t in chunk.delta_token_ids]
     assert got == want.token_ids
     stats = handle.stats.remote().result(timeout_s=60)
@@ -363,9 +372,8 @@ def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
             break
         time.sleep(1)
     assert result.num_accepted_tokens > 0
-    new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith("SERVE_REPLICA::killed#Proposer#")]
-    assert new and replica["name"] not in new
+    new = _replica_names("killed", "Proposer")
+    assert new and replica not in new
 
 
 @pytest.mark.parametrize("app", ["disaggregated", "chain"])
@@ -419,34 +427,27 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     """The verifier replica's actor is killed while a request streams through the ingress: the
     ingress sends the request again with the tokens streamed so far, Serve's replacement replica
     prefills them and goes on, and the caller gets one unbroken stream equal to the target's output."""
-    prompt, n = PROMPTS[1], 600
-    want = _engine(eagle_setup["target"], method="none").generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-    handle = serve.get_app_handle("verifier_killed")
-    stream = handle.options(stream=True).generate_stream.remote(
-        GenerateRequest(prompt=prompt, max_tokens=n, temperature=0, ignore_eos=True))
-    chunks = iter(stream)
+    n = 600
+    want, chunks = _stream_long_request("verifier_killed", eagle_setup, n)
     got, text = [], ""
     while len(got) < 32:
         chunk = next(chunks)
         got, text = got + chunk.delta_token_ids, text + chunk.delta_text
-    [replica] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("SERVE_REPLICA::verifier_killed#Verifier#")]
-    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+    [replica] = _replica_names("verifier_killed", "Verifier")
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
     rest = list(chunks)
     got += [t for chunk in rest for t in chunk.delta_token_ids]
     text += "".join(chunk.delta_text for chunk in rest)
     assert got == want.token_ids and text == want.text  # nothing lost, nothing twice
     assert rest[-1].finished and rest[-1].finish_reason == "length" and rest[-1].num_output_tokens == n
-    new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith("SERVE_REPLICA::verifier_killed#Verifier#")]
-    assert new and replica["name"] not in new  # it finished on the replacement
+    new = _replica_names("verifier_killed", "Verifier")
+    assert new and replica not in new  # it finished on the replacement
 
     # the same over HTTP: an SSE stream whose verifier replica is killed stays one valid stream
     import json
 
     [replica] = new
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     events = []
     with httpx.stream("POST", f"{served}/verifier_killed/v1/completions", json=body, timeout=180) as resp:
@@ -462,4 +463,4 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     assert all("error" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
     assert chunks[-1]["usage"]["completion_tokens"] == n
-    assert replica not in [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert replica not in _replica_names("verifier_killed", "Verifier")
