@@ -97,6 +97,15 @@ def _onednn_linear_available() -> bool:
         and torch.backends.mkldnn.is_available()
 
 
+def cpu_bf16_fast() -> bool:
+    """True when this CPU runs oneDNN bfloat16 matmuls natively (AVX512-BF16 or AMX)."""
+    return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_fast())
+
+
 class Linear(nn.Linear):
     """nn.Linear with fast CPU inference paths.
 
@@ -114,12 +123,12 @@ class Linear(nn.Linear):
 
     def pack_for_cpu(self) -> None:
         w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32 and _onednn_linear_available():
+        if w.device.type == "cpu" and _onednn_linear_available() and _packable(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
             self._packed_version = w._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._packed is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        if (self._packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and self.weight._version == self._packed_version):  # stale after in-place updates
             rows = x.reshape(-1, x.shape[-1])
@@ -159,12 +168,12 @@ class FusedProjection:
     @classmethod
     def build(cls, parts: list[Linear]) -> "FusedProjection | None":
         w = parts[0].weight
-        usable = (w.device.type == "cpu" and all(p.weight.dtype == torch.float32 for p in parts)
-                  and _onednn_linear_available() and len({p.bias is None for p in parts}) == 1)
+        usable = (w.device.type == "cpu" and _onednn_linear_available() and _packable(w.dtype)
+                  and all(p.weight.dtype == w.dtype for p in parts) and len({p.bias is None for p in parts}) == 1)
         return cls(parts) if usable else None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled()
+        if (x.device.type != "cpu" or x.dtype != self.parts[0].weight.dtype or torch.is_grad_enabled()
                 or any(p.weight._version != v for p, v in zip(self.parts, self.versions))):
             return None
         rows = x.reshape(-1, x.shape[-1])

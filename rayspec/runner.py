@@ -24,7 +24,8 @@ class ModelRunner:
         """slack: extra positions past max_model_len, written by speculative/padded queries."""
         self.model = model
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        # the KV cache and inputs follow the layers' dtype (a head's embedding is the target's)
+        self.device, self.dtype = param.device, getattr(model, "compute_dtype", param.dtype)
         self.max_model_len = max_model_len
         self.cache = KVCache(model.args, num_slots, max_model_len + slack, self.dtype, self.device)
         self._slot_of: dict[str, int] = {}

@@ -203,6 +203,18 @@ GREEDY_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_bfloat16_head_stays_exact(target_dir, target, reference, trained, kind):
+    """`draft_dtype` sets the head's precision apart from the target's; the output stays the target's."""
+    engine = _eagle_engine(target_dir, target, trained[kind][0], kind, 6, 2, 3, draft_dtype="bfloat16")
+    head = engine.proposer.head
+    assert head.compute_dtype == torch.bfloat16 and engine.proposer.runner.cache.k.dtype == torch.bfloat16
+    assert next(engine.model.parameters()).dtype == torch.float32
+    got = run_batch(engine, PROMPTS, GREEDY)
+    assert got == reference
+    assert engine.stats.num_accepted_tokens > 0  # the bf16 head still drafts what the target says
+
+
 @pytest.mark.parametrize("mode", ["alone", "batch", "joining"])
 @pytest.mark.parametrize("name,kind,head,k,topk,depth", GREEDY_CASES, ids=[c[0] for c in GREEDY_CASES])
 def test_greedy_matches_baseline(target_dir, target, reference, trained, random_heads,

@@ -102,6 +102,10 @@ class EagleHead(nn.Module):
 
     rope = CausalLM.rope
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype  # may differ from the shared target embedding's
+
     pack_for_cpu = CausalLM.pack_for_cpu  # the same oneDNN prepacking of every projection
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -122,9 +126,11 @@ class Eagle3Head(EagleHead):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor):
         """input_ids: [B, Q]; features: [B, Q, 3 x target hidden] (fused target features) or
         [B, Q, H] (the head's own previous output) -> [B, Q, H]."""
-        emb = self.embed_tokens(input_ids).to(features.dtype)
+        dtype = self.compute_dtype
+        emb = self.embed_tokens(input_ids).to(dtype)
+        features = features.to(dtype)
         hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
-        cos, sin = self.rope(batch.positions, emb.dtype)
+        cos, sin = self.rope(batch.positions, dtype)
         return self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,15 +151,16 @@ class Eagle1Head(EagleHead):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor):
         """input_ids: [B, Q]; features: [B, Q, H] last target hidden state or own output -> [B, Q, H]."""
-        emb = self.embed_tokens(input_ids).to(features.dtype)
-        x = self.fc(torch.cat((emb, features), dim=-1))
+        dtype = self.compute_dtype
+        emb = self.embed_tokens(input_ids).to(dtype)
+        x = self.fc(torch.cat((emb, features.to(dtype)), dim=-1))
         cos, sin = self.rope(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
         return x
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target_lm_head(hidden).float()
+        return self.target_lm_head(hidden.to(self.target_lm_head.weight.dtype)).float()
 
 
 def attach_target(head: EagleHead, target: CausalLM, has_own_embedding: bool) -> None:
