@@ -26,7 +26,7 @@ from rayspec.model import CausalLM, KVCache
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import (verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents,
                                verify_tree_sampled)
-from rayspec.runner import ModelRunner, TreeQuery, last_rows, prefill_groups
+from rayspec.runner import ModelRunner, TreeQuery, last_rows, packed_offsets, prefill_groups
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
 
@@ -222,14 +222,15 @@ class LLMEngine:
             admitted.append(seq)
         return admitted
 
-    def _target_forward(self, ids, inputs, trees=None):
-        """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None)."""
+    def _target_forward(self, ids, inputs, trees=None, packed=False):
+        """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
+        `packed`, [N, H] and [N, F] over the real tokens only (runner.packed_offsets)."""
         if self.feature_layers is None:
-            return self.runner.forward_hidden(ids, inputs, trees=trees)[0], None
+            return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed)[0], None
         if self.feature_layers == ():
-            hidden = self.runner.forward_hidden(ids, inputs, trees=trees)[0]
+            hidden = self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed)[0]
             return hidden, hidden
-        return self.runner.forward_hidden(ids, inputs, trees=trees, aux_layers=self.feature_layers)[0]
+        return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, aux_layers=self.feature_layers)[0]
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         # measured on CPU: a 1-token forward costs what prefilling ~13-26 more prompt tokens costs;
@@ -291,24 +292,30 @@ class LLMEngine:
         trees = None
         if any(not d.is_chain for d in drafts):
             trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(pending, drafts)]
-        hidden, features = self._target_forward(ids, inputs, trees)
-        logits = self.model.logits(hidden)  # [B, Q, vocab]
+        # packed: rows of different lengths cost only their real tokens (no padding computed)
+        hidden, features = self._target_forward(ids, inputs, trees, packed=True)  # [N, H], [N, F]
+        logits = self.model.logits(hidden)  # [N, vocab]
+        lengths = [len(inp) for inp in inputs]
+        starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
         offsets = [len(p) - 1 for p in pending]
         width = 1 + max(len(d.tokens) for d in drafts)
-        # the row of each draft position plus the bonus position: [B, width]
-        index = torch.tensor([[min(o + j, len(inp) - 1) for j in range(width)] for o, inp in zip(offsets, inputs)],
+        # the packed index of each draft position plus the bonus position: [B, width]
+        index = torch.tensor([[b + min(o + j, n - 1) for j in range(width)] for b, o, n in zip(starts, offsets, lengths)],
                              device=self.device)
-        argmax = logits.argmax(-1)  # [B, Q]; gathering [B, width] ids, not [B, width, vocab] logits (2 ms)
-        greedy_emitted = verify_greedy(argmax.gather(1, index), [d.tokens for d in drafts])
-        target_argmax = argmax.tolist() if trees is not None else None  # [B][Q] (greedy trees)
+        argmax = logits.argmax(-1)  # [N]; gathering [B, width] ids, not [B, width, vocab] logits (2 ms)
+        greedy_emitted = verify_greedy(argmax[index], [d.tokens for d in drafts])
+        if trees is not None:  # greedy trees read each row's target choices as a list
+            flat = argmax.tolist()
+            target_argmax = [flat[b: b + n] for b, n in zip(starts, lengths)]
         for i, seq in enumerate(seqs):
+            row_logits = logits[starts[i]: starts[i] + lengths[i]]  # [len(inputs[i]), vocab]
             draft = drafts[i]
             kv_start = self.runner.cached_len(seq.request_id) - (0 if trees is not None else len(inputs[i]))
             if not draft.is_chain:
                 if seq.params.greedy:
                     emitted, path = verify_tree_greedy(target_argmax[i], len(pending[i]), draft)
                 else:
-                    emitted, path = verify_tree_sampled(self._row_probs(seq, logits[i]), len(pending[i]), draft,
+                    emitted, path = verify_tree_sampled(self._row_probs(seq, row_logits), len(pending[i]), draft,
                                                         seq.generator)
                 rows = list(range(len(pending[i]))) + [len(pending[i]) + j for j in path]
             else:
@@ -316,7 +323,7 @@ class LLMEngine:
                     emitted = greedy_emitted[i]
                 else:
                     n = len(draft.tokens)
-                    probs = logits_to_probs(logits[i, index[i, : n + 1]], seq.params.temperature,
+                    probs = logits_to_probs(logits[index[i, : n + 1]], seq.params.temperature,
                                             seq.params.top_k, seq.params.top_p)
                     emitted = verify_sampled(probs, draft.tokens, draft.probs, seq.generator)
                 rows = list(range(len(pending[i]) + len(emitted) - 1))
@@ -326,7 +333,7 @@ class LLMEngine:
             else:
                 self.runner.set_cached_len(seq.request_id, kv_start + len(rows))
             if features is not None:
-                seq.features.append(features[i, rows].clone())
+                seq.features.append(features[[starts[i] + r for r in rows]])  # indexing copies
             seq.append_tokens(emitted)
             seq.num_steps += 1
             seq.num_draft_tokens += len(draft.tokens)

@@ -82,6 +82,11 @@ class ForwardBatch:
     slot_range: (first, last+1) when `slots` is contiguous and ascending, so reads are views
     cache_positions: [B, Q] long, where each token's key/value is written; None: `positions`
                (tree queries differ: siblings share a rope position but need their own cache rows)
+    real_rows: [N] long, the flat indices (row * Q + column) of the real tokens when rows are
+               padded; None: every one of the B x Q tokens is real. Projections and MLPs run on
+               the N real tokens only (a padded row costs as much as a real one on CPU); only
+               attention sees the padded [B, Q] layout.
+    packed_output: return [N, ...] (real tokens, row after row) instead of [B, Q, ...]
     """
 
     slots: torch.Tensor
@@ -90,6 +95,28 @@ class ForwardBatch:
     mask: torch.Tensor | None
     slot_range: tuple[int, int] | None
     cache_positions: torch.Tensor | None = None
+    real_rows: torch.Tensor | None = None
+    packed_output: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.positions.shape  # (B, Q)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> [N, ...]: the real tokens."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat if self.real_rows is None else flat.index_select(0, self.real_rows)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> [B * Q, D], padding rows zero."""
+        if self.real_rows is None:
+            return x
+        B, Q = self.shape
+        return x.new_zeros(B * Q, x.shape[-1]).index_copy_(0, self.real_rows, x)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, D] -> what the caller asked for: [N, D] or [B, Q, D]."""
+        return x if self.packed_output else self.unpack(x).reshape(*self.shape, x.shape[-1])
 
 
 def _onednn_linear_available() -> bool:
@@ -213,10 +240,12 @@ class Attention(nn.Module):
         self.qkv = FusedProjection.build([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
-        # x: [B, Q, H]; cos/sin: [B, 1, Q, head_dim]; cache_k/v: [slots, kv_heads, capacity, head_dim]
-        B, Q, _ = x.shape
+        # x: [N, H] real tokens (batch.pack); cos/sin: [B, 1, Q, head_dim];
+        # cache_k/v: [slots, kv_heads, capacity, head_dim] -> [N, H]
+        B, Q = batch.shape
         fused = self.qkv(x) if self.qkv is not None else None
         q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = batch.unpack(q), batch.unpack(k), batch.unpack(v)  # [B * Q, ...], padding zero
         q = q.reshape(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.reshape(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -236,7 +265,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=batch.mask, enable_gqa=self.num_heads != self.num_kv_heads
         )  # [B, heads, Q, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+        return self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -301,22 +330,23 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch,
                 aux_layers: tuple[int, ...] | None = None):
-        """input_ids: [B, Q] -> hidden: [B, Q, hidden_size] after the final norm.
+        """input_ids: [B, Q] -> hidden: [B, Q, hidden_size] after the final norm ([N, hidden_size]
+        with batch.packed_output).
 
         With aux_layers, also returns the inputs of those layers concatenated,
         [B, Q, len(aux_layers) * hidden_size] (the features an EAGLE-3 head drafts from).
         """
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(batch.pack(input_ids))  # [N, H]
         cos, sin = self.rope(batch.positions, x.dtype)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if aux_layers is not None and i in aux_layers:
                 aux.append(x)
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
-        hidden = self.model.norm(x)
+        hidden = batch.output(self.model.norm(x))
         if aux_layers is None:
             return hidden
-        return hidden, torch.cat(aux, dim=-1)
+        return hidden, batch.output(torch.cat(aux, dim=-1))
 
     def pack_for_cpu(self) -> "CausalLM":
         """Prepack every projection for oneDNN inference on CPU, q/k/v and gate/up fused (no-op elsewhere)."""

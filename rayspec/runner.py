@@ -81,8 +81,12 @@ class ModelRunner:
             hidden = last_rows(hidden, lengths)
         return self.model.logits(hidden)
 
-    def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, **model_kwargs):
+    def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, packed: bool = False,
+                       **model_kwargs):
         """Run the model over new tokens; returns (model output, row lengths).
+
+        The output is [B, Q, ...] with rows padded at the end (padding meaningless), or with
+        `packed` [N, ...]: the real tokens only, row after row (see `packed_offsets`).
 
         Without trees the tokens extend each sequence and its cached length grows.
         With trees, row i computes nodes trees[i].first.. of a token tree hanging off the
@@ -120,6 +124,9 @@ class ModelRunner:
         else:
             positions, cache_positions, visible = tree_layout(trees, starts, Q, kv_len, dev)
             mask = additive_mask(visible, self.dtype)
+        real_rows = None
+        if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
+            real_rows = torch.from_numpy(np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)]))
         lo = slots_list[0]
         contiguous = slots_list == list(range(lo, lo + B))
         batch = ForwardBatch(
@@ -129,6 +136,8 @@ class ModelRunner:
             mask=mask,
             slot_range=(lo, lo + B) if contiguous else None,
             cache_positions=cache_positions,
+            real_rows=None if real_rows is None else real_rows.to(dev),
+            packed_output=packed,
         )
         out = self.model(input_ids, self.cache, batch, **model_kwargs)
         if trees is None:
@@ -219,6 +228,11 @@ def prefill_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
 def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:
     # an additive float mask keeps SDPA on its fused CPU kernel (a bool mask falls back to math)
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def packed_offsets(lengths: list[int]) -> list[int]:
+    """Where each row's tokens start in a packed [N, ...] output."""
+    return np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(int).tolist()
 
 
 def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -65,8 +65,8 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, emb, hidden, cos, sin, cache_k, cache_v, batch):
-        # emb, hidden: [B, Q, H] -> [B, Q, H]
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [B, Q, 2H]
+        # emb, hidden: [N, H] -> [N, H]
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [N, 2H]
         h = hidden + self.self_attn(x, cos, sin, cache_k, cache_v, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -127,11 +127,11 @@ class Eagle3Head(EagleHead):
         """input_ids: [B, Q]; features: [B, Q, 3 x target hidden] (fused target features) or
         [B, Q, H] (the head's own previous output) -> [B, Q, H]."""
         dtype = self.compute_dtype
-        emb = self.embed_tokens(input_ids).to(dtype)
-        features = features.to(dtype)
+        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
+        features = batch.pack(features).to(dtype)
         hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
         cos, sin = self.rope(batch.positions, dtype)
-        return self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch)
+        return batch.output(self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [..., H] -> [..., draft_vocab] float32
@@ -152,12 +152,12 @@ class Eagle1Head(EagleHead):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor):
         """input_ids: [B, Q]; features: [B, Q, H] last target hidden state or own output -> [B, Q, H]."""
         dtype = self.compute_dtype
-        emb = self.embed_tokens(input_ids).to(dtype)
-        x = self.fc(torch.cat((emb, features.to(dtype)), dim=-1))
+        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
+        x = self.fc(torch.cat((emb, batch.pack(features).to(dtype)), dim=-1))
         cos, sin = self.rope(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
-        return x
+        return batch.output(x)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target_lm_head(hidden.to(self.target_lm_head.weight.dtype)).float()
