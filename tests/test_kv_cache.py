@@ -82,6 +82,30 @@ def test_rollback_batched_rows_of_different_lengths(tiny):
     assert torch.allclose(got[1, :3], fresh_logits(model, b_final, 3), atol=ATOL)
 
 
+def test_padded_rows_are_not_computed(tiny):
+    """Rows of different lengths: projections and MLPs see only the real tokens, and the packed
+    output is the padded output's real rows."""
+    model = tiny[0]
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [9, 8], "c": [7, 6, 5]}
+    seen_rows = []
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, args: seen_rows.append(args[0].shape[0]))
+    outputs = {}
+    try:
+        for packed in (False, True):
+            runner = ModelRunner(model, 256, num_slots=3, slack=8)
+            for s in prompts:
+                runner.allocate(s)
+            with torch.inference_mode():
+                outputs[packed], lengths = runner.forward_hidden(list(prompts), list(prompts.values()), packed=packed)
+    finally:
+        hook.remove()
+    assert seen_rows == [10, 10]  # 5 + 2 + 3 real tokens, not 3 x 5
+    padded, packed = outputs[False], outputs[True]
+    assert padded.shape[:2] == (3, 5) and packed.shape[0] == 10
+    real = torch.cat([padded[i, :n] for i, n in enumerate(lengths)])
+    assert torch.equal(packed, real)
+
+
 @pytest.mark.parametrize("freed", ["a", "b", "c"])
 def test_slot_compaction_keeps_sequences(tiny, freed):
     """Freeing a sequence moves the last slot into the hole; the others decode on unchanged."""
