@@ -129,6 +129,21 @@ def cpu_bf16_fast() -> bool:
     return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# oneDNN runs 1 or 2 rows against a prepacked weight slower than 4 (measured on this
+# 2-core AVX-512 VM: 30 MLPs + LM head, 1 thread, 36-45 ms for 1-2 rows, 28-37 ms for 4;
+# benchmarks/README.md, "Small matmuls"), so fewer rows are padded up to this many.
+ONEDNN_MIN_ROWS = 4
+
+
+def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows: [N, in] -> [N, out] with a prepacked oneDNN weight."""
+    n = rows.shape[0]
+    if n < ONEDNN_MIN_ROWS:
+        rows = torch.cat((rows, rows.new_zeros(ONEDNN_MIN_ROWS - n, rows.shape[1])))
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:n]
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
 def _packable(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_fast())
 
@@ -159,7 +174,7 @@ class Linear(nn.Linear):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and self.weight._version == self._packed_version):  # stale after in-place updates
             rows = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+            out = onednn_linear(rows, self._packed, self.bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         n = rows.shape[0]
@@ -204,7 +219,7 @@ class FusedProjection:
                 or any(p.weight._version != v for p, v in zip(self.parts, self.versions))):
             return None
         rows = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = onednn_linear(rows, self.packed, self.bias)
         return list(out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1))
 
 
