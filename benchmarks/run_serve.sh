@@ -2,7 +2,8 @@
 # Issue-3 serving benchmark, bracketed by offline runs so served/offline ratios come from one
 # sitting (this VM's speed drifts by 10-20% over minutes):
 #   1. offline engine, eagle3 (default config's settings) and its baseline, no Ray running, with
-#      2 torch threads (its best on this 2-core box) and with 1 (the served configs' setting);
+#      2 torch threads (its best on this 2-core box; the served configs' setting since session 9)
+#      and with 1;
 #   2. benchmarks/serve_bench.yaml (eagle3 colocated, baseline, eagle3 disaggregated), a
 #      concurrency sweep with the endpoints taking turns (order rotating per round), ROUNDS
 #      rounds per level (3: each endpoint goes first, second and third once), each level
