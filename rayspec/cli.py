@@ -24,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="eagle3/eagle: stop drafting deeper when the frontier's path probability is below this")
     p.add_argument("--eagle-prompt-lookup", type=int, default=0,
                    help="eagle3/eagle: add an n-gram prompt-lookup branch of up to N tokens to greedy trees")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="draft nothing in steps whose batch has at least this many sequences")
 
 
 def cmd_fetch_model(args) -> int:
@@ -44,7 +46,8 @@ def cmd_generate(args) -> int:
                              draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
                              prompt_lookup_max=args.prompt_lookup_max, eagle_topk=args.eagle_topk,
                              num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
-                             eagle_prompt_lookup=args.eagle_prompt_lookup)
+                             eagle_prompt_lookup=args.eagle_prompt_lookup,
+                             disable_by_batch_size=args.disable_by_batch_size)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
     engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed))
@@ -88,7 +91,7 @@ def cmd_bench_offline(args) -> int:
         draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
         eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
-        eagle_prompt_lookup=args.eagle_prompt_lookup)
+        eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

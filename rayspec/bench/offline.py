@@ -65,7 +65,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                           draft_model: str | None = None, draft_num_layers: int | None = None,
                           prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
                           eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
-                          eagle_prompt_lookup: int = 0,
+                          eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
                           progress: bool = True) -> dict:
     from rayspec import loader
 
@@ -83,7 +83,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                                  draft_model=draft_model, draft_num_layers=draft_num_layers,
                                  prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                  eagle_topk=eagle_topk, num_steps=num_steps, eagle_stop_prob=eagle_stop_prob,
-                                 eagle_prompt_lookup=eagle_prompt_lookup)
+                                 eagle_prompt_lookup=eagle_prompt_lookup, disable_by_batch_size=disable_by_batch_size)
     speculative = engine(spec_cfg)
     texts = load_prompts(prompts_file, num_prompts)
     prompt_ids = [baseline.encode_chat([{"role": "user", "content": t}]) for t in texts]
@@ -137,6 +137,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "num_steps": num_steps if method in ("eagle3", "eagle") else None,
         "eagle_stop_prob": eagle_stop_prob if method in ("eagle3", "eagle") else None,
         "eagle_prompt_lookup": eagle_prompt_lookup if method in ("eagle3", "eagle") else None,
+        "disable_by_batch_size": disable_by_batch_size,
         "prompts": prompts_file,
         "num_prompts": len(prompt_ids),
         "max_tokens": max_tokens,
