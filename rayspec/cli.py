@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--warmup-steps", type=int, default=50)
         t.add_argument("--init-head", default=None,
                        help="train further from this head (its weights, shape and draft vocabulary; "
-                            "--draft-vocab-size and --intermediate-size are then ignored)")
+                            "--intermediate-size is then ignored, and a --draft-vocab-size larger than "
+                            "the head's grows its draft vocabulary by the data's most frequent tokens)")
         t.add_argument("--grad-accum", type=int, default=1, help="batches per worker per optimizer step")
         t.add_argument("--num-workers", type=int, default=1,
                        help="> 1: train data-parallel on that many Ray Train CPU workers (joins the running "

@@ -913,6 +913,56 @@ def test_train_further_from_a_head_with_more_prompts(tiny_model_dir, tmp_path):
     assert engine.generate(["Name 2 colours."], params)[0].token_ids == ref
 
 
+def test_growing_the_draft_vocabulary_keeps_trained_rows(tiny_model_dir, tmp_path):
+    """--init-head with a larger --draft-vocab-size: the head's tokens and LM-head rows stay (same
+    draft logits for them), the data's most frequent missing tokens join, it trains, and serves losslessly."""
+    import shutil
+
+    from rayspec.eagle.checkpoint import read_eagle_head
+    from rayspec.eagle.train import TrainConfig, grow_draft_vocab, run
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
+    common = dict(kind="eagle3", target=str(tiny_model_dir), prompts=(str(prompts),), max_new_tokens=12,
+                  warmup_steps=2, batch_tokens=256, checkpoint_every=2, num_threads=1, epochs=1)
+    base = run(TrainConfig(work_dir=str(tmp_path / "a"), output=str(tmp_path / "head-a"), draft_vocab_size=64, **common))
+
+    loaded = cached_model(str(tiny_model_dir))
+    target = loaded[0]
+    head, _ = read_eagle_head(str(base), target, "eagle3")
+    old_ids = torch.nonzero(head.t2d).flatten()
+    frequent = [t for t in range(1000, 1010) if not head.t2d[t]][:5]
+    grown = grow_draft_vocab(head, target, Counter({t: 100 - i for i, t in enumerate(frequent)}), 96)
+    new_ids = torch.nonzero(grown.t2d).flatten()
+    assert len(new_ids) == 96 and grown.config.draft_vocab_size == 96 == grown.config.hf_config["draft_vocab_size"]
+    assert set(old_ids.tolist()) <= set(new_ids.tolist()) and set(frequent) <= set(new_ids.tolist())
+    assert torch.equal(grown.to_target(torch.arange(96)), new_ids)  # d2t maps draft ids back to these tokens
+    hidden = torch.randn(3, head.args.hidden_size)
+    old_logits = head.draft_logits(hidden)  # [3, 64]
+    new_logits = grown.draft_logits(hidden)  # [3, 96]
+    torch.testing.assert_close(new_logits[:, torch.searchsorted(new_ids, old_ids)], old_logits)
+    torch.testing.assert_close(grown.fc.weight, head.fc.weight)
+
+    # the same answers and features in a new work dir (the old one's checkpoint is the 64-token head's)
+    with pytest.raises(RuntimeError, match="draft vocabulary"):
+        run(TrainConfig(work_dir=str(tmp_path / "a"), output=str(tmp_path / "head-x"), draft_vocab_size=96,
+                        init_head=str(base), **common))
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "answers.jsonl", tmp_path / "b" / "answers.jsonl")
+    shutil.copytree(tmp_path / "a" / "features-eagle3", tmp_path / "b" / "features-eagle3")
+    out = run(TrainConfig(work_dir=str(tmp_path / "b"), output=str(tmp_path / "head-b"), draft_vocab_size=96,
+                          init_head=str(base), **{**common, "epochs": 2}))
+    after = read_state_dict(out)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 96
+    assert after["lm_head.weight"].shape[0] == 96 and int(after["t2d"].sum()) == 96
+    assert set(old_ids.tolist()) <= set(torch.nonzero(after["t2d"]).flatten().tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    ref = make_engine(tiny_model_dir, "none", loaded=loaded).generate(["Count from 2 to 7."], params)[0].token_ids
+    engine = make_engine(tiny_model_dir, "eagle3", k=4, loaded=loaded, draft_model=str(out), eagle_topk=2, num_steps=2)
+    assert engine.generate(["Count from 2 to 7."], params)[0].token_ids == ref
+    assert engine.stats.num_drafts > 0
+
+
 def test_engine_refuses_a_local_proposer_that_lost_features(tiny_model_dir):
     """resend_features_from is for a remote proposer to settle with its verifier (RemoteProposer does);
     an in-process proposer asking for it is a bug and must fail loudly, not quietly stop drafting."""

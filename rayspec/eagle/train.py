@@ -17,7 +17,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -218,6 +218,33 @@ def _head_config(cfg: TrainConfig, target):
     return init, tcfg
 
 
+def grow_draft_vocab(head: Eagle3Head, target, counts: Counter, size: int) -> Eagle3Head:
+    """A copy of an EAGLE-3 head whose draft vocabulary has `size` tokens: its own tokens and their
+    trained LM-head rows stay; the target's most frequent other choices in `counts` join, their rows
+    starting from the target's LM head (as a fresh head's do). Why: tokens outside the draft
+    vocabulary can never be drafted, and a vocabulary picked on one kind of text misses many of
+    another's (measured: 4096 tokens cover 80% of SmolLM2's mt_bench answers, 96% of humaneval's)."""
+    old = torch.nonzero(head.t2d).flatten()  # [V_old] target ids, ascending
+    have = set(old.tolist())
+    extra = [t for t, _ in counts.most_common() if t not in have][: size - len(old)]
+    extra += sorted(set(range(target.args.vocab_size)) - have - set(extra))[: size - len(old) - len(extra)]
+    ids = torch.tensor(sorted(have | set(extra)))  # [size] target ids, ascending
+    hf = {**head.config.hf_config, "draft_vocab_size": size}
+    config = replace(head.config, draft_vocab_size=size, hf_config=hf)
+    grown = build_head(config).to(head.lm_head.weight.dtype)
+    state = {k: v for k, v in head.state_dict().items()
+             if not k.startswith(("lm_head.", "d2t", "t2d", "embed_tokens."))}
+    grown.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        weight = target.lm_head.weight[ids].to(grown.lm_head.weight.dtype)  # [size, H]
+        weight[torch.searchsorted(ids, old)] = head.lm_head.weight  # the trained rows where they were
+        grown.lm_head.weight.copy_(weight)
+        grown.d2t.copy_(ids - torch.arange(size))
+        grown.t2d.zero_()
+        grown.t2d[ids] = True
+    return grown
+
+
 def _read_prompts(cfg: TrainConfig) -> list[str]:
     from rayspec.eagle.data import read_prompt_file
 
@@ -332,6 +359,9 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
         for e in examples:
             counts.update(e["label"].tolist())
         if init is not None:
+            if cfg.draft_vocab_size > int(head.t2d.sum()):
+                head = grow_draft_vocab(head, target, counts, cfg.draft_vocab_size)
+                attach_target(head, target, has_own_embedding=False)
             draft_ids = torch.nonzero(head.t2d).flatten()
         else:
             vocab = sorted(t for t, _ in counts.most_common(tcfg.draft_vocab_size))
@@ -362,6 +392,10 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
     step = 0
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
+        vocab = int(head.t2d.sum()) if cfg.kind == "eagle3" else None
+        if ckpt.get("draft_vocab_size", vocab) != vocab:
+            raise RuntimeError(f"{ckpt_path} holds a head with a draft vocabulary of {ckpt['draft_vocab_size']} "
+                               f"tokens, this run's has {vocab}; use a new work dir")
         if ckpt.get("batches_per_step", 1) != per_step:
             raise RuntimeError(f"{ckpt_path} was written with {ckpt.get('batches_per_step', 1)} batches per step, "
                                f"this run takes {per_step} (workers x grad_accum); use those or a new work dir")
@@ -399,7 +433,8 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
         bar.update(1)
         if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total_steps):
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "batches_per_step": per_step}, ckpt_path)
+                        "step": step, "batches_per_step": per_step,
+                        "draft_vocab_size": int(head.t2d.sum()) if cfg.kind == "eagle3" else None}, ckpt_path)
             with (work / f"history-{cfg.kind}.jsonl").open("a") as f:
                 for h in history:
                     f.write(json.dumps(h) + "\n")
