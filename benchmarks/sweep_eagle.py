@@ -2,6 +2,8 @@
 
 usage: python benchmarks/sweep_eagle.py THREADS SETS N [CONFIG,...]
   e.g. python benchmarks/sweep_eagle.py 2 mt_bench,humaneval,gsm8k 5
+  CONFIG@HEAD_DIR runs CONFIG with another head (to compare heads):
+  python benchmarks/sweep_eagle.py 2 mt_bench 10 k8t2s4_p.2_L5,k8t2s4_p.2_L5@/tmp/new-head
 
 All engines share one target in memory; per prompt every configuration runs back to back, so
 drift in machine speed hits them alike. Prints speedup over `none` and acceptance length, and
@@ -42,6 +44,11 @@ CONFIGS = {
 }
 
 
+def config(name: str) -> dict:
+    base, _, head = name.partition("@")
+    return {**CONFIGS[base], "draft_model": head} if head else CONFIGS[base]
+
+
 def main(threads: int, sets: list[str], n: int, names: list[str], max_tokens: int = 128) -> None:
     torch.set_num_threads(threads)
     names = ["none"] + [x for x in names if x != "none"]
@@ -49,7 +56,7 @@ def main(threads: int, sets: list[str], n: int, names: list[str], max_tokens: in
     eos = loader.generation_eos_ids("default") | {tokenizer.eos_token_id}
     engines = {}
     for name in names:
-        engine = LLMEngine(EngineConfig(model="default", speculative=SpeculativeConfig(**CONFIGS[name]), device="cpu",
+        engine = LLMEngine(EngineConfig(model="default", speculative=SpeculativeConfig(**config(name)), device="cpu",
                                         max_num_seqs=1), model=target, tokenizer=tokenizer)
         engine.eos_token_ids |= eos
         engines[name] = engine
