@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig
+from rayspec.eagle.checkpoint import read_state_dict
 from rayspec.engine import LLMEngine
 from rayspec.loader import resolve_model_dir
 from rayspec.sampling import SamplingParams
@@ -22,11 +24,7 @@ SETS = ("mt_bench", "humaneval", "gsm8k")
 
 def draft_vocabulary(head_dir: str) -> torch.Tensor | None:
     """[vocab] bool: the head's t2d; None for a head without a reduced vocabulary."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(resolve_model_dir(head_dir).glob("*.safetensors")):
-        state.update(load_file(str(f)))
+    state = read_state_dict(resolve_model_dir(head_dir))
     return state["t2d"].bool() if "t2d" in state else None
 
 
@@ -41,8 +39,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_model_len=2048, max_num_seqs=8))
     result = {}
     for name in SETS:
-        rows = [json.loads(line) for line in Path(args.prompts_dir, f"{name}.jsonl").read_text().splitlines()]
-        prompts = [engine.encode_chat([{"role": "user", "content": r["turns"][0]}]) for r in rows[: args.num_prompts]]
+        texts = load_prompts(Path(args.prompts_dir, f"{name}.jsonl"), args.num_prompts)
+        prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
         tokens = torch.tensor([t for o in outs for t in o.token_ids])  # [T]
         for head, t2d in vocabs.items():

@@ -218,6 +218,28 @@ def _head_config(cfg: TrainConfig, target):
     return init, tcfg
 
 
+def choose_draft_tokens(counts: Counter, size: int, vocab_size: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[size] target ids, ascending: `keep`, then the most frequent other tokens in `counts`, then the
+    lowest unused ids if the data has too few distinct tokens."""
+    have = set(keep.tolist()) if keep is not None else set()
+    chosen = have | set([t for t, _ in counts.most_common() if t not in have][: size - len(have)])
+    chosen |= set(sorted(set(range(vocab_size)) - chosen)[: size - len(chosen)])
+    return torch.tensor(sorted(chosen))
+
+
+def _set_draft_vocab(head: Eagle3Head, target, ids: torch.Tensor, trained: tuple | None = None) -> None:
+    """Point an EAGLE-3 head's d2t/t2d at `ids` and start its LM-head rows from the target's, except
+    `trained` = (ids, rows) of a trained head, whose rows are kept."""
+    with torch.no_grad():
+        weight = target.lm_head.weight[ids].to(head.lm_head.weight.dtype)  # [size, H]
+        if trained is not None:
+            weight[torch.searchsorted(ids, trained[0])] = trained[1]
+        head.lm_head.weight.copy_(weight)
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+
+
 def grow_draft_vocab(head: Eagle3Head, target, counts: Counter, size: int) -> Eagle3Head:
     """A copy of an EAGLE-3 head whose draft vocabulary has `size` tokens: its own tokens and their
     trained LM-head rows stay; the target's most frequent other choices in `counts` join, their rows
@@ -225,23 +247,12 @@ def grow_draft_vocab(head: Eagle3Head, target, counts: Counter, size: int) -> Ea
     vocabulary can never be drafted, and a vocabulary picked on one kind of text misses many of
     another's (measured: 4096 tokens cover 80% of SmolLM2's mt_bench answers, 96% of humaneval's)."""
     old = torch.nonzero(head.t2d).flatten()  # [V_old] target ids, ascending
-    have = set(old.tolist())
-    extra = [t for t, _ in counts.most_common() if t not in have][: size - len(old)]
-    extra += sorted(set(range(target.args.vocab_size)) - have - set(extra))[: size - len(old) - len(extra)]
-    ids = torch.tensor(sorted(have | set(extra)))  # [size] target ids, ascending
-    hf = {**head.config.hf_config, "draft_vocab_size": size}
-    config = replace(head.config, draft_vocab_size=size, hf_config=hf)
+    ids = choose_draft_tokens(counts, size, target.args.vocab_size, keep=old)
+    config = replace(head.config, draft_vocab_size=size, hf_config={**head.config.hf_config, "draft_vocab_size": size})
     grown = build_head(config).to(head.lm_head.weight.dtype)
-    state = {k: v for k, v in head.state_dict().items()
-             if not k.startswith(("lm_head.", "d2t", "t2d", "embed_tokens."))}
-    grown.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        weight = target.lm_head.weight[ids].to(grown.lm_head.weight.dtype)  # [size, H]
-        weight[torch.searchsorted(ids, old)] = head.lm_head.weight  # the trained rows where they were
-        grown.lm_head.weight.copy_(weight)
-        grown.d2t.copy_(ids - torch.arange(size))
-        grown.t2d.zero_()
-        grown.t2d[ids] = True
+    grown.load_state_dict({k: v for k, v in head.state_dict().items()
+                           if not k.startswith(("lm_head.", "d2t", "t2d", "embed_tokens."))}, strict=False)
+    _set_draft_vocab(grown, target, ids, trained=(old, head.lm_head.weight))
     return grown
 
 
@@ -364,20 +375,16 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
                 attach_target(head, target, has_own_embedding=False)
             draft_ids = torch.nonzero(head.t2d).flatten()
         else:
-            vocab = sorted(t for t, _ in counts.most_common(tcfg.draft_vocab_size))
-            vocab += sorted(set(range(target.args.vocab_size)) - set(vocab))[: tcfg.draft_vocab_size - len(vocab)]
-            draft_ids = torch.tensor(sorted(vocab))
-            head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-            head.t2d.zero_()
-            head.t2d[draft_ids] = True
-            with torch.no_grad():  # start the readout from the target's own LM head rows
-                head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+            draft_ids = choose_draft_tokens(counts, tcfg.draft_vocab_size, target.args.vocab_size)
+            _set_draft_vocab(head, target, draft_ids)  # the readout starts from the target's own LM head
+            with torch.no_grad():
                 head.norm.weight.copy_(target.model.norm.weight)
         covered = sum(counts[t] for t in draft_ids.tolist()) / max(1, sum(counts.values()))
         if rank == 0:
             print(f"draft vocabulary {len(draft_ids)} tokens covers {covered:.1%} of the target's choices")
         t2d_index = torch.full((target.args.vocab_size,), -100, dtype=torch.long)
         t2d_index[draft_ids] = torch.arange(len(draft_ids))
+    draft_vocab = int(head.t2d.sum()) if cfg.kind == "eagle3" else None  # recorded in checkpoints
     params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens", "target_lm_head"))]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
@@ -392,10 +399,9 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
     step = 0
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False)
-        vocab = int(head.t2d.sum()) if cfg.kind == "eagle3" else None
-        if ckpt.get("draft_vocab_size", vocab) != vocab:
+        if ckpt.get("draft_vocab_size", draft_vocab) != draft_vocab:
             raise RuntimeError(f"{ckpt_path} holds a head with a draft vocabulary of {ckpt['draft_vocab_size']} "
-                               f"tokens, this run's has {vocab}; use a new work dir")
+                               f"tokens, this run's has {draft_vocab}; use a new work dir")
         if ckpt.get("batches_per_step", 1) != per_step:
             raise RuntimeError(f"{ckpt_path} was written with {ckpt.get('batches_per_step', 1)} batches per step, "
                                f"this run takes {per_step} (workers x grad_accum); use those or a new work dir")
@@ -433,8 +439,7 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
         bar.update(1)
         if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total_steps):
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "batches_per_step": per_step,
-                        "draft_vocab_size": int(head.t2d.sum()) if cfg.kind == "eagle3" else None}, ckpt_path)
+                        "step": step, "batches_per_step": per_step, "draft_vocab_size": draft_vocab}, ckpt_path)
             with (work / f"history-{cfg.kind}.jsonl").open("a") as f:
                 for h in history:
                     f.write(json.dumps(h) + "\n")
