@@ -72,7 +72,8 @@ def cmd_train(args) -> int:
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, answers_only=args.answers_only,
                       init_head=args.init_head, warmup_steps=args.warmup_steps, grad_accum=args.grad_accum,
-                      num_workers=args.num_workers, num_threads=args.num_threads)
+                      num_workers=args.num_workers, num_threads=args.num_threads, device=args.device,
+                      target_dtype=args.target_dtype)
     print(run(cfg))
     return 0
 
@@ -179,8 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "the head's grows its draft vocabulary by the data's most frequent tokens)")
         t.add_argument("--grad-accum", type=int, default=1, help="batches per worker per optimizer step")
         t.add_argument("--num-workers", type=int, default=1,
-                       help="> 1: train data-parallel on that many Ray Train CPU workers (joins the running "
-                            "Ray cluster; the work dir must be on storage they all see)")
+                       help="> 1: train data-parallel on that many Ray Train workers, one GPU each where the "
+                            "cluster has GPUs, else CPU (joins the running Ray cluster; the work dir must be on "
+                            "storage they all see)")
+        t.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="where the target and the head run (default: CUDA where there is a GPU, else CPU)")
+        t.add_argument("--target-dtype", default=None,
+                       help="the target's dtype for answers and features (default: bfloat16 on CUDA, "
+                            "float32 on CPU); the head always trains in float32")
         t.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (per worker)")
         t.add_argument("--seed", type=int, default=0)
         t.add_argument("--answers-only", action="store_true",

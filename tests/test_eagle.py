@@ -866,6 +866,30 @@ def test_train_run_end_to_end(tiny_model_dir, tmp_path, kind):
     assert engine.stats.num_drafts > 0
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_train_with_a_bfloat16_target(tiny_model_dir, tmp_path, kind):
+    """The CUDA default (bfloat16 target, float32 head), run on the CPU: the head trains on the target's
+    bfloat16 embedding (and, for EAGLE-1, its LM head), shards are float16 on the CPU, the head is float32."""
+    from rayspec.eagle.train import TrainConfig, _load_target, prepare_data, train_head
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
+    cfg = TrainConfig(kind=kind, target=str(tiny_model_dir), prompts=(str(prompts),), work_dir=str(tmp_path / "work"),
+                      output=str(tmp_path / "head"), max_new_tokens=10, draft_vocab_size=512, epochs=2,
+                      warmup_steps=2, batch_tokens=256, num_threads=1, device="cpu", target_dtype="bfloat16")
+    target, tokenizer = _load_target(cfg)
+    assert next(target.parameters()).dtype == torch.bfloat16
+    examples = prepare_data(cfg, target, tokenizer)
+    shard = torch.load(next((tmp_path / "work" / f"features-{kind}").glob("features-*.pt")), weights_only=True)
+    assert all(t.dtype == torch.float16 and t.device.type == "cpu" for t in shard["aux"] + shard["final"])
+    out = train_head(cfg, target, examples)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "work" / f"history-{kind}.jsonl").read_text().splitlines()]
+    assert losses and all(math.isfinite(x) for x in losses)
+    state = read_state_dict(out)
+    assert all(v.device.type == "cpu" for v in state.values())
+    assert next(t for k, t in state.items() if k.startswith("fc.")).dtype == torch.float16  # saved as published
+
+
 def test_train_further_from_a_head_with_more_prompts(tiny_model_dir, tmp_path):
     """--init-head on a work dir that gained prompts: only the new answers get features, training starts
     from the head's weights and keeps its draft vocabulary, and the result serves losslessly."""

@@ -108,7 +108,7 @@ def save_eagle_head(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = t
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+    state = {k: (v.to("cpu", dtype) if v.is_floating_point() else v.cpu()).contiguous()
              for k, v in head.state_dict().items() if not k.startswith(("embed_tokens.", "target_lm_head."))}
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(head.config.hf_config, indent=2) + "\n")

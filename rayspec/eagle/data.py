@@ -85,8 +85,9 @@ class FeatureExtractor:
         hidden, aux = self.runner.forward_hidden(["s"], [ids], aux_layers=self.aux_layers)[0]
         self.runner.free("s")
         label = self.model.logits(hidden[0]).argmax(-1)  # [L]: the target's choice after each position
-        return {"ids": torch.tensor(ids, dtype=torch.int32), "aux": aux[0].to(torch.float16),
-                "final": hidden[0].to(torch.float16), "label": label.to(torch.int32)}
+        # shards live on the CPU, whatever device the target runs on
+        return {"ids": torch.tensor(ids, dtype=torch.int32), "aux": aux[0].to("cpu", torch.float16),
+                "final": hidden[0].to("cpu", torch.float16), "label": label.to("cpu", torch.int32)}
 
 
 class ShardWriter:

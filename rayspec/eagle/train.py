@@ -53,7 +53,9 @@ class TrainConfig:
     num_threads: int | None = None
     init_head: str | None = None  # start from this head (its weights and draft vocabulary), not from scratch
     grad_accum: int = 1  # batches per worker per optimizer step
-    num_workers: int = 1  # > 1: data-parallel training on that many Ray Train CPU workers (rayspec.eagle.train_ray)
+    num_workers: int = 1  # > 1: data-parallel training on that many Ray Train workers (rayspec.eagle.train_ray)
+    device: str | None = None  # "cpu" or "cuda"; None: CUDA where the process (or Ray cluster) has a GPU, else CPU
+    target_dtype: str | None = None  # the target's, for answers and features; None: bfloat16 on CUDA, float32 on CPU
 
 
 # ---- data ------------------------------------------------------------------------------
@@ -115,15 +117,17 @@ def collate(examples: list[dict], idx: list[int], t2d_index: torch.Tensor | None
 def ttt_mask(T: int, step: int, lengths: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, step*T] bool: step `step` (1-based) query i sees step-1 keys j <= i-step+1 and,
     for each later step t, the key of its own draft chain at i-step+t (all within the row)."""
-    i = torch.arange(T)[:, None]
-    j = torch.arange(T)[None, :]
+    dev = lengths.device  # built where the batch is (CUDA when training there)
+    i = torch.arange(T, device=dev)[:, None]
+    j = torch.arange(T, device=dev)[None, :]
     blocks = [j <= i - step + 1]
     for t in range(2, step + 1):
         blocks.append(j == i - step + t)
     mask = torch.cat(blocks, dim=1)  # [T, step*T]
-    key_ok = (torch.arange(T)[None, :] < lengths[:, None]).repeat(1, step)  # [B, step*T]
+    key_ok = (j < lengths[:, None]).repeat(1, step)  # [B, step*T]
     mask = mask[None] & key_ok[:, None, :]
-    mask |= torch.eye(T, dtype=torch.bool).repeat(1, step)[None] & (torch.arange(step * T) >= (step - 1) * T)[None, None]
+    own = torch.eye(T, dtype=torch.bool, device=dev).repeat(1, step)  # [T, step*T]: each query's own key...
+    mask |= own[None] & (torch.arange(step * T, device=dev) >= (step - 1) * T)[None, None]  # ...in its step's block
     return mask[:, None]
 
 
@@ -161,9 +165,9 @@ def head_step(head: EagleHead, emb, hidden_in, cos, sin, stores, mask, first: bo
 def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
     """Mean over steps (weights 0.8^s) of cross-entropy; returns (loss, per-step accuracy)."""
     B, T, _ = feats.shape
-    positions = torch.arange(T)[None].expand(B, T)
+    positions = torch.arange(T, device=feats.device)[None].expand(B, T)
     cos, sin = head.rope(positions, feats.dtype)
-    emb = head.embed_tokens(next_ids).detach()
+    emb = head.embed_tokens(next_ids).detach().to(feats.dtype)  # the target's embedding may be bfloat16
     stores = [[] for _ in range(max(1, len(getattr(head, "layers", [None]))))]
     hidden_in, total, weight_sum, accs = feats, 0.0, 0.0, []
     for s in range(1, steps + 1):
@@ -202,7 +206,7 @@ def run(cfg: TrainConfig) -> Path:
 def _load_target(cfg: TrainConfig):
     from rayspec.loader import load_model
 
-    target, tokenizer = load_model(cfg.target, device="cpu", dtype="float32")
+    target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)  # None: loader defaults
     target.requires_grad_(False)
     return target, tokenizer
 
@@ -246,7 +250,7 @@ def grow_draft_vocab(head: Eagle3Head, target, counts: Counter, size: int) -> Ea
     starting from the target's LM head (as a fresh head's do). Why: tokens outside the draft
     vocabulary can never be drafted, and a vocabulary picked on one kind of text misses many of
     another's (measured: 4096 tokens cover 80% of SmolLM2's mt_bench answers, 96% of humaneval's)."""
-    old = torch.nonzero(head.t2d).flatten()  # [V_old] target ids, ascending
+    old = torch.nonzero(head.t2d).flatten().cpu()  # [V_old] target ids, ascending
     ids = choose_draft_tokens(counts, size, target.args.vocab_size, keep=old)
     config = replace(head.config, draft_vocab_size=size, hf_config={**head.config.hf_config, "draft_vocab_size": size})
     grown = build_head(config).to(head.lm_head.weight.dtype)
@@ -360,9 +364,10 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
         print(f"{len(examples)} conversations, {n_tokens} tokens")
 
     # the head: fresh, or the weights (and draft vocabulary) of an existing head to train further
+    device = next(target.parameters()).device  # the head trains where the target sits, in float32
     init, tcfg = _head_config(cfg, target)
     torch.manual_seed(cfg.seed)
-    head = init if init is not None else build_head(tcfg)
+    head = (init if init is not None else build_head(tcfg)).to(device)
     attach_target(head, target, has_own_embedding=False)
     t2d_index = None
     if cfg.kind == "eagle3":
@@ -371,7 +376,7 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
             counts.update(e["label"].tolist())
         if init is not None:
             if cfg.draft_vocab_size > int(head.t2d.sum()):
-                head = grow_draft_vocab(head, target, counts, cfg.draft_vocab_size)
+                head = grow_draft_vocab(head, target, counts, cfg.draft_vocab_size).to(device)
                 attach_target(head, target, has_own_embedding=False)
             draft_ids = torch.nonzero(head.t2d).flatten()
         else:
@@ -398,7 +403,7 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
     ckpt_path = work / f"checkpoint-{cfg.kind}.pt"
     step = 0
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
         if ckpt.get("draft_vocab_size", draft_vocab) != draft_vocab:
             raise RuntimeError(f"{ckpt_path} holds a head with a draft vocabulary of {ckpt['draft_vocab_size']} "
                                f"tokens, this run's has {draft_vocab}; use a new work dir")
@@ -420,7 +425,8 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
         stats = torch.zeros(1 + cfg.ttt_steps)  # summed over this step's batches: loss, accuracy per TTT step
         for a in range(cfg.grad_accum):
             batch = flat[step * per_step + rank * cfg.grad_accum + a]
-            feats, next_ids, labels, lengths = collate(examples, batch, t2d_index, cfg.answers_only)
+            feats, next_ids, labels, lengths = (t.to(device) for t in collate(examples, batch, t2d_index,
+                                                                              cfg.answers_only))
             loss, accs = ttt_loss(head, feats, next_ids, labels, lengths, cfg.ttt_steps)
             (loss / per_step).backward()
             stats += torch.tensor([loss.item()] + accs + [0.0] * (cfg.ttt_steps - len(accs)))

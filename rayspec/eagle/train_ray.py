@@ -10,7 +10,8 @@ the gradients are summed with one all-reduce, and every worker takes the same st
 is the head one process would train accumulating all those batches. Rank 0 writes checkpoints
 (resumable, also by a single process with grad_accum = num_workers) and the head.
 
-Workers run on CPU, `num_threads` torch threads each (default: 1 per worker).
+Workers run on one GPU each where the cluster has GPUs (`device` None or "cuda"; NCCL all-reduce),
+else on CPU with `num_threads` torch threads each (default: 1 per worker; gloo).
 """
 
 from __future__ import annotations
@@ -33,10 +34,21 @@ def _ensure_ray() -> None:
         ray.init()  # joins the running cluster (RAY_ADDRESS, `ray start`), else starts a local one
 
 
+def use_gpus(cfg: TrainConfig) -> bool:
+    """Whether the Ray workers take a GPU each: `device` "cuda", or unset on a cluster that has GPUs."""
+    import ray
+
+    if cfg.device is not None:
+        return cfg.device.startswith("cuda")
+    _ensure_ray()
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
 class _TargetActor:
     """A copy of the target on a Ray worker: answers prompts, extracts features."""
 
-    def __init__(self, target: str, num_threads: int, max_new_tokens: int, aux_layers: tuple[int, ...]):
+    def __init__(self, target: str, num_threads: int, max_new_tokens: int, aux_layers: tuple[int, ...],
+                 gpu: bool = False, dtype: str | None = None):
         from rayspec.eagle.data import FeatureExtractor
         from rayspec.eagle.train import answer_engine
         from rayspec.loader import load_model
@@ -44,7 +56,7 @@ class _TargetActor:
 
         torch.set_num_threads(num_threads)
         keep_freed_memory()
-        model, tokenizer = load_model(target, device="cpu", dtype="float32")
+        model, tokenizer = load_model(target, device="cuda" if gpu else "cpu", dtype=dtype)  # Ray set the visible GPU
         self.engine = answer_engine(model, tokenizer, target)
         self.extract = FeatureExtractor(model, tuple(aux_layers))
         self.max_new_tokens = max_new_tokens
@@ -68,9 +80,10 @@ class TargetPool:
         _ensure_ray()
         self.num_workers = cfg.num_workers
         threads = cfg.num_threads or 1
-        actor = ray.remote(num_cpus=threads)(_TargetActor)
+        gpu = use_gpus(cfg)
+        actor = ray.remote(num_cpus=threads, num_gpus=1 if gpu else 0)(_TargetActor)
         target = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
-        self.actors = [actor.remote(target, threads, cfg.max_new_tokens, tuple(aux_layers))
+        self.actors = [actor.remote(target, threads, cfg.max_new_tokens, tuple(aux_layers), gpu, cfg.target_dtype)
                        for _ in range(cfg.num_workers)]
         self.pool = ActorPool(self.actors)
 
@@ -115,12 +128,16 @@ def _worker_loop(config: dict) -> None:
     from rayspec.malloc import keep_freed_memory
 
     cfg = TrainConfig(**config)
+    if cfg.device is not None and cfg.device.startswith("cuda"):
+        from ray.train.torch import get_device
+
+        cfg = dataclasses.replace(cfg, device=str(get_device()))  # this worker's GPU
     torch.set_num_threads(cfg.num_threads or 1)
     keep_freed_memory()
     rank, world = train.get_context().get_world_rank(), train.get_context().get_world_size()
 
     def sync(grads: list[torch.Tensor], stats: torch.Tensor) -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads] + [stats])  # one all-reduce per step
+        flat = torch.cat([g.reshape(-1) for g in grads] + [stats.to(grads[0].device)])  # one all-reduce per step
         dist.all_reduce(flat)
         offset = 0
         for g in grads:
@@ -144,11 +161,13 @@ def train_on_ray(cfg: TrainConfig) -> Path:
     config = {**dataclasses.asdict(cfg), "work_dir": str(work), "output": str(Path(cfg.output).resolve()),
               "prompts": tuple(cfg.prompts), "target": absolute(cfg.target), "init_head": absolute(cfg.init_head)}
     _ensure_ray()
+    gpu = use_gpus(cfg)
+    config["device"] = "cuda" if gpu else "cpu"
     trainer = TorchTrainer(
         _worker_loop, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=False,
-                                     resources_per_worker={"CPU": cfg.num_threads or 1}),
-        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=gpu,
+                                     resources_per_worker={"CPU": cfg.num_threads or 1, **({"GPU": 1} if gpu else {})}),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
         run_config=RunConfig(name=f"rayspec-train-{cfg.kind}", storage_path=str(work / "ray_train")))
     trainer.fit()
     return Path(cfg.output)
