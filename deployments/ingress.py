@@ -16,10 +16,11 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args
 from deployments.failover import FailoverStream, call_with_failover
-from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, finish_reason,
-                                         new_id, now, usage)
+from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs,
+                                         completion_logprobs, finish_reason, new_id, now, sum_usage)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from rayspec.engine import InvalidRequestError
 
@@ -68,15 +69,6 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def _prepend(first, gen) -> AsyncIterator[GenerateChunk]:
-    if first is not None:
-        yield first
-        if first.finished:
-            return
-    async for chunk in gen:
-        yield chunk
-
-
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -120,29 +112,31 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        self._check_model(body.model)
-        request = self._to_generate(body)
-        if body.stream:
-            return await self._stream_response(request, body, chat=False)
-        resp = await self._call(request)
-        return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
-                "choices": [{"index": 0, "text": resp.text, "logprobs": None,
-                             "finish_reason": finish_reason(resp.finish_reason)}],
-                "usage": usage(resp.num_prompt_tokens, resp.num_output_tokens, resp.num_draft_tokens,
-                               resp.num_accepted_tokens)}
+        return await self._respond(body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        return await self._respond(body, chat=True)
+
+    async def _respond(self, body, chat: bool):
         self._check_model(body.model)
-        request = self._to_generate(body)
+        requests = expand(self._to_generate(body), body.n)  # choice c: prompt c // n
         if body.stream:
-            return await self._stream_response(request, body, chat=True)
-        resp = await self._call(request)
-        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": resp.text},
-                             "logprobs": None, "finish_reason": finish_reason(resp.finish_reason)}],
-                "usage": usage(resp.num_prompt_tokens, resp.num_output_tokens, resp.num_draft_tokens,
-                               resp.num_accepted_tokens)}
+            return await self._stream_response(requests, body, chat)
+        resps = await gather_or_cancel(self._call(r) for r in requests)
+        choices = []
+        for c, resp in enumerate(resps):
+            reason = finish_reason(resp.finish_reason)
+            if chat:
+                logprobs = chat_logprobs(resp.logprobs) if resp.logprobs is not None else None
+                choices.append({"index": c, "message": {"role": "assistant", "content": resp.text},
+                                "logprobs": logprobs, "finish_reason": reason})
+            else:
+                logprobs = completion_logprobs(resp.logprobs) if resp.logprobs is not None else None
+                choices.append({"index": c, "text": resp.text, "logprobs": logprobs, "finish_reason": reason})
+        return {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": self.model_name,
+                "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                "usage": self._usage(resps, body.n)}
 
     # ---- helpers ---------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -151,11 +145,18 @@ class OpenAIIngress:
                               status_code=404, type="not_found_error", param="model", code="model_not_found")
 
     @staticmethod
-    def _to_generate(body) -> GenerateRequest:
+    def _usage(results, n: int) -> dict:
+        """results: per choice, the response or its last chunk; a prompt's tokens count once."""
+        return sum_usage([(r.num_prompt_tokens if c % n == 0 else 0, r.num_output_tokens, r.num_draft_tokens,
+                           r.num_accepted_tokens) for c, r in enumerate(results)])
+
+    @staticmethod
+    def _to_generate(body) -> list[GenerateRequest]:
         try:
-            request = body.to_generate()
-            request.sampling_params()  # reject bad values here, before any RPC
-            return request
+            requests = body.to_generate()
+            for request in requests:
+                request.sampling_params()  # reject bad values here, before any RPC
+            return requests
         except (OpenAIError, InvalidRequestError, ValidationError) as err:
             raise _as_openai_error(err) from None
 
@@ -168,20 +169,17 @@ class OpenAIIngress:
                 raise
             raise mapped from None
 
-    async def _stream_response(self, request: GenerateRequest, body, chat: bool):
-        gen = FailoverStream(self.verifier, request)
-        try:  # wait for the first chunk so that request errors still become a 400
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
+    async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool):
+        try:  # wait for every choice's first chunk so that request errors still become a 400
+            streams, firsts = await open_streams(self.verifier, requests)
         except Exception as err:  # noqa: BLE001
             mapped = _as_openai_error(err)
             if mapped is None:
                 raise
             raise mapped from None
-        return StreamingResponse(self._sse_events(first, gen, body, chat), media_type="text/event-stream")
+        return StreamingResponse(self._sse_events(streams, firsts, body, chat), media_type="text/event-stream")
 
-    async def _sse_events(self, first, gen, body, chat: bool) -> AsyncIterator[str]:
+    async def _sse_events(self, streams, firsts, body, chat: bool) -> AsyncIterator[str]:
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = body.include_usage
@@ -193,32 +191,37 @@ class OpenAIIngress:
                 data["usage"] = usage_block
             return _sse(data)
 
-        last: GenerateChunk | None = None
-        finished = False
+        last: list[GenerateChunk | None] = [None] * len(streams)
+        text_offset = [0] * len(streams)  # completions logprobs: where each choice's next token starts
+        chunks = merged(streams, firsts)
         try:
             if chat:
-                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            chunks = _prepend(first, gen)
-            async for chunk in chunks:
-                last = chunk
+                for c in range(len(streams)):
+                    yield event({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+            async for c, chunk in chunks:
+                last[c] = chunk
                 reason = finish_reason(chunk.finish_reason) if chunk.finished else None
+                logprobs = None
+                if chunk.logprobs:
+                    if chat:
+                        logprobs = chat_logprobs(chunk.logprobs)
+                    else:
+                        logprobs = completion_logprobs(chunk.logprobs, text_offset[c])
+                        text_offset[c] += sum(len(e.token) for e in chunk.logprobs)
+                if not (chunk.delta_text or reason or logprobs):
+                    continue
                 if chat:
                     delta = {"content": chunk.delta_text} if chunk.delta_text else {}
-                    if delta or reason:
-                        yield event({"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason})
-                elif chunk.delta_text or reason:
-                    yield event({"index": 0, "text": chunk.delta_text, "logprobs": None, "finish_reason": reason})
-                if chunk.finished:
-                    finished = True
-            if include_usage and last is not None:
-                yield event(None, usage(last.num_prompt_tokens, last.num_output_tokens, last.num_draft_tokens,
-                                        last.num_accepted_tokens))
+                    yield event({"index": c, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
+                else:
+                    yield event({"index": c, "text": chunk.delta_text, "logprobs": logprobs, "finish_reason": reason})
+            if include_usage and all(last):
+                yield event(None, self._usage(last, body.n))
             yield "data: [DONE]\n\n"
         except Exception as err:  # noqa: BLE001 - the status line is gone: report in-band
             logger.exception("stream failed")
             mapped = _as_openai_error(err) or OpenAIError(f"internal error: {err}", 500, "internal_error")
             yield _sse(mapped.body())
-        finally:
-            if not finished:  # client went away (or error): cancel the verifier request -> abort, slot freed
-                gen.cancel()
+        finally:  # the client went away (or an error): unfinished requests are aborted, slots freed
+            await chunks.aclose()

@@ -9,6 +9,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.protocol import GenerateRequest
+from rayspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+
+MAX_CHOICES = 64  # n times the number of prompts, per request
 
 
 class OpenAIError(Exception):
@@ -35,7 +38,7 @@ class _Common(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -45,19 +48,18 @@ class _Common(BaseModel):
     ignore_eos: bool = False
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise OpenAIError("only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise OpenAIError(f"{name} is not supported", param=name)
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
 
-    def _generate(self, max_tokens: int | None, **prompt) -> GenerateRequest:
+    def _generate(self, max_tokens: int | None, logprobs: int | None, **prompt) -> GenerateRequest:
         return GenerateRequest(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stop, seed=self.seed,
-            ignore_eos=self.ignore_eos, num_speculative_tokens=self.num_speculative_tokens, **prompt)
+            ignore_eos=self.ignore_eos, num_speculative_tokens=self.num_speculative_tokens, logprobs=logprobs,
+            **prompt)
 
     @property
     def include_usage(self) -> bool:
@@ -67,25 +69,28 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_generate(self) -> GenerateRequest:
+    def to_generate(self) -> list[GenerateRequest]:
+        """One request per prompt (a batched prompt list gives several; `n` is the caller's)."""
         self.check_supported()
-        for name, bad in (("logprobs", self.logprobs is not None), ("echo", self.echo),
-                          ("best_of", self.best_of not in (None, 1)), ("suffix", self.suffix is not None)):
+        for name, bad in (("echo", self.echo), ("best_of", self.best_of not in (None, 1, self.n)),
+                          ("suffix", self.suffix is not None)):
             if bad:
                 raise OpenAIError(f"{name} is not supported", param=name)
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError("batched prompts are not supported; send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise OpenAIError("the prompt is empty", param="prompt")
-        return self._generate(self.max_tokens, prompt=prompt)
+        prompts = self.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise OpenAIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise OpenAIError("the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty",
+                                  param="prompt")
+        return [self._generate(self.max_tokens, self.logprobs, prompt=p) for p in prompts]
 
 
 class ChatMessage(BaseModel):
@@ -98,16 +103,17 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def to_generate(self) -> GenerateRequest:
+    def to_generate(self) -> list[GenerateRequest]:
         self.check_supported()
-        for name, bad in (("logprobs", self.logprobs), ("top_logprobs", self.top_logprobs is not None),
-                          ("tools", bool(self.tools)), ("functions", bool(self.functions)),
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
                           ("tool_choice", self.tool_choice not in (None, "none")),
                           ("response_format", bool(self.response_format)
                            and self.response_format.get("type") != "text")):
@@ -121,13 +127,46 @@ class ChatCompletionRequest(_Common):
                     raise OpenAIError("only text content parts are supported", param=f"messages[{i}].content")
                 content = "".join(str(part.get("text", "")) for part in content)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        return self._generate(self.max_completion_tokens or self.max_tokens, messages=messages)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return [self._generate(self.max_completion_tokens or self.max_tokens, logprobs, messages=messages)]
+
+
+def completion_logprobs(entries: list[TokenLogprob | None], text_offset: int = 0) -> dict:
+    """The legacy completions `logprobs` block for these tokens, text offsets from `text_offset`."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        if e is None:  # a token generated before a failover, reported then
+            continue
+        out["tokens"].append(e.token)
+        out["token_logprobs"].append(e.logprob)
+        top = {text: lp for _, text, lp in e.top}
+        top.setdefault(e.token, e.logprob)  # OpenAI: the sampled token is always there
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(text_offset)
+        text_offset += len(e.token)
+    return out
+
+
+def _chat_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob | None]) -> dict:
+    """The chat `logprobs` block: one content entry per token with its top alternatives."""
+    return {"content": [dict(_chat_entry(e.token, e.logprob), top_logprobs=[_chat_entry(t, lp) for _, t, lp in e.top])
+                        for e in entries if e is not None],
+            "refusal": None}
 
 
 def finish_reason(reason: str | None) -> str | None:
     if reason is None:
         return None
     return "length" if reason == "length" else "stop"
+
+
+def sum_usage(parts: list[tuple[int, int, int, int]]) -> dict:
+    """Usage over choices: parts of (prompt counted once per prompt, output, drafts, accepted)."""
+    return usage(*(sum(col) for col in zip(*parts)))
 
 
 def usage(num_prompt: int, num_output: int, num_draft: int, num_accepted: int) -> dict:

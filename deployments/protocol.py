@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayspec.engine import InvalidRequestError
+from rayspec.logprobs import TokenLogprob
 from rayspec.sampling import SamplingParams
 
 
@@ -23,6 +24,7 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
+    logprobs: int | None = None  # each output token's logprob under the target, plus this many alternatives
     request_id: str | None = None  # optional tag echoed back (the engine id is replica-unique)
     # continue a generation another verifier replica started (the ingress' failover): the output
     # token ids so far, and how many characters of their text the caller already has
@@ -41,7 +43,7 @@ class GenerateRequest(BaseModel):
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   max_tokens=self.max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
                                   seed=self.seed, ignore_eos=self.ignore_eos,
-                                  num_speculative_tokens=self.num_speculative_tokens)
+                                  num_speculative_tokens=self.num_speculative_tokens, logprobs=self.logprobs)
         except ValueError as err:
             raise InvalidRequestError(str(err)) from None
 
@@ -58,6 +60,7 @@ class GenerateChunk(BaseModel):
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per delta token, with logprobs requested
 
 
 class GenerateResponse(BaseModel):
@@ -69,5 +72,6 @@ class GenerateResponse(BaseModel):
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: list[TokenLogprob | None] | None = None  # one per token, with logprobs requested
     time_to_first_token_s: float | None = None
     latency_s: float | None = None

@@ -105,7 +105,9 @@ class Verifier:
             if not (new or out.delta_text or out.finished):
                 continue
             yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text,
-                                delta_token_ids=new, finished=out.finished, finish_reason=out.finish_reason,
+                                delta_token_ids=new,
+                                logprobs=out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None,
+                                finished=out.finished, finish_reason=out.finish_reason,
                                 num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                                 num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens)
 
@@ -118,7 +120,7 @@ class Verifier:
                 first = time.perf_counter() - start
             last = out
         return GenerateResponse(request_id=request.request_id or last.request_id, text=last.text,
-                                token_ids=last.token_ids, finish_reason=last.finish_reason,
+                                token_ids=last.token_ids, logprobs=last.logprobs, finish_reason=last.finish_reason,
                                 num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
                                 num_draft_tokens=last.num_draft_tokens, num_accepted_tokens=last.num_accepted_tokens,
                                 time_to_first_token_s=first, latency_s=time.perf_counter() - start)

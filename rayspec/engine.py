@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
+from rayspec.logprobs import TokenLogprob, compute_logprobs
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
@@ -47,6 +48,8 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_steps: int
+    # with SamplingParams.logprobs: one entry per token of token_ids (None for a resumed request's earlier ones)
+    logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -162,6 +165,8 @@ class LLMEngine:
                 raise InvalidRequestError("the resumed output already ends the request")
             seq.first_token_time = None
             seq.mark_sent(resume_sent_chars)
+            if seq.logprobs is not None:  # those tokens' logprobs were handed out by the other engine
+                seq.logprobs.extend([None] * seq.num_output_tokens)
         self._requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -249,6 +254,7 @@ class LLMEngine:
                 seq.features, seq.features_start = [features[i, : len(seq.token_ids)].clone()], 0
             tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
             seq.append_tokens([tok])
+            self._record_logprobs(seq, logits[i: i + 1], [tok])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
@@ -334,7 +340,11 @@ class LLMEngine:
                 self.runner.set_cached_len(seq.request_id, kv_start + len(rows))
             if features is not None:
                 seq.features.append(features[[starts[i] + r for r in rows]])  # indexing copies
-            seq.append_tokens(emitted)
+            kept = seq.append_tokens(emitted)
+            # emitted token j was predicted by row rows[len(pending) - 1 + j] (chain and tree alike)
+            if seq.logprobs is not None:
+                predicted_by = rows[len(pending[i]) - 1:][:kept]
+                self._record_logprobs(seq, row_logits[predicted_by], emitted[:kept])
             seq.num_steps += 1
             seq.num_draft_tokens += len(draft.tokens)
             seq.num_accepted_tokens += num_accepted
@@ -343,6 +353,11 @@ class LLMEngine:
             self.stats.observe(len(draft.tokens), num_accepted)
         if not use_tree:
             self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
+
+    def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
+        """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""
+        if seq.logprobs is not None and tokens:
+            seq.logprobs += compute_logprobs(logits, tokens, seq.params.logprobs, self.tokenizer)
 
     @staticmethod
     def _row_probs(seq: Sequence, row_logits: torch.Tensor):
@@ -365,7 +380,8 @@ class LLMEngine:
             request_id=seq.request_id, text=seq.sent_text, delta_text=delta,
             token_ids=seq.output_token_ids, finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps)
+            num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

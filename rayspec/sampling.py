@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: off)
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; k >= 0: each output token's logprob and the k most likely
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -37,6 +38,8 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 1")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -77,10 +77,14 @@ class Sequence:
     # features_start, features_start + 1, ...
     features: list = field(default_factory=list)
     features_start: int = 0
+    # with params.logprobs: one TokenLogprob per output token (None for tokens of a resumed request)
+    logprobs: list | None = None
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

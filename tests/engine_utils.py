@@ -103,3 +103,30 @@ def greedy_reference(spec: str, prompt: str, max_tokens: int) -> tuple[int, ...]
     engine = make_engine(spec, "none", loaded=cached_model(spec))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return tuple(engine.generate([prompt], params)[0].token_ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def assert_target_logprobs(model_dir, prompt_ids: list[int], out: RequestOutput, num_top: int,
+                           atol: float = 1e-3) -> None:
+    """`out.logprobs` are the target's raw log-probabilities of `out.token_ids` given everything
+    before them, with the `num_top` most likely tokens, as an independent forward computes them
+    (transformers' Llama over prompt + output)."""
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    ids = torch.tensor([list(prompt_ids) + list(out.token_ids)])
+    with torch.no_grad():
+        logits = _hf_model(str(model_dir))(ids).logits[0].float()  # [P + T, vocab]
+    expected = logits[len(prompt_ids) - 1: -1].log_softmax(-1)  # [T, vocab]: row j predicts output token j
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry.token_id == tok
+        assert abs(entry.logprob - float(expected[j, tok])) < atol, (j, entry.logprob, float(expected[j, tok]))
+        assert len(entry.top) == num_top
+        values, _ = expected[j].topk(num_top)
+        assert all(abs(got - want) < atol for (_, _, got), want in zip(entry.top, values.tolist())), j
+        for t, _, v in entry.top:  # each alternative's own value is the target's too
+            assert abs(v - float(expected[j, t])) < atol

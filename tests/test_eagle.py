@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny_model_dir
-from engine_utils import (cached_model, empirical, make_engine, run_alone, run_batch, run_joining,
+from engine_utils import (assert_target_logprobs, cached_model, empirical, make_engine, run_alone, run_batch, run_joining,
                           run_to_completion, tv_distance, tv_threshold)
 from rayspec.eagle.checkpoint import load_eagle_head, new_eagle_config, read_state_dict, save_eagle_head
 from rayspec.eagle.data import extract_features, read_answers
@@ -260,6 +260,19 @@ def test_tree_batch_with_sampled_and_undrafted_requests(target_dir, target, refe
     assert done[ids[4]].token_ids == reference[0][:2]
     assert len(done[ids[1]].token_ids) == 20
     assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_tree_logprobs_are_the_targets(target_dir, target, trained, temperature):
+    """Tokens accepted from a tree (a path that need not be the tree's first rows) report the target
+    logprobs of the row that verified them."""
+    engine = _eagle_engine(target_dir, target, trained["eagle3"][0], "eagle3", 6, 2, 3)
+    kept = _spy_keep_path(engine)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=24, logprobs=i) for i in range(len(PROMPTS))]
+    outs = engine.generate(PROMPTS, params)
+    for prompt, out, p in zip(PROMPTS, outs, params):
+        assert_target_logprobs(target_dir, prompt, out, p.logprobs)
+    assert engine.stats.num_accepted_tokens > 0 and kept
 
 
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])

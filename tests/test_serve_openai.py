@@ -122,8 +122,11 @@ def test_sampled_request_runs(client):
 
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 65}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 20, "n": 4}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["hi", ""]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
@@ -134,11 +137,13 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi " * 2000, "stream": True}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 5000}, 400, None),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "logprobs": True}, 400, "logprobs"),
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
 ])
@@ -159,7 +164,7 @@ def test_malformed_json_is_400(server):
 
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="hi", n=2)
+        client.completions.create(model="tiny", prompt="hi", n=100)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
 
@@ -238,3 +243,83 @@ def test_prometheus_metrics(server, client):
     assert sum(v for _, v in _metric_values(text, "ray_spec_decode_num_draft_tokens")) > 0
     assert any('position="0"' in labels for labels, _ in _metric_values(text, "ray_spec_decode_num_accepted_tokens_per_pos"))
     assert all('model_name="tiny"' in labels for labels, _ in _metric_values(text, "ray_num_requests_running"))
+
+
+# ---- logprobs, n, batched prompts ---------------------------------------------------------------
+
+def test_completion_logprobs_match_engine(client, local_engine):
+    ref = local_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, logprobs=3))[0]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens
+    assert lp.tokens == [e.token for e in ref.logprobs]
+    assert all(abs(a - e.logprob) < 1e-4 for a, e in zip(lp.token_logprobs, ref.logprobs))
+    for top, e in zip(lp.top_logprobs, ref.logprobs):
+        assert 3 <= len(top) <= 4 and top[e.token] == pytest.approx(e.logprob, abs=1e-4)
+        assert max(top.values()) == pytest.approx(e.top[0][2], abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    messages = [{"role": "user", "content": "count: one two three"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    resp = client.chat.completions.create(**kw)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.bytes == list(e.token.encode())
+    # greedy: the chosen token is the most likely one
+    assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-5) for e in content)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert "".join(e.token for e in content).startswith(resp.choices[0].message.content[:5])
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_and_batched_prompts(client, local_engine):
+    greedy = {p: local_engine.generate([p], SamplingParams(temperature=0, max_tokens=10))[0] for p in (PROMPT, "Hello")}
+    resp = client.completions.create(model="tiny", prompt=[PROMPT, "Hello"], n=2, max_tokens=10, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text for c in resp.choices] == [greedy[PROMPT].text] * 2 + [greedy["Hello"].text] * 2
+    assert resp.usage.prompt_tokens == greedy[PROMPT].num_prompt_tokens + greedy["Hello"].num_prompt_tokens
+    assert resp.usage.completion_tokens == 2 * (greedy[PROMPT].num_output_tokens + greedy["Hello"].num_output_tokens)
+
+    sampled = client.completions.create(model="tiny", prompt=PROMPT, n=3, max_tokens=24, temperature=1.5, seed=5)
+    again = client.completions.create(model="tiny", prompt=PROMPT, n=3, max_tokens=24, temperature=1.5, seed=5)
+    assert len(sampled.choices) == 3 and len({c.text for c in sampled.choices}) > 1  # seed + i per sample
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]  # and reproducible
+
+    messages = [{"role": "user", "content": "Say hello hello hello"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(ch.delta.content or "" for ch in mine) == full.choices[i].message.content
+        assert mine[-1].finish_reason == full.choices[i].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_disconnect_aborts_every_choice(server):
+    before = verifier_stats()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0.9, "ignore_eos": True,
+            "stream": True, "n": 3}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    wait_for(lambda: verifier_stats()["num_aborted"] >= before["num_aborted"] + 3, timeout=30)
+    wait_for(lambda: verifier_stats()["num_running"] == 0, timeout=30)

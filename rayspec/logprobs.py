@@ -1,0 +1,42 @@
+"""Log-probabilities of output tokens under the target model.
+
+Speculation does not change them: every emitted token, drafted or not, comes out of a target
+forward (prefill, or the verification forward that accepted it), so its logprob is read from the
+row of target logits that predicted it. The values are the target's raw distribution
+(log-softmax of its logits, before temperature, top-k and top-p), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's text on its own ("" without a tokenizer)
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob), most likely first
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, tokenizer) -> list[TokenLogprob]:
+    """logits: [N, vocab], row i predicting token_ids[i] -> N TokenLogprobs with `num_top` alternatives."""
+    logprobs = logits.float().log_softmax(-1)  # [N, vocab]
+    index = torch.tensor(token_ids, device=logits.device)
+    chosen = logprobs.gather(-1, index[:, None])[:, 0].tolist()  # [N]
+    tops: list[list[tuple[int, str, float]]] = [[] for _ in token_ids]
+    if num_top:
+        values, ids = logprobs.topk(num_top, dim=-1)  # [N, num_top]
+        tops = [[(t, token_text(tokenizer, t), v) for t, v in zip(row_ids, row_values)]
+                for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, token_text(tokenizer, t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]

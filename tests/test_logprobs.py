@@ -1,0 +1,73 @@
+"""Output logprobs are the target's, whichever proposer drafted the tokens: every emitted token
+(accepted draft, recovered or bonus token) reports the raw target log-probability given all the
+tokens before it, greedy and sampled, alone and batched, and across a stop."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import assert_target_logprobs, cached_model, make_engine, run_to_completion
+from rayspec.sampling import SamplingParams
+
+PROMPTS = [
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "one two three one two three one two three one",
+    "Hello, world!",
+]
+METHODS = [
+    ("none", dict(method="none")),
+    ("ngram", dict(method="ngram", k=4, prompt_lookup_min=1, prompt_lookup_max=3)),
+    ("draft-self-1layer", dict(method="draft_model", k=3, draft_num_layers=1)),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_model_dir):
+    return cached_model(str(tiny_model_dir))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name,spec", METHODS, ids=[m[0] for m in METHODS])
+def test_logprobs_are_the_targets(tiny_model_dir, tiny_loaded, name, spec, temperature):
+    engine = make_engine(tiny_model_dir, loaded=tiny_loaded, **spec)
+    num_top = [0, 3, 5]
+    ids = [engine.add_request(p, SamplingParams(temperature=temperature, seed=i, max_tokens=24, logprobs=num_top[i]))
+           for i, p in enumerate(PROMPTS)]
+    done = run_to_completion(engine)
+    for rid, prompt, k in zip(ids, PROMPTS, num_top):
+        assert_target_logprobs(tiny_model_dir, engine.encode(prompt), done[rid], k)
+    if name != "none" and (temperature == 0 or name.startswith("draft")):  # sampled tiny-model text may never repeat (no n-gram match)
+        assert engine.stats.num_accepted_tokens > 0  # some logprobs belong to accepted drafts
+
+
+def test_logprobs_off_and_across_a_stop(tiny_model_dir, tiny_loaded):
+    engine = make_engine(tiny_model_dir, loaded=tiny_loaded, method="ngram", k=4, prompt_lookup_min=1,
+                         prompt_lookup_max=3)
+    off = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16))[0]
+    assert off.logprobs is None
+    # a stop token inside an accepted draft: the tokens after it are dropped, and their logprobs
+    stop_at = off.token_ids[5]
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, logprobs=2,
+                                                       stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == off.token_ids[: off.token_ids.index(stop_at) + 1]
+    assert_target_logprobs(tiny_model_dir, engine.encode(PROMPTS[0]), out, 2)
+
+
+def test_resumed_request_reports_only_its_new_tokens(tiny_model_dir, tiny_loaded):
+    engine = make_engine(tiny_model_dir, loaded=tiny_loaded, method="ngram", k=4, prompt_lookup_min=1,
+                         prompt_lookup_max=3)
+    full = engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, logprobs=1))[0]
+    rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, logprobs=1),
+                             resume_output_ids=full.token_ids[:5])
+    out = run_to_completion(engine)[rid]
+    assert out.token_ids == full.token_ids
+    assert out.logprobs[:5] == [None] * 5
+    for a, b in zip(out.logprobs[5:], full.logprobs[5:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_bad_logprobs_count():
+    with pytest.raises(ValueError):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError):
+        SamplingParams(logprobs=-1)
