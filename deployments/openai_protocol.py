@@ -40,17 +40,21 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # extensions
     top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0)
     num_speculative_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise OpenAIError(f"{name} is not supported", param=name)
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise OpenAIError(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise OpenAIError("logit_bias values must be between -100 and 100", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
 
@@ -59,7 +63,9 @@ class _Common(BaseModel):
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stop, seed=self.seed,
             ignore_eos=self.ignore_eos, num_speculative_tokens=self.num_speculative_tokens, logprobs=logprobs,
-            **prompt)
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, **prompt)
 
     @property
     def include_usage(self) -> bool:

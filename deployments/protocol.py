@@ -24,6 +24,10 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # each output token's logprob under the target, plus this many alternatives
     request_id: str | None = None  # optional tag echoed back (the engine id is replica-unique)
     # continue a generation another verifier replica started (the ingress' failover): the output
@@ -43,7 +47,9 @@ class GenerateRequest(BaseModel):
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   max_tokens=self.max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
                                   seed=self.seed, ignore_eos=self.ignore_eos,
-                                  num_speculative_tokens=self.num_speculative_tokens, logprobs=self.logprobs)
+                                  num_speculative_tokens=self.num_speculative_tokens, logprobs=self.logprobs,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)
         except ValueError as err:
             raise InvalidRequestError(str(err)) from None
 

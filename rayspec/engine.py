@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
+from rayspec.logits_processing import needs_processing, process_rows, verification_row_extra
 from rayspec.logprobs import TokenLogprob, compute_logprobs
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.malloc import keep_freed_memory
@@ -140,6 +141,8 @@ class LLMEngine:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidRequestError(
@@ -247,14 +250,20 @@ class LLMEngine:
     def _prefill_batch(self, seqs: list[Sequence]) -> None:
         ids = [s.request_id for s in seqs]
         hidden, features = self._target_forward(ids, [s.token_ids for s in seqs])
-        logits = self.model.logits(last_rows(hidden, [len(s.token_ids) for s in seqs]))  # [B, vocab]
+        raw = self.model.logits(last_rows(hidden, [len(s.token_ids) for s in seqs]))  # [B, vocab]
+        logits = raw
+        for i, seq in enumerate(seqs):
+            if needs_processing(seq.params):
+                logits = logits.clone() if logits is raw else logits
+                logits[i] = process_rows(raw[i: i + 1], seq.params, seq.prompt_token_ids, seq.output_token_ids,
+                                         [[]])[0]
         greedy = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             if features is not None:
                 seq.features, seq.features_start = [features[i, : len(seq.token_ids)].clone()], 0
             tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
             seq.append_tokens([tok])
-            self._record_logprobs(seq, logits[i: i + 1], [tok])
+            self._record_logprobs(seq, raw[i: i + 1], [tok])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
@@ -300,9 +309,10 @@ class LLMEngine:
             trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(pending, drafts)]
         # packed: rows of different lengths cost only their real tokens (no padding computed)
         hidden, features = self._target_forward(ids, inputs, trees, packed=True)  # [N, H], [N, F]
-        logits = self.model.logits(hidden)  # [N, vocab]
+        raw = self.model.logits(hidden)  # [N, vocab]
         lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
+        logits = self._process_verification_logits(raw, seqs, pending, drafts, starts, lengths)
         offsets = [len(p) - 1 for p in pending]
         width = 1 + max(len(d.tokens) for d in drafts)
         # the packed index of each draft position plus the bonus position: [B, width]
@@ -344,7 +354,7 @@ class LLMEngine:
             # emitted token j was predicted by row rows[len(pending) - 1 + j] (chain and tree alike)
             if seq.logprobs is not None:
                 predicted_by = rows[len(pending[i]) - 1:][:kept]
-                self._record_logprobs(seq, row_logits[predicted_by], emitted[:kept])
+                self._record_logprobs(seq, raw[starts[i]: starts[i] + lengths[i]][predicted_by], emitted[:kept])
             seq.num_steps += 1
             seq.num_draft_tokens += len(draft.tokens)
             seq.num_accepted_tokens += num_accepted
@@ -353,6 +363,20 @@ class LLMEngine:
             self.stats.observe(len(draft.tokens), num_accepted)
         if not use_tree:
             self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
+
+    @staticmethod
+    def _process_verification_logits(raw, seqs, pending, drafts, starts, lengths) -> torch.Tensor:
+        """raw: [N, vocab] packed target logits -> the same with every row of a sequence that asks for
+        penalties or logit bias processed in its own path's context (raw itself when none does)."""
+        logits = raw
+        for i, seq in enumerate(seqs):
+            if not needs_processing(seq.params):
+                continue
+            logits = logits.clone() if logits is raw else logits
+            extra = verification_row_extra(len(pending[i]), drafts[i].tokens, drafts[i].parents)
+            rows = slice(starts[i], starts[i] + lengths[i])
+            logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra)
+        return logits
 
     def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""

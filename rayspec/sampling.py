@@ -24,6 +24,12 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: off)
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k >= 0: each output token's logprob and the k most likely
+    # the target distribution asked for (rayspec.logits_processing): OpenAI's penalties count output
+    # tokens; the repetition penalty (HF semantics) prompt and output tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -40,6 +46,12 @@ class SamplingParams:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be between -2 and 2")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

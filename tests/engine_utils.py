@@ -109,7 +109,7 @@ def greedy_reference(spec: str, prompt: str, max_tokens: int) -> tuple[int, ...]
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def assert_target_logprobs(model_dir, prompt_ids: list[int], out: RequestOutput, num_top: int,
@@ -130,3 +130,26 @@ def assert_target_logprobs(model_dir, prompt_ids: list[int], out: RequestOutput,
         assert all(abs(got - want) < atol for (_, _, got), want in zip(entry.top, values.tolist())), j
         for t, _, v in entry.top:  # each alternative's own value is the target's too
             assert abs(v - float(expected[j, t])) < atol
+
+
+def binomial_interval(p: float, n: int, delta: float = 1e-4) -> tuple[float, float]:
+    """Where the frequency of an event of probability p over n independent trials falls with
+    probability > 1 - delta (Chernoff's relative-entropy bound on each tail; tight for small p,
+    unlike Hoeffding's)."""
+    def kl(q: float) -> float:
+        q = min(max(q, 1e-12), 1 - 1e-12)
+        pp = min(max(p, 1e-12), 1 - 1e-12)
+        return q * math.log(q / pp) + (1 - q) * math.log((1 - q) / (1 - pp))
+
+    target = math.log(2 / delta) / n
+
+    def solve(lo: float, hi: float, upper: bool) -> float:
+        for _ in range(60):  # bisection: the point where n * KL reaches log(2 / delta)
+            mid = (lo + hi) / 2
+            if (kl(mid) < target) == upper:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    return solve(0.0, p, upper=False), solve(p, 1.0, upper=True)

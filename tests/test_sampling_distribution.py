@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import empirical, make_engine, tv_distance, tv_threshold
+from engine_utils import binomial_interval, empirical, make_engine, tv_distance, tv_threshold
 from rayspec.proposers.base import Draft
 from rayspec.rejection import verify_greedy, verify_sampled, verify_tree_sampled
 from rayspec.sampling import SamplingParams, logits_to_probs
@@ -145,16 +145,36 @@ def v16_dirs(tmp_path_factory):
     return target, draft
 
 
-@pytest.fixture(scope="module")
-def exact_marginals(v16_dirs):
-    """Marginals of generated tokens 1..3 from the target alone (HF forward + the sampler's transform)."""
+# penalties and a bias strong enough to move a 16-token model's distribution a lot
+PENALIZED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.5, logit_bias={4: 2.0, 9: -3.0})
+
+
+def _marginals(target_dir, penalties: dict | None):
+    """Marginals of generated tokens 1..3 from the target alone (HF forward + the sampler's
+    transform; with `penalties`, each context's logits processed from the definitions first)."""
+    from collections import Counter
+
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(v16_dirs[0], dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    def processed(row: torch.Tensor, output: list[int]) -> torch.Tensor:
+        if not penalties:
+            return row
+        row = row.clone()
+        for t, b in penalties["logit_bias"].items():
+            row[t] += b
+        for t in set(PROMPT) | set(output):
+            rp = penalties["repetition_penalty"]
+            row[t] = row[t] / rp if row[t] > 0 else row[t] * rp
+        for t, c in Counter(output).items():
+            row[t] -= penalties["frequency_penalty"] * c + penalties["presence_penalty"]
+        return row
 
     def probs(contexts: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
             logits = hf(torch.tensor(contexts)).logits[:, -1].float()
+        logits = torch.stack([processed(row, ctx[len(PROMPT):]) for row, ctx in zip(logits, contexts)])
         return logits_to_probs(logits, TEMPERATURE, TOP_K, TOP_P).double()
 
     p1 = probs([PROMPT])[0]  # [V]
@@ -162,7 +182,20 @@ def exact_marginals(v16_dirs):
     p3 = probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
     m2 = p1 @ p2
     m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
-    return p1, m2, m3
+    # P(token 3 == token 2): penalties make it small; processing a row without the drafts before it
+    # (in its step) would not
+    repeat = float(torch.einsum("a,ab,abb->", p1, p2, p3))
+    return p1, m2, m3, repeat
+
+
+@pytest.fixture(scope="module")
+def exact_marginals(v16_dirs):
+    return _marginals(v16_dirs[0], None)
+
+
+@pytest.fixture(scope="module")
+def exact_penalized_marginals(v16_dirs):
+    return _marginals(v16_dirs[0], PENALIZED)
 
 
 # (id, speculative config): both draft flavours, point masses (ngram) and sampled drafts with probs
@@ -173,8 +206,13 @@ E2E_METHODS = [
 ]
 
 
+@pytest.mark.parametrize("penalized", [False, True], ids=["plain", "penalties"])
 @pytest.mark.parametrize("name,spec", E2E_METHODS, ids=[m[0] for m in E2E_METHODS])
-def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, name, spec):
+def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exact_penalized_marginals, name, spec,
+                                                  penalized):
+    """With penalties and logit bias too: each verification row processed in its path's context."""
+    if penalized:
+        exact_marginals = exact_penalized_marginals
     target_dir, draft_dir = v16_dirs
     spec = dict(spec)
     if spec["method"] == "draft_model":
@@ -183,13 +221,17 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, nam
     assert engine.tokenizer is None
     # even seeds: the draft model's generator uses seed + 1, so no stream is shared between requests
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=5,
-                             ignore_eos=True, seed=2 * i) for i in range(NUM_REQUESTS)]
+                             ignore_eos=True, seed=2 * i, **(PENALIZED if penalized else {}))
+              for i in range(NUM_REQUESTS)]
     outs = engine.generate([PROMPT] * NUM_REQUESTS, params)
     assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in outs)
-    for pos, exact in zip(range(3), exact_marginals):
+    for pos, exact in zip(range(3), exact_marginals[:3]):
         emp = empirical([o.token_ids[pos] for o in outs], VOCAB)
         tv, bound = tv_distance(emp, exact), tv_threshold(exact, NUM_REQUESTS)
         assert tv < bound, f"{name}: token {pos + 1}: TV {tv:.4f} >= {bound:.4f}\n{emp}\n{exact}"
+    repeats = sum(o.token_ids[1] == o.token_ids[2] for o in outs) / NUM_REQUESTS
+    low, high = binomial_interval(exact_marginals[3], NUM_REQUESTS)
+    assert low <= repeats <= high, f"{name}: P(token 3 == token 2) {repeats:.4f}, exact {exact_marginals[3]:.4f}"
     stats = engine.stats
     if spec["method"] == "none":
         assert stats.num_draft_tokens == 0

@@ -127,6 +127,11 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
@@ -323,3 +328,18 @@ def test_disconnect_aborts_every_choice(server):
             next(lines)
     wait_for(lambda: verifier_stats()["num_aborted"] >= before["num_aborted"] + 3, timeout=30)
     wait_for(lambda: verifier_stats()["num_running"] == 0, timeout=30)
+
+
+def test_logit_bias_and_penalties(client, local_engine):
+    forced = local_engine.encode(" cat")[-1]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0,
+                                     logit_bias={str(forced): 100}, logprobs=0)
+    assert resp.choices[0].logprobs.tokens == [" cat"] * 5
+    params = SamplingParams(temperature=0, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0,
+                            repetition_penalty=1.5)
+    ref = local_engine.generate([PROMPT], params)[0]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
+                                     frequency_penalty=2.0, presence_penalty=1.0,
+                                     extra_body={"repetition_penalty": 1.5})
+    assert resp.choices[0].text == ref.text
+    assert ref.text != local_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16))[0].text

@@ -1,0 +1,65 @@
+"""Logit bias and repetition / frequency / presence penalties: the target distribution a request
+asks for, before temperature, top-k and top-p.
+
+Order and meaning follow vLLM and OpenAI: `logit_bias` is added first; `repetition_penalty`
+(Hugging Face semantics) divides positive and multiplies negative logits of every token seen in the
+prompt or the output; `frequency_penalty` subtracts penalty x count and `presence_penalty` a flat
+penalty for every token already in the *output*.
+
+Speculation stays lossless with them because each verification row is processed with exactly the
+tokens that precede it on its own path: the committed output plus, for a chain, the drafts before
+that row, for a tree, the row's ancestors. A row's processed distribution is then the one
+target-only decoding would use at that point; drafts may come from unprocessed draft
+distributions (rejection sampling only needs to know what they were sampled from).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayspec.sampling import SamplingParams
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    return bool(params.logit_bias or params.frequency_penalty or params.presence_penalty
+                or params.repetition_penalty != 1.0)
+
+
+def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                 row_extra: list[list[int]]) -> torch.Tensor:
+    """logits: [R, vocab], row r predicting the token after prompt + output + row_extra[r]
+    -> processed logits [R, vocab] (float32, a new tensor)."""
+    rows, vocab = logits.shape
+    out = logits.float().clone()
+    device = out.device
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        out[:, ids] += torch.tensor(list(params.logit_bias.values()), device=device)
+    # counts[r, t]: occurrences of t in the output before row r's prediction
+    counts = torch.zeros(rows, vocab, device=device)
+    if output_ids:
+        counts += torch.bincount(torch.tensor(output_ids, device=device), minlength=vocab).float()
+    for r, extra in enumerate(row_extra):
+        if extra:
+            counts[r].index_add_(0, torch.tensor(extra, device=device), torch.ones(len(extra), device=device))
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.tensor(prompt_ids, device=device)] = True
+        penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+        out = torch.where(seen, penalized, out)
+    if params.frequency_penalty:
+        out -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        out -= params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def verification_row_extra(num_pending: int, draft_tokens: list[int], parents: list[int] | None) -> list[list[int]]:
+    """For the rows of one sequence's verification input (pending tokens, then the drafts): the
+    draft tokens each row comes after. Rows before the last pending one never emit and get []."""
+    extra: list[list[int]] = [[] for _ in range(num_pending)]
+    paths: list[list[int]] = []
+    for j, tok in enumerate(draft_tokens):
+        parent = j - 1 if parents is None else parents[j]
+        paths.append((paths[parent] if parent >= 0 else []) + [tok])
+    return extra + paths
