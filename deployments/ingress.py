@@ -69,6 +69,23 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+def _without_output(result):
+    """A GenerateResponse or chunk of a max_tokens 0 request: the engine's one token dropped."""
+    return result.model_copy(update={"text" if hasattr(result, "text") else "delta_text": "",
+                                     "token_ids" if hasattr(result, "token_ids") else "delta_token_ids": [],
+                                     "logprobs": [] if result.logprobs is not None else None,
+                                     "num_output_tokens": 0, "finish_reason": "length"})
+
+
+def _with_prompt(result):
+    """echo: the prompt's text and logprobs (those that came with it) ahead of the output's."""
+    key = "text" if hasattr(result, "text") else "delta_text"
+    update = {key: (result.prompt_text or "") + getattr(result, key), "prompt_text": None, "prompt_logprobs": None}
+    if result.prompt_logprobs is not None:
+        update["logprobs"] = list(result.prompt_logprobs) + list(result.logprobs or [])
+    return result.model_copy(update=update)
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -124,8 +141,12 @@ class OpenAIIngress:
         if body.stream:
             return await self._stream_response(requests, body, chat)
         resps = await gather_or_cancel(self._call(r) for r in requests)
+        if (not chat and body.prompt_only):
+            resps = [_without_output(r) for r in resps]
         choices = []
         for c, resp in enumerate(resps):
+            if (not chat and body.echo):
+                resp = _with_prompt(resp)
             reason = finish_reason(resp.finish_reason)
             if chat:
                 logprobs = chat_logprobs(resp.logprobs) if resp.logprobs is not None else None
@@ -200,7 +221,11 @@ class OpenAIIngress:
                     yield event({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
             async for c, chunk in chunks:
+                if (not chat and body.prompt_only):
+                    chunk = _without_output(chunk)
                 last[c] = chunk
+                if (not chat and body.echo) and (chunk.prompt_text is not None or chunk.prompt_logprobs):
+                    chunk = _with_prompt(chunk)
                 reason = finish_reason(chunk.finish_reason) if chunk.finished else None
                 logprobs = None
                 if chunk.logprobs:

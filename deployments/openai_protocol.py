@@ -58,14 +58,15 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
 
-    def _generate(self, max_tokens: int | None, logprobs: int | None, **prompt) -> GenerateRequest:
+    def _generate(self, max_tokens: int | None, logprobs: int | None, **prompt_and_extra) -> GenerateRequest:
         return GenerateRequest(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stop, seed=self.seed,
             ignore_eos=self.ignore_eos, num_speculative_tokens=self.num_speculative_tokens, logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
-            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, **prompt)
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            **prompt_and_extra)
 
     @property
     def include_usage(self) -> bool:
@@ -74,7 +75,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -83,7 +84,9 @@ class CompletionRequest(_Common):
     def to_generate(self) -> list[GenerateRequest]:
         """One request per prompt (a batched prompt list gives several; `n` is the caller's)."""
         self.check_supported()
-        for name, bad in (("echo", self.echo), ("best_of", self.best_of not in (None, 1, self.n)),
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError("max_tokens 0 needs echo (scoring the prompt)", param="max_tokens")
+        for name, bad in (("best_of", self.best_of not in (None, 1, self.n)),
                           ("suffix", self.suffix is not None)):
             if bad:
                 raise OpenAIError(f"{name} is not supported", param=name)
@@ -96,7 +99,15 @@ class CompletionRequest(_Common):
             if not prompt:
                 raise OpenAIError("the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty",
                                   param="prompt")
-        return [self._generate(self.max_tokens, self.logprobs, prompt=p) for p in prompts]
+        # max_tokens 0: the engine makes one token (free: it comes out of the prefill), not returned
+        max_tokens = None if self.max_tokens is None else max(1, self.max_tokens)
+        prompt_logprobs = self.logprobs if self.echo else None
+        return [self._generate(max_tokens, self.logprobs, prompt=p, prompt_logprobs=prompt_logprobs,
+                               echo_prompt=self.echo) for p in prompts]
+
+    @property
+    def prompt_only(self) -> bool:
+        return self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
@@ -145,9 +156,12 @@ def completion_logprobs(entries: list[TokenLogprob | None], text_offset: int = 0
             continue
         out["tokens"].append(e.token)
         out["token_logprobs"].append(e.logprob)
-        top = {text: lp for _, text, lp in e.top}
-        top.setdefault(e.token, e.logprob)  # OpenAI: the sampled token is always there
-        out["top_logprobs"].append(top)
+        if e.logprob is None:  # an echoed prompt's first token
+            out["top_logprobs"].append(None)
+        else:
+            top = {text: lp for _, text, lp in e.top}
+            top.setdefault(e.token, e.logprob)  # OpenAI: the sampled token is always there
+            out["top_logprobs"].append(top)
         out["text_offset"].append(text_offset)
         text_offset += len(e.token)
     return out

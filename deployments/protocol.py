@@ -29,6 +29,8 @@ class GenerateRequest(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # each output token's logprob under the target, plus this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    echo_prompt: bool = False  # return the prompt's text (`prompt_text`)
     request_id: str | None = None  # optional tag echoed back (the engine id is replica-unique)
     # continue a generation another verifier replica started (the ingress' failover): the output
     # token ids so far, and how many characters of their text the caller already has
@@ -48,6 +50,7 @@ class GenerateRequest(BaseModel):
                                   max_tokens=self.max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
                                   seed=self.seed, ignore_eos=self.ignore_eos,
                                   num_speculative_tokens=self.num_speculative_tokens, logprobs=self.logprobs,
+                                  prompt_logprobs=self.prompt_logprobs,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)
         except ValueError as err:
@@ -67,6 +70,9 @@ class GenerateChunk(BaseModel):
     num_draft_tokens: int
     num_accepted_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per delta token, with logprobs requested
+    # in the first chunk only: with prompt_logprobs / echo_prompt
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -79,5 +85,7 @@ class GenerateResponse(BaseModel):
     num_draft_tokens: int
     num_accepted_tokens: int
     logprobs: list[TokenLogprob | None] | None = None  # one per token, with logprobs requested
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None  # with echo_prompt
     time_to_first_token_s: float | None = None
     latency_s: float | None = None

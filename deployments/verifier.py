@@ -97,14 +97,28 @@ class Verifier:
             if not done:  # cancelled or disconnected: free the slot
                 self.loop.abort(rid)
 
+    def _prompt_text(self, request: GenerateRequest) -> str | None:
+        if not request.echo_prompt or request.messages is not None:
+            return None
+        if isinstance(request.prompt, str):
+            return request.prompt
+        return self.loop.engine.tokenizer.decode(request.prompt) if self.loop.engine.tokenizer is not None else ""
+
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if isinstance(request, dict):
+            request = GenerateRequest.model_validate(request)
         sent = len(request.resume_output_ids)  # a resumed request's earlier tokens were streamed already
+        first = not request.resume_output_ids  # prompt text and logprobs go in the first chunk
         async for out in self._stream(request):
             new = out.token_ids[sent:]
             sent = len(out.token_ids)
             if not (new or out.delta_text or out.finished):
                 continue
-            yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text,
+            extra = {}
+            if first:
+                extra = dict(prompt_logprobs=out.prompt_logprobs, prompt_text=self._prompt_text(request))
+                first = False
+            yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text, **extra,
                                 delta_token_ids=new,
                                 logprobs=out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None,
                                 finished=out.finished, finish_reason=out.finish_reason,
@@ -112,6 +126,8 @@ class Verifier:
                                 num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        if isinstance(request, dict):
+            request = GenerateRequest.model_validate(request)
         start = time.perf_counter()
         first = None
         last = None
@@ -120,7 +136,9 @@ class Verifier:
                 first = time.perf_counter() - start
             last = out
         return GenerateResponse(request_id=request.request_id or last.request_id, text=last.text,
-                                token_ids=last.token_ids, logprobs=last.logprobs, finish_reason=last.finish_reason,
+                                token_ids=last.token_ids, logprobs=last.logprobs,
+                                prompt_logprobs=last.prompt_logprobs, prompt_text=self._prompt_text(request),
+                                finish_reason=last.finish_reason,
                                 num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
                                 num_draft_tokens=last.num_draft_tokens, num_accepted_tokens=last.num_accepted_tokens,
                                 time_to_first_token_s=first, latency_s=time.perf_counter() - start)

@@ -51,6 +51,8 @@ class RequestOutput:
     num_steps: int
     # with SamplingParams.logprobs: one entry per token of token_ids (None for a resumed request's earlier ones)
     logprobs: list[TokenLogprob | None] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token (the first has logprob None)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -259,6 +261,8 @@ class LLMEngine:
                                          [[]])[0]
         greedy = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
+            if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
+                seq.prompt_logprobs = self._prompt_logprobs(seq, hidden[i])
             if features is not None:
                 seq.features, seq.features_start = [features[i, : len(seq.token_ids)].clone()], 0
             tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
@@ -378,6 +382,18 @@ class LLMEngine:
             logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra)
         return logits
 
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, chunk: int = 256) -> list[TokenLogprob]:
+        """hidden: [Q, H], the prefill rows of `seq` -> a TokenLogprob per prompt token."""
+        ids = seq.prompt_token_ids
+        from rayspec.logprobs import token_text
+
+        out = [TokenLogprob(ids[0], token_text(self.tokenizer, ids[0]), None)]
+        for start in range(0, len(ids) - 1, chunk):  # chunks: a long prompt's [P, vocab] logits are large
+            end = min(start + chunk, len(ids) - 1)
+            logits = self.model.logits(hidden[start:end])  # [end - start, vocab], row r predicting token r + 1
+            out += compute_logprobs(logits, ids[start + 1: end + 1], seq.params.prompt_logprobs, self.tokenizer)
+        return out
+
     def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""
         if seq.logprobs is not None and tokens:
@@ -405,7 +421,7 @@ class LLMEngine:
             token_ids=seq.output_token_ids, finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, prompt_logprobs=seq.prompt_logprobs)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -19,7 +19,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 class TokenLogprob:
     token_id: int
     token: str  # the token's text on its own ("" without a tokenizer)
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (nothing predicts it)
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob), most likely first
 
 

@@ -24,6 +24,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: off)
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k >= 0: each output token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring, `echo`)
     # the target distribution asked for (rayspec.logits_processing): OpenAI's penalties count output
     # tokens; the repetition penalty (HF semantics) prompt and output tokens
     presence_penalty: float = 0.0
@@ -44,8 +45,9 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 1")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise ValueError(f"{name} must be between 0 and 20")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ValueError("presence_penalty and frequency_penalty must be between -2 and 2")
         if not self.repetition_penalty > 0:

@@ -79,6 +79,7 @@ class Sequence:
     features_start: int = 0
     # with params.logprobs: one TokenLogprob per output token (None for tokens of a resumed request)
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: one per prompt token, after the prefill
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):

@@ -71,3 +71,27 @@ def test_bad_logprobs_count():
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError):
         SamplingParams(logprobs=-1)
+
+
+def test_prompt_logprobs_are_the_targets(tiny_model_dir, tiny_loaded):
+    """Scoring a prompt (echo): one entry per prompt token, the first without a logprob, the rest the
+    target's, across the chunks a long prompt's logits are computed in."""
+    from engine_utils import _hf_model
+    import torch
+
+    engine = make_engine(tiny_model_dir, loaded=tiny_loaded, max_model_len=1024, method="ngram", k=4,
+                         prompt_lookup_min=1, prompt_lookup_max=3)
+    prompts = [engine.encode(PROMPTS[0] * 40)[:600], engine.encode(PROMPTS[2])]
+    assert len(prompts[0]) == 600  # > 2 chunks of 256 rows
+    outs = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=k) for k in (2, 0)])
+    for prompt, out, k in zip(prompts, outs, (2, 0)):
+        entries = out.prompt_logprobs
+        assert [e.token_id for e in entries] == prompt and entries[0].logprob is None
+        with torch.no_grad():
+            expected = _hf_model(str(tiny_model_dir))(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+        got = torch.tensor([e.logprob for e in entries[1:]])
+        assert torch.allclose(got, expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-3)
+        assert all(len(e.top) == k for e in entries[1:])
+        if k:
+            assert all(abs(e.top[0][2] - float(expected[j].max())) < 1e-3 for j, e in enumerate(entries[1:]))
+        assert out.logprobs is None  # output logprobs were not asked for

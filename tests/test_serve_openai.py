@@ -126,7 +126,7 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 20, "n": 4}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
@@ -343,3 +343,32 @@ def test_logit_bias_and_penalties(client, local_engine):
                                      extra_body={"repetition_penalty": 1.5})
     assert resp.choices[0].text == ref.text
     assert ref.text != local_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16))[0].text
+
+
+def test_echo_scores_prompts_like_lm_eval(client, local_engine):
+    """lm-evaluation-harness' loglikelihood request: batched prompts, echo, max_tokens 0, logprobs 1."""
+    prompts = [PROMPT, "Hello there, general"]
+    resp = client.completions.create(model="tiny", prompt=prompts, echo=True, max_tokens=0, logprobs=1,
+                                     temperature=0)
+    assert resp.usage.completion_tokens == 0
+    for choice, prompt in zip(resp.choices, prompts):
+        ref = local_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+        lp = choice.logprobs
+        assert choice.text == prompt and choice.finish_reason == "length"
+        assert lp.tokens == [e.token for e in ref.prompt_logprobs]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs[1:]], abs=1e-4)
+        assert lp.text_offset[0] == 0
+    # echo with a completion, streamed and not: prompt text first, then the output
+    full = client.completions.create(model="tiny", prompt=PROMPT, echo=True, max_tokens=6, logprobs=0, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert full.choices[0].text == PROMPT + plain.choices[0].text
+    ids = local_engine.encode(PROMPT)
+    assert len(full.choices[0].logprobs.tokens) == len(ids) + full.usage.completion_tokens
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, echo=True, max_tokens=6, logprobs=0,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), []) == \
+        full.choices[0].logprobs.tokens
+    by_ids = client.completions.create(model="tiny", prompt=ids, echo=True, max_tokens=0, temperature=0)
+    assert by_ids.choices[0].text == local_engine.tokenizer.decode(ids) and by_ids.choices[0].logprobs is None
