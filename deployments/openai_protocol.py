@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.protocol import GenerateRequest
+from rayspec.structured import StructuredOutput
 from rayspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 MAX_CHOICES = 64  # n times the number of prompts, per request
@@ -46,6 +47,13 @@ class _Common(BaseModel):
     # extensions
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
+    # structured output: OpenAI's response_format (json_object, json_schema), or one of vLLM's
+    # guided_* extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark
     num_speculative_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
 
@@ -58,6 +66,43 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options needs stream=true", param="stream_options")
 
+    def structured(self) -> dict[str, str] | None:
+        """The output constraint asked for, as GenerateRequest.structured (at most one)."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            if kind == "json_object":
+                asked.append(("response_format", StructuredOutput.json_schema({"type": "object"})))
+            elif kind == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise OpenAIError("response_format json_schema needs json_schema.schema (an object)",
+                                      param="response_format")
+                asked.append(("response_format", StructuredOutput.json_schema(schema)))
+            elif kind != "text":
+                raise OpenAIError("response_format type must be text, json_object or json_schema",
+                                  param="response_format")
+        if self.guided_json is not None:
+            asked.append(("guided_json", StructuredOutput.json_schema(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        if len(asked) > 1:
+            raise OpenAIError(f"give one output constraint, not {', '.join(name for name, _ in asked)}",
+                              param=asked[1][0])
+        if not asked:
+            return None
+        name, spec = asked[0]
+        try:
+            spec.grammar_text()  # a malformed schema, an empty choice list: 400 before any RPC
+        except ValueError as err:
+            raise OpenAIError(str(err), param=name) from None
+        return {"kind": spec.kind, "value": spec.value}
+
     def _generate(self, max_tokens: int | None, logprobs: int | None, **prompt_and_extra) -> GenerateRequest:
         return GenerateRequest(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
@@ -66,7 +111,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            **prompt_and_extra)
+            structured=self.structured(), **prompt_and_extra)
 
     @property
     def include_usage(self) -> bool:
@@ -124,16 +169,13 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_generate(self) -> list[GenerateRequest]:
         self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
-                          ("tool_choice", self.tool_choice not in (None, "none")),
-                          ("response_format", bool(self.response_format)
-                           and self.response_format.get("type") != "text")):
+                          ("tool_choice", self.tool_choice not in (None, "none"))):
             if bad:
                 raise OpenAIError(f"{name} is not supported", param=name)
         messages = []

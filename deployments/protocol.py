@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rayspec.engine import InvalidRequestError
 from rayspec.logprobs import TokenLogprob
 from rayspec.sampling import SamplingParams
+from rayspec.structured import StructuredOutput
 
 
 class GenerateRequest(BaseModel):
@@ -28,6 +29,8 @@ class GenerateRequest(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # structured output: {"kind": "json" | "regex" | "grammar" | "choice", "value": ...} (rayspec.structured)
+    structured: dict[str, str] | None = None
     logprobs: int | None = None  # each output token's logprob under the target, plus this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     echo_prompt: bool = False  # return the prompt's text (`prompt_text`)
@@ -46,14 +49,16 @@ class GenerateRequest(BaseModel):
     def sampling_params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
+            structured = StructuredOutput(**self.structured) if self.structured else None
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   max_tokens=self.max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
                                   seed=self.seed, ignore_eos=self.ignore_eos,
                                   num_speculative_tokens=self.num_speculative_tokens, logprobs=self.logprobs,
                                   prompt_logprobs=self.prompt_logprobs,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias)
-        except ValueError as err:
+                                  repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                                  structured=structured)
+        except (ValueError, TypeError) as err:
             raise InvalidRequestError(str(err)) from None
 
 

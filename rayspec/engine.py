@@ -31,6 +31,7 @@ from rayspec.rejection import (verify_greedy, verify_sampled, verify_tree_greedy
 from rayspec.runner import ModelRunner, TreeQuery, last_rows, packed_offsets, prefill_groups
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
+from rayspec.structured import GrammarCompiler
 
 
 class InvalidRequestError(ValueError):
@@ -97,6 +98,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
 
     def _num_slots(self, model: CausalLM, spec) -> int:
         per_token = KVCache.bytes_per_token(model.args, self.dtype)
@@ -160,6 +162,11 @@ class LLMEngine:
             raise InvalidRequestError("stop strings need a tokenizer")
         gen = None if params.greedy else make_generator(params.seed, self.device)
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_token_ids, detok, gen)
+        if params.structured is not None:
+            try:
+                seq.grammar = self._grammars.state(params.structured)
+            except ValueError as err:
+                raise InvalidRequestError(str(err)) from None
         if resume_output_ids:
             if any(not 0 <= t < vocab for t in resume_output_ids):
                 raise InvalidRequestError(f"resumed output token ids must be in [0, {vocab})")
@@ -258,7 +265,7 @@ class LLMEngine:
             if needs_processing(seq.params):
                 logits = logits.clone() if logits is raw else logits
                 logits[i] = process_rows(raw[i: i + 1], seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                         [[]])[0]
+                                         [[]], seq.grammar)[0]
         greedy = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
@@ -379,7 +386,8 @@ class LLMEngine:
             logits = logits.clone() if logits is raw else logits
             extra = verification_row_extra(len(pending[i]), drafts[i].tokens, drafts[i].parents)
             rows = slice(starts[i], starts[i] + lengths[i])
-            logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra)
+            logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra,
+                                        seq.grammar)
         return logits
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, chunk: int = 256) -> list[TokenLogprob]:

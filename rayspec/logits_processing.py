@@ -22,13 +22,14 @@ from rayspec.sampling import SamplingParams
 
 def needs_processing(params: SamplingParams) -> bool:
     return bool(params.logit_bias or params.frequency_penalty or params.presence_penalty
-                or params.repetition_penalty != 1.0)
+                or params.repetition_penalty != 1.0 or params.structured is not None)
 
 
 def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                 row_extra: list[list[int]]) -> torch.Tensor:
+                 row_extra: list[list[int]], grammar=None) -> torch.Tensor:
     """logits: [R, vocab], row r predicting the token after prompt + output + row_extra[r]
-    -> processed logits [R, vocab] (float32, a new tensor)."""
+    -> processed logits [R, vocab] (float32, a new tensor). `grammar` (rayspec.structured.GrammarState,
+    at the committed tokens) masks each row to what the grammar allows there."""
     rows, vocab = logits.shape
     out = logits.float().clone()
     device = out.device
@@ -51,6 +52,8 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[
         out -= params.frequency_penalty * counts
     if params.presence_penalty:
         out -= params.presence_penalty * (counts > 0).float()
+    if grammar is not None:
+        out.masked_fill_(~grammar.allowed_rows(row_extra, device), float("-inf"))
     return out
 
 

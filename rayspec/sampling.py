@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rayspec.structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    structured: StructuredOutput | None = None  # a grammar the output must follow (rayspec.structured)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

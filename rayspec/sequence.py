@@ -80,6 +80,7 @@ class Sequence:
     # with params.logprobs: one TokenLogprob per output token (None for tokens of a resumed request)
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: one per prompt token, after the prefill
+    grammar: object = None  # with params.structured: a rayspec.structured.GrammarState, advanced by each token
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):
@@ -124,6 +125,9 @@ class Sequence:
             self._append_text(self.detokenizer.add(tok))
             if self.finished:
                 return True
+        if self.grammar is not None and (not self.grammar.accept(tok) or self.grammar.done):
+            self.finish("stop")  # the grammar is complete (or failed: nothing valid can follow)
+            return True
         if (tok in self.eos_token_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
             self.finish("stop")
         elif self.num_output_tokens >= self.max_tokens:

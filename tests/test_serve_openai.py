@@ -127,6 +127,15 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "[a-"}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "guided_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
@@ -134,6 +143,15 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "[a-"}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "guided_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
@@ -372,3 +390,40 @@ def test_echo_scores_prompts_like_lm_eval(client, local_engine):
         full.choices[0].logprobs.tokens
     by_ids = client.completions.create(model="tiny", prompt=ids, echo=True, max_tokens=0, temperature=0)
     assert by_ids.choices[0].text == local_engine.tokenizer.decode(ids) and by_ids.choices[0].logprobs is None
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "ok"],
+          "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "ok": {"type": "boolean"}}}
+
+
+def test_structured_output(client, local_engine):
+    from rayspec.structured import StructuredOutput
+
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                          response_format=fmt)
+    value = json.loads(resp.choices[0].message.content)
+    assert value["answer"] in ("yes", "no", "maybe") and isinstance(value["ok"], bool)
+    assert resp.choices[0].finish_reason == "stop"
+    ref = local_engine.generate([local_engine.encode_chat(messages)], SamplingParams(
+        temperature=0, max_tokens=40, structured=StructuredOutput.json_schema(SCHEMA)))[0]
+    assert resp.choices[0].message.content == ref.text
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    obj = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0.7, seed=1,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # a random tiny model may run out of tokens inside an object
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].message.content.startswith("{")
+
+    choices = ["red", "green", "blue sky"]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, n=4, seed=3,
+                                     extra_body={"guided_choice": choices})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in resp.choices)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    import re
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", resp.choices[0].text)

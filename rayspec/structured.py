@@ -1,0 +1,125 @@
+"""Structured output: a JSON schema, a regex, a Lark grammar or a list of choices constrains the
+target's tokens, through llguidance's token-level grammar matcher.
+
+Lossless with speculation the same way penalties are (rayspec.logits_processing): every
+verification row is masked with the grammar state after the tokens before it on its own path
+(the drafts before it in a chain, its ancestors in a tree), found by consuming those drafts and
+rolling them back. A row behind a draft the grammar rejects is never used (that draft cannot be
+accepted: its target probability is zero), so it is left unmasked. The request finishes as soon as
+the grammar is complete (nothing but EOS could follow).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("rayspec")
+
+KINDS = ("json", "regex", "grammar", "choice")
+# JSON comes out laid out like Python's json.dumps: ", " and ": " and no other whitespace. With
+# free whitespace a small model can emit blanks until max_tokens (a known failure mode of
+# constrained decoding). A schema can override it: "x-guidance": {"whitespace_flexible": true}.
+JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    kind: str  # json (a JSON schema), regex, grammar (Lark), choice
+    value: str  # the schema as JSON text, the regex, the grammar, or the choices as a JSON list
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}")
+
+    @staticmethod
+    def json_schema(schema: dict | str) -> "StructuredOutput":
+        return StructuredOutput("json", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @staticmethod
+    def choice(choices: list[str]) -> "StructuredOutput":
+        return StructuredOutput("choice", json.dumps(list(choices)))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar; ValueError when the value is not what its kind needs."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json":
+            try:
+                schema = json.loads(self.value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "grammar":
+            return LLMatcher.grammar_from_lark(self.value)
+        choices = json.loads(self.value)
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choices must be a non-empty list of non-empty strings")
+        # Lark string literals use JSON's escapes
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+class GrammarCompiler:
+    """Per engine: the tokenizer in llguidance's form (built once, on first use: ~0.3 s)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self._hf_tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._tokenizer = None
+
+    def state(self, spec: StructuredOutput) -> "GrammarState":
+        try:
+            import llguidance
+            import llguidance.hf
+        except ImportError:
+            raise ValueError("structured output needs llguidance (pip install llguidance)") from None
+        if self._hf_tokenizer is None:
+            raise ValueError("structured output needs a tokenizer")
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self._eos or None)
+        matcher = llguidance.LLMatcher(self._tokenizer, spec.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {spec.kind} for structured output: {matcher.get_error()}")
+        return GrammarState(matcher, self.vocab_size)
+
+
+class GrammarState:
+    """One request's grammar matcher, advanced by every committed token."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def accept(self, token: int) -> bool:
+        ok = self.matcher.consume_token(token)
+        if not ok:
+            logger.warning("grammar rejected committed token %d: %s", token, self.matcher.get_error())
+        return ok
+
+    @property
+    def done(self) -> bool:
+        """Complete: only EOS could follow (or the matcher failed)."""
+        return self.matcher.is_stopped()
+
+    def allowed_rows(self, row_extra: list[list[int]], device) -> torch.Tensor:
+        """For rows that come after the committed tokens plus row_extra[r]: bool [R, vocab], the
+        tokens the grammar allows there (everything for a row behind a rejected draft)."""
+        import llguidance.torch
+
+        bitmask = torch.full((len(row_extra), self._words), -1, dtype=torch.int32)  # [R, words], -1: all allowed
+        for r, extra in enumerate(row_extra):
+            consumed = self.matcher.try_consume_tokens(extra) if extra else 0
+            if consumed == len(extra):
+                llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, r)
+            if consumed:
+                self.matcher.rollback(consumed)
+        bits = (bitmask[:, :, None] >> self._shifts) & 1  # [R, words, 32]
+        return bits.view(len(row_extra), -1)[:, : self.vocab_size].bool().to(device)
