@@ -302,12 +302,14 @@ class LLMEngine:
         if any(draft_lens):
             requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
                                        s.params.top_k, s.params.top_p, s.params.seed,
-                                       *self._take_features(s), tree=use_tree)
+                                       *self._take_features(s), tree=use_tree and s.grammar is None)
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
             lost = [r.seq_id for r, d in zip(requests, drafts) if d.resend_features_from is not None]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
                 raise RuntimeError(f"the proposer lost the target features of {lost}")
+            drafts = [self._grammar_draft(s, d, n) if s.grammar is not None and d.is_chain else d
+                      for s, d, n in zip(seqs, drafts, draft_lens)]
         else:
             drafts = [Draft([]) for _ in seqs]
         ids = [s.request_id for s in seqs]
@@ -374,6 +376,18 @@ class LLMEngine:
             self.stats.observe(len(draft.tokens), num_accepted)
         if not use_tree:
             self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
+
+    @staticmethod
+    def _grammar_draft(seq: Sequence, draft: Draft, budget: int) -> Draft:
+        """A chain draft made to follow the grammar: tokens the grammar forces go in (the masked
+        target must pick them, so they are accepted), the proposer's tokens while they still line up
+        and the grammar allows them, nothing past the first one it forbids (a sure rejection)."""
+        tokens = seq.grammar.fix_draft(draft.tokens, budget)
+        if tokens == draft.tokens[: len(tokens)]:
+            return Draft(tokens, None if draft.probs is None else draft.probs[: len(tokens)])
+        # forced tokens replaced some: verify as point masses (lossless for any draft the target's
+        # randomness did not choose; the proposer's probabilities no longer describe these tokens)
+        return Draft(tokens)
 
     @staticmethod
     def _process_verification_logits(raw, seqs, pending, drafts, starts, lengths) -> torch.Tensor:

@@ -109,6 +109,32 @@ class GrammarState:
         """Complete: only EOS could follow (or the matcher failed)."""
         return self.matcher.is_stopped()
 
+    def fix_draft(self, proposed: list[int], budget: int) -> list[int]:
+        """Up to `budget` draft tokens after the committed ones: at each position the tokens the
+        grammar forces (fast-forward), else the proposer's next token while the draft so far is still
+        the proposer's and the grammar allows it; it ends at the first position with neither."""
+        tokens: list[int] = []
+        consumed = 0
+        try:
+            while len(tokens) < budget:
+                forced = self.matcher.compute_ff_tokens()[: budget - len(tokens)]
+                if forced:
+                    taken = self.matcher.try_consume_tokens(forced)
+                    consumed += taken
+                    tokens += forced[:taken]
+                    if taken < len(forced):
+                        break
+                    continue
+                aligned = tokens == proposed[: len(tokens)] and len(tokens) < len(proposed)
+                if not aligned or self.matcher.try_consume_tokens([proposed[len(tokens)]]) != 1:
+                    break
+                consumed += 1
+                tokens.append(proposed[len(tokens)])
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return tokens
+
     def allowed_rows(self, row_extra: list[list[int]], device) -> torch.Tensor:
         """For rows that come after the committed tokens plus row_extra[r]: bool [R, vocab], the
         tokens the grammar allows there (everything for a row behind a rejected draft)."""

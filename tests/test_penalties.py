@@ -95,8 +95,8 @@ class OracleProposer(Proposer):
     """Drafts the expected output itself (so long drafts are accepted and later rows matter), as a
     chain, or as a tree whose true path is interleaved with wrong siblings."""
 
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int, wrong: int):
-        self.expected, self.k, self.wrong = expected, k, wrong
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int, wrong: int, force_tree: bool = False):
+        self.expected, self.k, self.wrong, self.force_tree = expected, k, wrong, force_tree
 
     def propose(self, requests):
         drafts = []
@@ -104,7 +104,7 @@ class OracleProposer(Proposer):
             prompt = next(p for p in self.expected if tuple(r.token_ids[:len(p)]) == p)
             done = len(r.token_ids) - len(prompt)
             want = self.expected[prompt][done: done + r.num_tokens]
-            if not r.tree:
+            if not (r.tree or self.force_tree):
                 drafts.append(Draft(want))
                 continue
             tokens, parents, last = [], [], -1

@@ -17,6 +17,7 @@ from engine_utils import _hf_model, binomial_interval, cached_model, make_engine
 from rayspec.engine import InvalidRequestError
 from rayspec.sampling import SamplingParams, logits_to_probs
 from rayspec.structured import StructuredOutput
+from rayspec.proposers.base import Draft, Proposer
 from test_penalties import OracleProposer
 
 llguidance = pytest.importorskip("llguidance")
@@ -113,12 +114,38 @@ def test_accepted_drafts_are_masked_in_their_paths_state(tiny_model_dir, tiny_lo
     expected = {tuple(probe.encode(p)): out for (p, _), out in zip(CASES, reference)}
     wrong = min(set(range(100)) - {t for out in expected.values() for t in out})
     engine = make_engine(tiny_model_dir, "ngram", k=6, loaded=tiny_loaded, eagle_topk=2 if tree else 1,
-                         tree_max_batch=8, proposer=OracleProposer(expected, 6, wrong), max_model_len=512)
+                         tree_max_batch=8, proposer=OracleProposer(expected, 6, wrong, force_tree=tree),
+                         max_model_len=512)
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=s)) for p, s in CASES]
     done = run_to_completion(engine)
     for i, (rid, out) in enumerate(zip(ids, reference)):
         assert done[rid].token_ids == out, f"case {i}"
     assert engine.stats.num_accepted_tokens >= 20
+
+
+class WrongProposer(Proposer):
+    """Always drafts the same useless token."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, requests):
+        return [Draft([self.token] * r.num_tokens) for r in requests]
+
+
+def test_forced_tokens_are_drafted(tiny_model_dir, tiny_loaded, reference):
+    """Under a grammar the engine drafts what the grammar forces (JSON keys and punctuation here)
+    in place of the proposer's tokens, and stops a draft at a token the grammar forbids: a proposer
+    that is always wrong still gets tokens accepted, and the output stays the target's."""
+    prompt, spec = CASES[0]
+    engine = make_engine(tiny_model_dir, "ngram", k=8, loaded=tiny_loaded, proposer=WrongProposer(0))
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=spec))[0]
+    assert out.token_ids == reference[0]
+    stats = engine.stats
+    assert stats.num_accepted_tokens >= 5 and stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
+    sampled = engine.generate([prompt], SamplingParams(temperature=1.0, seed=0, max_tokens=MAX_TOKENS,
+                                                       structured=spec))[0]
+    _check_output(engine, spec, sampled)
 
 
 def _exact_choice_probs(model_dir, engine, prompt: str, spec: StructuredOutput, temperature: float) -> dict:
