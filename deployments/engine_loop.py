@@ -35,6 +35,7 @@ class _Add:
     params: Any
     deliver: Deliver
     resume: tuple[list[int], int] = ((), 0)  # (output ids so far, characters already sent): see add_request
+    grammar: Any = None  # a structured request's grammar state, built off this thread (engine.prepare_grammar)
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -69,8 +70,8 @@ class EngineLoop:
         return self._thread.is_alive() and self._error is None
 
     def submit(self, request_id: str, prompt, params, deliver: Deliver,
-               resume: tuple[list[int], int] = ((), 0)) -> None:
-        self._commands.put(_Add(request_id, prompt, params, deliver, resume))
+               resume: tuple[list[int], int] = ((), 0), grammar=None) -> None:
+        self._commands.put(_Add(request_id, prompt, params, deliver, resume, grammar))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -159,7 +160,7 @@ class EngineLoop:
                 if isinstance(prompt, tuple) and prompt and prompt[0] == "chat":
                     prompt = engine.encode_chat(prompt[1])
                 engine.add_request(prompt, cmd.params, cmd.request_id, resume_output_ids=list(cmd.resume[0]),
-                                   resume_sent_chars=cmd.resume[1])
+                                   resume_sent_chars=cmd.resume[1], grammar=cmd.grammar)
             except InvalidRequestError as err:
                 cmd.deliver(err)
                 return

@@ -77,10 +77,13 @@ class Verifier:
         params = request.sampling_params()  # raises InvalidRequestError for bad values
         rid = f"{self._prefix}{next(self._ids)}"
         prompt = ("chat", request.messages) if request.messages is not None else request.prompt
+        grammar = None
+        if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
+            grammar = await asyncio.to_thread(self.loop.engine.prepare_grammar, params.structured)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
-                         resume=(request.resume_output_ids, request.resume_sent_chars))
+                         resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar)
         done = False
         try:
             while True:

@@ -130,11 +130,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, resume_output_ids: list[int] | None = None,
-                    resume_sent_chars: int = 0) -> str:
+                    resume_sent_chars: int = 0, grammar=None) -> str:
         """Queue a request. `resume_output_ids` continues a generation another engine started (a
         replica that died): those output tokens are taken as already generated (prefilled with the
         prompt, counted against max_tokens and stop conditions), and the first `resume_sent_chars`
-        characters of their text are not handed out again."""
+        characters of their text are not handed out again. `grammar`: the request's grammar state from
+        `prepare_grammar` (built elsewhere beforehand), else it is built here from params.structured."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -163,10 +164,7 @@ class LLMEngine:
         gen = None if params.greedy else make_generator(params.seed, self.device)
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_token_ids, detok, gen)
         if params.structured is not None:
-            try:
-                seq.grammar = self._grammars.state(params.structured)
-            except ValueError as err:
-                raise InvalidRequestError(str(err)) from None
+            seq.grammar = grammar if grammar is not None else self.prepare_grammar(params.structured)
         if resume_output_ids:
             if any(not 0 <= t < vocab for t in resume_output_ids):
                 raise InvalidRequestError(f"resumed output token ids must be in [0, {vocab})")
@@ -182,6 +180,14 @@ class LLMEngine:
         self._requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
+
+    def prepare_grammar(self, spec):
+        """The grammar state a structured request starts from (thread-safe; can take up to ~1 s the
+        first time a complex schema is seen, so a server calls it off the engine's thread)."""
+        try:
+            return self._grammars.state(spec)
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
 
     def abort_request(self, request_id: str) -> bool:
         seq = self._requests.get(request_id)
