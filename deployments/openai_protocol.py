@@ -47,6 +47,9 @@ class _Common(BaseModel):
     # extensions
     top_k: int | None = Field(None, ge=-1)
     repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)  # vLLM's: no EOS / stop token before this many (genai-perf sends it)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     # structured output: OpenAI's response_format (json_object, json_schema), or one of vLLM's
     # guided_* extensions
     response_format: dict[str, Any] | None = None
@@ -108,6 +111,8 @@ class _Common(BaseModel):
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stop, seed=self.seed,
             ignore_eos=self.ignore_eos, num_speculative_tokens=self.num_speculative_tokens, logprobs=logprobs,
+            min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,

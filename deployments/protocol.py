@@ -22,6 +22,8 @@ class GenerateRequest(BaseModel):
     top_k: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0)
     seed: int | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
@@ -52,6 +54,8 @@ class GenerateRequest(BaseModel):
             structured = StructuredOutput(**self.structured) if self.structured else None
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   max_tokens=self.max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  min_tokens=self.min_tokens,
                                   seed=self.seed, ignore_eos=self.ignore_eos,
                                   num_speculative_tokens=self.num_speculative_tokens, logprobs=self.logprobs,
                                   prompt_logprobs=self.prompt_logprobs,

@@ -148,6 +148,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise InvalidRequestError(
@@ -271,7 +273,7 @@ class LLMEngine:
             if needs_processing(seq.params):
                 logits = logits.clone() if logits is raw else logits
                 logits[i] = process_rows(raw[i: i + 1], seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                         [[]], seq.grammar)[0]
+                                         [[]], seq.grammar, seq.eos_token_ids)[0]
         greedy = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
@@ -407,7 +409,7 @@ class LLMEngine:
             extra = verification_row_extra(len(pending[i]), drafts[i].tokens, drafts[i].parents)
             rows = slice(starts[i], starts[i] + lengths[i])
             logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra,
-                                        seq.grammar)
+                                        seq.grammar, seq.eos_token_ids)
         return logits
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, chunk: int = 256) -> list[TokenLogprob]:

@@ -22,14 +22,15 @@ from rayspec.sampling import SamplingParams
 
 def needs_processing(params: SamplingParams) -> bool:
     return bool(params.logit_bias or params.frequency_penalty or params.presence_penalty
-                or params.repetition_penalty != 1.0 or params.structured is not None)
+                or params.repetition_penalty != 1.0 or params.structured is not None or params.min_tokens)
 
 
 def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                 row_extra: list[list[int]], grammar=None) -> torch.Tensor:
+                 row_extra: list[list[int]], grammar=None, eos_token_ids=()) -> torch.Tensor:
     """logits: [R, vocab], row r predicting the token after prompt + output + row_extra[r]
     -> processed logits [R, vocab] (float32, a new tensor). `grammar` (rayspec.structured.GrammarState,
-    at the committed tokens) masks each row to what the grammar allows there."""
+    at the committed tokens) masks each row to what the grammar allows there; with min_tokens, rows
+    before that many output tokens cannot end the output (`eos_token_ids`, stop token ids)."""
     rows, vocab = logits.shape
     out = logits.float().clone()
     device = out.device
@@ -52,6 +53,11 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[
         out -= params.frequency_penalty * counts
     if params.presence_penalty:
         out -= params.presence_penalty * (counts > 0).float()
+    if params.min_tokens:
+        enders = sorted(set(eos_token_ids) | set(params.stop_token_ids))
+        early = [r for r, extra in enumerate(row_extra) if len(output_ids) + len(extra) < params.min_tokens]
+        if enders and early:
+            out[torch.tensor(early, device=device)[:, None], torch.tensor(enders, device=device)] = float("-inf")
     if grammar is not None:
         out.masked_fill_(~grammar.allowed_rows(row_extra, device), float("-inf"))
     return out

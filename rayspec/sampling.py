@@ -21,6 +21,8 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: until max_model_len
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # no EOS or stop token id before this many output tokens
     seed: int | None = None
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: off)
@@ -46,6 +48,8 @@ class SamplingParams:
             raise ValueError("top_k must be -1, 0 (disabled) or positive")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         for name in ("logprobs", "prompt_logprobs"):

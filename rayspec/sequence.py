@@ -143,7 +143,7 @@ class Sequence:
             # a stop string may straddle tokens: search from just before the new text
             pos = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
             if pos != -1:
-                self.output_text = self.output_text[:pos]
+                self.output_text = self.output_text[:pos + (len(stop) if self.params.include_stop_str_in_output else 0)]
                 self.finish("stop", flush=False)
                 return
 

@@ -151,3 +151,32 @@ def test_bad_penalty_values(tiny_model_dir, tiny_loaded):
     from rayspec.engine import InvalidRequestError
     with pytest.raises(InvalidRequestError):
         engine.add_request("hi", SamplingParams(logit_bias={10**6: 1.0}))
+
+
+@pytest.mark.parametrize("name,spec", METHODS, ids=[m[0] for m in METHODS])
+def test_min_tokens_holds_back_the_end(tiny_model_dir, tiny_loaded, name, spec):
+    """No stop token before min_tokens, also inside a step that accepts several drafts; the output
+    equals target-only decoding with the same min_tokens."""
+    base = make_engine(tiny_model_dir, "none", loaded=tiny_loaded)
+    first = base.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=20))[0].token_ids
+    enders = sorted(set(first[:6]))  # tokens the unconstrained output would stop at early
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=8, stop_token_ids=enders)
+    expected = base.generate([PROMPTS[1]], params)[0]
+    assert len(expected.token_ids) >= 8 and not set(expected.token_ids[:7]) & set(enders)
+    assert base.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=enders))[0] \
+        .token_ids == first[:1]  # without min_tokens it stops at once
+    engine = make_engine(tiny_model_dir, loaded=tiny_loaded, **spec)
+    assert engine.generate([PROMPTS[1]], params)[0].token_ids == expected.token_ids
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_include_stop_str_in_output(tiny_model_dir, tiny_loaded):
+    engine = make_engine(tiny_model_dir, "ngram", k=4, loaded=tiny_loaded, prompt_lookup_min=1, prompt_lookup_max=3)
+    text = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20))[0].text
+    stop = text[3:6]
+    cut = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0]
+    kept = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, stop=[stop],
+                                                        include_stop_str_in_output=True))[0]
+    assert cut.text == text[:text.index(stop)] and kept.text == cut.text + stop
+    assert kept.finish_reason == cut.finish_reason == "stop"

@@ -127,6 +127,8 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": ["hi", ""]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [10**9]}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "[a-"}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
@@ -143,6 +145,8 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [10**9]}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "[a-"}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
@@ -427,3 +431,13 @@ def test_structured_output(client, local_engine):
                                      extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
     import re
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", resp.choices[0].text)
+
+
+def test_min_tokens_and_stop_token_ids(client, local_engine):
+    first = local_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0].token_ids
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [first[0]]})
+    assert resp.usage.completion_tokens == 1 and resp.choices[0].finish_reason == "stop"
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [first[0]], "min_tokens": 6})
+    assert resp.usage.completion_tokens >= 6
