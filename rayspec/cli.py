@@ -36,6 +36,22 @@ def cmd_fetch_model(args) -> int:
     return 0
 
 
+def _structured(args):
+    from rayspec.structured import StructuredOutput
+
+    given = [x for x in (args.json_schema, args.regex, args.choice) if x]
+    if len(given) > 1:
+        raise SystemExit("give one of --json-schema, --regex, --choice")
+    if args.json_schema:
+        path = Path(args.json_schema)
+        return StructuredOutput.json_schema(path.read_text() if path.is_file() else args.json_schema)
+    if args.regex:
+        return StructuredOutput("regex", args.regex)
+    if args.choice:
+        return StructuredOutput.choice(args.choice)
+    return None
+
+
 def cmd_generate(args) -> int:
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.engine import LLMEngine
@@ -50,7 +66,8 @@ def cmd_generate(args) -> int:
                              disable_by_batch_size=args.disable_by_batch_size)
     engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
-    engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed))
+    engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                                           structured=_structured(args)))
     start, n = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -141,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (a file or JSON text)")
+    p.add_argument("--regex", default=None, help="constrain the output to this regex")
+    p.add_argument("--choice", action="append", default=None, help="constrain the output to one of these (repeat)")
     p.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -104,3 +104,20 @@ def test_sampled_and_streamed(cluster_app):
     with httpx.stream("POST", cluster_app["url"] + "/v1/completions", json=body, timeout=120) as r:
         lines = [line for line in r.iter_lines() if line]
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+
+
+def test_output_controls_in_the_disaggregated_graph(cluster_app, tiny_model_dir, tiny_draft_dir):
+    """Structured output, penalties, logprobs and n live in the verifier's engine: with the draft in
+    another actor they still give what an in-process engine gives."""
+    from rayspec.structured import StructuredOutput
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4,
+                                    kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(**_spec(tiny_draft_dir))))
+    regex = "[0-9]{3}-[a-z]{2,4}"
+    got = _complete(cluster_app["url"], PROMPT, 16, guided_regex=regex, frequency_penalty=1.0, logprobs=2, n=2)
+    ref = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16, frequency_penalty=1.0, logprobs=2,
+                                                   structured=StructuredOutput("regex", regex)))[0]
+    assert [c["text"] for c in got["choices"]] == [ref.text] * 2
+    lp = got["choices"][0]["logprobs"]
+    assert lp["tokens"] == [e.token for e in ref.logprobs]
+    assert lp["token_logprobs"] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)

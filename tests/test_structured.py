@@ -198,3 +198,13 @@ def test_bad_grammars_are_request_errors(tiny_model_dir, tiny_loaded):
             engine.add_request("hi", SamplingParams(structured=bad))
     with pytest.raises(ValueError):
         StructuredOutput("yaml", "x")
+
+
+def test_generate_cli_with_a_regex(tiny_model_dir, capsys):
+    import re
+
+    from rayspec.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--method", "ngram", "--prompt", "hi",
+                 "--max-tokens", "16", "--regex", "[0-9]{3}-[a-z]{2}"]) == 0
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", capsys.readouterr().out.splitlines()[0])
