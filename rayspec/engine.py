@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
-from rayspec.logits_processing import needs_processing, process_rows, verification_row_extra
-from rayspec.logprobs import TokenLogprob, compute_logprobs
+from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
+from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
@@ -277,7 +277,8 @@ class LLMEngine:
         greedy = logits.argmax(-1).tolist()
         for i, seq in enumerate(seqs):
             if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
-                seq.prompt_logprobs = self._prompt_logprobs(seq, hidden[i])
+                seq.prompt_logprobs = prompt_logprobs(self.model, self.tokenizer, seq.prompt_token_ids, hidden[i],
+                                                      seq.params.prompt_logprobs)
             if features is not None:
                 seq.features, seq.features_start = [features[i, : len(seq.token_ids)].clone()], 0
             tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
@@ -316,7 +317,7 @@ class LLMEngine:
             lost = [r.seq_id for r, d in zip(requests, drafts) if d.resend_features_from is not None]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
                 raise RuntimeError(f"the proposer lost the target features of {lost}")
-            drafts = [self._grammar_draft(s, d, n) if s.grammar is not None and d.is_chain else d
+            drafts = [grammar_draft(s.grammar, d, n) if s.grammar is not None and d.is_chain else d
                       for s, d, n in zip(seqs, drafts, draft_lens)]
         else:
             drafts = [Draft([]) for _ in seqs]
@@ -333,7 +334,7 @@ class LLMEngine:
         raw = self.model.logits(hidden)  # [N, vocab]
         lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
-        logits = self._process_verification_logits(raw, seqs, pending, drafts, starts, lengths)
+        logits = process_verification_logits(raw, seqs, pending, drafts, starts, lengths)
         offsets = [len(p) - 1 for p in pending]
         width = 1 + max(len(d.tokens) for d in drafts)
         # the packed index of each draft position plus the bonus position: [B, width]
@@ -384,45 +385,6 @@ class LLMEngine:
             self.stats.observe(len(draft.tokens), num_accepted)
         if not use_tree:
             self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
-
-    @staticmethod
-    def _grammar_draft(seq: Sequence, draft: Draft, budget: int) -> Draft:
-        """A chain draft made to follow the grammar: tokens the grammar forces go in (the masked
-        target must pick them, so they are accepted), the proposer's tokens while they still line up
-        and the grammar allows them, nothing past the first one it forbids (a sure rejection)."""
-        tokens = seq.grammar.fix_draft(draft.tokens, budget)
-        if tokens == draft.tokens[: len(tokens)]:
-            return Draft(tokens, None if draft.probs is None else draft.probs[: len(tokens)])
-        # forced tokens replaced some: verify as point masses (lossless for any draft the target's
-        # randomness did not choose; the proposer's probabilities no longer describe these tokens)
-        return Draft(tokens)
-
-    @staticmethod
-    def _process_verification_logits(raw, seqs, pending, drafts, starts, lengths) -> torch.Tensor:
-        """raw: [N, vocab] packed target logits -> the same with every row of a sequence that asks for
-        penalties or logit bias processed in its own path's context (raw itself when none does)."""
-        logits = raw
-        for i, seq in enumerate(seqs):
-            if not needs_processing(seq.params):
-                continue
-            logits = logits.clone() if logits is raw else logits
-            extra = verification_row_extra(len(pending[i]), drafts[i].tokens, drafts[i].parents)
-            rows = slice(starts[i], starts[i] + lengths[i])
-            logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra,
-                                        seq.grammar, seq.eos_token_ids)
-        return logits
-
-    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, chunk: int = 256) -> list[TokenLogprob]:
-        """hidden: [Q, H], the prefill rows of `seq` -> a TokenLogprob per prompt token."""
-        ids = seq.prompt_token_ids
-        from rayspec.logprobs import token_text
-
-        out = [TokenLogprob(ids[0], token_text(self.tokenizer, ids[0]), None)]
-        for start in range(0, len(ids) - 1, chunk):  # chunks: a long prompt's [P, vocab] logits are large
-            end = min(start + chunk, len(ids) - 1)
-            logits = self.model.logits(hidden[start:end])  # [end - start, vocab], row r predicting token r + 1
-            out += compute_logprobs(logits, ids[start + 1: end + 1], seq.params.prompt_logprobs, self.tokenizer)
-        return out
 
     def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from rayspec.proposers.base import Draft
 from rayspec.sampling import SamplingParams
 
 
@@ -72,3 +73,31 @@ def verification_row_extra(num_pending: int, draft_tokens: list[int], parents: l
         parent = j - 1 if parents is None else parents[j]
         paths.append((paths[parent] if parent >= 0 else []) + [tok])
     return extra + paths
+
+
+def process_verification_logits(raw: torch.Tensor, seqs, pending, drafts, starts, lengths) -> torch.Tensor:
+    """raw: [N, vocab] packed target logits of a verification forward (sequence i's rows at
+    starts[i]: starts[i] + lengths[i]: its pending tokens, then its draft) -> the same with the rows of
+    every sequence that asks for processing done in their own path's context (raw itself if none)."""
+    logits = raw
+    for i, seq in enumerate(seqs):
+        if not needs_processing(seq.params):
+            continue
+        logits = logits.clone() if logits is raw else logits
+        extra = verification_row_extra(len(pending[i]), drafts[i].tokens, drafts[i].parents)
+        rows = slice(starts[i], starts[i] + lengths[i])
+        logits[rows] = process_rows(raw[rows], seq.params, seq.prompt_token_ids, seq.output_token_ids, extra,
+                                    seq.grammar, seq.eos_token_ids)
+    return logits
+
+
+def grammar_draft(grammar, draft: Draft, budget: int) -> Draft:
+    """A chain draft made to follow the grammar (rayspec.structured.GrammarState.fix_draft): tokens
+    the grammar forces go in (the masked target must pick them, so they are accepted), the proposer's
+    tokens while they still line up and are allowed, nothing past the first forbidden one."""
+    tokens = grammar.fix_draft(draft.tokens, budget)
+    if tokens == draft.tokens[: len(tokens)]:
+        return Draft(tokens, None if draft.probs is None else draft.probs[: len(tokens)])
+    # forced tokens replaced some: verify as point masses (lossless for any draft the target's
+    # randomness did not choose; the proposer's probabilities no longer describe these tokens)
+    return Draft(tokens)

@@ -40,3 +40,15 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, t
         tops = [[(t, token_text(tokenizer, t), v) for t, v in zip(row_ids, row_values)]
                 for row_ids, row_values in zip(ids.tolist(), values.tolist())]
     return [TokenLogprob(t, token_text(tokenizer, t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+
+
+def prompt_logprobs(model, tokenizer, prompt_ids: list[int], hidden: torch.Tensor, num_top: int,
+                    chunk: int = 256) -> list[TokenLogprob]:
+    """hidden: [Q >= P, H], a prefill's rows for the prompt -> one TokenLogprob per prompt token (the
+    first has no logprob: nothing predicts it)."""
+    out = [TokenLogprob(prompt_ids[0], token_text(tokenizer, prompt_ids[0]), None)]
+    for start in range(0, len(prompt_ids) - 1, chunk):  # chunks: a long prompt's [P, vocab] logits are large
+        end = min(start + chunk, len(prompt_ids) - 1)
+        logits = model.logits(hidden[start:end])  # [end - start, vocab], row r predicting token r + 1
+        out += compute_logprobs(logits, prompt_ids[start + 1: end + 1], num_top, tokenizer)
+    return out
