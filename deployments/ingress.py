@@ -7,7 +7,7 @@ The same replica also serves Python handle calls: `generate`, `generate_stream`,
 
 import json
 import logging
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
