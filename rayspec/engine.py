@@ -311,13 +311,13 @@ class LLMEngine:
         if any(draft_lens):
             requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
                                        s.params.top_k, s.params.top_p, s.params.seed,
-                                       *self._take_features(s), tree=use_tree and s.grammar is None)
+                                       *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
             lost = [r.seq_id for r, d in zip(requests, drafts) if d.resend_features_from is not None]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
                 raise RuntimeError(f"the proposer lost the target features of {lost}")
-            drafts = [grammar_draft(s.grammar, d, n) if s.grammar is not None and d.is_chain else d
+            drafts = [grammar_draft(s.grammar, d, n) if s.grammar is not None else d
                       for s, d, n in zip(seqs, drafts, draft_lens)]
         else:
             drafts = [Draft([]) for _ in seqs]

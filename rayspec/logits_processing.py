@@ -95,6 +95,9 @@ def grammar_draft(grammar, draft: Draft, budget: int) -> Draft:
     """A chain draft made to follow the grammar (rayspec.structured.GrammarState.fix_draft): tokens
     the grammar forces go in (the masked target must pick them, so they are accepted), the proposer's
     tokens while they still line up and are allowed, nothing past the first forbidden one."""
+    if not draft.is_chain:
+        tokens, parents = grammar.fix_tree(draft.tokens, draft.parents, budget)
+        return Draft(tokens, None, parents)  # trees are greedy drafts (no probabilities)
     tokens = grammar.fix_draft(draft.tokens, budget)
     if tokens == draft.tokens[: len(tokens)]:
         return Draft(tokens, None if draft.probs is None else draft.probs[: len(tokens)])

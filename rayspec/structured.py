@@ -100,6 +100,25 @@ class GrammarCompiler:
         return GrammarState(matcher, self.vocab_size)
 
 
+def _parents_first(tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """Reorder a tree so every node comes after its parent (added chains can hang below nodes that
+    were appended later)."""
+    order, seen = [], set()
+
+    def visit(j: int) -> None:
+        if j in seen:
+            return
+        if parents[j] >= 0:
+            visit(parents[j])
+        seen.add(j)
+        order.append(j)
+
+    for j in range(len(tokens)):
+        visit(j)
+    index = {old: new for new, old in enumerate(order)}
+    return [tokens[j] for j in order], [index[parents[j]] if parents[j] >= 0 else -1 for j in order]
+
+
 class GrammarState:
     """One request's grammar matcher, advanced by every committed token."""
 
@@ -144,6 +163,56 @@ class GrammarState:
             if consumed:
                 self.matcher.rollback(consumed)
         return tokens
+
+    def fix_tree(self, tokens: list[int], parents: list[int], budget: int) -> tuple[list[int], list[int]]:
+        """A token tree (parents before children) made to follow the grammar: nodes whose path the
+        grammar forbids are dropped with their subtrees, and below the root and each kept node the
+        tokens the grammar forces there are hung as a chain (reusing a kept child that already has
+        the forced token), while the tree has fewer than `budget` nodes."""
+        children: dict[int, list[int]] = {}
+        for j, p in enumerate(parents):
+            children.setdefault(p, []).append(j)
+        out_tokens: list[int] = []
+        out_parents: list[int] = []
+
+        def path_of(node: int) -> list[int]:
+            path = []
+            while node >= 0:
+                path.append(out_tokens[node])
+                node = out_parents[node]
+            return path[::-1]
+
+        # (old node or None for an added one, new index or -1 for the root), in parents-first order
+        queue: list[tuple[int, int]] = [(-1, -1)]
+        while queue:
+            old, new = queue.pop(0)
+            path = path_of(new)
+            consumed = self.matcher.try_consume_tokens(path) if path else 0
+            try:
+                if consumed < len(path):
+                    continue  # cannot happen for kept nodes; defensive
+                kept_children = {}
+                for child in children.get(old, []) if old is not None else []:
+                    if self.matcher.validate_tokens([tokens[child]]) == 1:
+                        out_tokens.append(tokens[child])
+                        out_parents.append(new)
+                        kept_children[tokens[child]] = len(out_tokens) - 1
+                        queue.append((child, len(out_tokens) - 1))
+                forced = self.matcher.compute_ff_tokens()
+            finally:
+                if consumed:
+                    self.matcher.rollback(consumed)
+            if forced and forced[0] in kept_children:
+                continue  # that child is queued: the rest of the forced run goes below it then
+            at = new
+            for tok in forced:
+                if len(out_tokens) >= budget:
+                    break
+                out_tokens.append(tok)
+                out_parents.append(at)
+                at = len(out_tokens) - 1
+        # kept nodes can exceed the budget only if the proposer's tree did; order stays parents-first
+        return _parents_first(out_tokens, out_parents)
 
     def allowed_rows(self, row_extra: list[list[int]], device) -> torch.Tensor:
         """For rows that come after the committed tokens plus row_extra[r]: bool [R, vocab], the

@@ -126,19 +126,23 @@ def test_accepted_drafts_are_masked_in_their_paths_state(tiny_model_dir, tiny_lo
 class WrongProposer(Proposer):
     """Always drafts the same useless token."""
 
-    def __init__(self, token: int):
-        self.token = token
+    def __init__(self, token: int, tree: bool = False):
+        self.token, self.tree = token, tree
 
     def propose(self, requests):
+        if self.tree:  # two wrong children of the root, a wrong grandchild
+            return [Draft([self.token, self.token + 1, self.token], parents=[-1, -1, 0]) for r in requests]
         return [Draft([self.token] * r.num_tokens) for r in requests]
 
 
-def test_forced_tokens_are_drafted(tiny_model_dir, tiny_loaded, reference):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_forced_tokens_are_drafted(tiny_model_dir, tiny_loaded, reference, tree):
     """Under a grammar the engine drafts what the grammar forces (JSON keys and punctuation here)
     in place of the proposer's tokens, and stops a draft at a token the grammar forbids: a proposer
     that is always wrong still gets tokens accepted, and the output stays the target's."""
     prompt, spec = CASES[0]
-    engine = make_engine(tiny_model_dir, "ngram", k=8, loaded=tiny_loaded, proposer=WrongProposer(0))
+    engine = make_engine(tiny_model_dir, "ngram", k=8, loaded=tiny_loaded, proposer=WrongProposer(0, tree),
+                         eagle_topk=2 if tree else 1, tree_max_batch=8)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=spec))[0]
     assert out.token_ids == reference[0]
     stats = engine.stats
@@ -208,3 +212,10 @@ def test_generate_cli_with_a_regex(tiny_model_dir, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--method", "ngram", "--prompt", "hi",
                  "--max-tokens", "16", "--regex", "[0-9]{3}-[a-z]{2}"]) == 0
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", capsys.readouterr().out.splitlines()[0])
+
+
+def test_parents_first_reorders_added_nodes():
+    from rayspec.structured import _parents_first
+
+    # node 2 hangs below node 3, which comes later
+    assert _parents_first([10, 11, 12, 13], [-1, -1, 3, 0]) == ([10, 11, 13, 12], [-1, -1, 0, 2])
