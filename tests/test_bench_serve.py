@@ -109,3 +109,19 @@ def test_bench_serve_waves_keep_a_level_at_its_concurrency(server, tmp_path):
     assert three["num_completed"] == 6
     assert 0 < one["mean_in_flight"] <= 1.0 + 1e-6
     assert 1.0 < three["mean_in_flight"] <= 3.0 + 1e-6  # three at a time for most of the level
+
+
+def test_bench_serve_extra_body(server, tmp_path):
+    """--extra-body reaches the server: a one-choice grammar ends every answer after its few tokens."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "turns": ["Say hello twice."]}) + "\n")
+    tokens = {}
+    for name, extra in (("plain", []), ("choice", ["--extra-body", '{"guided_choice": ["yes"]}'])):
+        out_json = tmp_path / f"{name}.json"
+        assert main(["bench", "serve", "--endpoint", server, "--model", "tiny", "--prompts", str(prompts),
+                     "--max-tokens", "9", "--concurrency", "1", "--warmup", "0", "--output-json", str(out_json),
+                     "--ignore-eos", *extra]) == 0
+        result = json.loads(out_json.read_text())
+        tokens[name] = result["results"][0]["output_tokens"]
+    assert result["config"]["extra_body"] == {"guided_choice": ["yes"]}
+    assert tokens["plain"] == 9 and tokens["choice"] < 9

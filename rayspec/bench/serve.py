@@ -72,12 +72,13 @@ def summarize(values: list[float], scale: float = 1000.0) -> dict[str, float | N
 
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                       temperature: float, ignore_eos: bool = False) -> RequestResult:
+                       temperature: float, ignore_eos: bool = False, extra_body: dict | None = None) -> RequestResult:
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
                             "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                             "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(extra_body or {})  # e.g. response_format, min_tokens (genai-perf's --extra-inputs)
     res = RequestResult()
     num_chunks = 0
     start = time.perf_counter()
@@ -158,7 +159,8 @@ def _with_rates(d: dict, method: str | None) -> dict:
 
 
 async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: list[str], concurrency: int,
-                    max_tokens: int, temperature: float, ignore_eos: bool = False) -> dict:
+                    max_tokens: int, temperature: float, ignore_eos: bool = False,
+                    extra_body: dict | None = None) -> dict:
     """Send all prompts keeping exactly `concurrency` requests in flight; return the raw round."""
     stats_before = await fetch_stats(client, url)
     queue: asyncio.Queue[str] = asyncio.Queue()
@@ -172,7 +174,8 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
                 prompt = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            results.append(await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos))
+            results.append(await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos,
+                                              extra_body))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
@@ -233,7 +236,8 @@ def level_metrics(concurrency: int, rounds: list[dict]) -> dict:
 async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], model: str, prompts: list[str],
                                     concurrencies: list[int], max_tokens: int, temperature: float,
                                     ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0,
-                                    log=print, rounds: int = 1, waves: int = 0) -> dict:
+                                    log=print, rounds: int = 1, waves: int = 0,
+                                    extra_body: dict | None = None) -> dict:
     urls = [base_url(e) for e in endpoints]
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) for _ in urls]
@@ -241,7 +245,7 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
     try:
         for client, url, label in zip(clients, urls, labels):
             for prompt in prompts[:warmup]:
-                r = await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos)
+                r = await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos, extra_body)
                 if not r.ok:
                     log(f"[{label}] warmup request failed: {r.error}")
         for c in concurrencies:
@@ -253,7 +257,7 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                 turn = i % len(urls)
                 for client, url, label in list(zip(clients, urls, labels))[turn:] + list(zip(clients, urls, labels))[:turn]:
                     rnd = await run_level(client, url, model, level_prompts(prompts, c, waves), c, max_tokens,
-                                          temperature, ignore_eos)
+                                          temperature, ignore_eos, extra_body)
                     done[label].append(rnd)
                     tokens = sum(r.completion_tokens for r in rnd["results"] if r.ok)
                     log(f"[{label}] concurrency {c} round {i + 1}/{rounds}: "
@@ -267,7 +271,8 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
             await client.aclose()
     return {"config": {"endpoints": urls, "labels": labels, "model": model, "num_prompts": len(prompts),
                        "max_tokens": max_tokens, "temperature": temperature, "concurrency": concurrencies,
-                       "ignore_eos": ignore_eos, "warmup": warmup, "rounds": rounds, "waves": waves},
+                       "ignore_eos": ignore_eos, "warmup": warmup, "rounds": rounds, "waves": waves,
+                       "extra_body": extra_body or {}},
             "results": results}
 
 
@@ -275,7 +280,7 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, m
                         prompts_file: str | None = None, num_prompts: int | None = None, max_tokens: int = 128,
                         concurrency: list[int] | str = (1, 2, 4, 8), temperature: float = 0.0,
                         ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0, log=print,
-                        rounds: int = 1, waves: int = 0) -> dict:
+                        rounds: int = 1, waves: int = 0, extra_body: dict | None = None) -> dict:
     if not endpoints:
         raise ValueError("give at least one --endpoint")
     if labels and len(labels) != len(endpoints):
@@ -286,7 +291,8 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None, m
         raise ValueError("give --prompts")
     prompts = load_prompts(prompts_file, num_prompts)
     return asyncio.run(run_serve_benchmark_async(endpoints, labels, model, prompts, concurrencies, max_tokens,
-                                                 temperature, ignore_eos, warmup, timeout, log, rounds, waves))
+                                                 temperature, ignore_eos, warmup, timeout, log, rounds, waves,
+                                                 extra_body))
 
 
 def parse_concurrency(text: str) -> list[int]:
