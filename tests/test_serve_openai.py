@@ -406,6 +406,11 @@ def test_echo_scores_prompts_like_lm_eval(client, local_engine):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), []) == \
         full.choices[0].logprobs.tokens
+    scored = list(client.completions.create(model="tiny", prompt=PROMPT, echo=True, max_tokens=0, logprobs=1,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in scored if c.choices) == PROMPT
+    assert scored[-1].usage.completion_tokens == 0
+    assert len(sum((c.choices[0].logprobs.tokens for c in scored if c.choices and c.choices[0].logprobs), [])) == len(ids)
     by_ids = client.completions.create(model="tiny", prompt=ids, echo=True, max_tokens=0, temperature=0)
     assert by_ids.choices[0].text == local_engine.tokenizer.decode(ids) and by_ids.choices[0].logprobs is None
 
