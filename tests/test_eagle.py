@@ -1020,10 +1020,14 @@ def test_engine_refuses_a_local_proposer_that_lost_features(tiny_model_dir):
 def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_path):
     """`--num-workers 2` (Ray Train, gloo all-reduce) trains the head one process trains with
     `--grad-accum 2` on the same data: each step takes the same two batches, one per worker. Its
-    answers and features (2 Ray actors, chunks of prompts) are the ones one process makes."""
+    answers and features (2 Ray actors, chunks of prompts) are the ones one process makes. On a
+    multi-node ray.cluster_utils.Cluster (a CPU-less head, two 1-CPU nodes): the target actors and
+    the training workers spread over both nodes, the all-reduce crosses nodes."""
     import shutil
 
     import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
 
     from rayspec.eagle.train import TrainConfig, run
 
@@ -1037,15 +1041,23 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
     (tmp_path / "two").mkdir()  # the same answers and features: only the training differs
     shutil.copy(tmp_path / "one" / "answers.jsonl", tmp_path / "two" / "answers.jsonl")
     shutil.copytree(tmp_path / "one" / "features-eagle3", tmp_path / "two" / "features-eagle3")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = {cluster.add_node(num_cpus=1).node_id for _ in range(2)}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
     try:
         two = run(TrainConfig(work_dir=str(tmp_path / "two"), output=str(tmp_path / "head-two"), num_workers=2,
                               **common))
         # and the data stages on 2 Ray actors: the same answers and features as one process made
         run(TrainConfig(work_dir=str(tmp_path / "three"), output=str(tmp_path / "head-three"), num_workers=2,
                         **{**common, "epochs": 1}))
+        placed = {}
+        for actor in list_actors(limit=1000):
+            placed.setdefault(actor.class_name, set()).add(actor.node_id)
+        assert placed["_TargetActor"] == nodes and placed["RayTrainWorker"] == nodes, placed
     finally:
         ray.shutdown()
+        cluster.shutdown()
     data = {}
     for d in ("one", "three"):
         rows = [json.loads(line) for line in (tmp_path / d / "answers.jsonl").read_text().splitlines()]
