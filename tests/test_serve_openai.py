@@ -460,3 +460,49 @@ def test_min_tokens_and_stop_token_ids(client, local_engine):
     resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"stop_token_ids": [first[0]], "min_tokens": 6})
     assert resp.usage.completion_tokens >= 6
+
+
+def test_mixed_concurrent_load_leaves_nothing_behind(server):
+    """Many requests at once, every new field mixed in, some streams dropped half way: every
+    finished request is a 200 of the right shape, and afterwards the engine holds nothing."""
+    import concurrent.futures
+    import random
+
+    url = server["url"]
+    rng = random.Random(7)
+    bodies = []
+    for i in range(24):
+        body = {"model": "tiny", "prompt": [PROMPT, "Hello there"] if i % 5 == 0 else PROMPT,
+                "max_tokens": rng.choice([4, 12, 24]), "temperature": rng.choice([0, 0.8]), "seed": i,
+                "n": rng.choice([1, 1, 2, 3])}
+        extras = [{"logprobs": 2}, {"frequency_penalty": 1.0, "logit_bias": {"5": -50}},
+                  {"guided_regex": "[a-z]{3,6}"}, {"echo": True, "logprobs": 1}, {"min_tokens": 3}, {}]
+        body.update(rng.choice(extras))
+        body["stream"] = i % 3 == 0
+        bodies.append((body, i % 6 == 0))  # every sixth: a stream the client drops after a few lines
+
+    def send(item):
+        body, drop = item
+        if not body["stream"]:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            data = r.json()
+            prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+            assert len(data["choices"]) == prompts * body["n"]
+            return "whole"
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = []
+            for line in lines:
+                if line:
+                    seen.append(line)
+                if drop and len(seen) >= 2:
+                    return "dropped"
+            assert seen[-1] == "data: [DONE]" and not any('"error"' in s for s in seen), seen[-3:]
+            return "streamed"
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(send, bodies))
+    assert {"whole", "streamed", "dropped"} <= set(outcomes)
+    wait_for(lambda: (s := verifier_stats())["num_running"] == 0 and s["num_waiting"] == 0, timeout=60)
