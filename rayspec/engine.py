@@ -317,10 +317,12 @@ class LLMEngine:
             lost = [r.seq_id for r, d in zip(requests, drafts) if d.resend_features_from is not None]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
                 raise RuntimeError(f"the proposer lost the target features of {lost}")
-            drafts = [grammar_draft(s.grammar, d, n) if s.grammar is not None else d
-                      for s, d, n in zip(seqs, drafts, draft_lens)]
         else:
             drafts = [Draft([]) for _ in seqs]
+        # under a grammar, draft what it forces even where the proposer was not asked (a large
+        # batch, see disable_by_batch_size): those tokens are all but sure to be accepted
+        drafts = [grammar_draft(s.grammar, d, max(n, self._draft_len(s, self.max_k))) if s.grammar is not None else d
+                  for s, d, n in zip(seqs, drafts, draft_lens)]
         ids = [s.request_id for s in seqs]
         # the tokens without target KV yet (normally just the last one), then the drafts
         pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]

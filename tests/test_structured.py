@@ -219,3 +219,16 @@ def test_parents_first_reorders_added_nodes():
 
     # node 2 hangs below node 3, which comes later
     assert _parents_first([10, 11, 12, 13], [-1, -1, 3, 0]) == ([10, 11, 13, 12], [-1, -1, 0, 2])
+
+
+def test_forced_tokens_are_drafted_when_drafting_is_off_for_the_batch(tiny_model_dir, tiny_loaded, reference):
+    """disable_by_batch_size turns the proposer off for large batches; forced tokens still go in."""
+    engine = make_engine(tiny_model_dir, "ngram", k=8, loaded=tiny_loaded, disable_by_batch_size=1,
+                         max_model_len=512)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=s) for _, s in CASES]
+    outs = engine.generate([p for p, _ in CASES], params)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.stats.num_accepted_tokens >= 5
+    off = engine.generate([CASES[0][0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=CASES[0][1],
+                                                         num_speculative_tokens=0))[0]
+    assert off.token_ids == reference[0] and off.num_draft_tokens == 0  # "no speculation" is still honoured
