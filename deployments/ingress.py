@@ -5,6 +5,7 @@ The same replica also serves Python handle calls: `generate`, `generate_stream`,
 """
 
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator, Union
@@ -26,6 +27,13 @@ from rayspec.engine import InvalidRequestError
 
 logger = logging.getLogger("rayspec.serve")
 app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")
+
+
+HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
+
+
+async def _awaited(response):
+    return await response
 
 
 def _error_response(err: OpenAIError) -> JSONResponse:
@@ -116,7 +124,16 @@ class OpenAIIngress:
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
-        return {"status": "ok"}
+        """200 once a verifier replica answers with a running engine, else 503 (OpenAI error JSON):
+        a readiness probe that fails while the target loads or when every verifier is gone,
+        instead of a 200 from the ingress alone."""
+        try:
+            engine = await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - timed out (still loading, or saturated) or failed
+            reason = "no answer in time" if isinstance(err, asyncio.TimeoutError) else f"{type(err).__name__}: {err}"
+            return _error_response(OpenAIError(f"the model is not ready: {reason}", status_code=503,
+                                               type="service_unavailable", code="not_ready"))
+        return {"status": "ok", "model": self.model_name, **engine}
 
     @app.get("/v1/models")
     async def models(self):

@@ -44,6 +44,19 @@ from rayspec.proposers import Draft, Proposer, ProposeRequest
 logger = logging.getLogger(__name__)
 
 
+def _route_in_own_loop(handle) -> None:
+    """Give the handle a router on its own event loop, so the engine thread (no asyncio loop) can
+    block on `.result()`. Serve does that by default, but not with RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+    (or RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0), where the router runs in the caller's loop and a
+    sync call from the engine thread fails; `_init` is the knob Serve's own error message names."""
+    if getattr(handle, "is_initialized", True):  # test doubles, or already set up by the caller
+        return
+    try:
+        handle._init(_run_router_in_separate_loop=True)
+    except Exception:  # noqa: BLE001 - another Serve version: keep its defaults
+        logger.warning("could not set the proposer handle's router loop; using Serve's default", exc_info=True)
+
+
 class RemoteProposer(Proposer):
     name = "remote"
 
@@ -51,6 +64,7 @@ class RemoteProposer(Proposer):
 
     def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 30.0,
                  startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic):
+        _route_in_own_loop(handle)
         self.handle = handle.options(multiplexed_model_id=affinity) if affinity else handle
         self.affinity = affinity
         self._pinned = affinity is None  # with a tag, the first call pins it to one proposer replica

@@ -65,6 +65,13 @@ class Verifier:
         if not self.loop.alive:
             raise RuntimeError("engine loop is not running")
 
+    def health(self) -> dict:
+        """For the ingress's /health: raises when the engine loop is down."""
+        self.check_health()
+        snap = self.loop.snapshot
+        return {"num_running": snap.get("num_running", 0), "num_waiting": snap.get("num_waiting", 0),
+                "topology": self.cfg.topology, "method": self.cfg.speculative.method}
+
     def __del__(self):
         loop = getattr(self, "loop", None)
         if loop is not None:

@@ -53,8 +53,57 @@ def verifier_stats():
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+    health = httpx.get(server["url"] + "/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "model": "tiny", "num_running": 0, "num_waiting": 0,
+                             "topology": "colocated", "method": "ngram"}
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_health_is_503_until_a_verifier_answers(tiny_model_dir, monkeypatch):
+    """/health asks a verifier replica: one still loading (no answer in time) or failing reads as
+    not ready (503, OpenAI error JSON), so a readiness probe does not pass on the ingress alone."""
+    import asyncio
+
+    import deployments.ingress as ingress_module
+
+    monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.2)
+
+    class _Verifier:
+        def __init__(self, health):
+            self._health = health
+
+        @property
+        def health(self):
+            outer = self
+
+            class _Method:
+                def remote(self):
+                    return outer._health()
+            return _Method()
+
+    async def loading():
+        await asyncio.sleep(10)
+
+    async def engine_down():
+        raise RuntimeError("engine loop is not running")
+
+    async def ready():
+        return {"num_running": 2, "num_waiting": 0, "topology": "colocated", "method": "ngram"}
+
+    wrapper = ingress_module.OpenAIIngress.func_or_class  # serve.ingress's ASGI wrapper around our class
+    ours = wrapper.__bases__[0]
+    for health, status, needle in [(loading, 503, "no answer in time"), (engine_down, 503, "engine loop"),
+                                   (ready, 200, None)]:
+        ingress = object.__new__(ours)
+        ours.__init__(ingress, tiny_args(tiny_model_dir), _Verifier(health))
+        resp = asyncio.run(ingress.health())
+        if status == 200:
+            assert resp["status"] == "ok" and resp["num_running"] == 2
+            continue
+        assert resp.status_code == status
+        error = json.loads(resp.body)["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "not_ready" and needle in error["message"]
 
 
 def test_completion_greedy_matches_engine(client, local_engine):
