@@ -31,7 +31,7 @@ class _Stream:
 @dataclass
 class _Add:
     request_id: str
-    prompt: Any  # str | list[int] | ("chat", messages)
+    prompt: Any  # str | list[int] | ("chat", messages, tools)
     params: Any
     deliver: Deliver
     resume: tuple[list[int], int] = ((), 0)  # (output ids so far, characters already sent): see add_request
@@ -158,7 +158,7 @@ class EngineLoop:
             try:
                 prompt = cmd.prompt
                 if isinstance(prompt, tuple) and prompt and prompt[0] == "chat":
-                    prompt = engine.encode_chat(prompt[1])
+                    prompt = engine.encode_chat(*prompt[1:])
                 engine.add_request(prompt, cmd.params, cmd.request_id, resume_output_ids=list(cmd.resume[0]),
                                    resume_sent_chars=cmd.resume[1], grammar=cmd.grammar)
             except InvalidRequestError as err:

@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args
 from deployments.failover import FailoverStream, call_with_failover
-from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_logprobs,
-                                         completion_logprobs, finish_reason, new_id, now, sum_usage)
+from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, ToolCallStream,
+                                         chat_logprobs, completion_logprobs, finish_reason, new_id, now, sum_usage,
+                                         tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from rayspec.engine import InvalidRequestError
 
@@ -157,6 +158,7 @@ class OpenAIIngress:
         requests = expand(self._to_generate(body), body.n)  # choice c: prompt c // n
         if body.stream:
             return await self._stream_response(requests, body, chat)
+        tool_mode = body.tool_call() if chat else None  # validated by _to_generate above
         resps = await gather_or_cancel(self._call(r) for r in requests)
         if (not chat and body.prompt_only):
             resps = [_without_output(r) for r in resps]
@@ -167,8 +169,10 @@ class OpenAIIngress:
             reason = finish_reason(resp.finish_reason)
             if chat:
                 logprobs = chat_logprobs(resp.logprobs) if resp.logprobs is not None else None
-                choices.append({"index": c, "message": {"role": "assistant", "content": resp.text},
-                                "logprobs": logprobs, "finish_reason": reason})
+                message = {"role": "assistant", "content": resp.text}
+                if tool_mode is not None:
+                    message, reason = tool_call_message(resp.text, tool_mode, resp.finish_reason)
+                choices.append({"index": c, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 logprobs = completion_logprobs(resp.logprobs) if resp.logprobs is not None else None
                 choices.append({"index": c, "text": resp.text, "logprobs": logprobs, "finish_reason": reason})
@@ -229,6 +233,8 @@ class OpenAIIngress:
                 data["usage"] = usage_block
             return _sse(data)
 
+        tool_mode = body.tool_call() if chat else None
+        tool_streams = [ToolCallStream(tool_mode) for _ in streams] if tool_mode is not None else None
         last: list[GenerateChunk | None] = [None] * len(streams)
         text_offset = [0] * len(streams)  # completions logprobs: where each choice's next token starts
         chunks = merged(streams, firsts)
@@ -251,12 +257,13 @@ class OpenAIIngress:
                     else:
                         logprobs = completion_logprobs(chunk.logprobs, text_offset[c])
                         text_offset[c] += sum(len(e.token) for e in chunk.logprobs)
-                if not (chunk.delta_text or reason or logprobs):
-                    continue
                 if chat:
                     delta = {"content": chunk.delta_text} if chunk.delta_text else {}
-                    yield event({"index": c, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
-                else:
+                    if tool_streams is not None:  # arguments (or whole calls) instead of content
+                        delta, reason = tool_streams[c].delta(chunk.delta_text, chunk.finished, chunk.finish_reason)
+                    if delta or reason or logprobs:
+                        yield event({"index": c, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
+                elif chunk.delta_text or reason or logprobs:
                     yield event({"index": c, "text": chunk.delta_text, "logprobs": logprobs, "finish_reason": reason})
             if include_usage and all(last):
                 yield event(None, self._usage(last, body.n))

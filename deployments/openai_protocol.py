@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.protocol import GenerateRequest
 from rayspec.structured import StructuredOutput
 from rayspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from rayspec.tools import call_schema, parse_calls
 
 MAX_CHOICES = 64  # n times the number of prompts, per request
 
@@ -94,6 +96,7 @@ class _Common(BaseModel):
             asked.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
         if self.guided_grammar is not None:
             asked.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        asked += self._tool_constraint()
         if len(asked) > 1:
             raise OpenAIError(f"give one output constraint, not {', '.join(name for name, _ in asked)}",
                               param=asked[1][0])
@@ -105,6 +108,9 @@ class _Common(BaseModel):
         except ValueError as err:
             raise OpenAIError(str(err), param=name) from None
         return {"kind": spec.kind, "value": spec.value}
+
+    def _tool_constraint(self) -> list[tuple[str, StructuredOutput]]:
+        return []
 
     def _generate(self, max_tokens: int | None, logprobs: int | None, **prompt_and_extra) -> GenerateRequest:
         return GenerateRequest(
@@ -161,9 +167,35 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    model_config = ConfigDict(extra="allow")  # tool_calls (assistant), tool_call_id (tool), name
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # the output always follows `parameters` here
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+@dataclass(frozen=True)
+class ToolCallMode:
+    """What a request's output must be: `name`'s arguments, or (name None) a list of calls to any tool."""
+
+    name: str | None
+    parallel: bool
+
+
+AUTO_TOOLS = ("tool_choice 'auto' (the default when tools are given) needs a tool-call parser for the model's "
+              "own call format, which rayspec does not have; send tool_choice 'required' or "
+              "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then constrained to a valid "
+              "call), or 'none'")
 
 
 class ChatCompletionRequest(_Common):
@@ -171,18 +203,46 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
+
+    def tool_call(self) -> ToolCallMode | None:
+        """How the output must call a tool, or None for a plain message (400 for what is not served)."""
+        if self.functions:
+            raise OpenAIError("functions (deprecated) is not supported; send tools", param="functions")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        if choice == "auto":
+            raise OpenAIError(AUTO_TOOLS, param="tool_choice")
+        if choice == "required":
+            return ToolCallMode(None, self.parallel_tool_calls)
+        name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+            raise OpenAIError("tool_choice must be 'none', 'auto', 'required' or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        if name not in {t.function.name for t in self.tools}:
+            raise OpenAIError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return ToolCallMode(name, False)
+
+    def _tool_functions(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or ()]
+
+    def _tool_constraint(self) -> list[tuple[str, StructuredOutput]]:
+        mode = self.tool_call()
+        if mode is None:
+            return []
+        return [("tool_choice", StructuredOutput.json_schema(call_schema(self._tool_functions(), mode.name,
+                                                                          mode.parallel)))]
 
     def to_generate(self) -> list[GenerateRequest]:
         self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        for name, bad in (("tools", bool(self.tools)), ("functions", bool(self.functions)),
-                          ("tool_choice", self.tool_choice not in (None, "none"))):
-            if bad:
-                raise OpenAIError(f"{name} is not supported", param=name)
         messages = []
         for i, m in enumerate(self.messages):
             content = m.content
@@ -190,9 +250,66 @@ class ChatCompletionRequest(_Common):
                 if any(part.get("type") != "text" for part in content):
                     raise OpenAIError("only text content parts are supported", param=f"messages[{i}].content")
                 content = "".join(str(part.get("text", "")) for part in content)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            extra = m.model_extra or {}
+            if m.role == "assistant" and extra.get("tool_calls"):
+                calls = extra["tool_calls"]
+                if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                        and "name" in c["function"] for c in calls)):
+                    raise OpenAIError("tool_calls entries need function.name and function.arguments",
+                                      param=f"messages[{i}].tool_calls")
+                message["tool_calls"] = calls
+            if m.role == "tool":
+                message.update({k: extra[k] for k in ("tool_call_id", "name") if k in extra})
+            messages.append(message)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return [self._generate(self.max_completion_tokens or self.max_tokens, logprobs, messages=messages)]
+        tools = self._tool_functions() if self.tool_call() is not None else None  # 'none': the model is not told
+        return [self._generate(self.max_completion_tokens or self.max_tokens, logprobs, messages=messages,
+                               tools=tools)]
+
+
+def _call_entry(index: int, name: str, arguments: str) -> dict:
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_message(text: str, mode: ToolCallMode, reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message and finish_reason of an output made under a tool-call constraint."""
+    calls = parse_calls(text, mode.name)
+    if calls is None:
+        if mode.name is None:  # cut short by max_tokens: no whole call to return
+            return {"role": "assistant", "content": text}, finish_reason(reason)
+        calls = [(mode.name, text)]  # a named call's arguments so far, as OpenAI returns them
+    message = {"role": "assistant", "content": None,
+               "tool_calls": [{k: v for k, v in _call_entry(i, n, a).items() if k != "index"}
+                              for i, (n, a) in enumerate(calls)]}
+    # OpenAI: a forced named call ends with "stop"; calls the model chose end with "tool_calls"
+    return message, finish_reason(reason) if mode.name is not None or reason == "length" else "tool_calls"
+
+
+class ToolCallStream:
+    """Turns one choice's streamed text into tool-call deltas: a named call streams its arguments
+    as they come; a list of calls is sent whole once it is complete (it is parsed then)."""
+
+    def __init__(self, mode: ToolCallMode):
+        self.mode, self.text, self.started = mode, "", False
+
+    def delta(self, delta_text: str, finished: bool, reason: str | None) -> tuple[dict, str | None]:
+        self.text += delta_text
+        if self.mode.name is not None:
+            entry = {"index": 0, "function": {"arguments": delta_text}}
+            if not self.started:
+                entry = _call_entry(0, self.mode.name, delta_text)
+                self.started = True
+            delta = {"tool_calls": [entry]} if delta_text or entry.get("id") else {}
+            return delta, finish_reason(reason) if finished else None
+        if not finished:
+            return {}, None
+        message, reason = tool_call_message(self.text, self.mode, reason)
+        if message["content"] is not None:
+            return {"content": message["content"]}, reason
+        calls = parse_calls(self.text, None)
+        return {"tool_calls": [_call_entry(i, n, a) for i, (n, a) in enumerate(calls)]}, reason
 
 
 def completion_logprobs(entries: list[TokenLogprob | None], text_offset: int = 0) -> dict:

@@ -16,6 +16,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # function definitions for the chat template (rayspec.tools)
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0

@@ -83,7 +83,7 @@ class Verifier:
             request = GenerateRequest.model_validate(request)
         params = request.sampling_params()  # raises InvalidRequestError for bad values
         rid = f"{self._prefix}{next(self._ids)}"
-        prompt = ("chat", request.messages) if request.messages is not None else request.prompt
+        prompt = ("chat", request.messages, request.tools) if request.messages is not None else request.prompt
         grammar = None
         if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
             grammar = await asyncio.to_thread(self.loop.engine.prepare_grammar, params.structured)

@@ -32,6 +32,7 @@ from rayspec.runner import ModelRunner, TreeQuery, last_rows, packed_offsets, pr
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
 from rayspec.structured import GrammarCompiler
+from rayspec.tools import inline_tools, template_messages
 
 
 class InvalidRequestError(ValueError):
@@ -117,10 +118,20 @@ class LLMEngine:
         return self.runner.cache.num_slots
 
     # ---- requests ----------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat template's prompt; `tools` (function definitions, rayspec.tools) go to the
+        template, or into the system message where the template has no place for them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            template = self.tokenizer.chat_template
+            if "tools" in (template if isinstance(template, str) else json.dumps(template)):
+                messages = template_messages(messages)  # it renders tools, calls and results (Llama 3.1, Qwen)
+            else:  # e.g. SmolLM2's: tools described in the system message, calls written out as JSON
+                messages, tools = inline_tools(messages, tools or []), None
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=[{"type": "function", "function": t} for t in tools] if tools else None,
+            add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode(self, prompt: str) -> list[int]:

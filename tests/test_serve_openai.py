@@ -20,6 +20,15 @@ from rayspec.engine import LLMEngine  # noqa: E402
 from rayspec.sampling import SamplingParams  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+TOOLS = [{"type": "function", "function": {
+             "name": "get_weather", "description": "The weather in a city",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                             "unit": {"enum": ["c", "f"]}},
+                            "required": ["city", "unit"]}}},
+         {"type": "function", "function": {
+             "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                            "b": {"type": "integer"}},
+                                           "required": ["a", "b"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +162,60 @@ def test_streaming_completion_and_chat(client):
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_tool_calls_named_and_required(client, local_engine):
+    """tool_choice 'required' or a named function: the output is constrained to a valid call (the
+    tiny random model still produces one), returned as tool_calls, streamed and not; greedy output
+    equals the in-process engine's under the same constraint."""
+    from rayspec.structured import StructuredOutput
+    from rayspec.tools import call_schema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=named,
+                                          temperature=0, max_tokens=60)
+    [call] = resp.choices[0].message.tool_calls
+    assert resp.choices[0].message.content is None and call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and resp.choices[0].finish_reason == "stop"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 12
+    functions = [t["function"] for t in TOOLS]
+    ref = local_engine.generate([local_engine.encode_chat(messages, functions)], SamplingParams(
+        temperature=0, max_tokens=60, structured=StructuredOutput.json_schema(call_schema(functions, "get_weather"))))[0]
+    assert call.function.arguments == ref.text
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=named,
+                                                 temperature=0, max_tokens=60, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="required",
+                                          temperature=0, max_tokens=80, parallel_tool_calls=False)
+    [call] = resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="required",
+                                                 temperature=0, max_tokens=80, parallel_tool_calls=False, stream=True))
+    [streamed] = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # cut by max_tokens: a named call returns its arguments so far, a list of calls the raw text
+    resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="required",
+                                          temperature=0, max_tokens=3)
+    assert resp.choices[0].finish_reason == "length" and resp.choices[0].message.content.startswith("[")
+
+    # a conversation that carries the call and its result continues
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
+    resp = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=8)
+    assert resp.choices[0].message.content is not None and resp.choices[0].message.tool_calls is None
+
+
 def test_sse_wire_format(server):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
@@ -229,7 +292,31 @@ def test_sampled_request_runs(client):
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                              "tool_choice": "auto"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                              "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+                              "tool_choice": "required"}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "retrieval"}], "tool_choice": "required"}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+                              "tool_choice": "required"}, 400, None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"},
+                                                            {"role": "assistant", "tool_calls": [{"id": "1"}]}]},
+     400, "tool_calls"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "functions": [{"name": "f"}]}, 400, "functions"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],

@@ -1,0 +1,91 @@
+"""Tool calls by constrained decoding (rayspec.tools), without Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.engine import LLMEngine
+from rayspec.sampling import SamplingParams
+from rayspec.structured import StructuredOutput
+from rayspec.tools import call_schema, inline_tools, parse_calls
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=2,
+                                  kv_cache_memory_gb=0.25,
+                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+
+
+def test_call_schema():
+    assert call_schema([WEATHER, ADD], "add") == {**ADD["parameters"], "additionalProperties": False}
+    required = call_schema([WEATHER, ADD], None, parallel=False)
+    assert required["type"] == "array" and required["minItems"] == 1 and required["maxItems"] == 1
+    names = [item["properties"]["name"]["const"] for item in required["items"]["anyOf"]]
+    assert names == ["get_weather", "add"]
+    assert "maxItems" not in call_schema([WEATHER], None, parallel=True)
+    loose = {"name": "f", "parameters": {"type": "object", "properties": {}, "additionalProperties": True}}
+    assert call_schema([loose], "f")["additionalProperties"] is True  # a schema's own choice stays
+
+
+def test_parse_calls():
+    assert parse_calls('{"city": "Oslo"}', "get_weather") == [("get_weather", '{"city": "Oslo"}')]
+    assert parse_calls('[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]',
+                       None) == [("add", '{"a": 1}'), ("get_weather", "{}")]
+    assert parse_calls('[{"name": "add", "argu', None) is None  # cut by max_tokens
+    assert parse_calls('{"city": "Os', "get_weather") is None
+
+
+def test_tools_inlined_for_a_template_without_them():
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3 degrees"}]
+    out = inline_tools(messages, [WEATHER])
+    assert out[0]["role"] == "system" and "get_weather: The weather in a city" in out[0]["content"]
+    assert json.loads(out[2]["content"]) == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    assert out[3] == messages[2]
+    with_system = inline_tools([{"role": "system", "content": "Be brief."}] + messages[:1], [WEATHER])
+    assert with_system[0]["content"].startswith("Be brief.\n\nYou can call") and len(with_system) == 2
+
+
+def test_encode_chat_with_tools(engine):
+    """SmolLM2's template ignores tools: they go into the system message. A template that renders
+    tools gets them (and the calls, arguments as objects) itself."""
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    text = engine.tokenizer.decode(engine.encode_chat(question, [WEATHER]))
+    assert "get_weather: The weather in a city" in text and text.count("<|im_start|>system") == 1
+    assert engine.encode_chat(question) != engine.encode_chat(question, [WEATHER])
+
+    original = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}{% endfor %}|"
+        "{% endfor %}")
+    try:
+        text = engine.tokenizer.decode(engine.encode_chat(
+            question + [{"role": "assistant", "content": "", "tool_calls": [CALL]}], [WEATHER]))
+    finally:
+        engine.tokenizer.chat_template = original
+    assert text == "TOOL get_weather;user:Weather in Oslo?|assistant:CALL get_weather Oslo|"
+
+
+def test_constrained_call_is_lossless_under_speculation(engine, tiny_model_dir):
+    """The call is structured output: with drafts it equals target-only decoding."""
+    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=2,
+                                   kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(method="none")))
+    ids = engine.encode_chat([{"role": "user", "content": "Weather in Oslo? Oslo Oslo"}], [WEATHER, ADD])
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured=StructuredOutput.json_schema(call_schema([WEATHER, ADD], None)))
+    got, ref = engine.generate([ids], params)[0], plain.generate([ids], params)[0]
+    assert got.token_ids == ref.token_ids
+    assert got.num_draft_tokens > 0  # the grammar's forced keys are drafted at least
+    if got.finish_reason == "stop":
+        assert parse_calls(got.text, None)
