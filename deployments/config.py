@@ -174,6 +174,9 @@ class AppArgs(_Strict):
     # disaggregated: how long a verifier step waits on its proposer call before stepping without
     # drafts (then it leaves the proposer alone for 1 s, doubling to 60 s while calls keep failing)
     proposer_call_timeout_s: float = Field(30.0, gt=0)
+    # disaggregated: per-step calls over a direct socket to the pinned proposer replica ("direct",
+    # deployments.direct_channel; falls back to Serve when it cannot connect) or through Serve handles
+    proposer_transport: Literal["direct", "serve"] = "direct"
 
     @field_validator("model")
     @classmethod

@@ -227,6 +227,7 @@ class EngineLoop:
         remote = engine.proposer
         if hasattr(remote, "call_seconds"):  # disaggregated: the per-step proposer RPC
             self.snapshot["proposer_calls"] = remote.num_calls
+            self.snapshot["proposer_direct_calls"] = remote.num_direct_calls
             self.snapshot["proposer_call_seconds"] = round(remote.call_seconds, 4)
             self.snapshot["proposer_features_resent"] = remote.num_resent
             self.snapshot["proposer_failed_calls"] = remote.num_failed_calls

@@ -13,11 +13,16 @@ replica; a replica that lacks a sequence's features (first call routed elsewhere
 replica) answers `resend_features_from` and the verifier's RemoteProposer sends them again.
 Without the target in this process, the head loads the target's embedding (and, for EAGLE-1,
 its LM head) itself.
+
+Transport: `pin` answers with the address of this replica's direct channel
+(deployments.direct_channel), and the verifier sends its per-step calls there, skipping Serve's
+routing; `propose` through the Serve handle stays for verifiers that cannot connect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -25,10 +30,13 @@ import torch
 from ray import serve
 
 from deployments.config import load_app_args, replica_device
+from deployments.direct_channel import ChannelServer
 from rayspec.config import ProposerContext
 from rayspec.loader import parse_dtype
 from rayspec.malloc import keep_freed_memory
 from rayspec.proposers import Draft, ProposeRequest, build_proposer
+
+logger = logging.getLogger("ray.serve")
 
 
 def make_proposer(args):
@@ -48,6 +56,8 @@ class Proposer:
     def __init__(self, args: dict):
         self.proposer, self.device = make_proposer(args)
         self._lock = threading.Lock()  # proposer state is not thread-safe
+        self._channel: ChannelServer | None = None
+        self._channel_lock = threading.Lock()
         self.num_calls = 0
         self.num_requests = 0
         self.num_tree_drafts = 0
@@ -64,12 +74,31 @@ class Proposer:
         later calls here, to the replica holding its sequences' state (see RemoteProposer)."""
         return verifier_tag
 
-    async def pin(self) -> None:
+    async def pin(self) -> dict:
         """Registers the caller's tag (its multiplexed model id) on this replica, so the router sends
-        the caller's calls here. propose does not register: see RemoteProposer for why."""
+        the caller's calls here. propose does not register: see RemoteProposer for why. Returns the
+        address of this replica's direct channel, for the per-step calls."""
         tag = serve.get_multiplexed_model_id()
         if tag:
             await self._register(tag)
+        return {"channel": self._channel_address()}
+
+    def _channel_address(self) -> tuple[str, int] | None:
+        """Started on the first pin: the direct channel (deployments.direct_channel) on this node's address."""
+        with self._channel_lock:
+            if self._channel is None:
+                try:
+                    import ray
+
+                    host = ray.util.get_node_ip_address()
+                except Exception:  # noqa: BLE001 - outside Ray
+                    host = "127.0.0.1"
+                try:
+                    self._channel = ChannelServer(self._propose, host)
+                except OSError:
+                    logger.exception("no direct channel; calls go through Serve")
+                    return None
+            return self._channel.address
 
     async def propose(self, requests: list[ProposeRequest], released: list[str] | None = None) -> list[Draft]:
         return await asyncio.to_thread(self._propose, requests, released)

@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from deployments.direct_channel import ChannelClient
 from rayspec.proposers import Draft, Proposer, ProposeRequest
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,12 @@ class RemoteProposer(Proposer):
     MAX_BACKOFF_S = 60.0
 
     def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 30.0,
-                 startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic):
+                 startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic,
+                 direct: bool = True):
         _route_in_own_loop(handle)
+        self.direct = direct  # per-step calls over the pinned replica's direct channel when it offers one
+        self._channel: ChannelClient | None = None
+        self.num_direct_calls = 0
         self.handle = handle.options(multiplexed_model_id=affinity) if affinity else handle
         self.affinity = affinity
         self._pinned = affinity is None  # with a tag, the first call pins it to one proposer replica
@@ -96,14 +101,37 @@ class RemoteProposer(Proposer):
         sent = torch.cat(self._sent.get(req.seq_id) or [torch.empty(0)])
         return dataclasses.replace(req, features=sent[start:] if len(sent) > start else None, features_start=start)
 
+    def _pin(self) -> None:
+        answer = self.handle.pin.remote().result(timeout_s=self.timeout_s)
+        self._pinned = True
+        address = (answer or {}).get("channel") if isinstance(answer, dict) else None
+        if self.direct and address is not None:
+            try:
+                self._channel = ChannelClient(tuple(address), self.timeout_s)
+            except OSError as err:  # e.g. a firewall between nodes: Serve's path still works
+                logger.warning("no direct channel to the proposer at %s (%s); calls go through Serve", address, err)
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()  # a reply still on its way would be read as the next call's
+            self._channel = None
+
     def _call(self, requests: list[ProposeRequest], released: list[str]) -> list[Draft]:
         started = time.perf_counter()
-        response = self.handle.propose.remote(requests, released)
-        try:
-            drafts = response.result(timeout_s=self.timeout_s)
-        except Exception:
-            response.cancel()  # a timed-out call must not run later on stale state (no-op once failed)
-            raise
+        if self._channel is not None:
+            try:
+                drafts = self._channel.call(requests, released)
+            except Exception:
+                self._drop_channel()
+                raise
+            self.num_direct_calls += 1
+        else:
+            response = self.handle.propose.remote(requests, released)
+            try:
+                drafts = response.result(timeout_s=self.timeout_s)
+            except Exception:
+                response.cancel()  # a timed-out call must not run later on stale state (no-op once failed)
+                raise
         self.num_calls += 1
         self.call_seconds += time.perf_counter() - started
         return drafts
@@ -118,8 +146,7 @@ class RemoteProposer(Proposer):
         released, self._released = self._released, []
         try:
             if not self._pinned:
-                self.handle.pin.remote().result(timeout_s=self.timeout_s)
-                self._pinned = True
+                self._pin()
             drafts = self._call(requests, released)
             self._backoff_s = 0.0
         except Exception as err:  # noqa: BLE001 - a lost proposer costs this step's drafts, not the requests
@@ -146,6 +173,7 @@ class RemoteProposer(Proposer):
     def _no_drafts(self, requests: list[ProposeRequest], err: Exception) -> list[Draft]:
         self.num_failed_calls += 1
         self._pinned = self.affinity is None  # pin again: that replica may be gone
+        self._drop_channel()
         self._backoff_s = min(max(2 * self._backoff_s, 1.0), self.MAX_BACKOFF_S)
         self._skip_until = self._clock() + self._backoff_s
         logger.warning("proposer call failed (%s: %s); %d sequence(s) step without drafts",

@@ -45,7 +45,8 @@ class Verifier:
             if proposer_handle is not None:
                 from deployments.remote_proposer import RemoteProposer
                 proposer = RemoteProposer(proposer_handle, device=engine_config.device, affinity=tag,
-                                          timeout_s=cfg.proposer_call_timeout_s)
+                                          timeout_s=cfg.proposer_call_timeout_s,
+                                          direct=cfg.proposer_transport == "direct")
             return LLMEngine(engine_config, proposer=proposer)
 
         try:

@@ -94,6 +94,9 @@ def test_one_proposer_call_per_step_for_the_batch(cluster_app):
     requests = after["num_requests"] - before["num_requests"]
     assert after["method"] == "draft_model" and calls > 0
     assert requests > calls  # several sequences per RPC: batched, not one call per request
+    stats = httpx.get(cluster_app["url"] + "/v1/stats", timeout=30).json()
+    # the per-step calls went over the direct channel between the two nodes, not through Serve
+    assert stats["proposer_direct_calls"] == stats["proposer_calls"] > 0
     # at most one call per engine step: each sequence needs < 32 steps
     assert calls <= 4 * 32
 

@@ -155,7 +155,7 @@ def test_remote_proposer_carries_features_and_trees(eagle_setup):
                      engine={**ENGINE, "device": "cpu"})
     replica = Proposer.func_or_class(args)  # the deployment's class, in this process
     handle = _LocalHandle(replica)
-    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a")
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", direct=False)
     assert remote.feature_layers == (2, 4, 5)
     assert handle.options_seen == [{"multiplexed_model_id": "verifier-a"}]  # calls stick to one replica
     engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
@@ -187,7 +187,7 @@ def test_remote_eagle_proposer_survives_other_replicas(eagle_setup, route):
                      engine={**ENGINE, "device": "cpu"})
     replicas = [Proposer.func_or_class(args), Proposer.func_or_class(args)]
     handle = _LocalHandle(*replicas, route={"replaced": lambda n: int(n > 6), "round-robin": lambda n: n}[route])
-    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a")
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", direct=False)
     engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
                                     speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -226,7 +226,8 @@ def test_remote_proposer_call_that_fails_costs_drafts_not_requests(eagle_setup):
     # call 0 asks feature_layers, call 1 pins, calls 2-6 propose on replica 0 (the 5th raises), then replica 1
     handle = _LocalHandle(Dying(), replacement, route=lambda n: 0 if n <= 6 else 1)
     ticks = iter(range(10**6))  # a clock that moves 0.25 s per reading: the 1 s back-off passes in steps
-    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", clock=lambda: next(ticks) * 0.25)
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", clock=lambda: next(ticks) * 0.25,
+                            direct=False)
     engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
                                     speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -238,6 +239,66 @@ def test_remote_proposer_call_that_fails_costs_drafts_not_requests(eagle_setup):
     assert remote.num_skipped_steps >= 1  # then left the proposer alone for its back-off
     assert remote.num_resent >= len(PROMPTS)  # the replacement caught every sequence up
     assert replacement.stats()["num_calls"] > 0 and sum(o.num_accepted_tokens for o in out) > 0
+
+
+def test_remote_proposer_direct_channel(eagle_setup):
+    """The per-step calls go over the pinned replica's direct channel, not the handle; the output is
+    the target's own. When that replica's channel dies mid-generation, the step runs without
+    drafts, the verifier pins again (here: a replacement replica), connects to its channel, and the
+    replacement catches the sequences up from the resent features."""
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=_spec(eagle_setup["head"], 4),
+                     engine={**ENGINE, "device": "cpu"})
+    first, replacement = Proposer.func_or_class(args), Proposer.func_or_class(args)
+    handle = _LocalHandle(first, replacement, route=lambda n: 0 if n < 2 else 1)  # feature_layers, pin: first
+    ticks = iter(range(10**6))
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", clock=lambda: next(ticks) * 0.25)
+    engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
+                                    speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
+    steps = [0]
+    original_propose = first._propose
+
+    def dying(requests, released):  # the first replica answers 4 calls, then its channel is gone
+        steps[0] += 1
+        if steps[0] > 4:
+            first._channel.close()
+            raise ConnectionError("replica died")
+        return original_propose(requests, released)
+
+    first._channel_address()  # start it, then route its handler through `dying`
+    first._channel._handler = dying
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in eagle_setup["ref"]]
+    names = [name for name, _ in handle.calls]
+    assert "propose" not in names and names.count("pin") == 2  # every step direct; pinned again after the loss
+    assert remote.num_failed_calls == 1 and remote.num_direct_calls == remote.num_calls > 4
+    assert first.stats()["num_calls"] == 4 and replacement.stats()["num_calls"] > 0
+    assert remote.num_resent >= len(PROMPTS) and sum(o.num_accepted_tokens for o in out) > 0
+
+
+def test_direct_channel_round_trip_errors_and_timeouts():
+    import time as _time
+
+    from deployments.direct_channel import ChannelClient, ChannelServer
+
+    def handler(x, delay=0.0):
+        _time.sleep(delay)
+        if x == "boom":
+            raise ValueError("bad input")
+        return {"echo": x, "tensor": torch.arange(4) * 2}
+
+    server = ChannelServer(handler)
+    client = ChannelClient(server.address, timeout_s=0.5)
+    got = client.call("hi")
+    assert got["echo"] == "hi" and got["tensor"].tolist() == [0, 2, 4, 6]
+    with pytest.raises(RuntimeError, match="ValueError: bad input"):
+        client.call("boom")
+    assert client.call("again")["echo"] == "again"  # a handler error leaves the channel usable
+    with pytest.raises(OSError):  # socket.timeout
+        client.call("slow", 2.0)
+    client.close()
+    server.close()
+    with pytest.raises(OSError):
+        ChannelClient(server.address, timeout_s=0.5)
 
 
 def test_remote_proposer_backs_off_after_failures():
