@@ -1,5 +1,11 @@
 """A rayspec Proposer that drafts in another Serve deployment (the disaggregated topology).
 
+Transport: the `pin` call goes through Serve and answers with the pinned replica's direct channel
+address (deployments.direct_channel); with `direct` (the default) the per-step calls then go over
+that socket, skipping Serve's routing. Without a channel (`direct=False`, no address, or the
+connection cannot be made) they go through the handle, as described below; everything else here
+(affinity, resends, failures, back-off) is the same for both paths.
+
 One RPC per engine step carries the whole batch (ProposeRequest list -> Draft list); releases of
 finished sequences are queued and ride along on the next call (or on `flush()`, which the engine
 loop calls when idle), so there is never an RPC per request per token. It blocks the engine
