@@ -6,9 +6,9 @@ socket to that replica. A Serve handle call costs a few milliseconds of routing,
 Ray task overhead each way (measured here: ~11 ms of a 28 ms call in a slow VM phase), which is a
 large share of a step that takes 10-30 ms on a GPU. The socket costs a pickle and a round trip.
 
-Messages are length-prefixed pickles (torch CPU tensors inside, as Ray itself would send them),
-so only processes of the same cluster may connect; the server binds to the node's address. No Ray
-import here.
+Messages are length-prefixed pickles (torch CPU tensors inside, as Ray itself would send them).
+Like Ray's own ports, the server (bound to the node's address, an ephemeral port) trusts whoever
+can reach it: keep the cluster on a private network, as Ray requires anyway. No Ray import here.
 """
 
 from __future__ import annotations
