@@ -241,7 +241,8 @@ class OpenAIIngress:
         try:
             if chat:
                 for c in range(len(streams)):
-                    yield event({"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    content = None if tool_streams is not None else ""  # OpenAI: null ahead of tool calls
+                    yield event({"index": c, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                                  "finish_reason": None})
             async for c, chunk in chunks:
                 if (not chat and body.prompt_only):

@@ -185,6 +185,7 @@ def test_tool_calls_named_and_required(client, local_engine):
 
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=named,
                                                  temperature=0, max_tokens=60, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
