@@ -21,15 +21,36 @@ torch.set_num_threads(int(os.environ.get("RAYSPEC_TEST_THREADS", "1")))
 
 def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
-                kv_cache_memory_gb: float = 2.0, **spec) -> LLMEngine:
-    """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory."""
+                kv_cache_memory_gb: float = 2.0, measured_costs: bool = False, **spec) -> LLMEngine:
+    """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
+
+    With `adaptive`, the policy sees modelled step costs (`modelled_step_costs`), so the draft
+    lengths it picks, and every count a test asserts, are the same on a loaded machine as on an
+    idle one; `measured_costs=True` keeps the wall clock."""
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           kv_cache_memory_gb=kv_cache_memory_gb,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                         adaptive=adaptive, **spec))
     if loaded is None:
-        return LLMEngine(config, proposer=proposer)
-    return LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
+        engine = LLMEngine(config, proposer=proposer)
+    else:
+        engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
+    if adaptive and not measured_costs:
+        modelled_step_costs(engine)
+    return engine
+
+
+def modelled_step_costs(engine: LLMEngine, base_s: float = 0.010, per_row_s: float = 0.002) -> LLMEngine:
+    """The adaptive draft length (rayspec.adaptive) learns step costs from the wall clock, which
+    makes the k it picks depend on how busy the machine is. Here it is fed a cost model instead
+    (base + per verified row), so it still trades acceptance against cost, deterministically."""
+    observe = engine.policy.observe_step
+
+    def modelled(batch_size: int, num_drafted: int, seconds: float) -> None:
+        observe(batch_size, num_drafted, base_s + per_row_s * batch_size * (num_drafted + 1))
+
+    engine.policy.observe_step = modelled
+    return engine
 
 
 def run_to_completion(engine: LLMEngine, done: dict[str, RequestOutput] | None = None,

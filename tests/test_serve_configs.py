@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytest.importorskip("ray.serve")
+import ray.serve  # noqa: F401 - a hard dependency: missing means an error, not a skip
 
 from pydantic import ValidationError  # noqa: E402
 

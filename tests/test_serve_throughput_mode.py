@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+import ray
+import ray.serve as serve
 
 from serve_utils import free_port, tiny_args  # noqa: E402
 

@@ -20,7 +20,7 @@ from rayspec.structured import StructuredOutput
 from rayspec.proposers.base import Draft, Proposer
 from test_penalties import OracleProposer
 
-llguidance = pytest.importorskip("llguidance")
+import llguidance
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "ok", "tag"],
           "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "ok": {"type": "boolean"},
