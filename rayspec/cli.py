@@ -133,7 +133,7 @@ def cmd_bench_serve(args) -> int:
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, concurrency=concurrency,
         temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup, timeout=args.timeout,
         log=lambda msg: print(msg, file=sys.stderr, flush=True), rounds=args.rounds, waves=args.waves,
-        extra_body=json.loads(args.extra_body) if args.extra_body else None)
+        extra_body=json.loads(args.extra_body) if args.extra_body else None, api_key=args.api_key)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to always decode max-tokens")
     p.add_argument("--extra-body", default=None,
                    help='JSON merged into every request body, e.g. \'{"response_format": {"type": "json_object"}}\'')
+    p.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer <key>` (default: $RAYSPEC_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per endpoint before the sweep")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--rounds", type=int, default=1,

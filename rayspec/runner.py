@@ -69,6 +69,21 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     @torch.inference_mode()
+    def padded_groups(self, seq_ids: list[str], lengths: list[int]) -> list[list[int]]:
+        """Indices of `seq_ids` split into batches whose padded forward (every row padded to the
+        batch's longest, padding written too) stays inside each row's cache. A sequence just
+        joined (its whole prompt pending) beside one deep in its context would otherwise write
+        padding past capacity. One group in the common case; the longest row always fits alone
+        (or its own forward raises CacheFullError)."""
+        groups, rest = [], list(range(len(seq_ids)))
+        while rest:
+            q = max(lengths[i] for i in rest)
+            fits = [i for i in rest if self._cached_len[seq_ids[i]] + q <= self.cache.capacity]
+            fits = fits or [max(rest, key=lambda i: lengths[i])]
+            groups.append(fits)
+            rest = [i for i in rest if i not in fits]
+        return groups
+
     def forward(self, seq_ids: list[str], token_lists: list[list[int]], last_only: bool) -> torch.Tensor:
         """Append token_lists[i] to sequence i's cache and return logits.
 

@@ -53,7 +53,7 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in running` must not compare every field
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]

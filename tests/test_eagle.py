@@ -1079,3 +1079,29 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
     assert first.keys() == second.keys()
     for k in first:
         torch.testing.assert_close(second[k], first[k], atol=1e-4, rtol=1e-3, msg=k)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_long_prompt_joins_beside_a_sequence_near_its_end(target_dir, target, random_heads, kind):
+    """The head's catch-up forward pads every row to the longest: a long prompt admitted beside a
+    sequence deep in its context would write padding past that sequence's cache end (it raised
+    CacheFullError and failed the step). It is split into batches that fit; outputs stay exact."""
+    max_len = 48
+    deep, joiner = PROMPTS[0], [_rng.randrange(VOCAB) for _ in range(30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_len - len(deep), ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
+    base = make_engine(target_dir, "none", loaded=target, max_model_len=max_len, max_num_seqs=2)
+    want = [base.generate([p], sp)[0].token_ids for p, sp in zip((deep, joiner), params)]
+    engine = make_engine(target_dir, kind, k=2, loaded=target, draft_model=str(random_heads[kind]),
+                         max_model_len=max_len, max_num_seqs=2)
+    first = engine.add_request(deep, params[0])
+    done: dict = {}
+    head_cache = engine.proposer.runner
+    # deep enough that the joiner's padded rows would run past the deep sequence's cache end
+    while not head_cache.has(first) or head_cache.cached_len(first) + len(joiner) <= head_cache.cache.capacity:
+        for out in engine.step():
+            assert not out.finished
+    second = engine.add_request(joiner, params[1])
+    run_to_completion(engine, done)
+    assert [done[first].token_ids, done[second].token_ids] == want
+    assert engine.stats.num_drafts > 0

@@ -50,20 +50,14 @@ class DraftModelProposer(Proposer):
         return self._generators[req.seq_id]
 
     def _forward_last(self, seq_ids: list[str], pending: list[list[int]]) -> torch.Tensor:
-        """The catch-up forward, split where padding would run past a row's cache end.
-
-        Rows are padded to the longest; a sequence just joined (its whole prompt pending) next
-        to one deep in its context would write padding past capacity. Rows that fit go in one
-        batch, the others recurse (the longest row always fits on its own).
-        """
-        q = max(len(p) for p in pending)
-        fits = [self.runner.cached_len(s) + q <= self.runner.cache.capacity for s in seq_ids]
-        if all(fits):
+        """The catch-up forward ([B, vocab] last logits), in as few batches as fit the cache
+        (ModelRunner.padded_groups)."""
+        groups = self.runner.padded_groups(seq_ids, [len(p) for p in pending])
+        if len(groups) == 1:
             return self.runner.forward(seq_ids, pending, last_only=True)
         out: list[torch.Tensor | None] = [None] * len(seq_ids)
-        for group in (True, False):
-            idx = [i for i, f in enumerate(fits) if f is group]
-            logits = self._forward_last([seq_ids[i] for i in idx], [pending[i] for i in idx])
+        for idx in groups:
+            logits = self.runner.forward([seq_ids[i] for i in idx], [pending[i] for i in idx], last_only=True)
             for j, i in enumerate(idx):
                 out[i] = logits[j]
         return torch.stack(out)

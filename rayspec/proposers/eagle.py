@@ -160,18 +160,30 @@ class EagleProposer(Proposer):
         by_id: dict[str, Draft] = {s: Draft([], resend_features_from=0) for s in missing}
         if active:
             ids = [r.seq_id for r in active]
-            q = max(len(t) for t in toks)
-            padded = torch.zeros(len(active), q, feats[0].shape[-1], dtype=feats[0].dtype, device=feats[0].device)
-            for i, f in enumerate(feats):
-                padded[i, : len(f)] = f
-            hidden, lengths = self.runner.forward_hidden(ids, toks, features=padded)
-            last = last_rows(hidden, lengths)  # [B, H]: predicts the first draft token
+            last = self._catch_up(ids, toks, feats)  # [B, H]: predicts the first draft token
             committed = [self.runner.cached_len(s) for s in ids]
             drafts = self._draft(active, last)
             for s, n in zip(ids, committed):
                 self.runner.set_cached_len(s, n)
             by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
+
+    def _catch_up(self, ids: list[str], toks: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
+        """The head over every committed position not yet cached; [B, H] the last hidden row of
+        each. feats[i]: [len(toks[i]), F]. Split into batches that fit the cache
+        (ModelRunner.padded_groups: a new long prompt beside a sequence near its end)."""
+        out: list[torch.Tensor | None] = [None] * len(ids)
+        for idx in self.runner.padded_groups(ids, [len(t) for t in toks]):
+            q = max(len(toks[i]) for i in idx)
+            f0 = feats[idx[0]]
+            padded = torch.zeros(len(idx), q, f0.shape[-1], dtype=f0.dtype, device=f0.device)  # [b, q, F]
+            for j, i in enumerate(idx):
+                padded[j, : len(feats[i])] = feats[i]
+            hidden, lengths = self.runner.forward_hidden([ids[i] for i in idx], [toks[i] for i in idx],
+                                                         features=padded)
+            for j, row in zip(idx, last_rows(hidden, lengths)):
+                out[j] = row
+        return torch.stack(out)
 
     # ---- drafting --------------------------------------------------------------------
     def _draft(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
