@@ -15,9 +15,12 @@ Python handle API (from a driver connected to the cluster, or from another deplo
 
 from __future__ import annotations
 
+import secrets
+
+from pydantic import SecretStr
 from ray.serve import Application
 
-from deployments.config import AppArgs, load_app_args
+from deployments.config import AppArgs, load_app_args, resolve_api_key
 from deployments.ingress import OpenAIIngress
 from deployments.proposer import Proposer
 from deployments.verifier import Verifier
@@ -25,9 +28,13 @@ from deployments.verifier import Verifier
 
 def build_app(args: dict | AppArgs | None = None) -> Application:
     cfg = load_app_args(args)
-    plain = cfg.model_dump(mode="json")  # what travels to the replicas
-    proposer = None
+    plain = cfg.model_dump(mode="json", exclude={"api_key"})  # what travels to every replica
+    proposer = channel_secret = None
     if cfg.topology == "disaggregated":
-        proposer = Proposer.options(**cfg.proposer_options()).bind(plain)
-    verifier = Verifier.options(**cfg.verifier_options()).bind(plain, proposer)
-    return OpenAIIngress.options(**cfg.ingress_options()).bind(plain, verifier)
+        # one per application build, for the verifier <-> proposer direct channel's handshake; only
+        # those two deployments get it (SecretStr: a repr or log line shows stars)
+        channel_secret = SecretStr(secrets.token_urlsafe(32))
+        proposer = Proposer.options(**cfg.proposer_options()).bind(plain, channel_secret)
+    verifier = Verifier.options(**cfg.verifier_options()).bind(plain, proposer, channel_secret)
+    api_key = resolve_api_key(cfg.api_key)  # the ingress alone checks it
+    return OpenAIIngress.options(**cfg.ingress_options()).bind(plain, verifier, api_key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from deployments.failover import FailoverStream
+from deployments.failover import FailoverCounts, FailoverStream
 from deployments.protocol import GenerateChunk, GenerateRequest
 
 
@@ -42,10 +42,10 @@ async def _first(stream: FailoverStream) -> GenerateChunk | None:
         return None
 
 
-async def open_streams(verifier, requests: list[GenerateRequest]):
+async def open_streams(verifier, requests: list[GenerateRequest], counts: FailoverCounts):
     """Start every stream and wait for each one's first chunk (so request errors surface before
     any response is sent). Returns (streams, first chunks)."""
-    streams = [FailoverStream(verifier, r) for r in requests]
+    streams = [FailoverStream(verifier, r, counts) for r in requests]
     try:
         firsts = await gather_or_cancel(_first(s) for s in streams)
     except BaseException:

@@ -6,10 +6,11 @@ applied with `.options(...)` in deployments.app; the decorators carry no resourc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from rayspec.config import EngineConfig, SpeculativeConfig
 
@@ -177,6 +178,19 @@ class AppArgs(_Strict):
     # disaggregated: per-step calls over a direct socket to the pinned proposer replica ("direct",
     # deployments.direct_channel; falls back to Serve when it cannot connect) or through Serve handles
     proposer_transport: Literal["direct", "serve"] = "direct"
+    # the direct channel refuses frames longer than this (both ways; a call that would be longer goes
+    # through Serve): checked from the length prefix, before anything is allocated
+    proposer_channel_max_frame_mib: int = Field(256, ge=1, le=1 << 16)
+    # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
+    # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
+    api_key: SecretStr | None = None
+
+    @field_validator("api_key")
+    @classmethod
+    def _non_empty_key(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("api_key must not be empty (leave it out for no key)")
+        return key
 
     @field_validator("model")
     @classmethod
@@ -229,6 +243,18 @@ def replica_device(configured: str | None) -> str:
     except Exception:  # noqa: BLE001 - outside a Ray worker
         has_gpu = True
     return "cuda" if has_gpu and torch.cuda.is_available() else "cpu"
+
+
+API_KEY_ENV = "RAYSPEC_API_KEY"
+
+
+def resolve_api_key(configured: SecretStr | str | None) -> SecretStr | None:
+    """The key the ingress asks for: the configured one, else $RAYSPEC_API_KEY, else None (open)."""
+    if configured is None:
+        configured = os.environ.get(API_KEY_ENV, "").strip() or None
+    if configured is None or isinstance(configured, SecretStr):
+        return configured
+    return SecretStr(configured)
 
 
 def load_app_args(args: dict | AppArgs | None) -> AppArgs:

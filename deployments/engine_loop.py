@@ -215,6 +215,7 @@ class EngineLoop:
             "method": engine.config.speculative.method,
             "device": str(engine.device),
             "num_slots": engine.num_slots,
+            "num_free_slots": engine.runner.num_free_slots,  # KV slots no sequence holds
             "max_model_len": engine.max_model_len,
             "num_running": engine.num_running,
             "num_waiting": engine.num_waiting,

@@ -26,11 +26,24 @@ REPLICA_LOST = (RayActorError, ActorUnavailableError)  # the verifier replica di
 T = TypeVar("T")
 
 
+class FailoverCounts:
+    """How often requests outlived a lost verifier replica (reported in the ingress's stats)."""
+
+    def __init__(self):
+        self.streams = 0  # streams resumed on another replica (one per failover)
+        self.requests = 0  # whole requests sent again from the start
+
+    def as_dict(self) -> dict:
+        return {"num_stream_failovers": self.streams, "num_request_failovers": self.requests,
+                "num_failovers": self.streams + self.requests}
+
+
 class FailoverStream:
     """Async iterator of a request's GenerateChunks from the verifier, across replica deaths."""
 
-    def __init__(self, verifier, request: GenerateRequest):
+    def __init__(self, verifier, request: GenerateRequest, counts: FailoverCounts):
         self.verifier, self.request = verifier, request
+        self.counts = counts  # the ingress replica's
         self.output_ids: list[int] = []  # every token streamed so far, over all replicas
         self.sent_chars = 0
         self.num_failovers = 0
@@ -53,6 +66,7 @@ class FailoverStream:
                 if self.num_failovers >= MAX_FAILOVERS:
                     raise
                 self.num_failovers += 1
+                self.counts.streams += 1
                 logger.warning("verifier replica lost mid-stream (%s); resuming after %d tokens",
                                type(err).__name__, len(self.output_ids))
                 self._drafts_before += self._drafts
@@ -74,7 +88,7 @@ class FailoverStream:
         self._gen.cancel()
 
 
-async def call_with_failover(call: Callable[[], Awaitable[T]]) -> T:
+async def call_with_failover(call: Callable[[], Awaitable[T]], counts: FailoverCounts) -> T:
     """A whole request: sent again from the start if its verifier replica is lost."""
     for attempt in range(MAX_FAILOVERS + 1):
         try:
@@ -82,5 +96,6 @@ async def call_with_failover(call: Callable[[], Awaitable[T]]) -> T:
         except REPLICA_LOST as err:
             if attempt == MAX_FAILOVERS:
                 raise
+            counts.requests += 1
             logger.warning("verifier replica lost (%s); sending the request again", type(err).__name__)
     raise AssertionError("unreachable")

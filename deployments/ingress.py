@@ -2,6 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats.
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
+With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but /health wants
+`Authorization: Bearer <key>` (deployments.api_key); handle calls come over Ray, which has no keys.
 """
 
 
@@ -17,9 +19,10 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.api_key import RequireApiKey, key_digest
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
-from deployments.config import load_app_args
-from deployments.failover import FailoverStream, call_with_failover
+from deployments.config import load_app_args, resolve_api_key
+from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
 from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, ToolCallStream,
                                          chat_logprobs, completion_logprobs, finish_reason, new_id, now, sum_usage,
                                          tool_call_message)
@@ -28,6 +31,14 @@ from rayspec.engine import InvalidRequestError
 
 logger = logging.getLogger("rayspec.serve")
 app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")
+
+
+def _replica_key_digest() -> bytes | None:
+    """The API key of the ingress replica serving this request (None: no key)."""
+    return serve.get_replica_context().servable_object._api_key_digest
+
+
+app.add_middleware(RequireApiKey, expected=_replica_key_digest)
 
 
 HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
@@ -98,18 +109,22 @@ def _with_prompt(result):
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, args: dict, verifier):
+    def __init__(self, args: dict, verifier, api_key=None):
         self.cfg = load_app_args(args)
+        # deployments.app resolves the key where the app is built; $RAYSPEC_API_KEY here as well
+        # (e.g. set through the runtime_env's env_vars). Only its digest is kept.
+        self._api_key_digest = key_digest(resolve_api_key(api_key))
         self.model_name = self.cfg.model_name
         self.verifier = verifier
+        self.failovers = FailoverCounts()  # requests that outlived a lost verifier replica
 
     # ---- Python handle API ---------------------------------------------------------------
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
         request = GenerateRequest.model_validate(request)
-        return await call_with_failover(lambda: self.verifier.generate.remote(request))
+        return await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
 
     async def generate_stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
-        stream = FailoverStream(self.verifier, GenerateRequest.model_validate(request))
+        stream = FailoverStream(self.verifier, GenerateRequest.model_validate(request), self.failovers)
         finished = False
         try:
             async for chunk in stream:
@@ -120,7 +135,7 @@ class OpenAIIngress:
                 stream.cancel()
 
     async def stats(self) -> dict:
-        return await self.verifier.get_stats.remote()
+        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict()}  # + this ingress's failovers
 
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")
@@ -204,7 +219,7 @@ class OpenAIIngress:
 
     async def _call(self, request: GenerateRequest) -> GenerateResponse:
         try:
-            return await call_with_failover(lambda: self.verifier.generate.remote(request))
+            return await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
         except Exception as err:  # noqa: BLE001
             mapped = _as_openai_error(err)
             if mapped is None:
@@ -213,7 +228,7 @@ class OpenAIIngress:
 
     async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool):
         try:  # wait for every choice's first chunk so that request errors still become a 400
-            streams, firsts = await open_streams(self.verifier, requests)
+            streams, firsts = await open_streams(self.verifier, requests, self.failovers)
         except Exception as err:  # noqa: BLE001
             mapped = _as_openai_error(err)
             if mapped is None:

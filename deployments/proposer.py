@@ -16,7 +16,10 @@ its LM head) itself.
 
 Transport: `pin` answers with the address of this replica's direct channel
 (deployments.direct_channel), and the verifier sends its per-step calls there, skipping Serve's
-routing; `propose` through the Serve handle stays for verifiers that cannot connect.
+routing; `propose` through the Serve handle stays for verifiers that cannot connect. The channel
+admits only verifiers holding the application's channel secret (a constructor argument, given by
+deployments.app to the verifier and proposer deployments alone) and checks every call against
+this replica's shapes: the EAGLE feature width, max_num_seqs requests, max_model_len tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ray import serve
 
 from deployments.config import load_app_args, replica_device
 from deployments.direct_channel import ChannelServer
+from deployments.wire import CallLimits
 from rayspec.config import ProposerContext
 from rayspec.loader import parse_dtype
 from rayspec.malloc import keep_freed_memory
@@ -51,10 +55,19 @@ def make_proposer(args):
     return build_proposer(cfg.speculative.to_config(), context), device
 
 
+def feature_width(proposer) -> int | None:
+    """F of the features [m, F] an EAGLE proposer takes (the head's fc input); None: it takes none."""
+    if proposer.feature_layers is None:
+        return None
+    return proposer.head.config.feature_size
+
+
 @serve.deployment
 class Proposer:
-    def __init__(self, args: dict):
-        self.proposer, self.device = make_proposer(args)
+    def __init__(self, args: dict, channel_secret=None):
+        self.cfg = load_app_args(args)
+        self.proposer, self.device = make_proposer(self.cfg)
+        self._channel_secret = channel_secret  # pydantic SecretStr from deployments.app: its repr hides it
         self._lock = threading.Lock()  # proposer state is not thread-safe
         self._channel: ChannelServer | None = None
         self._channel_lock = threading.Lock()
@@ -93,8 +106,12 @@ class Proposer:
                     host = ray.util.get_node_ip_address()
                 except Exception:  # noqa: BLE001 - outside Ray
                     host = "127.0.0.1"
+                limits = CallLimits(feature_width=feature_width(self.proposer),
+                                    max_requests=self.cfg.engine.max_num_seqs,
+                                    max_seq_tokens=self.cfg.engine.max_model_len)
                 try:
-                    self._channel = ChannelServer(self._propose, host)
+                    self._channel = ChannelServer(self._propose, self._channel_secret, host, limits,
+                                                  max_frame_bytes=self.cfg.proposer_channel_max_frame_mib << 20)
                 except OSError:
                     logger.exception("no direct channel; calls go through Serve")
                     return None
@@ -129,4 +146,8 @@ class Proposer:
         return {"method": self.proposer.name, "device": str(self.device), "num_calls": self.num_calls,
                 "propose_seconds": round(self.propose_seconds, 4),
                 "num_requests": self.num_requests, "num_tree_drafts": self.num_tree_drafts,
-                "feature_layers": None if layers is None else list(layers)}
+                "feature_layers": None if layers is None else list(layers),
+                # the direct channel: authenticated connections, and those closed (failed handshake,
+                # malformed or oversized frame, too many connections)
+                "channel_connections": self._channel.num_connections if self._channel else 0,
+                "channel_rejected": self._channel.num_rejected if self._channel else 0}

@@ -1,10 +1,11 @@
 """A rayspec Proposer that drafts in another Serve deployment (the disaggregated topology).
 
 Transport: the `pin` call goes through Serve and answers with the pinned replica's direct channel
-address (deployments.direct_channel); with `direct` (the default) the per-step calls then go over
-that socket, skipping Serve's routing. Without a channel (`direct=False`, no address, or the
-connection cannot be made) they go through the handle, as described below; everything else here
-(affinity, resends, failures, back-off) is the same for both paths.
+address (deployments.direct_channel); with `direct` (the default) and the application's channel
+secret the per-step calls then go over that socket, skipping Serve's routing. Without a channel
+(`direct=False`, no secret, no address, or the connection or its handshake fails) they go through
+the handle, as described below, and so does a single call too large for the channel's frame
+limit; everything else here (affinity, resends, failures, back-off) is the same for both paths.
 
 One RPC per engine step carries the whole batch (ProposeRequest list -> Draft list); releases of
 finished sequences are queued and ride along on the next call (or on `flush()`, which the engine
@@ -45,7 +46,8 @@ import time
 
 import torch
 
-from deployments.direct_channel import ChannelClient
+from deployments.direct_channel import DEFAULT_MAX_FRAME_BYTES, CallTooLarge, ChannelClient
+from deployments.wire import ReplyLimits
 from rayspec.proposers import Draft, Proposer, ProposeRequest
 
 logger = logging.getLogger(__name__)
@@ -71,10 +73,14 @@ class RemoteProposer(Proposer):
 
     def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 30.0,
                  startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic,
-                 direct: bool = True):
+                 direct: bool = True, channel_secret=None, vocab_size: int | None = None,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
         _route_in_own_loop(handle)
         self.direct = direct  # per-step calls over the pinned replica's direct channel when it offers one
         self._channel: ChannelClient | None = None
+        self._channel_secret = channel_secret  # the application's (deployments.app); never logged
+        self.vocab_size = vocab_size  # the target's: what the drafts' tokens and probs are checked against
+        self.max_frame_bytes = max_frame_bytes
         self.num_direct_calls = 0
         self.handle = handle.options(multiplexed_model_id=affinity) if affinity else handle
         self.affinity = affinity
@@ -111,10 +117,13 @@ class RemoteProposer(Proposer):
         answer = self.handle.pin.remote().result(timeout_s=self.timeout_s)
         self._pinned = True
         address = (answer or {}).get("channel") if isinstance(answer, dict) else None
-        if self.direct and address is not None:
+        if self.direct and address is not None and self._channel_secret is None:
+            logger.warning("no channel secret for the proposer's direct channel; calls go through Serve")
+        elif self.direct and address is not None:
             try:
-                self._channel = ChannelClient(tuple(address), self.timeout_s)
-            except OSError as err:  # e.g. a firewall between nodes: Serve's path still works
+                self._channel = ChannelClient(tuple(address), self._channel_secret, self.timeout_s,
+                                              ReplyLimits(vocab_size=self.vocab_size), self.max_frame_bytes)
+            except OSError as err:  # a firewall between nodes, another secret: Serve's path still works
                 logger.warning("no direct channel to the proposer at %s (%s); calls go through Serve", address, err)
 
     def _drop_channel(self) -> None:
@@ -124,14 +133,17 @@ class RemoteProposer(Proposer):
 
     def _call(self, requests: list[ProposeRequest], released: list[str]) -> list[Draft]:
         started = time.perf_counter()
+        drafts = None
         if self._channel is not None:
             try:
                 drafts = self._channel.call(requests, released)
+                self.num_direct_calls += 1
+            except CallTooLarge as err:  # nothing was sent: this one call goes through Serve
+                logger.warning("%s; this call goes through Serve", err)
             except Exception:
                 self._drop_channel()
                 raise
-            self.num_direct_calls += 1
-        else:
+        if drafts is None:
             response = self.handle.propose.remote(requests, released)
             try:
                 drafts = response.result(timeout_s=self.timeout_s)

@@ -33,7 +33,7 @@ def _replica_tag() -> str:
 
 @serve.deployment
 class Verifier:
-    def __init__(self, args: dict, proposer_handle=None):
+    def __init__(self, args: dict, proposer_handle=None, channel_secret=None):
         cfg = load_app_args(args)
         self.cfg = cfg
         engine_config = cfg.engine_config()
@@ -46,8 +46,12 @@ class Verifier:
                 from deployments.remote_proposer import RemoteProposer
                 proposer = RemoteProposer(proposer_handle, device=engine_config.device, affinity=tag,
                                           timeout_s=cfg.proposer_call_timeout_s,
-                                          direct=cfg.proposer_transport == "direct")
-            return LLMEngine(engine_config, proposer=proposer)
+                                          direct=cfg.proposer_transport == "direct", channel_secret=channel_secret,
+                                          max_frame_bytes=cfg.proposer_channel_max_frame_mib << 20)
+            engine = LLMEngine(engine_config, proposer=proposer)
+            if proposer is not None:  # drafts coming back are checked against the target's vocabulary
+                proposer.vocab_size = engine.model.args.vocab_size
+            return engine
 
         try:
             from deployments.metrics import VerifierMetrics

@@ -13,11 +13,12 @@ def free_port() -> int:
 
 
 def tiny_args(model_dir, **overrides) -> dict:
-    """AppArgs for a fast CPU app on the tiny random model."""
+    """AppArgs for a fast CPU app on the tiny random model. The adaptive draft length is off: it
+    learns from the wall clock, and tests that count drafts must not depend on machine load."""
     args = {
         "model": str(model_dir),
         "served_model_name": "tiny",
-        "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
         "engine": {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25, "num_threads": 1},
         "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
         "verifier": {"ray_actor_options": {"num_cpus": 0.5}},

@@ -30,14 +30,22 @@ def tiny_loaded(tiny_model_dir):
 @pytest.mark.parametrize("name,spec", METHODS, ids=[m[0] for m in METHODS])
 def test_logprobs_are_the_targets(tiny_model_dir, tiny_loaded, name, spec, temperature):
     engine = make_engine(tiny_model_dir, loaded=tiny_loaded, **spec)
-    num_top = [0, 3, 5]
-    ids = [engine.add_request(p, SamplingParams(temperature=temperature, seed=i, max_tokens=24, logprobs=num_top[i]))
-           for i, p in enumerate(PROMPTS)]
+    num_top = [0, 3, 5, 2]
+    # the random model's sampled text never repeats itself within 24 tokens, so the n-gram proposer
+    # would draft nothing; a fourth request is made to repeat one token (a logit_bias, which its
+    # logprobs, the target's raw ones, do not show): its drafts are accepted, sampled too
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=24, logprobs=num_top[i]) for i in range(3)]
+    params.append(SamplingParams(temperature=temperature, seed=3, max_tokens=24, logprobs=num_top[3],
+                                 logit_bias={engine.encode(" mat")[0]: 100}))
+    prompts = PROMPTS + PROMPTS[:1]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = run_to_completion(engine)
-    for rid, prompt, k in zip(ids, PROMPTS, num_top):
+    for rid, prompt, k in zip(ids, prompts, num_top):
         assert_target_logprobs(tiny_model_dir, engine.encode(prompt), done[rid], k)
-    if name != "none" and (temperature == 0 or name.startswith("draft")):  # sampled tiny-model text may never repeat (no n-gram match)
-        assert engine.stats.num_accepted_tokens > 0  # some logprobs belong to accepted drafts
+    assert done[ids[3]].text == " mat" * 24
+    # every speculative case has logprobs of accepted drafts among them (seeded: the same every run)
+    assert (engine.stats.num_accepted_tokens > 0) == (name != "none")
+    assert (engine.stats.num_draft_tokens > 0) == (name != "none")
 
 
 def test_logprobs_off_and_across_a_stop(tiny_model_dir, tiny_loaded):

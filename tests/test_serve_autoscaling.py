@@ -7,8 +7,8 @@ import threading
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+import ray
+import ray.serve as serve
 
 from serve_utils import free_port, tiny_args, wait_for  # noqa: E402
 
@@ -17,7 +17,7 @@ from deployments.app import build_app  # noqa: E402
 
 @pytest.fixture(scope="module")
 def autoscaled(tiny_model_dir):
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = tiny_args(tiny_model_dir, verifier={
@@ -42,16 +42,36 @@ def test_verifier_scales_up_and_down(autoscaled):
     stop = threading.Event()
     body = {"model": "tiny", "prompt": "load load load", "max_tokens": 900, "temperature": 0.9,
             "ignore_eos": True, "stream": True}
+    outcomes: list[str] = []  # one per request of the load: "done" (ran to [DONE]) or "stopped" (closed by us)
+    failures: list[str] = []  # anything else: a status other than 200, an error event, a transport error
+
+    def one_request() -> None:
+        try:
+            with httpx.stream("POST", autoscaled + "/v1/completions", json=body, timeout=120) as r:
+                if r.status_code != 200:
+                    failures.append(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+                    return
+                last = None
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    if '"error"' in line:
+                        failures.append(f"error event: {line[:200]}")
+                        return
+                    last = line
+                    if stop.is_set():
+                        outcomes.append("stopped")
+                        return
+                if last != "data: [DONE]":
+                    failures.append(f"stream ended without [DONE]: {last!r}")
+                    return
+                outcomes.append("done")
+        except httpx.HTTPError as err:
+            failures.append(f"{type(err).__name__}: {err}")
 
     def load():
         while not stop.is_set():
-            try:
-                with httpx.stream("POST", autoscaled + "/v1/completions", json=body, timeout=60) as r:
-                    for _ in r.iter_lines():
-                        if stop.is_set():
-                            break
-            except httpx.HTTPError:
-                pass
+            one_request()
 
     threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for t in threads:
@@ -61,6 +81,11 @@ def test_verifier_scales_up_and_down(autoscaled):
     finally:
         stop.set()
         for t in threads:
-            t.join(timeout=30)
+            t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a load request hung"
+    # every request of the load was served: a 200 stream that ran to [DONE] or that we closed at the end
+    assert failures == [], failures
+    # each thread sent at least one request; those in flight at the end were closed by us
+    assert len(outcomes) >= len(threads) and 1 <= outcomes.count("stopped") <= len(threads), outcomes
     wait_for(lambda: _running_verifiers() == 1 and serve.status().applications["rayspec"]
              .deployments["Verifier"].status == "HEALTHY", timeout=120, interval=1)

@@ -128,27 +128,46 @@ def test_defaults_and_overrides():
 
 @pytest.mark.slow
 def test_default_config_served(smollm2):
-    """configs/default.yaml as written (real SmolLM2-135M on CPU), over HTTP with the openai client."""
+    """configs/default.yaml as written (real SmolLM2-135M on CPU), over HTTP with the openai client:
+    the served greedy answer is the target's own (an in-process engine without speculation), and
+    the app's counters hold exactly that request's drafts."""
     import openai
     import ray
     from ray import serve
     from serve_utils import free_port
 
+    from rayspec.config import SpeculativeConfig
+    from rayspec.engine import LLMEngine
+    from rayspec.sampling import SamplingParams
+
     doc = yaml.safe_load((CONFIGS / "default.yaml").read_text())
     args = doc["applications"][0]["args"]
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    messages = [{"role": "user", "content": "List the numbers from 1 to 10, separated by commas."}]
+    max_tokens = 24
+    config = AppArgs.model_validate(args).engine_config()
+    config.speculative = SpeculativeConfig(method="none")
+    config.max_num_seqs, config.kv_cache_memory_gb, config.device = 1, 0.25, "cpu"  # as served: no GPU here
+    target = LLMEngine(config)
+    ref = target.generate([target.encode_chat(messages)], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+    del target
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="rayspec", route_prefix="/")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
-        resp = client.chat.completions.create(
-            model=args["served_model_name"], temperature=0, max_tokens=24,
-            messages=[{"role": "user", "content": "List the numbers from 1 to 10, separated by commas."}])
-        assert resp.choices[0].message.content.strip()
-        assert resp.usage.completion_tokens > 0
-        stats = serve.get_app_handle("rayspec").stats.remote().result()
-        assert stats["method"] == args["speculative"]["method"] and stats["num_draft_tokens"] > 0
+        resp = client.chat.completions.create(model=args["served_model_name"], temperature=0, max_tokens=max_tokens,
+                                              messages=messages)
+        assert resp.choices[0].message.content == ref.text and ref.text.strip()
+        assert resp.usage.completion_tokens == ref.num_output_tokens
+        assert resp.choices[0].finish_reason == ref.finish_reason
+        details = resp.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0  # the shipped EAGLE-3 head's drafts are accepted
+        # a fresh app: its counters are this one request's
+        stats = serve.get_app_handle("rayspec").stats.remote().result(timeout_s=60)
+        assert stats["method"] == args["speculative"]["method"]
+        assert stats["num_accepted_tokens"] == details.accepted_prediction_tokens
+        assert stats["num_draft_tokens"] == details.accepted_prediction_tokens + details.rejected_prediction_tokens
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+import ray
+import ray.serve as serve
 
 from conftest import make_tiny_model_dir  # noqa: E402
 from serve_utils import free_port, tiny_args  # noqa: E402
@@ -245,15 +245,19 @@ def test_remote_proposer_direct_channel(eagle_setup):
     """The per-step calls go over the pinned replica's direct channel, not the handle; the output is
     the target's own. When that replica's channel dies mid-generation, the step runs without
     drafts, the verifier pins again (here: a replacement replica), connects to its channel, and the
-    replacement catches the sequences up from the resent features."""
+    replacement catches the sequences up from the resent features. (The channel itself, against
+    hostile input: tests/test_direct_channel.py.)"""
     args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=_spec(eagle_setup["head"], 4),
                      engine={**ENGINE, "device": "cpu"})
-    first, replacement = Proposer.func_or_class(args), Proposer.func_or_class(args)
+    secret = "an application's channel secret"  # deployments.app makes one per app
+    first, replacement = Proposer.func_or_class(args, secret), Proposer.func_or_class(args, secret)
     handle = _LocalHandle(first, replacement, route=lambda n: 0 if n < 2 else 1)  # feature_layers, pin: first
     ticks = iter(range(10**6))
-    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", clock=lambda: next(ticks) * 0.25)
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", clock=lambda: next(ticks) * 0.25,
+                            channel_secret=secret)
     engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
                                     speculative=SpeculativeConfig(**_spec(eagle_setup["head"], 4))), proposer=remote)
+    remote.vocab_size = engine.model.args.vocab_size  # as the Verifier does: drafts are checked against it
     steps = [0]
     original_propose = first._propose
 
@@ -273,32 +277,8 @@ def test_remote_proposer_direct_channel(eagle_setup):
     assert remote.num_failed_calls == 1 and remote.num_direct_calls == remote.num_calls > 4
     assert first.stats()["num_calls"] == 4 and replacement.stats()["num_calls"] > 0
     assert remote.num_resent >= len(PROMPTS) and sum(o.num_accepted_tokens for o in out) > 0
-
-
-def test_direct_channel_round_trip_errors_and_timeouts():
-    import time as _time
-
-    from deployments.direct_channel import ChannelClient, ChannelServer
-
-    def handler(x, delay=0.0):
-        _time.sleep(delay)
-        if x == "boom":
-            raise ValueError("bad input")
-        return {"echo": x, "tensor": torch.arange(4) * 2}
-
-    server = ChannelServer(handler)
-    client = ChannelClient(server.address, timeout_s=0.5)
-    got = client.call("hi")
-    assert got["echo"] == "hi" and got["tensor"].tolist() == [0, 2, 4, 6]
-    with pytest.raises(RuntimeError, match="ValueError: bad input"):
-        client.call("boom")
-    assert client.call("again")["echo"] == "again"  # a handler error leaves the channel usable
-    with pytest.raises(OSError):  # socket.timeout
-        client.call("slow", 2.0)
-    client.close()
-    server.close()
-    with pytest.raises(OSError):
-        ChannelClient(server.address, timeout_s=0.5)
+    for replica in (first, replacement):  # one authenticated connection each, nothing refused
+        assert replica.stats()["channel_connections"] == 1 and replica.stats()["channel_rejected"] == 0
 
 
 def test_remote_proposer_backs_off_after_failures():
@@ -331,7 +311,7 @@ def test_remote_proposer_backs_off_after_failures():
 # ---- served -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(eagle_setup):
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -438,14 +418,24 @@ def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
 
 
 @pytest.mark.parametrize("app", ["disaggregated", "chain"])
-def test_proposer_deployment_drafts_from_sent_features(served, app):
-    stats = serve.get_deployment_handle("Proposer", app_name=app).stats.remote().result(timeout_s=60)
+def test_proposer_deployment_drafts_from_sent_features(served, eagle_setup, app):
+    """This test's requests (one batch) are drafted by the proposer deployment from the features
+    the verifier sent: its counters move, by token trees for eagle_topk > 1, chains otherwise."""
+    proposer = serve.get_deployment_handle("Proposer", app_name=app)
+    before = proposer.stats.remote().result(timeout_s=60)
+    handle = serve.get_app_handle(app)
+    results = [r.result(timeout_s=120) for r in [
+        handle.generate.remote(GenerateRequest(prompt=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        for p in PROMPTS]]
+    assert [r.token_ids for r in results] == [o.token_ids for o in eagle_setup["ref"]]
+    assert sum(r.num_accepted_tokens for r in results) > 0
+    stats = proposer.stats.remote().result(timeout_s=60)
     assert stats["method"] == "eagle3" and stats["feature_layers"] == [2, 4, 5]
-    assert stats["num_calls"] > 0
-    if APPS[app][1] > 1:
-        assert stats["num_tree_drafts"] > 0  # trees came back to the verifier with their parents
-    else:
-        assert stats["num_tree_drafts"] == 0
+    calls = stats["num_calls"] - before["num_calls"]
+    assert calls > 0 and stats["num_requests"] - before["num_requests"] > calls  # batched: several sequences a call
+    trees = stats["num_tree_drafts"] - before["num_tree_drafts"]
+    # trees came back to the verifier with their parents, for eagle_topk > 1 only
+    assert (trees > 0) == (APPS[app][1] > 1), trees
 
 
 def test_sampled_requests_draft_chains_remotely(served, eagle_setup):
@@ -487,27 +477,48 @@ def test_eagle_proposer_evicts_the_stalest_sequence(eagle_setup):
 def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     """The verifier replica's actor is killed while a request streams through the ingress: the
     ingress sends the request again with the tokens streamed so far, Serve's replacement replica
-    prefills them and goes on, and the caller gets one unbroken stream equal to the target's output."""
+    prefills them and goes on, and the caller gets one unbroken stream equal to the target's output.
+
+    The kill is triggered by the request's progress (after its first chunks reached the caller),
+    long before its 600 tokens are done (seconds of decoding are left when the kill lands, a few
+    milliseconds after the caller got the chunk that triggers it), and the ingress's failover count
+    shows the request did cross the kill (it was resumed on another replica, not finished before)."""
     n = 600
+    app = serve.get_app_handle("verifier_killed")
+
+    def failovers() -> dict:
+        stats = app.stats.remote().result(timeout_s=60)
+        return {k: stats[k] for k in ("num_stream_failovers", "num_request_failovers")}
+
+    before = failovers()
+    [replica] = _replica_names("verifier_killed", "Verifier")
+    actor = ray.get_actor(replica, namespace="serve")  # looked up before: the kill lands at once
     want, chunks = _stream_long_request("verifier_killed", eagle_setup, n)
     got, text = [], ""
     while len(got) < 32:
         chunk = next(chunks)
         got, text = got + chunk.delta_token_ids, text + chunk.delta_text
-    [replica] = _replica_names("verifier_killed", "Verifier")
-    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    ray.kill(actor, no_restart=True)
     rest = list(chunks)
     got += [t for chunk in rest for t in chunk.delta_token_ids]
     text += "".join(chunk.delta_text for chunk in rest)
     assert got == want.token_ids and text == want.text  # nothing lost, nothing twice
     assert rest[-1].finished and rest[-1].finish_reason == "length" and rest[-1].num_output_tokens == n
+    after = failovers()
+    assert after["num_stream_failovers"] >= before["num_stream_failovers"] + 1, (before, after)  # it was resumed
+    assert after["num_request_failovers"] == before["num_request_failovers"]  # and no whole request re-sent
     new = _replica_names("verifier_killed", "Verifier")
-    assert new and replica not in new  # it finished on the replacement
+    assert new and replica not in new
+    stats = app.stats.remote().result(timeout_s=60)
+    # it finished on the replacement (actor names end in the replica id the stats report)
+    assert stats["num_finished"] == 1 and [stats["replica"]] == [r.rsplit("#", 1)[-1] for r in new]
 
     # the same over HTTP: an SSE stream whose verifier replica is killed stays one valid stream
     import json
 
     [replica] = new
+    actor = ray.get_actor(replica, namespace="serve")
+    before = after
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     events = []
@@ -518,10 +529,17 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
                 continue
             events.append(line[len("data: "):])
             if len(events) == 16:
-                ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+                ray.kill(actor, no_restart=True)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all("error" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
     assert chunks[-1]["usage"]["completion_tokens"] == n
     assert replica not in _replica_names("verifier_killed", "Verifier")
+    resp = httpx.get(f"{served}/verifier_killed/v1/stats", timeout=60)
+    assert resp.status_code == 200, resp.text
+    stats = resp.json()
+    assert stats["num_stream_failovers"] >= before["num_stream_failovers"] + 1, (before, stats)
+    assert stats["num_request_failovers"] == before["num_request_failovers"]
+    new = _replica_names("verifier_killed", "Verifier")
+    assert stats["num_finished"] == 1 and [stats["replica"]] == [r.rsplit("#", 1)[-1] for r in new]

@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-openai = pytest.importorskip("openai")
+import ray
+import ray.serve as serve
+import openai
 
 from serve_utils import free_port, tiny_args, wait_for  # noqa: E402
 
@@ -34,11 +34,13 @@ TOOLS = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     metrics_port = free_port()
-    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = tiny_args(tiny_model_dir)
+    # adaptive off (here and in local_engine): a greedy request then drafts the same tokens on both,
+    # so the served draft/accept counts can be checked against the in-process engine's
+    args = tiny_args(tiny_model_dir, speculative={"adaptive": False})
     serve.run(build_app(args), name="rayspec", route_prefix="/")
     yield {"url": f"http://127.0.0.1:{port}", "args": args, "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
     serve.shutdown()
@@ -54,7 +56,8 @@ def client(server):
 def local_engine(tiny_model_dir):
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4,
                                   kv_cache_memory_gb=0.25,
-                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                                adaptive=False)))
 
 
 def verifier_stats():
@@ -123,8 +126,13 @@ def test_completion_greedy_matches_engine(client, local_engine):
     u = resp.usage
     assert u.prompt_tokens == ref.num_prompt_tokens and u.completion_tokens == ref.num_output_tokens
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    # the same greedy request drafts the same n-grams served and in process (adaptive off on both)
+    assert ref.num_accepted_tokens > 0  # this prompt's output repeats itself: drafts are accepted
     details = u.completion_tokens_details
-    assert details.accepted_prediction_tokens >= 0 and details.rejected_prediction_tokens >= 0
+    assert details.accepted_prediction_tokens == ref.num_accepted_tokens
+    assert details.rejected_prediction_tokens == ref.num_draft_tokens - ref.num_accepted_tokens
+    # every step emits one token the target chose itself besides the accepted drafts
+    assert details.accepted_prediction_tokens <= u.completion_tokens - 1
 
 
 def test_completion_token_ids_and_length(client, local_engine):
@@ -227,10 +235,14 @@ def test_sse_wire_format(server):
     assert json.loads(lines[0][6:])["object"] == "text_completion"
 
 
-def test_sampled_request_runs(client):
+def test_sampled_request_runs(client, local_engine):
+    """A seeded sampled request with top_k/top_p and a per-request draft cap samples what the
+    in-process engine samples with the same seed."""
     resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.8, top_p=0.9,
                                      seed=3, extra_body={"top_k": 20, "num_speculative_tokens": 2})
-    assert resp.usage.completion_tokens >= 1
+    ref = local_engine.generate([PROMPT], SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=8,
+                                                         num_speculative_tokens=2))[0]
+    assert resp.choices[0].text == ref.text and resp.usage.completion_tokens == ref.num_output_tokens
 
 
 @pytest.mark.parametrize("path,body,status,param", [
@@ -264,25 +276,6 @@ def test_sampled_request_runs(client):
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [10**9]}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_json": "{not json"}, 400, "guided_json"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_json": {"type": "wat"}}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": [1, 2]}, 400, "guided_choice"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"1": "x"}}, 400, "logit_bias"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": "json"}, 400, "response_format"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "[a-"}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, 400,
-     "guided_choice"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "xml"}}, 400, "response_format"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
-     "response_format"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
@@ -349,6 +342,8 @@ def test_openai_client_raises_bad_request(client):
 
 def test_disconnect_aborts_and_frees_slot(server):
     before = verifier_stats()
+    assert before["num_running"] == before["num_waiting"] == 0  # idle: every KV slot free
+    assert before["num_free_slots"] == before["num_slots"] >= 1
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0.9, "ignore_eos": True,
             "stream": True, "num_speculative_tokens": 0}
     with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
@@ -356,10 +351,16 @@ def test_disconnect_aborts_and_frees_slot(server):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    # the response is closed after a few chunks: the verifier must abort the request
-    stats = wait_for(lambda: (s := verifier_stats())["num_aborted"] > before["num_aborted"] and s, timeout=30)
-    wait_for(lambda: verifier_stats()["num_running"] == 0, timeout=30)
-    assert stats["num_finished"] == before["num_finished"] or stats["num_aborted"] > before["num_aborted"]
+        # mid-stream the request holds one KV slot
+        during = verifier_stats()
+        assert during["num_running"] == 1 and during["num_free_slots"] == before["num_slots"] - 1, during
+    # the response is closed after a few chunks (1000 tokens would take seconds): the verifier
+    # aborts the request, which gives its slot back
+    after = wait_for(lambda: (s := verifier_stats())["num_aborted"] > before["num_aborted"] and s["num_running"] == 0
+                     and s, timeout=30)
+    assert after["num_aborted"] == before["num_aborted"] + 1
+    assert after["num_finished"] == before["num_finished"]  # aborted, not run to its end
+    assert after["num_free_slots"] == after["num_slots"] == before["num_slots"] and after["num_waiting"] == 0
 
 
 def test_python_handle_api(server):
@@ -386,12 +387,36 @@ def test_handle_from_second_app(server):
     serve.delete("client")
 
 
-def test_engine_stats(server):
-    stats = httpx.get(server["url"] + "/v1/stats", timeout=30).json()
+def test_engine_stats(server, client, local_engine):
+    """/v1/stats: the engine's counters move by exactly what one request of this test drafted."""
+    def stats():
+        r = httpx.get(server["url"] + "/v1/stats", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    before = stats()
+    ref_before = (local_engine.stats.num_drafts, local_engine.stats.num_draft_tokens)
+    ref = local_engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24))[0]
+    ref_drafts = local_engine.stats.num_drafts - ref_before[0]
+    assert local_engine.stats.num_draft_tokens - ref_before[1] == ref.num_draft_tokens
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert resp.choices[0].text == ref.text
+    # the snapshot is taken after the step that finished the request: wait for it
+    after = wait_for(lambda: (s := stats())["num_finished"] > before["num_finished"] and s, timeout=30)
     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
-                "acceptance_rate", "num_running", "num_waiting", "num_slots"):
-        assert key in stats
-    assert stats["method"] == "ngram" and stats["num_draft_tokens"] > 0
+                "acceptance_rate", "num_running", "num_waiting", "num_slots", "num_free_slots", "num_failovers"):
+        assert key in after
+    assert after["method"] == "ngram" and after["num_finished"] == before["num_finished"] + 1
+    assert ref.num_accepted_tokens > 0 and ref_drafts > 0
+    assert after["num_draft_tokens"] - before["num_draft_tokens"] == ref.num_draft_tokens
+    assert after["num_accepted_tokens"] - before["num_accepted_tokens"] == ref.num_accepted_tokens
+    assert after["num_drafts"] - before["num_drafts"] == ref_drafts
+    assert sum(after["num_accepted_tokens_per_pos"]) - sum(before["num_accepted_tokens_per_pos"]) == \
+        ref.num_accepted_tokens
+    details = resp.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == ref.num_accepted_tokens
+    assert details.rejected_prediction_tokens == ref.num_draft_tokens - ref.num_accepted_tokens
+    assert after["num_failovers"] == before["num_failovers"] == 0  # no verifier replica was lost here
 
 
 def _metric_values(text: str, name: str) -> list[tuple[str, float]]:
@@ -404,21 +429,47 @@ def _metric_values(text: str, name: str) -> list[tuple[str, float]]:
 
 
 def test_prometheus_metrics(server, client):
-    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
-
-    def scrape():
+    def scrape() -> str:
         try:
-            text = httpx.get(server["metrics_url"], timeout=10).text
+            return httpx.get(server["metrics_url"], timeout=30).text
         except httpx.HTTPError:
-            return None
+            return ""
+
+    def total(text: str, name: str) -> float:
+        return sum(v for _, v in _metric_values(text, name))
+
+    # the counters are exported about every second: wait until three scrapes agree (the earlier
+    # tests' counts are all out) before this test's request
+    import time
+
+    counts, deadline = [], time.monotonic() + 60
+    while len(counts) < 3 or len(set(counts[-3:])) > 1:
+        assert time.monotonic() < deadline, counts
+        text = scrape()
+        counts.append((total(text, "ray_spec_decode_num_draft_tokens"),
+                       total(text, "ray_spec_decode_num_accepted_tokens_total")))
+        time.sleep(1.0)
+    drafted0, accepted0 = counts[-1]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    details = resp.usage.completion_tokens_details
+    drafted = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    assert details.accepted_prediction_tokens > 0
+
+    def exported():
+        text = scrape()
         names = ["ray_spec_decode_num_drafts", "ray_spec_decode_num_draft_tokens",
                  "ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_accepted_tokens_per_pos",
                  "ray_time_to_first_token_seconds_bucket", "ray_time_per_output_token_seconds_bucket",
                  "ray_num_requests_running", "ray_num_requests_waiting"]
-        return text if all(_metric_values(text, n) for n in names) else None
+        if not all(_metric_values(text, n) for n in names):
+            return None
+        moved = total(text, "ray_spec_decode_num_draft_tokens") >= drafted0 + drafted
+        return text if moved else None
 
-    text = wait_for(scrape, timeout=60, interval=1.0)
-    assert sum(v for _, v in _metric_values(text, "ray_spec_decode_num_draft_tokens")) > 0
+    text = wait_for(exported, timeout=60, interval=1.0)
+    # this request's drafts, and no others: nothing else ran meanwhile
+    assert total(text, "ray_spec_decode_num_draft_tokens") == drafted0 + drafted
+    assert total(text, "ray_spec_decode_num_accepted_tokens_total") == accepted0 + details.accepted_prediction_tokens
     assert any('position="0"' in labels for labels, _ in _metric_values(text, "ray_spec_decode_num_accepted_tokens_per_pos"))
     assert all('model_name="tiny"' in labels for labels, _ in _metric_values(text, "ray_num_requests_running"))
 
@@ -499,8 +550,11 @@ def test_disconnect_aborts_every_choice(server):
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
-    wait_for(lambda: verifier_stats()["num_aborted"] >= before["num_aborted"] + 3, timeout=30)
-    wait_for(lambda: verifier_stats()["num_running"] == 0, timeout=30)
+    after = wait_for(lambda: (s := verifier_stats())["num_aborted"] >= before["num_aborted"] + 3
+                     and s["num_running"] == 0 and s, timeout=30)
+    assert after["num_aborted"] == before["num_aborted"] + 3  # every choice, each once
+    assert after["num_finished"] == before["num_finished"]  # none ran to its end
+    assert after["num_free_slots"] == after["num_slots"]
 
 
 def test_logit_bias_and_penalties(client, local_engine):
@@ -572,12 +626,28 @@ def test_structured_output(client, local_engine):
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
                                                  response_format=fmt, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
-    obj = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0.7, seed=1,
-                                         response_format={"type": "json_object"})
-    if obj.choices[0].finish_reason == "stop":  # a random tiny model may run out of tokens inside an object
-        assert isinstance(json.loads(obj.choices[0].message.content), dict)
-    else:
-        assert obj.choices[0].message.content.startswith("{")
+    # json_object, sampled with a seed: the served text is the in-process engine's under the same
+    # constraint and seed. Left alone the random model writes one endless key (cut by max_tokens);
+    # with quotes favoured (logit_bias) it closes keys, and the object closes and parses
+    any_object = StructuredOutput.json_schema({"type": "object"})
+    chat_ids = local_engine.encode_chat(messages)
+
+    def json_object(max_tokens, **bias):
+        obj = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0.7,
+                                             seed=1, response_format={"type": "json_object"}, **bias)
+        ref = local_engine.generate([chat_ids], SamplingParams(
+            temperature=0.7, seed=1, max_tokens=max_tokens, structured=any_object,
+            logit_bias={int(t): b for t, b in bias.get("logit_bias", {}).items()}))[0]
+        assert obj.choices[0].message.content == ref.text and obj.choices[0].finish_reason == ref.finish_reason
+        return obj.choices[0].message.content, obj.choices[0].finish_reason
+
+    cut, reason = json_object(8)
+    assert reason == "length" and cut.startswith("{")
+    with pytest.raises(json.JSONDecodeError):  # cut inside the object
+        json.loads(cut)
+    quotes = {str(local_engine.tokenizer.encode(s)[0]): 30 for s in ('"', '":"', '"}')}
+    closed, reason = json_object(40, logit_bias=quotes)
+    assert reason == "stop" and isinstance(json.loads(closed), dict) and len(json.loads(closed)) >= 1, closed
 
     choices = ["red", "green", "blue sky"]
     resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, n=4, seed=3,
@@ -641,5 +711,6 @@ def test_mixed_concurrent_load_leaves_nothing_behind(server):
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(send, bodies))
-    assert {"whole", "streamed", "dropped"} <= set(outcomes)
-    wait_for(lambda: (s := verifier_stats())["num_running"] == 0 and s["num_waiting"] == 0, timeout=60)
+    assert {"whole", "streamed", "dropped"} <= set(outcomes) and len(outcomes) == len(bodies)
+    after = wait_for(lambda: (s := verifier_stats())["num_running"] == 0 and s["num_waiting"] == 0 and s, timeout=60)
+    assert after["num_free_slots"] == after["num_slots"]  # the dropped streams' slots came back too

@@ -28,7 +28,7 @@ def test_disaggregated_graph_in_throughput_optimized_mode(tiny_model_dir, tiny_d
     # the raylet and every worker (controller, proxy, replicas) inherit this from the driver
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     spec = {"method": "draft_model", "draft_model": str(tiny_draft_dir), "num_speculative_tokens": 3}
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

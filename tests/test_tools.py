@@ -87,5 +87,18 @@ def test_constrained_call_is_lossless_under_speculation(engine, tiny_model_dir):
     got, ref = engine.generate([ids], params)[0], plain.generate([ids], params)[0]
     assert got.token_ids == ref.token_ids
     assert got.num_draft_tokens > 0  # the grammar's forced keys are drafted at least
-    if got.finish_reason == "stop":
-        assert parse_calls(got.text, None)
+    # the random model writes an endless "city" string: cut by max_tokens, not a call yet
+    assert got.finish_reason == "length" and parse_calls(got.text, None) is None
+
+    # a bounded city and one call at most: the call closes (the grammar's forced tail is drafted and
+    # accepted) and parses
+    city = {**WEATHER, "parameters": {**WEATHER["parameters"], "properties": {
+        "city": {"type": "string", "maxLength": 12}}}}
+    params = SamplingParams(temperature=0, max_tokens=48,
+                            structured=StructuredOutput.json_schema(call_schema([city, ADD], None, parallel=False)))
+    got, ref = engine.generate([ids], params)[0], plain.generate([ids], params)[0]
+    assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason == "stop"
+    assert got.num_accepted_tokens > 0
+    [(name, arguments)] = parse_calls(got.text, None)
+    assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+    assert len(json.loads(arguments)["city"]) <= 12
