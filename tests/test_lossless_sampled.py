@@ -47,14 +47,14 @@ Per-test alpha = 1e-3 / 9 (Bonferroni over the 9 chi-square checks that must pas
 - chain bias: TV 0.0200, chi^2(q || p) = 0.0082 -> at N_BIAS = 12000, lambda = 98.5: power 0.992;
 - tree bias:  TV 0.0201, chi^2(q || p) = 0.0162 -> at N_BIAS = 8000, lambda = 130: power 0.9999.
 (`test_injected_biases_are_detectable` recomputes and asserts these.) The proposer runs use
-N = 6000 samples each, what a ~3-minute budget on a loaded 2-core machine allows: they detect a
-bias shaped like the chain one with power 0.99 from TV 0.029 (at TV 0.02: power 0.45), like the
-tree one from TV 0.021. How much chi^2 a 0.02-TV bias carries depends on its shape: at least
-4 TV^2 = 0.0016 (a bias spread proportionally over everything: power 0.99 would need ~60,000
-samples per run); the natural biases tried on this setup (acceptance too high, siblings not
-renormalised, the fallback drawn from the full row, flatter or sharper final draws, a uniform
-admixture) carry 8-40 TV^2, so power 0.99 at TV 0.02 needs 6,000-30,000 samples. Set
-RAYSPEC_LOSSLESS_SCALE to multiply every sample size for a deeper run (e.g. 2 for ~12,000).
+N = 12000 samples each, as the chain-bias run: a bias shaped like the chain one is detected
+with power 0.99 at TV 0.02, like the tree one from TV 0.015. How much chi^2 a 0.02-TV bias
+carries depends on its shape: at least 4 TV^2 = 0.0016 (a bias spread proportionally over
+everything: power 0.99 would need ~60,000 samples per run); the natural biases tried on this
+setup (acceptance too high, siblings not renormalised, the fallback drawn from the full row,
+flatter or sharper final draws, a uniform admixture) carry 8-40 TV^2, so power 0.99 at TV 0.02
+needs 6,000-30,000 samples. Set RAYSPEC_LOSSLESS_SCALE to multiply every sample size for a
+deeper run.
 
 Determinism
 -----------
@@ -98,7 +98,7 @@ NGRAM = dict(prompt_lookup_min=1, prompt_lookup_max=3)
 WAVE = 256  # requests per engine.generate call (all in one batch)
 
 _SCALE = max(1.0, float(os.environ.get("RAYSPEC_LOSSLESS_SCALE", "1")))  # up only: the power assertions need these sizes
-N = int(6000 * _SCALE)  # samples per proposer run
+N = int(12000 * _SCALE)  # samples per proposer run
 N_BIAS = {"chain": int(12000 * _SCALE), "tree": int(8000 * _SCALE)}  # samples per bias-injection run
 NUM_CHECKS = 9  # chi-square tests that must pass: 7 proposer runs + 2 biased runs against their model
 ALPHA = 1e-3 / NUM_CHECKS
