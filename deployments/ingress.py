@@ -27,7 +27,7 @@ from deployments.openai_protocol import (ChatCompletionRequest, CompletionReques
                                          chat_logprobs, completion_logprobs, finish_reason, new_id, now, sum_usage,
                                          tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
-from rayspec.engine import InvalidRequestError
+from rayspec.engine import InvalidGrammarError, InvalidRequestError
 
 logger = logging.getLogger("rayspec.serve")
 app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")
@@ -73,13 +73,17 @@ async def _http_error(_: Request, err: StarletteHTTPException):
     return _error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
 
 
-def _as_openai_error(err: BaseException) -> OpenAIError | None:
-    """Errors caused by the request (engine InvalidRequestError, bad values) -> 400; else None."""
+def _as_openai_error(err: BaseException, constraint: str | None = None) -> OpenAIError | None:
+    """Errors caused by the request (engine InvalidRequestError, bad values) -> 400; else None.
+    constraint: the field the request's output constraint came from, the `param` of a grammar the
+    verifier could not compile (malformed, past llguidance's limits or its compile deadline)."""
     cause = getattr(err, "cause", None) or err  # a RayTaskError carries the replica's exception
     if isinstance(cause, OpenAIError):
         return cause
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
-        return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request")
+        param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
+        return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
+                           param=param)
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
@@ -171,10 +175,11 @@ class OpenAIIngress:
     async def _respond(self, body, chat: bool):
         self._check_model(body.model)
         requests = expand(self._to_generate(body), body.n)  # choice c: prompt c // n
+        constraint = body.constraint_field()
         if body.stream:
-            return await self._stream_response(requests, body, chat)
+            return await self._stream_response(requests, body, chat, constraint)
         tool_mode = body.tool_call() if chat else None  # validated by _to_generate above
-        resps = await gather_or_cancel(self._call(r) for r in requests)
+        resps = await gather_or_cancel(self._call(r, constraint) for r in requests)
         if (not chat and body.prompt_only):
             resps = [_without_output(r) for r in resps]
         choices = []
@@ -207,30 +212,32 @@ class OpenAIIngress:
         return sum_usage([(r.num_prompt_tokens if c % n == 0 else 0, r.num_output_tokens, r.num_draft_tokens,
                            r.num_accepted_tokens) for c, r in enumerate(results)])
 
-    @staticmethod
-    def _to_generate(body) -> list[GenerateRequest]:
+    def _to_generate(self, body) -> list[GenerateRequest]:
+        """The body's verifier requests (one per prompt), validated: limits (LIMITS), values, output
+        constraint, all before any RPC; an OpenAIError (400) otherwise."""
         try:
-            requests = body.to_generate()
+            requests = body.to_generate(self.cfg.engine.max_model_len)
             for request in requests:
                 request.sampling_params()  # reject bad values here, before any RPC
             return requests
         except (OpenAIError, InvalidRequestError, ValidationError) as err:
             raise _as_openai_error(err) from None
 
-    async def _call(self, request: GenerateRequest) -> GenerateResponse:
+    async def _call(self, request: GenerateRequest, constraint: str | None = None) -> GenerateResponse:
         try:
             return await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
         except Exception as err:  # noqa: BLE001
-            mapped = _as_openai_error(err)
+            mapped = _as_openai_error(err, constraint)
             if mapped is None:
                 raise
             raise mapped from None
 
-    async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool):
+    async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool,
+                               constraint: str | None = None):
         try:  # wait for every choice's first chunk so that request errors still become a 400
             streams, firsts = await open_streams(self.verifier, requests, self.failovers)
         except Exception as err:  # noqa: BLE001
-            mapped = _as_openai_error(err)
+            mapped = _as_openai_error(err, constraint)
             if mapped is None:
                 raise
             raise mapped from None

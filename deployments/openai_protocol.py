@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -12,9 +13,41 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.protocol import GenerateRequest
 from rayspec.structured import StructuredOutput
 from rayspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from rayspec.sampling import MAX_SEED
 from rayspec.tools import call_schema, parse_calls
 
-MAX_CHOICES = 64  # n times the number of prompts, per request
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for on the OpenAI routes. Past a limit: a 400 whose `param` names the
+    field and whose message names the limit. The table in deployments/README.md gives the reasons.
+    Limits in terms of max_model_len use the configured one (`engine.max_model_len`)."""
+
+    max_choices: int = 64  # prompts x n
+    max_output_tokens: int = 131_072  # prompts x n x max_tokens (unset: max_model_len); 64 x 2048
+    max_stop: int = 16  # stop strings (OpenAI: 4)
+    max_stop_chars: int = 1_000  # characters of each stop string
+    max_stop_token_ids: int = 128
+    max_logit_bias: int = 300  # entries (OpenAI's figure)
+    max_seed: int = MAX_SEED  # seeds are 0 ... 2**63 - 1 (choice i of n uses seed + i)
+    max_top_logprobs: int = MAX_TOP_LOGPROBS  # logprobs / top_logprobs
+    # a prompt's characters (chat: contents, tool calls, tools) per token of max_model_len
+    prompt_chars_per_token: int = 32
+    max_messages: int = 2_048
+    max_tools: int = 128  # OpenAI's
+    max_tool_chars: int = 65_536  # one tool's definition (name, description, parameters) as JSON
+    # an output constraint: a schema as JSON, a regex, a Lark grammar, the choices as JSON
+    max_constraint_chars: int = 65_536
+    max_guided_choices: int = 1_024
+
+
+LIMITS = Limits()
+MAX_CHOICES = LIMITS.max_choices  # n times the number of prompts, per request
+
+
+def _at_most(count: int, limit: int, what: str, param: str) -> None:
+    if count > limit:
+        raise OpenAIError(f"at most {limit} {what} are allowed, got {count}", param=param)
 
 
 class OpenAIError(Exception):
@@ -62,6 +95,48 @@ class _Common(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
 
+    def check_limits(self, num_prompts: int, max_model_len: int | None) -> None:
+        """The per-request limits (LIMITS) of the fields both routes share; max_model_len None: the
+        limits stated in terms of it are not checked."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _at_most(len(stop), LIMITS.max_stop, "stop sequences", "stop")
+        for i, text in enumerate(stop):
+            if len(text) > LIMITS.max_stop_chars:
+                raise OpenAIError(f"a stop sequence may have at most {LIMITS.max_stop_chars} characters; "
+                                  f"stop[{i}] has {len(text)}", param="stop")
+        _at_most(len(self.stop_token_ids or ()), LIMITS.max_stop_token_ids, "stop_token_ids", "stop_token_ids")
+        _at_most(len(self.logit_bias or {}), LIMITS.max_logit_bias, "logit_bias entries", "logit_bias")
+        if self.seed is not None:
+            if not 0 <= self.seed <= LIMITS.max_seed:
+                raise OpenAIError(f"seed must be between 0 and {LIMITS.max_seed} (2**63 - 1), got {self.seed}",
+                                  param="seed")
+            if self.seed + self.n - 1 > LIMITS.max_seed:  # choice i samples with seed + i
+                raise OpenAIError(f"with n={self.n} the choices use seeds {self.seed} to {self.seed} + {self.n - 1}, "
+                                  f"past {LIMITS.max_seed} (2**63 - 1); the seed may be at most "
+                                  f"{LIMITS.max_seed - self.n + 1}", param="seed")
+        max_tokens, param = self._max_tokens()
+        per_choice = max_tokens if max_tokens is not None else max_model_len
+        choices = num_prompts * self.n
+        if per_choice is not None and choices * per_choice > LIMITS.max_output_tokens:
+            each = f"{param} {per_choice}" if max_tokens is not None else \
+                f"{param} unset (up to max_model_len, {per_choice}; set {param})"
+            raise OpenAIError(f"at most {LIMITS.max_output_tokens} output tokens are allowed per request "
+                              f"(choices x {param}), got {choices} choice(s) x {each} = {choices * per_choice}",
+                              param=param)
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise OpenAIError(f"min_tokens ({self.min_tokens}) may be at most {param} ({max_tokens})",
+                              param="min_tokens")
+        if max_tokens is None and max_model_len is not None and self.min_tokens > max_model_len:
+            raise OpenAIError(f"min_tokens ({self.min_tokens}) may be at most max_model_len ({max_model_len})",
+                              param="min_tokens")
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        """Each choice's max_tokens as sent to the engine (None: until max_model_len), and its field."""
+        return self.max_tokens, "max_tokens"
+
+    def _prompt_chars_limit(self, max_model_len: int | None) -> int | None:
+        return None if max_model_len is None else LIMITS.prompt_chars_per_token * max_model_len
+
     def check_supported(self) -> None:
         for key, bias in (self.logit_bias or {}).items():
             if not key.strip().isdigit():
@@ -74,6 +149,8 @@ class _Common(BaseModel):
     def structured(self) -> dict[str, str] | None:
         """The output constraint asked for, as GenerateRequest.structured (at most one)."""
         asked = []
+        if self.guided_choice is not None:
+            _at_most(len(self.guided_choice), LIMITS.max_guided_choices, "guided_choice options", "guided_choice")
         fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -103,16 +180,33 @@ class _Common(BaseModel):
         if not asked:
             return None
         name, spec = asked[0]
+        if len(spec.value) > LIMITS.max_constraint_chars:  # before anything parses or compiles it
+            what = {"json": f"{name}'s schema as JSON", "choice": f"{name} as JSON (the options together)"
+                    }.get(spec.kind, name)
+            if name == "tool_choice":
+                what = "the output constraint made from the tools (their parameter schemas, as JSON)"
+            raise OpenAIError(f"{what} may have at most {LIMITS.max_constraint_chars} characters, "
+                              f"got {len(spec.value)}", param="tools" if name == "tool_choice" else name)
         try:
             spec.grammar_text()  # a malformed schema, an empty choice list: 400 before any RPC
         except ValueError as err:
             raise OpenAIError(str(err), param=name) from None
         return {"kind": spec.kind, "value": spec.value}
 
+    def constraint_field(self) -> str | None:
+        """The field the output constraint comes from (None: unconstrained): the `param` of a 400 for
+        a grammar the verifier cannot compile. to_generate checks there is at most one."""
+        fmt = self.response_format
+        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+            return "response_format"
+        return next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                     if getattr(self, name) is not None), None)
+
     def _tool_constraint(self) -> list[tuple[str, StructuredOutput]]:
         return []
 
-    def _generate(self, max_tokens: int | None, logprobs: int | None, **prompt_and_extra) -> GenerateRequest:
+    def _generate(self, max_tokens: int | None, logprobs: int | None, structured: dict | None,
+                  **prompt_and_extra) -> GenerateRequest:
         return GenerateRequest(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stop, seed=self.seed,
@@ -122,7 +216,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            structured=self.structured(), **prompt_and_extra)
+            structured=structured, **prompt_and_extra)
 
     @property
     def include_usage(self) -> bool:
@@ -137,9 +231,13 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    def to_generate(self) -> list[GenerateRequest]:
-        """One request per prompt (a batched prompt list gives several; `n` is the caller's)."""
-        self.check_supported()
+    def _max_tokens(self) -> tuple[int | None, str]:
+        # max_tokens 0: the engine makes one token (free: it comes out of the prefill), not returned
+        return (None if self.max_tokens is None else max(1, self.max_tokens)), "max_tokens"
+
+    def to_generate(self, max_model_len: int | None = None) -> list[GenerateRequest]:
+        """One request per prompt (a batched prompt list gives several; `n` is the caller's).
+        max_model_len: the server's, for the limits stated in terms of it (LIMITS)."""
         if self.max_tokens == 0 and not self.echo:
             raise OpenAIError("max_tokens 0 needs echo (scoring the prompt)", param="max_tokens")
         for name, bad in (("best_of", self.best_of not in (None, 1, self.n)),
@@ -150,15 +248,26 @@ class CompletionRequest(_Common):
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]
         if len(prompts) * self.n > MAX_CHOICES:
-            raise OpenAIError(f"at most {MAX_CHOICES} choices (prompts x n) per request", param="n")
+            raise OpenAIError(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {len(prompts)} "
+                              f"prompt(s) x n={self.n}", param="n")
+        self.check_limits(len(prompts), max_model_len)
+        self.check_supported()
+        chars_limit = self._prompt_chars_limit(max_model_len)
         for i, prompt in enumerate(prompts):
+            which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             if not prompt:
-                raise OpenAIError("the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty",
+                raise OpenAIError(f"{which} is empty", param="prompt")
+            if isinstance(prompt, str) and chars_limit is not None and len(prompt) > chars_limit:
+                raise OpenAIError(f"{which} has {len(prompt)} characters; at most {chars_limit} are allowed "
+                                  f"({LIMITS.prompt_chars_per_token} per token of max_model_len {max_model_len})",
                                   param="prompt")
-        # max_tokens 0: the engine makes one token (free: it comes out of the prefill), not returned
-        max_tokens = None if self.max_tokens is None else max(1, self.max_tokens)
+            if isinstance(prompt, list) and max_model_len is not None and len(prompt) > max_model_len:
+                raise OpenAIError(f"{which} has {len(prompt)} tokens; this model serves at most {max_model_len} "
+                                  "in all", param="prompt")
+        max_tokens, _ = self._max_tokens()
         prompt_logprobs = self.logprobs if self.echo else None
-        return [self._generate(max_tokens, self.logprobs, prompt=p, prompt_logprobs=prompt_logprobs,
+        structured = self.structured()  # once for all prompts
+        return [self._generate(max_tokens, self.logprobs, structured, prompt=p, prompt_logprobs=prompt_logprobs,
                                echo_prompt=self.echo) for p in prompts]
 
     @property
@@ -229,6 +338,11 @@ class ChatCompletionRequest(_Common):
             raise OpenAIError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         return ToolCallMode(name, False)
 
+    def constraint_field(self) -> str | None:
+        if self.tool_call() is not None:
+            return "tools"  # the constraint is made from the tools' parameter schemas
+        return super().constraint_field()
+
     def _tool_functions(self) -> list[dict]:
         return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or ()]
 
@@ -239,11 +353,30 @@ class ChatCompletionRequest(_Common):
         return [("tool_choice", StructuredOutput.json_schema(call_schema(self._tool_functions(), mode.name,
                                                                           mode.parallel)))]
 
-    def to_generate(self) -> list[GenerateRequest]:
+    def _max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def check_limits(self, num_prompts: int, max_model_len: int | None) -> None:
+        super().check_limits(num_prompts, max_model_len)
+        _at_most(len(self.messages), LIMITS.max_messages, "messages", "messages")
+        if self.tools is not None:
+            _at_most(len(self.tools), LIMITS.max_tools, "tools", "tools")
+            for i, tool in enumerate(self.tools):
+                size = len(json.dumps(tool.function.model_dump(exclude_none=True, exclude={"strict"})))
+                if size > LIMITS.max_tool_chars:
+                    raise OpenAIError(f"a tool's definition may have at most {LIMITS.max_tool_chars} characters "
+                                      f"as JSON; tools[{i}] has {size}", param=f"tools[{i}]")
+
+    def to_generate(self, max_model_len: int | None = None) -> list[GenerateRequest]:
+        """max_model_len: the server's, for the limits stated in terms of it (LIMITS)."""
+        self.check_limits(1, max_model_len)
         self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         messages = []
+        chars = 0  # what reaches the chat template: contents, earlier tool calls, tools
         for i, m in enumerate(self.messages):
             content = m.content
             if isinstance(content, list):
@@ -259,13 +392,21 @@ class ChatCompletionRequest(_Common):
                     raise OpenAIError("tool_calls entries need function.name and function.arguments",
                                       param=f"messages[{i}].tool_calls")
                 message["tool_calls"] = calls
+                chars += len(json.dumps(calls))
             if m.role == "tool":
                 message.update({k: extra[k] for k in ("tool_call_id", "name") if k in extra})
+            chars += len(message["content"])
             messages.append(message)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         tools = self._tool_functions() if self.tool_call() is not None else None  # 'none': the model is not told
-        return [self._generate(self.max_completion_tokens or self.max_tokens, logprobs, messages=messages,
-                               tools=tools)]
+        chars += len(json.dumps(tools)) if tools else 0
+        chars_limit = self._prompt_chars_limit(max_model_len)
+        if chars_limit is not None and chars > chars_limit:
+            raise OpenAIError(f"the messages (contents, tool calls and tools) have {chars} characters; at most "
+                              f"{chars_limit} are allowed ({LIMITS.prompt_chars_per_token} per token of "
+                              f"max_model_len {max_model_len})", param="messages")
+        max_tokens, _ = self._max_tokens()
+        return [self._generate(max_tokens, logprobs, self.structured(), messages=messages, tools=tools)]
 
 
 def _call_entry(index: int, name: str, arguments: str) -> dict:

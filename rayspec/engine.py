@@ -39,6 +39,11 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as asked (too long, bad token ids, duplicate id, ...)."""
 
 
+class InvalidGrammarError(InvalidRequestError):
+    """The request's output constraint cannot be compiled (malformed, past llguidance's limits, or
+    slower to compile than rayspec.structured.COMPILE_TIMEOUT_S)."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -196,11 +201,12 @@ class LLMEngine:
 
     def prepare_grammar(self, spec):
         """The grammar state a structured request starts from (thread-safe; can take up to ~1 s the
-        first time a complex schema is seen, so a server calls it off the engine's thread)."""
+        first time a complex schema is seen, so a server calls it off the engine's thread; refused
+        past rayspec.structured.COMPILE_TIMEOUT_S)."""
         try:
             return self._grammars.state(spec)
         except ValueError as err:
-            raise InvalidRequestError(str(err)) from None
+            raise InvalidGrammarError(str(err)) from None
 
     def abort_request(self, request_id: str) -> bool:
         seq = self._requests.get(request_id)

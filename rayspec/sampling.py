@@ -12,6 +12,11 @@ import torch
 
 from rayspec.structured import StructuredOutput
 
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (negatives wrap onto large positives); the
+# proposers seed their own streams with small offsets (seed + 1, seed + 0x5EED), so a request's
+# seed is kept to the non-negative int64 range, where every one of those is accepted and distinct
+MAX_SEED = 2**63 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -61,6 +66,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between 0 and {MAX_SEED} (2**63 - 1), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

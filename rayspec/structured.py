@@ -26,6 +26,24 @@ KINDS = ("json", "regex", "grammar", "choice")
 # constrained decoding). A schema can override it: "x-guidance": {"whitespace_flexible": true}.
 JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
+# Compiling a grammar (the matcher and its first mask, where the lexer is built) is bounded three ways:
+# - llguidance's own limits (LLParserLimits), pinned here to its 1.9 defaults so that an upgrade does not
+#   move them, with verbose errors off (they dump parser state and grammar into the message a client gets);
+#   the per-step ones (step_lexer_fuel, step_max_items) also bound every later mask, on the engine's thread;
+# - a deadline: a grammar not compiled within COMPILE_TIMEOUT_S is refused (ValueError -> a 400), and the
+#   caller goes on; the abandoned compile runs out on its own thread, within the limits above;
+# - a large stack for that thread: llguidance builds a grammar recursively, one frame per level of rule
+#   nesting (~3 KiB each), and a chain of a few thousand rules ("a0: a1 "x"  a1: a2 "x" ...", ~50,000
+#   characters) overflows a default 8 MiB thread stack, which kills the whole process (a segfault).
+#   256 MiB (address space; only the pages touched are used) holds ~80,000 levels, more than a grammar of
+#   the serving layer's size limit (deployments.openai_protocol.LIMITS) can nest.
+PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                     step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                     verbose_errors=False)
+COMPILE_TIMEOUT_S = 5.0  # measured here: ~0.2 s for 5,000 choices; up to ~1 s for a schema with many patterns
+COMPILE_STACK_BYTES = 256 << 20
+_thread_start_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -69,10 +87,13 @@ class StructuredOutput:
 
 class GrammarCompiler:
     """Per engine: the tokenizer in llguidance's form (built once, on first use: ~0.25 s here).
-    Thread-safe, so a server can build grammars off the engine's thread."""
+    Thread-safe, so a server can build grammars off the engine's thread. Each grammar is compiled on
+    a thread of its own (a large stack) with a deadline: `compile_timeout_s` (None: no deadline)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int],
+                 compile_timeout_s: float | None = COMPILE_TIMEOUT_S):
         self._hf_tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_token_ids)
+        self.compile_timeout_s = compile_timeout_s
         self._tokenizer = None
         self._lock = threading.Lock()
 
@@ -88,16 +109,53 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                                eos_token=self._eos or None)
-        matcher = llguidance.LLMatcher(self._tokenizer, spec.grammar_text(), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind} for structured output: {matcher.get_error()}")
-        # the first mask builds the grammar's lexer: up to ~1 s for a schema with many patterns and
-        # numbers (measured; later matchers of the same schema take 0.1 ms). Pay it here, where a
-        # server can do it off the engine's thread, not inside a step that every request waits on.
-        matcher.compute_bitmask()
-        if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind} for structured output: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size)
+        grammar = spec.grammar_text()  # cheap (no compiling); ValueError for a malformed value
+        done, box = threading.Event(), {}
+
+        def compile_() -> None:
+            try:
+                box["matcher"] = _compile(self._tokenizer, grammar, spec.kind)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                box["error"] = err
+            finally:
+                done.set()
+
+        _start_compile_thread(compile_)
+        if not done.wait(self.compile_timeout_s):
+            raise ValueError(f"the {spec.kind} output constraint took longer than {self.compile_timeout_s:g} s "
+                             "to compile; simplify it")
+        if "error" in box:
+            raise box["error"]
+        return GrammarState(box["matcher"], self.vocab_size)
+
+
+def _compile(tokenizer, grammar: str, kind: str):
+    import llguidance
+
+    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    if matcher.is_error():
+        raise ValueError(f"invalid {kind} for structured output: {matcher.get_error()}")
+    # the first mask builds the grammar's lexer: up to ~1 s for a schema with many patterns and
+    # numbers (measured; later matchers of the same schema take 0.1 ms). Pay it here, where a
+    # server can do it off the engine's thread, not inside a step that every request waits on.
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        raise ValueError(f"invalid {kind} for structured output: {matcher.get_error()}")
+    return matcher
+
+
+def _start_compile_thread(target) -> None:
+    with _thread_start_lock:
+        try:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+        except (ValueError, RuntimeError):  # a platform that cannot set it: the default stack
+            previous = None
+        try:
+            threading.Thread(target=target, name="rayspec-grammar-compile", daemon=True).start()
+        finally:
+            if previous is not None:
+                threading.stack_size(previous)
 
 
 def _parents_first(tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
