@@ -8,6 +8,7 @@ call the proposer once per engine step with the whole batch.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import httpx
 import pytest
@@ -106,12 +107,21 @@ def test_one_proposer_call_per_step_for_the_batch(cluster_app):
     assert calls <= 4 * 32
 
 
-def test_sampled_and_streamed(cluster_app):
+def test_sampled_and_streamed(cluster_app, tiny_model_dir, tiny_draft_dir):
+    """A seeded sampled stream (drafts sampled in the proposer's actor, with their probabilities)
+    is what an in-process engine samples with the same seed, and its usage counts it."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.7, "seed": 1, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", cluster_app["url"] + "/v1/completions", json=body, timeout=120) as r:
         lines = [line for line in r.iter_lines() if line]
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4,
+                                    kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(**_spec(tiny_draft_dir))))
+    ref = engine.generate([PROMPT], SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True))[0]
+    assert text == ref.text and ref.num_draft_tokens > 0
+    assert chunks[-1]["usage"]["completion_tokens"] == ref.num_output_tokens == 12
 
 
 def test_output_controls_in_the_disaggregated_graph(cluster_app, tiny_model_dir, tiny_draft_dir):
