@@ -102,6 +102,9 @@ class EngineArgs(_Strict):
     dtype: str | None = None
     device: str | None = None  # None: cuda when Ray gave the replica a GPU, else cpu
     num_threads: int | None = Field(None, ge=1)  # torch CPU threads per replica
+    # requests a verifier replica's engine keeps waiting for a KV slot before it answers 429;
+    # None: what the verifier's max_ongoing_requests leaves past the running ones
+    max_num_waiting: int | None = Field(None, ge=0)
 
 
 class RayActorOptions(BaseModel):
@@ -121,7 +124,7 @@ class DeploymentArgs(_Strict):
     num_replicas: int | None = Field(None, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int | None = Field(None, ge=1)
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = Field(None, ge=-1)  # per caller; -1: unbounded (Serve's default)
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
     health_check_period_s: float | None = None
     graceful_shutdown_timeout_s: float | None = None
@@ -143,15 +146,21 @@ class DeploymentArgs(_Strict):
             return int(self.autoscaling_config.get("max_replicas", self.autoscaling_config.get("min_replicas", 1)))
         return self.num_replicas or 1
 
-    def options(self, *, name: str, default_cpus: float, default_max_ongoing: int) -> dict[str, Any]:
-        """Keyword arguments for Deployment.options(...)."""
+    def options(self, *, name: str, default_cpus: float, default_max_ongoing: int, default_max_queued: int = -1,
+                retry_after_s: float | None = None, extra_ongoing: int = 0) -> dict[str, Any]:
+        """Keyword arguments for Deployment.options(...). Past max_queued_requests (per caller) Serve
+        refuses at once: a BackPressureError to a handle, an HTTP 429 with Retry-After from the proxy."""
         opts: dict[str, Any] = {"name": name}
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(self.autoscaling_config)
         else:
             opts["num_replicas"] = self.num_replicas or 1
-        opts["max_ongoing_requests"] = self.max_ongoing_requests or default_max_ongoing
-        for key in ("max_queued_requests", "health_check_period_s", "graceful_shutdown_timeout_s"):
+        opts["max_ongoing_requests"] = (self.max_ongoing_requests or default_max_ongoing) + extra_ongoing
+        opts["max_queued_requests"] = self.max_queued_requests if self.max_queued_requests is not None \
+            else default_max_queued
+        if retry_after_s is not None:
+            opts["backpressure_config"] = {"status_code": 429, "retry_after_s": retry_after_s}
+        for key in ("health_check_period_s", "graceful_shutdown_timeout_s"):
             if getattr(self, key) is not None:
                 opts[key] = getattr(self, key)
         actor = self.ray_actor_options.to_dict()
@@ -161,6 +170,7 @@ class DeploymentArgs(_Strict):
 
 
 INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
+INGRESS_RESERVE = 32  # Serve's max_ongoing_requests for the ingress: its admission gate + this
 
 
 class AppArgs(_Strict):
@@ -184,6 +194,10 @@ class AppArgs(_Strict):
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
     api_key: SecretStr | None = None
+    # admission control: what a refused request's 429 (or 503 while no verifier is up) tells the
+    # client to wait, in its Retry-After header. The bounds themselves are each deployment's
+    # max_ongoing_requests / max_queued_requests and engine.max_num_waiting (deployments/README.md).
+    retry_after_s: float = Field(1.0, ge=0)
 
     @field_validator("api_key")
     @classmethod
@@ -208,18 +222,38 @@ class AppArgs(_Strict):
         return self.served_model_name or self.model
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, speculative=self.speculative.to_config(), **self.engine.model_dump())
+        engine = self.engine.model_dump()
+        if engine["max_num_waiting"] is None:  # all a verifier replica takes in beyond its running ones
+            engine["max_num_waiting"] = max(0, self.verifier_max_ongoing - self.engine.max_num_seqs)
+        return EngineConfig(model=self.model, speculative=self.speculative.to_config(), **engine)
 
     # ---- deployment options -------------------------------------------------------------
+    @property
+    def verifier_max_ongoing(self) -> int:
+        # requests past the KV slots wait inside the engine (continuous batching), so accept more
+        return self.verifier.max_ongoing_requests or 4 * self.engine.max_num_seqs
+
+    @property
+    def ingress_max_ongoing(self) -> int:
+        """HTTP generation requests one ingress replica holds at once (its admission gate; past it: 429)."""
+        return self.ingress.max_ongoing_requests or max(64, self.verifier_max_ongoing * self.verifier.max_replicas)
+
     def ingress_options(self) -> dict[str, Any]:
-        per_verifier = 4 * self.engine.max_num_seqs
-        return self.ingress.options(name=INGRESS_NAME, default_cpus=0.5,
-                                    default_max_ongoing=max(64, per_verifier * self.verifier.max_replicas))
+        # Serve lets INGRESS_RESERVE more in than the gate: health probes, /v1/models and the gate's own
+        # 429s (OpenAI JSON) get through while generation fills the gate; past that the proxy queues
+        # up to max_queued_requests, then answers 429 itself (plain text, with Retry-After)
+        return self.ingress.options(name=INGRESS_NAME, default_cpus=0.5, default_max_ongoing=self.ingress_max_ongoing,
+                                    extra_ongoing=INGRESS_RESERVE,
+                                    # the proxy's queue also holds requests being routed: a burst arrives
+                                    # there at once, so it is sized for bursts, not for waiting
+                                    default_max_queued=max(256, 4 * self.ingress_max_ongoing),
+                                    retry_after_s=self.retry_after_s)
 
     def verifier_options(self) -> dict[str, Any]:
-        # requests past the KV slots wait inside the engine (continuous batching), so accept more
-        return self.verifier.options(name=VERIFIER_NAME, default_cpus=1,
-                                     default_max_ongoing=4 * self.engine.max_num_seqs)
+        # each ingress replica queues at most this many requests for busy verifiers; past that a
+        # BackPressureError, which the ingress answers with a 429
+        return self.verifier.options(name=VERIFIER_NAME, default_cpus=1, default_max_ongoing=self.verifier_max_ongoing,
+                                     default_max_queued=self.verifier_max_ongoing, retry_after_s=self.retry_after_s)
 
     def proposer_options(self) -> dict[str, Any]:
         # every verifier replica has at most one propose call in flight (plus one release flush)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
+from rayspec.engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
 
 logger = logging.getLogger("rayspec.serve")
 
@@ -53,6 +53,7 @@ class EngineLoop:
         self.snapshot: dict[str, Any] = {}
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_rejected = 0  # refused with the waiting queue full (EngineOverloadedError)
         self.num_steps = 0
         self.step_seconds = 0.0  # engine.step() wall time, to tell engine time from serving overhead
         self._thread = threading.Thread(target=self._run, name="rayspec-engine", daemon=True)
@@ -161,7 +162,8 @@ class EngineLoop:
                     prompt = engine.encode_chat(*prompt[1:])
                 engine.add_request(prompt, cmd.params, cmd.request_id, resume_output_ids=list(cmd.resume[0]),
                                    resume_sent_chars=cmd.resume[1], grammar=cmd.grammar)
-            except InvalidRequestError as err:
+            except (InvalidRequestError, EngineOverloadedError) as err:  # the caller's 400 / 429
+                self.num_rejected += isinstance(err, EngineOverloadedError)
                 cmd.deliver(err)
                 return
             except Exception as err:  # noqa: BLE001 - e.g. a chat template error: the request's fault
@@ -221,6 +223,7 @@ class EngineLoop:
             "num_waiting": engine.num_waiting,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
+            "num_rejected": self.num_rejected,
             "num_steps": self.num_steps,
             "step_seconds": round(self.step_seconds, 4),
             **engine.stats.as_dict(),

@@ -17,8 +17,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.admission import AdmissionGate, AdmissionState, error_response, not_ready, overloaded
 from deployments.api_key import RequireApiKey, key_digest
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args, resolve_api_key
@@ -27,7 +29,7 @@ from deployments.openai_protocol import (ChatCompletionRequest, CompletionReques
                                          chat_logprobs, completion_logprobs, finish_reason, new_id, now, sum_usage,
                                          tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
-from rayspec.engine import InvalidGrammarError, InvalidRequestError
+from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 
 logger = logging.getLogger("rayspec.serve")
 app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")
@@ -38,6 +40,12 @@ def _replica_key_digest() -> bytes | None:
     return serve.get_replica_context().servable_object._api_key_digest
 
 
+def _replica_admission() -> AdmissionState:
+    return serve.get_replica_context().servable_object.admission
+
+
+# the last added runs first: the key is checked before a request takes a place in the gate
+app.add_middleware(AdmissionGate, state=_replica_admission)
 app.add_middleware(RequireApiKey, expected=_replica_key_digest)
 
 
@@ -49,7 +57,7 @@ async def _awaited(response):
 
 
 def _error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+    return error_response(err)
 
 
 @app.exception_handler(OpenAIError)
@@ -73,13 +81,21 @@ async def _http_error(_: Request, err: StarletteHTTPException):
     return _error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
 
 
-def _as_openai_error(err: BaseException, constraint: str | None = None) -> OpenAIError | None:
-    """Errors caused by the request (engine InvalidRequestError, bad values) -> 400; else None.
-    constraint: the field the request's output constraint came from, the `param` of a grammar the
-    verifier could not compile (malformed, past llguidance's limits or its compile deadline)."""
+def _as_openai_error(err: BaseException, constraint: str | None = None, retry_after_s: float | None = None,
+                     ready: bool = True) -> OpenAIError | None:
+    """Errors caused by the request (engine InvalidRequestError, bad values) -> 400; a full queue
+    downstream -> 429 (503 while no verifier has answered yet: `ready` False), with Retry-After;
+    else None. constraint: the field the request's output constraint came from, the `param` of a
+    grammar the verifier could not compile (malformed, past llguidance's limits or its compile deadline)."""
     cause = getattr(err, "cause", None) or err  # a RayTaskError carries the replica's exception
     if isinstance(cause, OpenAIError):
         return cause
+    if isinstance(cause, (BackPressureError, DeploymentUnavailableError)):
+        if not ready or isinstance(cause, DeploymentUnavailableError):
+            return not_ready("no verifier replica is serving yet", retry_after_s)
+        return overloaded("every verifier replica's queue is full", retry_after_s)
+    if isinstance(cause, EngineOverloadedError):
+        return overloaded("the engine's waiting queue is full", retry_after_s)
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
         param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
         return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
@@ -121,14 +137,48 @@ class OpenAIIngress:
         self.model_name = self.cfg.model_name
         self.verifier = verifier
         self.failovers = FailoverCounts()  # requests that outlived a lost verifier replica
+        self.admission = AdmissionState(self.cfg.ingress_max_ongoing, self.cfg.retry_after_s)
+        self.verifier_answered = False  # a verifier replica has answered: the target is loaded
+        self._probe = None
+        self._start_readiness_probe()
+        try:  # the verifier watches this name: when this replica dies, its requests are aborted there
+            import ray
+
+            self.actor_name = ray.get_runtime_context().get_actor_name()
+        except Exception:  # noqa: BLE001 - built outside Ray
+            self.actor_name = None
+
+    def _start_readiness_probe(self) -> None:
+        """Ask the verifier for its health until it first answers (then `verifier_answered`): until
+        then a refusal from a full verifier queue is a 503 `not_ready`, after it a 429."""
+        if self.verifier_answered or (self._probe is not None and not self._probe.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()  # Serve builds replicas on their event loop
+        except RuntimeError:  # built outside Serve (unit tests): no probe
+            return
+
+        async def probe():
+            while not self.verifier_answered:
+                try:
+                    await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
+                    self.verifier_answered = True
+                except Exception:  # noqa: BLE001 - still loading, or every replica busy: ask again
+                    await asyncio.sleep(0.5)
+
+        self._probe = loop.create_task(probe())
 
     # ---- Python handle API ---------------------------------------------------------------
-    async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+    def _tagged(self, request: Union[GenerateRequest, dict]) -> GenerateRequest:
         request = GenerateRequest.model_validate(request)
+        return request.model_copy(update={"caller": self.actor_name}) if self.actor_name else request
+
+    async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
+        request = self._tagged(request)
         return await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
 
     async def generate_stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
-        stream = FailoverStream(self.verifier, GenerateRequest.model_validate(request), self.failovers)
+        stream = FailoverStream(self.verifier, self._tagged(request), self.failovers)
         finished = False
         try:
             async for chunk in stream:
@@ -139,7 +189,8 @@ class OpenAIIngress:
                 stream.cancel()
 
     async def stats(self) -> dict:
-        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict()}  # + this ingress's failovers
+        # + this ingress replica's failovers and admission counts
+        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict(), **self.admission.as_dict()}
 
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")
@@ -153,6 +204,7 @@ class OpenAIIngress:
             reason = "no answer in time" if isinstance(err, asyncio.TimeoutError) else f"{type(err).__name__}: {err}"
             return _error_response(OpenAIError(f"the model is not ready: {reason}", status_code=503,
                                                type="service_unavailable", code="not_ready"))
+        self.verifier_answered = True
         return {"status": "ok", "model": self.model_name, **engine}
 
     @app.get("/v1/models")
@@ -216,31 +268,40 @@ class OpenAIIngress:
         """The body's verifier requests (one per prompt), validated: limits (LIMITS), values, output
         constraint, all before any RPC; an OpenAIError (400) otherwise."""
         try:
-            requests = body.to_generate(self.cfg.engine.max_model_len)
+            requests = [self._tagged(r) for r in body.to_generate(self.cfg.engine.max_model_len)]
             for request in requests:
                 request.sampling_params()  # reject bad values here, before any RPC
             return requests
         except (OpenAIError, InvalidRequestError, ValidationError) as err:
             raise _as_openai_error(err) from None
 
+    def _mapped(self, err: BaseException, constraint: str | None = None) -> OpenAIError | None:
+        mapped = _as_openai_error(err, constraint, self.cfg.retry_after_s, self.verifier_answered)
+        if mapped is not None and mapped.status_code in (429, 503):
+            self.admission.num_backpressured += 1
+        return mapped
+
     async def _call(self, request: GenerateRequest, constraint: str | None = None) -> GenerateResponse:
         try:
-            return await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
+            response = await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
         except Exception as err:  # noqa: BLE001
-            mapped = _as_openai_error(err, constraint)
+            mapped = self._mapped(err, constraint)
             if mapped is None:
                 raise
             raise mapped from None
+        self.verifier_answered = True
+        return response
 
     async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool,
                                constraint: str | None = None):
         try:  # wait for every choice's first chunk so that request errors still become a 400
             streams, firsts = await open_streams(self.verifier, requests, self.failovers)
         except Exception as err:  # noqa: BLE001
-            mapped = _as_openai_error(err, constraint)
+            mapped = self._mapped(err, constraint)
             if mapped is None:
                 raise
             raise mapped from None
+        self.verifier_answered = True
         return StreamingResponse(self._sse_events(streams, firsts, body, chat), media_type="text/event-stream")
 
     async def _sse_events(self, streams, firsts, body, chat: bool) -> AsyncIterator[str]:

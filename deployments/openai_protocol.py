@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,9 +53,15 @@ def _at_most(count: int, limit: int, what: str, param: str) -> None:
 
 class OpenAIError(Exception):
     def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
         self.message, self.status_code, self.type, self.param, self.code = message, status_code, type, param, code
+        self.retry_after_s = retry_after_s  # a Retry-After header (whole seconds, rounded up) when set
+
+    def headers(self) -> dict[str, str] | None:
+        if self.retry_after_s is None:
+            return None
+        return {"Retry-After": str(max(0, math.ceil(self.retry_after_s)))}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -150,4 +150,8 @@ class Proposer:
                 # the direct channel: authenticated connections, and those closed (failed handshake,
                 # malformed or oversized frame, too many connections)
                 "channel_connections": self._channel.num_connections if self._channel else 0,
-                "channel_rejected": self._channel.num_rejected if self._channel else 0}
+                "channel_rejected": self._channel.num_rejected if self._channel else 0,
+                # draft KV slots (draft models, EAGLE heads): those held by sequences of live verifiers,
+                # or of a lost one's until they are the stalest when a slot is needed
+                **({"num_slots": runner.cache.num_slots, "num_free_slots": runner.num_free_slots}
+                   if (runner := getattr(self.proposer, "runner", None)) is not None else {})}

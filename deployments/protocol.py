@@ -42,6 +42,9 @@ class GenerateRequest(BaseModel):
     # token ids so far, and how many characters of their text the caller already has
     resume_output_ids: list[int] = Field(default_factory=list)
     resume_sent_chars: int = Field(0, ge=0)
+    # the Serve actor name of the ingress replica that sends this request: if that actor dies (and
+    # with it the client's connection), the verifier aborts the request instead of decoding for no one
+    caller: str | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):

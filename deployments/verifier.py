@@ -24,6 +24,49 @@ from deployments.protocol import GenerateChunk, GenerateRequest, GenerateRespons
 from rayspec.engine import LLMEngine, RequestOutput
 
 
+CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
+_CALLER_GONE = object()  # put in a request's queue when its caller died
+
+
+class CallerLostError(RuntimeError):
+    """The request was aborted (its slot freed) because the replica that sent it died."""
+
+
+class CallerLiveness:
+    """Whether named actors (the ingress replicas whose requests this verifier serves) are alive: a
+    named-actor lookup, at most one per name per CALLER_CHECK_S however many streams ask."""
+
+    def __init__(self, namespace: str = "serve"):
+        self.namespace = namespace
+        self._checked: dict[str, tuple[float, bool]] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+
+    def _lookup(self, name: str) -> bool:
+        import ray
+
+        try:
+            ray.get_actor(name, namespace=self.namespace)
+        except ValueError:  # no live actor holds the name: it died (Serve replicas do not restart)
+            return False
+        except Exception:  # noqa: BLE001 - GCS unreachable for a moment: not a reason to abort
+            return True
+        return True
+
+    async def alive(self, name: str) -> bool:
+        checked = self._checked.get(name)
+        if checked is not None and (not checked[1] or time.monotonic() - checked[0] < CALLER_CHECK_S):
+            return checked[1]
+        pending = self._pending.get(name)
+        if pending is None:
+            pending = self._pending[name] = asyncio.ensure_future(asyncio.to_thread(self._lookup, name))
+            pending.add_done_callback(lambda _: self._pending.pop(name, None))
+        alive = await asyncio.shield(pending)
+        self._checked[name] = (time.monotonic(), alive)
+        if len(self._checked) > 1024:  # names of long-gone replicas
+            self._checked = {n: v for n, v in self._checked.items() if n == name or v[1]}
+        return alive
+
+
 def _replica_tag() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -65,6 +108,27 @@ class Verifier:
         # seq ids unique across verifier replicas: a shared proposer keys its state on them
         self._prefix = f"{tag}-"
         self._ids = itertools.count()
+        self.callers = CallerLiveness()
+        self.num_caller_lost = 0  # requests aborted because their ingress replica died
+        self._watched: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (its caller, its queue)
+        self._watcher: asyncio.Task | None = None
+
+    def _watch_callers(self) -> None:
+        """While requests with a caller run: every CALLER_CHECK_S, the requests of a caller that died
+        get _CALLER_GONE (Ray does not cancel a replica's stream when the replica reading it dies)."""
+        if self._watcher is not None and not self._watcher.done():
+            return
+
+        async def watch():
+            while self._watched:
+                await asyncio.sleep(CALLER_CHECK_S)
+                for caller in {c for c, _ in self._watched.values()}:
+                    if not await self.callers.alive(caller):
+                        for c, queue in list(self._watched.values()):
+                            if c == caller:
+                                queue.put_nowait(_CALLER_GONE)
+
+        self._watcher = asyncio.get_running_loop().create_task(watch())
 
     def check_health(self) -> None:
         if not self.loop.alive:
@@ -97,9 +161,16 @@ class Verifier:
         self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
                          resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar)
         done = False
+        if request.caller is not None:
+            self._watched[rid] = (request.caller, queue)
+            self._watch_callers()
         try:
             while True:
                 item = await queue.get()
+                if item is _CALLER_GONE:
+                    logger.warning("request %s: its ingress replica %s is gone; aborting", rid, request.caller)
+                    self.num_caller_lost += 1
+                    raise CallerLostError(f"the ingress replica {request.caller} that sent this request is gone")
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -109,6 +180,7 @@ class Verifier:
                 if done:
                     return
         finally:
+            self._watched.pop(rid, None)
             if not done:  # cancelled or disconnected: free the slot
                 self.loop.abort(rid)
 
@@ -161,7 +233,8 @@ class Verifier:
     # ---- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
         """Engine counters (SpecDecodeStats) and queue sizes as of the last step."""
-        return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None)
+        return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
+                    num_caller_lost=self.num_caller_lost)
 
     async def reset_stats(self) -> dict:
         from rayspec.metrics import SpecDecodeStats

@@ -61,12 +61,17 @@ class EngineConfig:
     max_num_seqs: int = 16
     kv_cache_memory_gb: float = 2.0  # target + draft KV budget; bounds the concurrent sequences
     num_threads: int | None = None  # torch intra-op threads on CPU
+    # requests waiting for a KV slot past which add_request refuses new ones (EngineOverloadedError);
+    # None: unbounded. A resumed request (a failover from a lost replica) is always taken.
+    max_num_waiting: int | None = None
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
         if self.max_model_len < 2 or self.max_num_seqs < 1 or self.kv_cache_memory_gb <= 0:
             raise ValueError("max_model_len >= 2, max_num_seqs >= 1 and kv_cache_memory_gb > 0 required")
+        if self.max_num_waiting is not None and self.max_num_waiting < 0:
+            raise ValueError("max_num_waiting must be >= 0 (or None: unbounded)")
 
 
 @dataclass

@@ -39,6 +39,10 @@ class InvalidRequestError(ValueError):
     """The request cannot be served as asked (too long, bad token ids, duplicate id, ...)."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (EngineConfig.max_num_waiting): the request was not taken; try later."""
+
+
 class InvalidGrammarError(InvalidRequestError):
     """The request's output constraint cannot be compiled (malformed, past llguidance's limits, or
     slower to compile than rayspec.structured.COMPILE_TIMEOUT_S)."""
@@ -154,6 +158,11 @@ class LLMEngine:
         `prepare_grammar` (built elsewhere beforehand), else it is built here from params.structured."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        bound = self.config.max_num_waiting
+        # those already waiting take the free slots first; past them, this one would wait too
+        if bound is not None and not resume_output_ids and len(self.waiting) - self.runner.num_free_slots >= bound:
+            raise EngineOverloadedError(f"{self.num_running} requests run and {len(self.waiting)} wait for "
+                                        f"a KV slot (max_num_waiting {bound})")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)

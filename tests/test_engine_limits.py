@@ -192,3 +192,30 @@ def test_disable_by_batch_size_stops_drafting(tiny_model_dir):
             assert eng.generate([p], params)[0].token_ids == r
         drafted.append(eng.stats.num_draft_tokens)
     assert drafted[0] == drafted[1] > 0
+
+
+def test_waiting_queue_bound_refuses_past_it_and_takes_failovers(tiny_model_dir, tiny):
+    """max_num_waiting: requests that would wait for a KV slot beyond the bound are refused
+    (EngineOverloadedError, the server's 429); the free slots count as room; a resumed request
+    (a failover from a lost replica) is always taken; the requests taken are served unchanged."""
+    from rayspec.engine import EngineOverloadedError
+
+    engine = make_engine(tiny_model_dir, "ngram", loaded=tiny, max_model_len=MAX_LEN, max_num_seqs=2)
+    engine.config.max_num_waiting = 1
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8] for i in range(5)]
+    taken = [engine.add_request(p, params, f"r{i}") for i, p in enumerate(prompts[:3])]  # 2 slots + 1 waiting
+    with pytest.raises(EngineOverloadedError, match="max_num_waiting 1"):
+        engine.add_request(prompts[3], params, "r3")
+    assert "r3" not in engine._requests and engine.num_waiting == 3  # nothing of it was kept
+    engine.add_request(prompts[4], params, "resumed", resume_output_ids=[9, 10])  # a failover gets in
+    engine.step()  # two run now, two wait: still full
+    assert (engine.num_running, engine.num_waiting) == (2, 2)
+    with pytest.raises(EngineOverloadedError):
+        engine.add_request(prompts[3], params, "r3")
+    outputs = run_to_completion(engine)
+    alone = make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN)
+    assert [outputs[rid].token_ids for rid in taken] == run_alone(alone, prompts[:3], params)
+    assert "resumed" in outputs
+    engine.add_request(prompts[3], params, "r3")  # idle again: taken
+    assert [run_to_completion(engine)["r3"].token_ids] == run_alone(alone, prompts[3:4], params)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from rayspec.model import CausalLM
@@ -37,11 +39,25 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(model, max_model_len, num_slots, slack=max_draft_tokens + 1)
         self._fed: dict[str, list[int]] = {}  # tokens whose KV the draft cache holds, per sequence
         self._generators: dict[str, torch.Generator] = {}
+        self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
+        self._clock = itertools.count()
 
     def release(self, seq_id: str) -> None:
         self.runner.free(seq_id)
         self._fed.pop(seq_id, None)
         self._generators.pop(seq_id, None)
+        self._last_used.pop(seq_id, None)
+
+    def _allocate(self, seq_id: str, batch: set[str]) -> None:
+        """A slot for seq_id; when none is free, the sequence seen longest ago outside this batch is
+        dropped (a shared proposer deployment: sequences a lost verifier replica left behind). If it
+        comes back, it is prefilled again from its tokens."""
+        if self.runner.num_free_slots == 0:
+            stale = min((s for s in self._last_used if s not in batch), key=self._last_used.get, default=None)
+            if stale is not None:
+                self.release(stale)
+        self.runner.allocate(seq_id)
+        self._fed[seq_id] = []
 
     def _generator(self, req: ProposeRequest) -> torch.Generator:
         if req.seq_id not in self._generators:
@@ -67,10 +83,12 @@ class DraftModelProposer(Proposer):
         if not active:
             return [Draft([]) for _ in requests]
         seq_ids, pending = [], []
+        batch = {r.seq_id for r in active}
+        tick = next(self._clock)
         for req in active:
             if not self.runner.has(req.seq_id):
-                self.runner.allocate(req.seq_id)
-                self._fed[req.seq_id] = []
+                self._allocate(req.seq_id, batch)
+            self._last_used[req.seq_id] = tick
             fed = self._fed[req.seq_id]
             keep = min(common_prefix_len(fed, req.token_ids), len(req.token_ids) - 1)
             self.runner.set_cached_len(req.seq_id, keep)

@@ -1,0 +1,325 @@
+"""Admission control and faults under load, on one local Ray cluster (one Serve instance, two apps).
+
+- `bounded`: a colocated app with small limits at every hop (ingress gate, verifier queue, engine
+  waiting queue): a burst above them gets only 200s and 429s with Retry-After (OpenAI error JSON),
+  quickly; the 200s carry the target's own greedy output.
+- `faults`: a disaggregated app (draft model) with two ingress and two verifier replicas and one
+  proposer. Under 16 streaming clients, a proposer replica, a verifier replica and an ingress replica
+  are killed in turn (`ray.kill`, no graceful shutdown). Every stream must end before a deadline,
+  either complete with the target's greedy output and `[DONE]`, or (only for streams that were on the
+  killed ingress replica, which held their HTTP connection) cut short; afterwards every verifier
+  replica is idle again: no running or waiting request, every KV slot free.
+- 100 streams whose clients go away after their first chunk leave the engines idle, each counted
+  as an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+import ray
+import ray.serve as serve
+from ray.serve.exceptions import BackPressureError
+from serve_utils import free_port, tiny_args, wait_for
+
+import deployments.ingress as ingress_module
+from deployments.app import build_app
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.engine import EngineOverloadedError, LLMEngine
+from rayspec.sampling import SamplingParams
+
+NUM_CLIENTS = 16
+FAULT_TOKENS = 320  # long enough that every stream is mid-way when the kill lands
+DEADLINE_S = 180.0  # no stream may take longer, kill or not
+PROMPTS = [f"{i} one two three four five {i} one two three four five {i} six" for i in range(NUM_CLIENTS)]
+
+BOUNDED = {"engine": {"max_num_seqs": 2, "max_num_waiting": 0},
+           "verifier": {"max_ongoing_requests": 3, "max_queued_requests": 1},
+           "ingress": {"max_ongoing_requests": 5}, "retry_after_s": 2}
+
+
+def _faults_args(target, draft) -> dict:
+    return tiny_args(target, topology="disaggregated",
+                     speculative={"method": "draft_model", "draft_model": str(draft), "num_speculative_tokens": 3,
+                                  "adaptive": False},
+                     engine={"max_num_seqs": NUM_CLIENTS},  # either replica can run every stream at once
+                     ingress={"num_replicas": 2}, verifier={"num_replicas": 2})
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tiny_draft_dir):
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(tiny_args(tiny_model_dir, **BOUNDED)), name="bounded", route_prefix="/bounded")
+        serve.run(build_app(_faults_args(tiny_model_dir, tiny_draft_dir)), name="faults", route_prefix="/faults")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """The target's own greedy outputs (no speculation), as text."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=NUM_CLIENTS,
+                                    kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(method="none")))
+
+    def texts(max_tokens: int) -> list[str]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.text for o in engine.generate(PROMPTS, params)]
+
+    return texts
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _replicas(app: str, deployment: str) -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#"))
+
+
+def _kill(name: str) -> None:
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def _wait_replaced(app: str, deployment: str, killed: str, count: int, timeout: float = 120) -> None:
+    """Until Serve runs `count` replicas of the deployment again, the killed one not among them."""
+    def replaced():
+        names = _replicas(app, deployment)
+        return len(names) == count and killed not in names
+    wait_for(replaced, timeout=timeout, interval=0.5)
+    serve_status = lambda: serve.status().applications[app].status == "RUNNING"  # noqa: E731
+    wait_for(serve_status, timeout=timeout, interval=0.5)
+
+
+def _verifier_stats(app: str, count: int) -> dict[str, dict]:
+    """Stats of every verifier replica (the router spreads the calls; ask until each answered)."""
+    handle = serve.get_deployment_handle("Verifier", app_name=app)
+    seen: dict[str, dict] = {}
+    for _ in range(200):
+        stats = handle.get_stats.remote().result(timeout_s=60)
+        seen[stats["replica"]] = stats
+        if len(seen) == count:
+            return seen
+    raise AssertionError(f"only {len(seen)} of {count} verifier replicas answered")
+
+
+def _idle(app: str, count: int) -> bool:
+    stats = _verifier_stats(app, count)
+    return all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_slots"] == s["num_slots"]
+               for s in stats.values())
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, progress: list[int],
+                  index: int) -> dict:
+    """One streamed completion: {status, text, done, error, cut}. progress[index] counts its events."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    out = {"status": None, "text": "", "done": False, "error": None, "cut": False}
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            out["status"] = resp.status_code
+            if resp.status_code != 200:
+                out["error"] = json.loads(await resp.aread())
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                progress[index] += 1
+                if data == "[DONE]":
+                    out["done"] = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    out["error"] = event
+                    continue
+                out["text"] += "".join(c["text"] for c in event["choices"])
+    except (httpx.RemoteProtocolError, httpx.ReadError) as err:  # the connection was dropped
+        out["cut"], out["error"] = True, repr(err)
+    return out
+
+
+def _run_with_fault(url: str, max_tokens: int, fault=None, after_events: int = 12) -> list[dict]:
+    """NUM_CLIENTS concurrent streams; once each has had `after_events` events, fault() runs.
+    Every stream must end within DEADLINE_S."""
+    async def main():
+        progress = [0] * NUM_CLIENTS
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            tasks = [asyncio.create_task(_stream(client, url, p, max_tokens, progress, i))
+                     for i, p in enumerate(PROMPTS)]
+            if fault is not None:
+                started = time.monotonic()
+                while min(progress) < after_events and not all(t.done() for t in tasks):
+                    assert time.monotonic() - started < DEADLINE_S, "streams did not start"
+                    await asyncio.sleep(0.02)
+                assert not any(t.done() for t in tasks), "a stream ended before the fault"
+                await asyncio.to_thread(fault)
+            return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+    return asyncio.run(main())
+
+
+def _assert_complete(results: list[dict], want: list[str]) -> None:
+    for i, r in enumerate(results):
+        assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
+        assert r["text"] == want[i], i
+
+
+# ---- admission control ------------------------------------------------------------------------------
+def test_overload_gets_only_200s_and_429s_with_retry_after(served, reference):
+    """A burst of 16 requests (streamed and not) into an app that runs 2, lets 5 into its ingress
+    replica, queues 1 per caller for the verifier and keeps none waiting in the engine: each one is
+    a 200 with the target's greedy output or a 429 with Retry-After and OpenAI error JSON, refused
+    within seconds; the three bounds each refused some."""
+    max_tokens = 200
+    want = reference(max_tokens)
+    url = f"{served}/bounded/v1/completions"
+
+    async def one(client, i):
+        body = {"model": "tiny", "prompt": PROMPTS[i], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": i % 2 == 0}
+        started = time.monotonic()
+        resp = await client.post(url, json=body)
+        return i, resp, time.monotonic() - started
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS))), DEADLINE_S)
+
+    before = httpx.get(f"{served}/bounded/v1/stats", timeout=60).json()
+    results = asyncio.run(burst())
+    statuses = sorted(resp.status_code for _, resp, _ in results)
+    assert set(statuses) <= {200, 429}, statuses
+    assert 2 <= statuses.count(200) <= 5 and statuses.count(429) >= NUM_CLIENTS - 5, statuses
+    for i, resp, seconds in results:
+        if resp.status_code == 429:
+            assert resp.headers["retry-after"] == "2"
+            assert resp.headers["content-type"] == "application/json", (resp.headers, resp.text)
+            error = resp.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded", error
+            assert seconds < 30, seconds  # refused, not queued until the others are done
+        elif i % 2 == 0:
+            events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) == want[i]
+        else:
+            assert resp.json()["choices"][0]["text"] == want[i]
+    after = httpx.get(f"{served}/bounded/v1/stats", timeout=60).json()
+    gate = after["num_refused_at_ingress"] - before["num_refused_at_ingress"]
+    downstream = after["num_refused_downstream"] - before["num_refused_downstream"]
+    engine = after["num_rejected"] - before["num_rejected"]
+    # arrivals race with the refusals (a refused request leaves the gate at once): each bound refused some
+    assert gate >= 1 and downstream >= engine >= 1, (gate, downstream, engine)
+    assert gate + downstream == statuses.count(429)
+    assert after["ingress_in_flight"] == 0  # every request, refused or served, left the gate
+    wait_for(lambda: _idle("bounded", 1), timeout=60)
+    # the server takes requests again once the burst is over
+    resp = httpx.post(url, json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+                                 "ignore_eos": True}, timeout=60)
+    assert resp.status_code == 200, resp.text
+
+
+def test_downstream_refusals_map_to_429_or_503():
+    """A full verifier queue (Serve's BackPressureError) -> 429, or 503 `not_ready` while no verifier
+    replica has answered yet; a full engine queue -> 429; each with Retry-After."""
+    pressure = BackPressureError(num_queued_requests=4, max_queued_requests=4)
+    for err, ready, status, code in [(pressure, True, 429, "server_overloaded"), (pressure, False, 503, "not_ready"),
+                                     (EngineOverloadedError("full"), True, 429, "server_overloaded")]:
+        mapped = ingress_module._as_openai_error(err, None, 1.5, ready)
+        response = ingress_module._error_response(mapped)
+        assert (response.status_code, response.headers["retry-after"]) == (status, "2")
+        assert json.loads(response.body)["error"]["code"] == code
+
+
+# ---- faults under load ---------------------------------------------------------------------------
+def test_killed_proposer_replica_under_load(served, reference):
+    """The proposer replica dies mid-load: every stream completes with the target's output (steps
+    whose proposer call failed ran without drafts); Serve replaces it; the verifiers end idle."""
+    want = reference(FAULT_TOKENS)
+    [proposer] = _replicas("faults", "Proposer")
+    results = _run_with_fault(f"{served}/faults/v1/completions", FAULT_TOKENS, lambda: _kill(proposer))
+    _assert_complete(results, want)
+    _wait_replaced("faults", "Proposer", proposer, 1)
+    wait_for(lambda: _idle("faults", 2), timeout=60)
+
+
+def test_killed_verifier_replica_under_load(served, reference):
+    """A verifier replica dies mid-load: its streams resume on the other replica (or the replacement)
+    with the tokens they had, and every stream completes with the target's output, unbroken."""
+    want = reference(FAULT_TOKENS)
+    verifiers = _replicas("faults", "Verifier")
+    victim = verifiers[0]
+    results = _run_with_fault(f"{served}/faults/v1/completions", FAULT_TOKENS, lambda: _kill(victim))
+    _assert_complete(results, want)
+    _wait_replaced("faults", "Verifier", victim, 2)
+    wait_for(lambda: _idle("faults", 2), timeout=60)
+    # the proposer dropped what the lost replica's sequences held as soon as others needed the slots,
+    # and drafts are still accepted after the fault
+    results = _run_with_fault(f"{served}/faults/v1/completions", 24)
+    _assert_complete(results, reference(24))
+
+
+def test_killed_ingress_replica_under_load(served, reference):
+    """An ingress replica dies mid-load. The streams it carried lose their HTTP connection (the
+    replica held it: Serve's proxy cannot move an open response elsewhere) and end at once, cut
+    short; every other stream completes with the target's output. The verifier requests of the cut
+    streams are aborted (nothing keeps decoding for a client no one serves), and new requests
+    succeed on the surviving and the replacement replicas."""
+    want = reference(FAULT_TOKENS)
+    victim = _replicas("faults", "OpenAIIngress")[0]
+    before = _verifier_stats("faults", 2)
+    results = _run_with_fault(f"{served}/faults/v1/completions", FAULT_TOKENS, lambda: _kill(victim))
+    complete = [r for r in results if r["done"]]
+    cut = [r for r in results if not r["done"]]
+    for r in results:
+        assert r["status"] == 200, r
+        if r["done"]:
+            assert r["error"] is None and r["text"] == want[results.index(r)]
+        else:  # a prefix of the right output, then nothing
+            assert want[results.index(r)].startswith(r["text"])
+    assert cut and complete, (len(cut), len(complete))  # the proxy spread the clients over both replicas
+    _wait_replaced("faults", "OpenAIIngress", victim, 2)
+    wait_for(lambda: _idle("faults", 2), timeout=60)
+    after = _verifier_stats("faults", 2)
+    aborted = sum(s["num_aborted"] for s in after.values()) - sum(s["num_aborted"] for s in before.values())
+    assert aborted == len(cut), (aborted, len(cut))
+    results = _run_with_fault(f"{served}/faults/v1/completions", 24)
+    _assert_complete(results, reference(24))
+
+
+def test_hundred_abandoned_streams_leave_the_engines_idle(served):
+    """100 streams whose clients go away after the first chunk: each is aborted on its verifier
+    replica, and both replicas end with nothing running or waiting and every KV slot free."""
+    before = _verifier_stats("faults", 2)
+
+    async def abandon(client, i):
+        body = {"model": "tiny", "prompt": PROMPTS[i % NUM_CLIENTS], "max_tokens": 500, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with client.stream("POST", f"{served}/faults/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    return  # leaving the block closes the connection
+
+    async def main():
+        limit = asyncio.Semaphore(NUM_CLIENTS)
+
+        async def bounded(client, i):
+            async with limit:
+                await abandon(client, i)
+
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            await asyncio.wait_for(asyncio.gather(*(bounded(client, i) for i in range(100))), DEADLINE_S)
+
+    asyncio.run(main())
+    wait_for(lambda: _idle("faults", 2), timeout=60)
+    after = _verifier_stats("faults", 2)
+    count = lambda key, stats: sum(s[key] for s in stats.values())  # noqa: E731
+    assert count("num_aborted", after) - count("num_aborted", before) == 100
+    assert count("num_finished", after) == count("num_finished", before)
