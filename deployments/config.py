@@ -250,10 +250,13 @@ class AppArgs(_Strict):
                                     retry_after_s=self.retry_after_s)
 
     def verifier_options(self) -> dict[str, Any]:
-        # each ingress replica queues at most this many requests for busy verifiers; past that a
+        # each ingress replica queues at most max_queued_requests for busy verifiers; past that a
         # BackPressureError, which the ingress answers with a 429
         return self.verifier.options(name=VERIFIER_NAME, default_cpus=1, default_max_ongoing=self.verifier_max_ongoing,
-                                     default_max_queued=self.verifier_max_ongoing, retry_after_s=self.retry_after_s)
+                                     # also holds requests being routed, and one HTTP request fans out to
+                                     # prompts x n of them: sized for bursts, not for waiting
+                                     default_max_queued=max(256, 4 * self.verifier_max_ongoing),
+                                     retry_after_s=self.retry_after_s)
 
     def proposer_options(self) -> dict[str, Any]:
         # every verifier replica has at most one propose call in flight (plus one release flush)

@@ -141,12 +141,11 @@ class OpenAIIngress:
         self.verifier_answered = False  # a verifier replica has answered: the target is loaded
         self._probe = None
         self._start_readiness_probe()
-        try:  # the verifier watches this name: when this replica dies, its requests are aborted there
-            import ray
+        self.actor_name = None  # the verifier watches this name: when this replica dies, its requests are aborted
+        import ray
 
+        if ray.is_initialized():  # (asking a process outside Ray would start a Ray instance)
             self.actor_name = ray.get_runtime_context().get_actor_name()
-        except Exception:  # noqa: BLE001 - built outside Ray
-            self.actor_name = None
 
     def _start_readiness_probe(self) -> None:
         """Ask the verifier for its health until it first answers (then `verifier_answered`): until
