@@ -322,7 +322,20 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class Float32Rotary(nn.Module):
+    """A module with an `inv_freq` rotary buffer that stays float32 through any cast (`.to(bfloat16)`,
+    `.half()`): in bfloat16 the frequencies would be rounded to 8 bits of mantissa, and the angle error
+    grows with the position (transformers keeps them float32 as well). Moves between devices still apply."""
+
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:  # fn cast it: take the float32 original to its new device
+            self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
+
+
+class CausalLM(Float32Rotary):
     """Decoder + LM head. `forward` returns final-norm hidden states; `logits` projects them."""
 
     def __init__(self, args: ModelArgs, inv_freq: torch.Tensor, attention_scaling: float = 1.0):

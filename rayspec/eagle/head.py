@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rayspec.model import MLP, Attention, CausalLM, ForwardBatch, KVCache, Linear, ModelArgs, RMSNorm
+from rayspec.model import (MLP, Attention, CausalLM, Float32Rotary, ForwardBatch, KVCache, Linear, ModelArgs,
+                           RMSNorm)
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Eagle1Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class EagleHead(nn.Module):
+class EagleHead(Float32Rotary):
     """Common surface: forward(input_ids, cache, batch, features) -> hidden; draft_logits; to_target."""
 
     config: EagleConfig
