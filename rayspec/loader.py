@@ -1,4 +1,5 @@
-"""Find and load models: hub id, local directory (config + safetensors), GGUF file, or the default.
+"""Find and load models: hub id (`org/name[@revision]`), local directory (config + safetensors or
+pytorch_model*.bin), GGUF file, or the default.
 
 A GGUF file is dequantized once by transformers and kept as safetensors in the rayspec cache
 (`$RAYSPEC_CACHE`, default `~/.cache/rayspec`), so later starts take seconds, not ~20 s.
@@ -6,6 +7,7 @@ A GGUF file is dequantized once by transformers and kept as safetensors in the r
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -54,7 +56,7 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
 
 
 def resolve_model_dir(spec: str) -> Path:
-    """Turn a model spec into a directory holding config.json, safetensors and the tokenizer."""
+    """Turn a model spec into a directory holding config.json, the weights and the tokenizer."""
     if spec in (DEFAULT_MODEL, "default"):
         path = cache_root() / "models" / _DEFAULT_DIR_NAME
         if not (path / "config.json").exists():
@@ -71,25 +73,237 @@ def resolve_model_dir(spec: str) -> Path:
         if not (local / "config.json").exists():
             raise ModelNotFoundError(f"{local} has no config.json")
         return local
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+    if _is_hub_id(spec):
         return _snapshot(spec)
-    raise ModelNotFoundError(f"model {spec!r} is not a local directory, a .gguf file or a hub id")
+    raise ModelNotFoundError(f"model {spec!r} is not a local directory, a .gguf file or a hub id "
+                             "(org/name or org/name@revision)")
 
 
-def _snapshot(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import; read it now so that setting it
-    # later (in a running server, a test) still keeps the hub from being contacted
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-    try:  # falls back to the local cache when the hub cannot be reached
-        return Path(snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"],
-            local_files_only=offline))
-    except LocalEntryNotFoundError as err:
+
+def split_revision(spec: str) -> tuple[str, str | None]:
+    """`org/name@revision` -> ("org/name", "revision"); no `@` -> (spec, None)."""
+    repo_id, at, revision = spec.partition("@")
+    return repo_id, (revision if at else None)
+
+
+def _is_hub_id(spec: str) -> bool:
+    repo_id, revision = split_revision(spec)
+    return (repo_id.count("/") == 1 and not repo_id.startswith((".", "/", "~"))
+            and all(repo_id.split("/")) and revision != "")
+
+
+# what a hub snapshot needs besides the weights: config, generation config, tokenizer, chat template
+_META_PATTERNS = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+_LOOKED_FOR = (f"*.safetensors (+ {_SAFETENSORS_INDEX}) or pytorch_model*.bin (+ {_BIN_INDEX}), "
+               "at the top level")
+
+
+def _weight_layout(names) -> tuple[str | None, str | None, list[str]]:
+    """(format, index file, weight files) of a flat list of top-level file names. Safetensors wins over
+    pytorch_model*.bin when both are there; with an index, the files are the shards it names."""
+    names = set(names)
+    for fmt, index, pattern in (("safetensors", _SAFETENSORS_INDEX, "*.safetensors"),
+                                ("bin", _BIN_INDEX, "pytorch_model*.bin")):
+        files = sorted(n for n in names if fnmatch.fnmatchcase(n, pattern))
+        if index in names:
+            return fmt, index, []
+        if files:
+            return fmt, None, files
+    return None, None, []
+
+
+def _index_shards(index_path: Path) -> list[str]:
+    weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
+    return sorted(set(weight_map.values()))
+
+
+def weight_files(model_dir: Path) -> tuple[str, list[Path]]:
+    """("safetensors" | "bin", the weight files) of a checkpoint directory: all shards named by
+    model.safetensors.index.json (else every *.safetensors), or else the same for pytorch_model*.bin."""
+    model_dir = Path(model_dir)
+    names = [p.name for p in model_dir.iterdir() if p.is_file()] if model_dir.is_dir() else []
+    fmt, index, files = _weight_layout(names)
+    if fmt is None:
+        raise ModelNotFoundError(f"{model_dir} holds no weights (looked for {_LOOKED_FOR})")
+    if index is not None:
+        files = _index_shards(model_dir / index)
+        if not files:
+            raise ModelNotFoundError(f"{model_dir}: {index} names no weight files (no weight_map)")
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise ModelNotFoundError(
+                f"{model_dir}: {index} names shard {missing[0]}, which is missing"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return fmt, [model_dir / f for f in files]
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # e.g. a checkpoint in the legacy (pre zip) format cannot be mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, safetensors or pytorch_model*.bin, on the CPU."""
+    from safetensors.torch import load_file
+
+    fmt, files = weight_files(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device="cpu") if fmt == "safetensors" else _torch_load(f))
+    return state
+
+
+def _exact(names) -> list[str]:
+    """allow_patterns that match exactly these names (huggingface_hub filters with fnmatch)."""
+    return ["".join(f"[{c}]" if c in "*?[" else c for c in name) for name in names]
+
+
+def _hub_plan(where: str, files: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """(metadata files, weight index, weight files) to download from a repo's file list. Only top-level
+    files: a subfolder (`original/` of the Llama repos: 16 GB of consolidated.00.pth) is never fetched."""
+    top = [f for f in files if "/" not in f]
+    fmt, index, weights = _weight_layout(top)
+    if fmt is None:
+        shown = ", ".join(sorted(files)[:20]) + (f", ... ({len(files) - 20} more)" if len(files) > 20 else "")
+        hint = ("; for a GGUF file, download it and give its path" if any(f.endswith(".gguf") for f in files)
+                else "")
         raise ModelNotFoundError(
-            f"{repo_id} is not in the Hugging Face cache and the hub cannot be reached: {err}") from err
+            f"{where} has no weights: looked for {_LOOKED_FOR}; the repo has: {shown or 'no files'}{hint}")
+    meta = [f for f in top if any(fnmatch.fnmatchcase(f, p) for p in _META_PATTERNS)
+            and f not in (_SAFETENSORS_INDEX, _BIN_INDEX)]
+    return meta, index, weights
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises when the hub cannot be reached (httpx2 in 2.x, requests before)."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    errors: list[type[BaseException]] = [OfflineModeIsEnabled]
+    for module, names in (("httpx2", ("ConnectError", "TimeoutException")),
+                          ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            mod = __import__(module)
+        except ImportError:
+            continue
+        errors += [getattr(mod, name) for name in names if hasattr(mod, name)]
+    return tuple(errors)
+
+
+def _token_hint() -> str:
+    from huggingface_hub import get_token
+
+    try:
+        has_token = bool(get_token())  # never shown: only whether there is one
+    except Exception:
+        has_token = False
+    if has_token:
+        return "the token in HF_TOKEN (or the stored login) has no access to it"
+    return "set HF_TOKEN to a token of an account with access (none is set)"
+
+
+def _snapshot(spec: str) -> Path:
+    """Download (or find in the Hugging Face cache) what a hub model needs: its config, tokenizer and
+    generation files and its weights in one format (`org/name` or `org/name@revision`)."""
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    repo_id, revision = split_revision(spec)
+    where = f"{repo_id}@{revision}" if revision else repo_id
+    # huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, at import; read them now so that
+    # setting them later (in a running server, a test) is still honoured
+    offline = _env_true("HF_HUB_OFFLINE")
+    endpoint = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/") or None
+    unreachable: BaseException | None = None
+    try:
+        if not offline:
+            try:
+                return _download(repo_id, revision, where, endpoint)
+            except _network_errors() as err:
+                unreachable = err
+            except (RepositoryNotFoundError, RevisionNotFoundError):
+                raise
+            except HfHubHTTPError as err:
+                if err.response is None or err.response.status_code < 500:
+                    raise
+                unreachable = err  # the hub is down: the cache may still have it
+        return _from_cache(repo_id, revision, where)
+    except LocalEntryNotFoundError as err:
+        if offline:
+            why = f"HF_HUB_OFFLINE is set: {err}"
+        elif unreachable is not None:
+            why = (f"the hub ({endpoint or 'default endpoint'}) cannot be reached "
+                   f"({type(unreachable).__name__}: {unreachable})")
+        else:
+            why = f"the download failed: {err}"
+        raise ModelNotFoundError(f"{where} is not (completely) in the Hugging Face cache and {why}") from err
+    except GatedRepoError as err:
+        raise ModelNotFoundError(f"{where} is a gated repo: accept its terms on the hub, and {_token_hint()} "
+                                 f"({type(err).__name__})") from err
+    except RevisionNotFoundError as err:
+        raise ModelNotFoundError(f"{repo_id} has no revision {revision!r} (a branch, tag or commit)") from err
+    except RepositoryNotFoundError as err:
+        raise ModelNotFoundError(f"{where} was not found on the hub; if it is private or gated, {_token_hint()} "
+                                 f"({type(err).__name__})") from err
+    except HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else None
+        if status in (401, 403):
+            raise ModelNotFoundError(f"{where}: the hub refused access (HTTP {status}); {_token_hint()}") from err
+        raise ModelNotFoundError(f"{where}: the hub answered HTTP {status}: {err}") from err
+
+
+def _download(repo_id: str, revision: str | None, where: str, endpoint: str | None) -> Path:
+    from huggingface_hub import HfApi, snapshot_download
+
+    api = HfApi(endpoint=endpoint)
+    info = api.model_info(repo_id, revision=revision, timeout=30)
+    files = ([s.rfilename for s in info.siblings] if info.siblings is not None
+             else api.list_repo_files(repo_id, revision=info.sha))
+    meta, index, weights = _hub_plan(where, files)
+    # first the small files (and the index, to learn the shards); a commit pins the second call
+    folder = Path(snapshot_download(repo_id, revision=revision, endpoint=endpoint,
+                                    allow_patterns=_exact(meta + ([index] if index else weights))))
+    if index is not None:
+        shards = _index_shards(folder / index)
+        missing = [s for s in shards if s not in files]
+        if missing:
+            raise ModelNotFoundError(
+                f"{where}: {index} names shard {missing[0]}, which the repo does not have"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        snapshot_download(repo_id, revision=folder.name, endpoint=endpoint, allow_patterns=_exact(shards))
+    _check_snapshot(folder, where)
+    return folder
+
+
+def _from_cache(repo_id: str, revision: str | None, where: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    patterns = None
+    try:  # the file list cached by the download (huggingface_hub >= 2.4): the snapshot must hold its part
+        from huggingface_hub import get_cached_repo_tree
+
+        files = [f.path for f in get_cached_repo_tree(repo_id, revision=revision)]
+    except Exception:  # ImportError, CachedRepoTreeNotFoundError: check the folder alone
+        files = None
+    if files is not None:
+        meta, index, weights = _hub_plan(where, files)
+        patterns = _exact(meta + ([index] if index else weights))
+    folder = Path(snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns))
+    _check_snapshot(folder, where)
+    return folder
+
+
+def _check_snapshot(folder: Path, where: str) -> None:
+    try:
+        weight_files(folder)
+    except ModelNotFoundError as err:
+        raise ModelNotFoundError(f"{where}: {err}") from err
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
@@ -174,19 +388,13 @@ def build_model(config, state_dict: dict | None, device, dtype) -> CausalLM:
 
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None):
     """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft)."""
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype, device)
     model_dir = resolve_model_dir(spec)
     config = load_hf_config(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{model_dir} holds no .safetensors weights")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f), device="cpu"))
+    state = load_weights(model_dir)  # all safetensors shards, else pytorch_model*.bin
     state = {k: v for k, v in state.items() if k.startswith(("model.", "lm_head."))}
     if num_layers is not None:
         config.num_hidden_layers = num_layers

@@ -51,17 +51,10 @@ def eagle_config_from_hf(hf_config: dict, num_target_layers: int, target_hidden_
 
 
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    """The head's tensors: every safetensors shard, else pytorch_model*.bin (memory-mapped)."""
+    from rayspec.loader import load_weights
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    if files:
-        for f in files:
-            state.update(load_file(str(f), device="cpu"))
-    elif (model_dir / "pytorch_model.bin").exists():
-        state = torch.load(model_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{model_dir} holds no EAGLE weights (*.safetensors or pytorch_model.bin)")
+    state = load_weights(model_dir)  # ModelNotFoundError (a FileNotFoundError) when there are none
     # some exports prefix the head's keys with "model."
     return {k.removeprefix("model."): v for k, v in state.items()}
 

@@ -1,0 +1,349 @@
+"""Hub ids against a Hugging Face hub on localhost (tests/hub_server.py): no internet, no Ray.
+
+The repos are laid out as the published ones, with tiny random weights:
+- `org/target`: a Llama as Meta ships Llama-3.1 (2 safetensors shards + model.safetensors.index.json,
+  config/generation config/tokenizer files, README/LICENSE, and `original/` with a consolidated
+  .pth that must never be fetched)
+- `org/eagle3-head`: an EAGLE-3 head as `yuhuili/EAGLE3-LLaMA3.1-Instruct-8B` (config.json +
+  pytorch_model.bin only)
+- `org/both` (safetensors and pytorch_model.bin: only safetensors fetched), `org/no-weights`,
+  `org/missing-shard` (the index names a shard the repo lacks), `org/gated`, `org/private`,
+  `org/revs` (revisions `main` and `v2` with different weights)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tiny_model_dir
+from hub_server import FakeHub
+from rayspec import loader
+from rayspec.loader import ModelNotFoundError
+
+HIDDEN, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 64, 32
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+TARGET_FETCHED = {"config.json", "generation_config.json", "model.safetensors.index.json", *SHARDS,
+                  "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"}
+
+
+# ---- repos on disk ---------------------------------------------------------------------------
+
+def _write_tokenizer(path: Path) -> None:
+    """A tiny word-level tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "hello world the a of and to in is it".split()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<eot>": 3} | {w: 4 + i for i, w in enumerate(words)}
+    vocab |= {f"w{i}": i for i in range(len(vocab), VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    if not (path / "special_tokens_map.json").exists():
+        (path / "special_tokens_map.json").write_text(json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def _write_junk(path: Path) -> None:
+    """What the published repos also hold and a load never needs."""
+    (path / "README.md").write_text("---\nlicense: other\n---\n# a model\n")
+    (path / "LICENSE").write_text("license text\n")
+    (path / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+
+
+def _shard(model_dir: Path, names=SHARDS) -> dict[str, torch.Tensor]:
+    """Split model.safetensors into shards + model.safetensors.index.json, as transformers writes them."""
+    state = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    keys = sorted(state)
+    parts = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
+    weight_map = {}
+    for name, part in zip(names, parts):
+        save_file({k: state[k] for k in part}, str(model_dir / name), metadata={"format": "pt"})
+        weight_map |= {k: name for k in part}
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return state
+
+
+def _make_target(path: Path, seed: int = 0) -> Path:
+    make_tiny_model_dir(path, seed=seed, num_layers=LAYERS, hidden=HIDDEN, vocab_size=VOCAB, with_tokenizer=False)
+    _shard(path)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 3]}))
+    _write_tokenizer(path)
+    _write_junk(path)
+    (path / "original").mkdir()
+    (path / "original" / "consolidated.00.pth").write_bytes(b"\0" * 4096)  # 16 GB in Llama-3.1-8B
+    (path / "original" / "params.json").write_text(json.dumps({"dim": HIDDEN}))
+    (path / "original" / "tokenizer.model").write_bytes(b"junk")
+    return path
+
+
+def _make_eagle3_head(path: Path, target_dir: Path) -> Path:
+    """yuhuili/EAGLE3-LLaMA3.1-Instruct-8B layout: config.json + pytorch_model.bin (float16, no embedding)."""
+    from rayspec.eagle.checkpoint import new_eagle_config
+    from rayspec.eagle.head import build_head
+
+    config = new_eagle_config("eagle3", target_dir, LAYERS, HIDDEN, draft_vocab_size=DRAFT_VOCAB)
+    torch.manual_seed(5)
+    state = {}
+    for key, value in build_head(config).state_dict().items():
+        if key.startswith(("embed_tokens.", "target_lm_head.")):
+            continue
+        state[key] = (torch.randn(value.shape) * 0.1).half() if value.is_floating_point() else value.clone()
+    draft_ids = torch.tensor(sorted(random.Random(7).sample(range(VOCAB), DRAFT_VOCAB)))
+    state["d2t"] = draft_ids - torch.arange(DRAFT_VOCAB)
+    state["t2d"] = torch.zeros(VOCAB, dtype=torch.bool)
+    state["t2d"][draft_ids] = True
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config.hf_config, indent=2))
+    torch.save(state, path / "pytorch_model.bin")
+    _write_junk(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("hub-repos")
+    target = _make_target(root / "target")
+    out = {"org/target": {"main": target},
+           "org/eagle3-head": {"main": _make_eagle3_head(root / "eagle3-head", target)}}
+
+    both = make_tiny_model_dir(root / "both", seed=2, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                               with_tokenizer=False)
+    torch.save(load_file(str(both / "model.safetensors")), both / "pytorch_model.bin")
+    out["org/both"] = {"main": both}
+
+    no_weights = root / "no-weights"
+    (no_weights / "original").mkdir(parents=True)
+    (no_weights / "config.json").write_text((target / "config.json").read_text())
+    (no_weights / "original" / "consolidated.00.pth").write_bytes(b"\0" * 64)  # in a subfolder: not weights
+    _write_junk(no_weights)
+    out["org/no-weights"] = {"main": no_weights}
+
+    missing = make_tiny_model_dir(root / "missing-shard", seed=3, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                                  with_tokenizer=False)
+    _shard(missing)
+    (missing / SHARDS[1]).unlink()
+    out["org/missing-shard"] = {"main": missing}
+
+    gated = make_tiny_model_dir(root / "gated", seed=4, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                                with_tokenizer=False)
+    out["org/gated"] = {"main": gated}
+    out["org/private"] = {"main": gated}
+
+    out["org/revs"] = {
+        "main": make_tiny_model_dir(root / "revs-main", seed=10, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                                    with_tokenizer=False),
+        "v2": make_tiny_model_dir(root / "revs-v2", seed=11, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                                  with_tokenizer=False),
+    }
+    return out
+
+
+@pytest.fixture
+def hub(repos, tmp_path, monkeypatch):
+    """A running hub with every repo, huggingface_hub pointed at it with an empty cache and no token."""
+    import huggingface_hub.constants as constants
+
+    server = FakeHub(token="hf_testtoken_1234567890")
+    for repo_id, revisions in repos.items():
+        server.add_repo(repo_id, revisions, gated=repo_id == "org/gated", private=repo_id == "org/private")
+    server.start()
+    home, cache = tmp_path / "hf-home", tmp_path / "hf-home" / "hub"
+    # huggingface_hub reads these at import: the environment for what reads it at call time
+    # (rayspec's loader, huggingface_hub's token lookup), the constants for the rest (the cache,
+    # and huggingface_hub's own side requests such as /api/agent-harnesses: never the internet)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))  # not the developer's login
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield server
+    server.stop()
+
+
+def _state_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _assert_same_weights(model, files_state: dict[str, torch.Tensor]) -> None:
+    state = _state_of(model)
+    for key, value in files_state.items():
+        assert torch.equal(state[key], value.to(state[key].dtype)), key
+
+
+def _files_state(repo_dir: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted(repo_dir.glob("*.safetensors")):
+        state |= load_file(str(f))
+    return state
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+def test_target_and_eagle3_head_by_hub_id_then_offline(hub, repos, monkeypatch):
+    from rayspec.eagle.checkpoint import load_eagle_head, read_eagle_head
+
+    target_dir = repos["org/target"]["main"]
+    model, tokenizer = loader.load_model("org/target", device="cpu")
+    _assert_same_weights(model, _files_state(target_dir))
+    assert model.args.num_layers == LAYERS and model.args.vocab_size == VOCAB
+    assert tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)) == "hello world"
+    assert loader.generation_eos_ids("org/target") == {2, 3}  # generation_config.json came along
+    # exactly the files a load needs: the shards the index names, no original/, no README
+    assert set(hub.downloads("org/target")) == TARGET_FETCHED
+    assert not any("original/" in p for p in hub.log)
+
+    head_file = torch.load(repos["org/eagle3-head"]["main"] / "pytorch_model.bin", weights_only=True)
+    head, has_embedding = read_eagle_head("org/eagle3-head", model, kind="eagle3")
+    assert not has_embedding and head.config.draft_vocab_size == DRAFT_VOCAB
+    modules = dict(head.named_parameters()) | dict(head.named_buffers())
+    for key, value in head_file.items():
+        assert torch.equal(modules[key], value.to(modules[key].dtype)), key
+    assert set(hub.downloads("org/eagle3-head")) == {"config.json", "pytorch_model.bin"}
+    attached = load_eagle_head("org/eagle3-head", model, kind="eagle3")
+    assert attached.embed_tokens.weight is model.model.embed_tokens.weight
+
+    # from the cache: offline, and with the hub gone (unreachable, not flagged offline)
+    hub.stop()
+    for offline in ("1", None):
+        if offline:
+            monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        else:
+            monkeypatch.delenv("HF_HUB_OFFLINE")
+        again, tok = loader.load_model("org/target", device="cpu")
+        _assert_same_weights(again, _files_state(target_dir))
+        assert tok.encode("hello world", add_special_tokens=False) == tokenizer.encode("hello world",
+                                                                                      add_special_tokens=False)
+        head, _ = read_eagle_head("org/eagle3-head", again, kind="eagle3")
+        modules = dict(head.named_parameters()) | dict(head.named_buffers())
+        assert all(torch.equal(modules[k], v.to(modules[k].dtype)) for k, v in head_file.items())
+        with pytest.raises(ModelNotFoundError, match="org/both"):  # never downloaded: not in the cache
+            loader.resolve_model_dir("org/both")
+
+    # a shard gone from the cache: the offline check names it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = loader.resolve_model_dir("org/target")
+    (snapshot / SHARDS[1]).unlink()
+    with pytest.raises(ModelNotFoundError, match=SHARDS[1]):
+        loader.resolve_model_dir("org/target")
+
+
+def test_safetensors_preferred_over_bin(hub, repos):
+    model, tokenizer = loader.load_model("org/both", device="cpu")
+    assert tokenizer is None
+    _assert_same_weights(model, _files_state(repos["org/both"]["main"]))
+    assert sorted(hub.downloads("org/both")) == ["config.json", "model.safetensors"]
+    assert not any("pytorch_model.bin" in p for p in hub.log)  # not even asked about
+
+
+def test_repo_without_weights_fails_clearly(hub):
+    with pytest.raises(ModelNotFoundError) as err:
+        loader.resolve_model_dir("org/no-weights")
+    message = str(err.value)
+    assert "org/no-weights has no weights" in message and "pytorch_model*.bin" in message and "*.safetensors" in message
+    assert "original/consolidated.00.pth" in message and "README.md" in message  # what the repo has
+    assert hub.downloads() == []  # decided from the listing: nothing fetched
+
+
+def test_index_naming_a_missing_shard_fails_clearly(hub):
+    with pytest.raises(ModelNotFoundError, match=f"names shard {SHARDS[1]}, which the repo does not have"):
+        loader.resolve_model_dir("org/missing-shard")
+    assert SHARDS[0] not in hub.downloads("org/missing-shard")  # found out before the shards were fetched
+
+
+def test_gated_and_private_repos_want_hf_token(hub, repos, monkeypatch):
+    for repo_id in ("org/gated", "org/private"):
+        with pytest.raises(ModelNotFoundError, match="HF_TOKEN") as err:
+            loader.resolve_model_dir(repo_id)
+        assert repo_id in str(err.value) and "none is set" in str(err.value)
+    assert "gated" in str(pytest.raises(ModelNotFoundError, loader.resolve_model_dir, "org/gated").value)
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong_token_abcdef")
+    with pytest.raises(ModelNotFoundError, match="HF_TOKEN") as err:
+        loader.resolve_model_dir("org/gated")
+    assert "hf_wrong_token_abcdef" not in str(err.value)  # the token is never shown
+    monkeypatch.setenv("HF_TOKEN", hub.token)
+    for repo_id in ("org/gated", "org/private"):
+        model, _ = loader.load_model(repo_id, device="cpu")
+        _assert_same_weights(model, _files_state(repos[repo_id]["main"]))
+    assert "model.safetensors" in hub.downloads("org/gated")
+
+
+def test_revisions(hub, repos):
+    main, v2 = (_files_state(repos["org/revs"][rev]) for rev in ("main", "v2"))
+    assert not torch.equal(main["lm_head.weight"], v2["lm_head.weight"])
+    model, _ = loader.load_model("org/revs@v2", device="cpu")
+    _assert_same_weights(model, v2)
+    model, _ = loader.load_model("org/revs", device="cpu")
+    _assert_same_weights(model, main)
+    sha = FakeHub.commit("org/revs", "v2")
+    path = loader.resolve_model_dir(f"org/revs@{sha}")  # a commit
+    assert path.name == sha
+    _assert_same_weights(loader.load_model(f"org/revs@{sha}", device="cpu")[0], v2)
+    with pytest.raises(ModelNotFoundError, match="has no revision 'v3'"):
+        loader.resolve_model_dir("org/revs@v3")
+
+
+def test_revision_offline_from_cache(hub, repos, monkeypatch):
+    loader.resolve_model_dir("org/revs@v2")
+    hub.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _assert_same_weights(loader.load_model("org/revs@v2", device="cpu")[0], _files_state(repos["org/revs"]["v2"]))
+    with pytest.raises(ModelNotFoundError, match="org/revs"):  # main was never downloaded
+        loader.resolve_model_dir("org/revs")
+
+
+def test_hub_spec_parsing():
+    assert loader.split_revision("org/name@v2") == ("org/name", "v2")
+    assert loader.split_revision("org/name@refs/pr/1") == ("org/name", "refs/pr/1")
+    assert loader.split_revision("org/name") == ("org/name", None)
+    assert loader._is_hub_id("org/name@refs/pr/1") and loader._is_hub_id("org/name")
+    assert not loader._is_hub_id("org/name@") and not loader._is_hub_id("a/b/c") and not loader._is_hub_id("/abs")
+
+
+def test_local_sharded_pytorch_bin_loads(tmp_path):
+    """A local checkpoint as pytorch_model-0000N-of-0000M.bin + pytorch_model.bin.index.json."""
+    path = make_tiny_model_dir(tmp_path / "m", seed=6, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                               with_tokenizer=False)
+    state = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    keys = sorted(state)
+    names = ("pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin")
+    weight_map = {}
+    for name, part in zip(names, (keys[:5], keys[5:])):
+        torch.save({k: state[k] for k in part}, path / name)
+        weight_map |= {k: name for k in part}
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model, _ = loader.load_model(str(path), device="cpu")
+    _assert_same_weights(model, state)
+    shutil.move(path / names[1], tmp_path / names[1])
+    with pytest.raises(ModelNotFoundError, match=names[1]):
+        loader.load_model(str(path), device="cpu")
+
+
+def test_legacy_pytorch_bin_loads_without_mmap(tmp_path):
+    """A pytorch_model.bin in the pre-zip format (cannot be memory-mapped) still loads."""
+    path = make_tiny_model_dir(tmp_path / "m", seed=7, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                               with_tokenizer=False)
+    state = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    torch.save(state, path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    _assert_same_weights(loader.load_model(str(path), device="cpu")[0], state)
