@@ -16,6 +16,8 @@ from rayspec.structured import StructuredOutput
 # proposers seed their own streams with small offsets (seed + 1, seed + 0x5EED), so a request's
 # seed is kept to the non-negative int64 range, where every one of those is accepted and distinct
 MAX_SEED = 2**63 - 1
+MIN_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 @dataclass
@@ -45,8 +47,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # (NaN too)
             raise ValueError("temperature must be >= 0")
+        if self.temperature < MIN_TEMPERATURE:  # as vLLM: logits / 1e-300 overflow; this close to 0 is greedy
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < -1:
@@ -62,8 +66,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be between 0 and 20")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ValueError("presence_penalty and frequency_penalty must be between -2 and 2")
-        if not self.repetition_penalty > 0:
-            raise ValueError("repetition_penalty must be > 0")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            # 5e-324 passed `> 0` and divided logits into inf (a fuzzed request's 500)
+            raise ValueError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}")
         if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:

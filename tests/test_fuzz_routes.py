@@ -12,6 +12,7 @@ error JSON.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 
@@ -72,7 +73,7 @@ def _tame(case) -> None:
 
 def _check(response, case) -> None:
     status = response.status_code
-    assert status < 500, (case.operation.path, case.body, status, response.text[:500])
+    assert status < 500, f"{case.operation.path} {json.dumps(case.body)} -> {status} {response.text[:500]}"
     if status >= 400 and status != 405:  # 405: a method the route lacks (Starlette's plain body)
         error = response.json().get("error")
         assert isinstance(error, dict) and error.get("message"), (status, response.text[:500])

@@ -143,10 +143,13 @@ def test_row_extra_follows_chain_and_tree_paths():
 
 
 def test_bad_penalty_values(tiny_model_dir, tiny_loaded):
+    # 5e-324 (a denormal > 0, found by tests/test_fuzz_routes.py) divided logits into inf: a 500
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                dict(logit_bias={1: 101.0})):
+                dict(repetition_penalty=5e-324), dict(repetition_penalty=1e300), dict(logit_bias={1: 101.0}),
+                dict(temperature=float("nan"))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-5).greedy
     engine = make_engine(tiny_model_dir, loaded=tiny_loaded)
     from rayspec.engine import InvalidRequestError
     with pytest.raises(InvalidRequestError):

@@ -102,11 +102,12 @@ def _verifier_stats(app: str, count: int) -> dict[str, dict]:
     """Stats of every verifier replica (the router spreads the calls; ask until each answered)."""
     handle = serve.get_deployment_handle("Verifier", app_name=app)
     seen: dict[str, dict] = {}
-    for _ in range(200):
-        stats = handle.get_stats.remote().result(timeout_s=60)
-        seen[stats["replica"]] = stats
+    for _ in range(50):  # calls in flight together: the router spreads them over the replicas
+        for stats in [r.result(timeout_s=60) for r in [handle.get_stats.remote() for _ in range(4 * count if count > 1 else 1)]]:
+            seen[stats["replica"]] = stats
         if len(seen) == count:
             return seen
+        time.sleep(0.1)
     raise AssertionError(f"only {len(seen)} of {count} verifier replicas answered")
 
 
