@@ -1,4 +1,5 @@
-"""Hub ids against a Hugging Face hub on localhost (tests/hub_server.py): no internet, no Ray.
+"""Hub ids against a Hugging Face hub on localhost (tests/hub_server.py): no internet; Ray only in
+the last test (a config naming hub ids, served on Ray Serve from an empty cache, then offline).
 
 The repos are laid out as the published ones, with tiny random weights:
 - `org/target`: a Llama as Meta ships Llama-3.1 (2 safetensors shards + model.safetensors.index.json,
@@ -347,3 +348,77 @@ def test_legacy_pytorch_bin_loads_without_mmap(tmp_path):
     (path / "model.safetensors").unlink()
     torch.save(state, path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     _assert_same_weights(loader.load_model(str(path), device="cpu")[0], state)
+
+
+def test_config_naming_hub_ids_served_from_empty_cache_then_offline(repos, tmp_path, monkeypatch):
+    """A config naming hub ids (the target and its EAGLE-3 head) is served on Ray Serve from an empty
+    cache: the replicas download what a load needs from the hub (reached through the runtime_env's
+    env_vars alone) and serve the target's own greedy text. Then again, offline from that cache, with
+    the hub down."""
+    import httpx
+    import ray
+    from ray import serve
+    from serve_utils import free_port, tiny_args
+
+    from deployments.app import build_app
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.engine import LLMEngine
+    from rayspec.sampling import SamplingParams
+
+    server = FakeHub()
+    for repo_id in ("org/target", "org/eagle3-head"):
+        server.add_repo(repo_id, repos[repo_id])
+    server.start()
+    endpoint = server.url
+    home = tmp_path / "hf-home"
+    cache = home / "hub"
+    # nothing from the driver's environment: the replicas get the hub and the cache from the runtime_env
+    for name in ("HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN",
+                 "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    args = tiny_args("org/target", speculative={"method": "eagle3", "draft_model": "org/eagle3-head",
+                                                "num_speculative_tokens": 3, "adaptive": False})
+    prompt = "hello world the a of and to in is it"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    def serve_once(offline: str) -> tuple[str, dict]:
+        """(the served greedy text, the app's stats) with HF_HUB_OFFLINE=offline in the replicas."""
+        env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": offline}
+        ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env})
+        try:
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build_app(args), name="hub", route_prefix="/hub")
+            resp = httpx.post(f"http://127.0.0.1:{port}/hub/v1/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            stats = serve.get_app_handle("hub").stats.remote().result(timeout_s=60)
+            return resp.json()["choices"][0]["text"], stats
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+
+    try:
+        assert not cache.exists()
+        text, stats = serve_once("0")
+        # the replicas downloaded exactly what a load needs: the target's shards (no original/) and the
+        # head's pytorch_model.bin
+        assert set(server.downloads("org/target")) == TARGET_FETCHED
+        assert set(server.downloads("org/eagle3-head")) == {"config.json", "pytorch_model.bin"}
+        assert not any("original/" in p for p in server.log)
+        assert stats["method"] == "eagle3" and stats["num_draft_tokens"] > 0  # the head drafted
+        snapshot = cache / "models--org--target" / "snapshots" / FakeHub.commit("org/target", "main")
+        assert all((snapshot / f).is_file() for f in TARGET_FETCHED)
+        ref = LLMEngine(EngineConfig(model=str(snapshot), device="cpu", max_model_len=1024, max_num_seqs=1,
+                                     kv_cache_memory_gb=0.25, num_threads=1,
+                                     speculative=SpeculativeConfig(method="none"))).generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+        assert text == ref.text and ref.num_output_tokens == 16 and text.strip()
+
+        server.stop()  # the hub is down: offline from the cache
+        logged = len(server.log)
+        text_offline, stats = serve_once("1")
+        assert text_offline == ref.text and stats["num_draft_tokens"] > 0
+        assert len(server.log) == logged
+    finally:
+        server.stop()
