@@ -105,6 +105,9 @@ class EngineArgs(_Strict):
     # requests a verifier replica's engine keeps waiting for a KV slot before it answers 429;
     # None: what the verifier's max_ongoing_requests leaves past the running ones
     max_num_waiting: int | None = Field(None, ge=0)
+    # chunked prefill: target tokens per engine step (decode/verify rows first, then prompt chunks);
+    # None: whole prompts in one step (unbounded prefill memory)
+    max_num_batched_tokens: int | None = Field(2048, ge=1)
 
 
 class RayActorOptions(BaseModel):

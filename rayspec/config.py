@@ -64,6 +64,11 @@ class EngineConfig:
     # requests waiting for a KV slot past which add_request refuses new ones (EngineOverloadedError);
     # None: unbounded. A resumed request (a failover from a lost replica) is always taken.
     max_num_waiting: int | None = None
+    # chunked prefill (vLLM's name): at most this many tokens go through the target in one step,
+    # decode and verification rows first, then prompt chunks (a long prompt takes several steps,
+    # interleaved with the running requests' decoding). Bounds prefill activations and attention
+    # scores to one chunk's worth. None: no chunking (a whole prompt per step).
+    max_num_batched_tokens: int | None = 2048
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -72,6 +77,8 @@ class EngineConfig:
             raise ValueError("max_model_len >= 2, max_num_seqs >= 1 and kv_cache_memory_gb > 0 required")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError("max_num_waiting must be >= 0 (or None: unbounded)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1 (or None: no chunked prefill)")
 
 
 @dataclass

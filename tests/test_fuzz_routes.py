@@ -4,7 +4,7 @@
 Every operation in /openapi.json gets bodies that fit the schema ("positive") and bodies that do not
 ("negative"). Half of the positive generation bodies name the served model (else nearly all of them
 would stop at the 404 for an unknown model and never reach the engine); their max_tokens and n are
-cut to keep the run short. Hypothesis runs derandomized: the same examples in every run, a bounded
+cut to keep the run short (set to 16 when absent: the server's default is the whole context). Hypothesis runs derandomized: the same examples in every run, a bounded
 budget (FUZZ_EXAMPLES per operation and mode; more with RAYSPEC_FUZZ_EXAMPLES=N, e.g. for a longer
 local run). Every response must come within CALL_TIMEOUT_S, be below 500, and a 4xx must be OpenAI
 error JSON.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 
 import httpx
@@ -69,6 +70,9 @@ def _tame(case) -> None:
         body["n"] = max(1, min(body["n"], 2))
     if isinstance(body.get("max_completion_tokens"), int) and not isinstance(body["max_completion_tokens"], bool):
         body["max_completion_tokens"] = max(1, min(body["max_completion_tokens"], 16))
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        # absent means "up to max_model_len": hundreds of tokens per example, the whole budget in a few
+        body["max_tokens"] = 16
 
 
 def _check(response, case) -> None:
@@ -90,6 +94,7 @@ def test_route_fuzz_no_server_error(served, operations, route, mode):
     method, path = route.split(" ", 1)
     op = operations[(method, path)]
     statuses: list[int] = []
+    slowest: list[tuple[float, str]] = []
     budget = FUZZ_EXAMPLES if path in GENERATION else max(5, FUZZ_EXAMPLES // 12)
 
     @settings(max_examples=budget, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -98,12 +103,18 @@ def test_route_fuzz_no_server_error(served, operations, route, mode):
     def fuzz(case):
         if mode is GenerationMode.POSITIVE:
             _tame(case)
+        started = time.monotonic()
         response = case.call(base_url=served, timeout=CALL_TIMEOUT_S)
+        slowest.append((time.monotonic() - started, json.dumps(case.body)[:300]))
+        slowest.sort(reverse=True)
+        del slowest[3:]
         statuses.append(response.status_code)
         _check(response, case)
 
     fuzz()
     print(f"{route} {mode}: statuses {dict(sorted(Counter(statuses).items()))}")  # shown with -s
+    for seconds, body in slowest:
+        print(f"  {seconds:.2f}s {body}")
     assert statuses, "no example ran"
     if mode is GenerationMode.POSITIVE and path in GENERATION:
         assert 200 in statuses, sorted(set(statuses))  # some bodies reached the engine and were served
