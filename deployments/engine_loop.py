@@ -53,6 +53,7 @@ class EngineLoop:
         self.snapshot: dict[str, Any] = {}
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_failed = 0  # requests the engine failed alone (finish_reason "error")
         self.num_rejected = 0  # refused with the waiting queue full (EngineOverloadedError)
         self.num_steps = 0
         self.step_seconds = 0.0  # engine.step() wall time, to tell engine time from serving overhead
@@ -184,6 +185,14 @@ class EngineLoop:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
+        if out.error is not None:  # the engine failed this request alone (it went on with the others)
+            del self._streams[out.request_id]
+            self.num_failed += 1
+            try:
+                stream.deliver(RuntimeError(f"the engine failed this request: {out.error}"))
+            except Exception:  # noqa: BLE001 - the caller is gone
+                pass
+            return
         if stream.first_token is None and out.token_ids:
             stream.first_token = now
             if self.metrics is not None:
@@ -223,6 +232,7 @@ class EngineLoop:
             "num_waiting": engine.num_waiting,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
+            "num_failed": self.num_failed,
             "num_rejected": self.num_rejected,
             "num_steps": self.num_steps,
             "step_seconds": round(self.step_seconds, 4),

@@ -51,7 +51,8 @@ def make_proposer(args):
     if device.type == "cpu":
         keep_freed_memory()
     context = ProposerContext(cfg.model, cfg.engine.max_model_len, cfg.proposer_num_slots(), device,
-                              parse_dtype(cfg.engine.dtype, device))
+                              parse_dtype(cfg.engine.dtype, device),
+                              max_num_batched_tokens=cfg.engine.max_num_batched_tokens)
     return build_proposer(cfg.speculative.to_config(), context), device
 
 

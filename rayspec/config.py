@@ -91,3 +91,6 @@ class ProposerContext:
     device: torch.device
     dtype: torch.dtype
     target: object = None  # the target CausalLM when the proposer lives in the same process
+    # a catch-up forward (a whole prompt, the first time a sequence is drafted) goes in chunks of at
+    # most this many tokens, as the target's prefill does (EngineConfig.max_num_batched_tokens)
+    max_num_batched_tokens: int | None = None

@@ -1,17 +1,23 @@
 """LLMEngine: continuous batching with speculative decoding.
 
 One `step()`:
-  1. admit waiting requests while KV slots are free and prefill them in one forward;
-  2. for every other running sequence: pick the draft length (adaptive policy), ask the
+  1. admit waiting requests while KV slots are free; prefill prompts in chunks within the
+     step's token budget (`max_num_batched_tokens`, less what this step's verification takes):
+     a long prompt takes several steps, interleaved with the running requests' decoding, and
+     samples its first token with its last chunk;
+  2. for every running sequence whose prefill is done: pick the draft length (adaptive policy), ask the
      proposer for drafts (one batched call), verify all of them in one target forward,
      keep the accepted prefix plus one recovered/bonus token, and trim the KV cache.
-Requests join and leave between steps.
+Requests join and leave between steps. A forward that raises is retried in halves, so an
+error one request causes (an out-of-memory on its prompt, a processor that fails) finishes that
+request with finish_reason "error" and the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,7 +26,7 @@ import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
-from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs
+from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
@@ -33,6 +39,9 @@ from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
 from rayspec.structured import GrammarCompiler
 from rayspec.tools import inline_tools, template_messages
+
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
@@ -64,6 +73,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob | None] | None = None
     # with SamplingParams.prompt_logprobs: one per prompt token (the first has logprob None)
     prompt_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # finish_reason "error": what failed (the engine went on with the others)
 
     @property
     def num_output_tokens(self) -> int:
@@ -96,7 +106,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
         num_slots = self._num_slots(model, spec)
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1)
-        context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model)
+        context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
@@ -109,18 +120,13 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
+        self._committing = False  # _decode past the point where sequences take tokens
 
     def _num_slots(self, model: CausalLM, spec) -> int:
-        per_token = KVCache.bytes_per_token(model.args, self.dtype)
-        if spec.method == "draft_model":  # the draft keeps a cache of its own; count it roughly
-            per_token *= 2
-        per_slot = per_token * (self.max_model_len + self.max_k + 1)
-        num_slots = min(self.config.max_num_seqs, int(self.config.kv_cache_memory_gb * 2**30 // per_slot))
-        if num_slots < 1:
-            raise ValueError(
-                f"kv_cache_memory_gb={self.config.kv_cache_memory_gb} cannot hold one sequence of "
-                f"max_model_len={self.max_model_len} ({per_slot / 2**20:.0f} MiB); raise it or lower max_model_len")
-        return num_slots
+        from rayspec.memory import kv_cache_plan  # the one sizing function (`rayspec plan` reports it too)
+
+        return kv_cache_plan(model.args, self.dtype, self.max_model_len, self.max_k, self.config.max_num_seqs,
+                             self.config.kv_cache_memory_gb, spec.method).num_slots
 
     @property
     def num_slots(self) -> int:
@@ -248,30 +254,73 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        decoding = list(self.running)
-        admitted = self._admit()
+        decoding = [s for s in self.running if s.prefilled]
+        self._admit()
+        budget = self.config.max_num_batched_tokens
+        if budget is not None:  # verification rows first: the pending token plus at most k drafts each
+            budget -= sum(1 + self._draft_len(s, self.max_k) for s in decoding)
+        chunks = self._prefill_chunks([s for s in self.running if not s.prefilled], budget)
         touched: list[Sequence] = []
-        if admitted:
-            self._prefill(admitted)
-            touched += admitted
+        if chunks:
+            touched += self._prefill(chunks)
         if decoding:
-            self._decode(decoding)
-            touched += decoding
+            self._guarded(self._decode_batch, decoding, touched)
         outputs = [self._output(s) for s in touched]
         for seq in touched:
             if seq.finished:
                 self._release(seq)
         return outputs
 
-    def _admit(self) -> list[Sequence]:
-        admitted = []
+    def _admit(self) -> None:
         while self.waiting and self.runner.num_free_slots > 0:
             seq = self.waiting.popleft()
             self.runner.allocate(seq.request_id)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+
+    def _prefill_chunks(self, seqs: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to prefill this step) in admission order, within the token budget
+        (None: whole prompts); a prompt that does not fit takes what is left and goes on next step."""
+        chunks = []
+        for seq in seqs:
+            n = len(seq.token_ids) - self.runner.cached_len(seq.request_id)
+            if budget is not None:
+                n = min(n, budget)
+                if n <= 0:
+                    break
+                budget -= n
+            chunks.append((seq, n))
+        return chunks
+
+    def _guarded(self, run, items: list, touched: list[Sequence]) -> None:
+        """touched += run(items); when it raises, retry the two halves on their own, down to one
+        request, which then fails alone (finish_reason "error"). run must leave no trace when it
+        raises, or raise _Applied (the batch is failed whole, nothing can be retried)."""
+        try:
+            touched += run(items)
+            return
+        except _Applied as applied:
+            err, retry = applied.__cause__, False
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the others
+            err, retry = exc, len(items) > 1
+        seqs = [item[0] if isinstance(item, tuple) else item for item in items]
+        if retry:
+            logger.warning("a forward over %d requests failed (%r); retrying them in halves", len(items), err)
+            for seq in seqs:
+                seq.retried = True
+            half = len(items) // 2
+            self._guarded(run, items[:half], touched)
+            self._guarded(run, items[half:], touched)
+            return
+        for seq in seqs:
+            logger.error("request %s failed: %r", seq.request_id, err, exc_info=err)
+            self._fail(seq, err)
+            touched.append(seq)
+
+    @staticmethod
+    def _fail(seq: Sequence, err: BaseException) -> None:
+        seq.error = f"{type(err).__name__}: {err}"
+        seq.finish("error", flush=False)
 
     def _target_forward(self, ids, inputs, trees=None, packed=False):
         """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
@@ -283,33 +332,64 @@ class LLMEngine:
             return hidden, hidden
         return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, aux_layers=self.feature_layers)[0]
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Prefill the chunks; returns the sequences that finished their prefill (their first token
+        sampled) or failed."""
         # measured on CPU: a 1-token forward costs what prefilling ~13-26 more prompt tokens costs;
         # on a GPU padding is nearly free, so nearly everything goes in one batch
         overhead = 24 if self.device.type == "cpu" else 1024
-        for group in prefill_groups([len(s.token_ids) for s in seqs], overhead):
-            self._prefill_batch([seqs[i] for i in group])
+        # attention sees rows padded to the longest: keep rows x longest within the budget too
+        cap = self.config.max_num_batched_tokens
+        touched: list[Sequence] = []
+        for group in prefill_groups([n for _, n in chunks], overhead, max_padded_tokens=cap):
+            batch = [chunks[i] for i in group]
+            ids = [seq.request_id for seq, _ in batch]
+            for fits in self.runner.padded_groups(ids, [n for _, n in batch]):  # padding must fit each cache row
+                self._guarded(self._prefill_batch, [batch[i] for i in fits], touched)
+        return touched
 
-    def _prefill_batch(self, seqs: list[Sequence]) -> None:
+    def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        seqs = [seq for seq, _ in chunks]
         ids = [s.request_id for s in seqs]
-        hidden, features = self._target_forward(ids, [s.token_ids for s in seqs])
-        raw = self.model.logits(last_rows(hidden, [len(s.token_ids) for s in seqs]))  # [B, vocab]
-        logits = raw
-        for i, seq in enumerate(seqs):
-            if needs_processing(seq.params):
-                logits = logits.clone() if logits is raw else logits
-                logits[i] = process_rows(raw[i: i + 1], seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                         [[]], seq.grammar, seq.eos_token_ids)[0]
-        greedy = logits.argmax(-1).tolist()
-        for i, seq in enumerate(seqs):
-            if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
-                seq.prompt_logprobs = prompt_logprobs(self.model, self.tokenizer, seq.prompt_token_ids, hidden[i],
-                                                      seq.params.prompt_logprobs)
-            if features is not None:
-                seq.features, seq.features_start = [features[i, : len(seq.token_ids)].clone()], 0
-            tok = greedy[i] if seq.params.greedy else self._sample(seq, logits[i])
-            seq.append_tokens([tok])
-            self._record_logprobs(seq, raw[i: i + 1], [tok])
+        starts = [self.runner.cached_len(i) for i in ids]
+        inputs = [s.token_ids[c: c + n] for (s, n), c in zip(chunks, starts)]
+        try:
+            hidden, features = self._target_forward(ids, inputs, packed=True)  # [N, H], [N, F]
+        except Exception:
+            for i, c in zip(ids, starts):  # nothing of this forward stays
+                self.runner.set_cached_len(i, c)
+            raise
+        offsets = packed_offsets([len(x) for x in inputs])
+        complete = [i for i, (s, x, c) in enumerate(zip(seqs, inputs, starts)) if c + len(x) == len(s.token_ids)]
+        last = self.model.logits(hidden[[offsets[i] + len(inputs[i]) - 1 for i in complete]]) if complete else None
+        done: list[Sequence] = []
+        for i, (seq, n) in enumerate(chunks):
+            try:
+                c, rows = starts[i], slice(offsets[i], offsets[i] + n)
+                if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
+                    seq.prompt_logprobs = (seq.prompt_logprobs if c else []) + prompt_logprobs_rows(
+                        self.model, self.tokenizer, seq.prompt_token_ids, hidden[rows], c, seq.params.prompt_logprobs)
+                if features is not None:
+                    if c == 0:
+                        seq.features, seq.features_start = [], 0
+                    seq.features.append(features[rows].clone())
+                if i not in complete:
+                    continue
+                raw = last[complete.index(i)][None]  # [1, vocab]
+                logits = raw
+                if needs_processing(seq.params):
+                    logits = process_rows(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, [[]],
+                                          seq.grammar, seq.eos_token_ids)
+                tok = int(logits[0].argmax()) if seq.params.greedy else self._sample(seq, logits[0])
+                seq.prefilled = True
+                seq.append_tokens([tok])
+                self._record_logprobs(seq, raw, [tok])
+                done.append(seq)
+            except Exception as err:  # noqa: BLE001 - this request's processing failed; the others go on
+                logger.error("request %s failed in its prefill: %r", seq.request_id, err, exc_info=err)
+                self._fail(seq, err)
+                done.append(seq)
+        return done
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
@@ -317,6 +397,8 @@ class LLMEngine:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _draft_len(self, seq: Sequence, k: int) -> int:
+        if seq.draft_lost:
+            return 0
         if seq.params.seed is not None and not seq.params.greedy:
             # the adaptive k depends on measured time; a seeded sample must not, or the same
             # seed would consume its random stream differently from run to run
@@ -324,6 +406,23 @@ class LLMEngine:
         if seq.params.num_speculative_tokens is not None:
             k = min(k, seq.params.num_speculative_tokens)
         return max(0, min(k, seq.remaining_tokens - 1))
+
+    def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
+        """_decode, leaving no trace when it raises before a sequence took its tokens (see _guarded):
+        the target's cache lengths and the features not yet drafted from go back; a proposer that
+        already caught up on those features rewinds when they come again."""
+        saved = [(s.features, s.features_start, self.runner.cached_len(s.request_id)) for s in seqs]
+        self._committing = False
+        try:
+            self._decode(seqs)
+        except Exception as err:
+            if self._committing:
+                raise _Applied() from err
+            for seq, (features, start, cached) in zip(seqs, saved):
+                seq.features, seq.features_start = features, start
+                self.runner.set_cached_len(seq.request_id, cached)
+            raise
+        return seqs
 
     def _decode(self, seqs: list[Sequence]) -> None:
         step_start = time.perf_counter()
@@ -340,9 +439,14 @@ class LLMEngine:
                                        *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
-            lost = [r.seq_id for r, d in zip(requests, drafts) if d.resend_features_from is not None]
-            if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
-                raise RuntimeError(f"the proposer lost the target features of {lost}")
+            lost = [(s, d) for s, d, n in zip(seqs, drafts, draft_lens) if d.resend_features_from is not None and n]
+            if any(not s.retried for s, _ in lost):  # a remote proposer resends itself; here it is a bug
+                raise RuntimeError(f"the proposer lost the target features of {[s.request_id for s, _ in lost]}")
+            for seq, draft in lost:  # after a failed forward was retried: go on without drafts (still exact)
+                logger.warning("request %s decodes without drafts from now on: its proposer state was lost to a "
+                               "failed forward", seq.request_id)
+                seq.draft_lost, draft.resend_features_from = True, None
+                self.proposer.release(seq.request_id)
         else:
             drafts = [Draft([]) for _ in seqs]
         # under a grammar, draft what it forces even where the proposer was not asked (a large
@@ -373,6 +477,7 @@ class LLMEngine:
         if trees is not None:  # greedy trees read each row's target choices as a list
             flat = argmax.tolist()
             target_argmax = [flat[b: b + n] for b, n in zip(starts, lengths)]
+        self._committing = True  # from here sequences take their tokens: a failure cannot be retried
         for i, seq in enumerate(seqs):
             row_logits = logits[starts[i]: starts[i] + lengths[i]]  # [len(inputs[i]), vocab]
             draft = drafts[i]
@@ -441,7 +546,8 @@ class LLMEngine:
             token_ids=seq.output_token_ids, finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, prompt_logprobs=seq.prompt_logprobs)
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, prompt_logprobs=seq.prompt_logprobs,
+            error=seq.error)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -455,6 +561,10 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+class _Applied(Exception):
+    """A decode failed after some sequences took their tokens: the batch cannot be retried."""
 
 
 def engine_summary(engine: LLMEngine) -> str:

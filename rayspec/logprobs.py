@@ -42,13 +42,16 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, t
     return [TokenLogprob(t, token_text(tokenizer, t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
 
 
-def prompt_logprobs(model, tokenizer, prompt_ids: list[int], hidden: torch.Tensor, num_top: int,
-                    chunk: int = 256) -> list[TokenLogprob]:
-    """hidden: [Q >= P, H], a prefill's rows for the prompt -> one TokenLogprob per prompt token (the
-    first has no logprob: nothing predicts it)."""
-    out = [TokenLogprob(prompt_ids[0], token_text(tokenizer, prompt_ids[0]), None)]
-    for start in range(0, len(prompt_ids) - 1, chunk):  # chunks: a long prompt's [P, vocab] logits are large
-        end = min(start + chunk, len(prompt_ids) - 1)
-        logits = model.logits(hidden[start:end])  # [end - start, vocab], row r predicting token r + 1
-        out += compute_logprobs(logits, prompt_ids[start + 1: end + 1], num_top, tokenizer)
+def prompt_logprobs_rows(model, tokenizer, prompt_ids: list[int], hidden: torch.Tensor, start: int, num_top: int,
+                         chunk: int = 256) -> list[TokenLogprob]:
+    """The prompt logprobs a prefill chunk gives: hidden [n, H] holds the rows of prompt positions
+    start .. start + n - 1 (row r predicts token r + 1). Returns the entries of prompt tokens
+    start + 1 .. (past the prompt's end: none), preceded, for the chunk at 0, by the first token's
+    (no logprob: nothing predicts it). The chunks of one prompt, in order, give one entry per token."""
+    out = [TokenLogprob(prompt_ids[0], token_text(tokenizer, prompt_ids[0]), None)] if start == 0 else []
+    rows = max(0, min(len(hidden), len(prompt_ids) - 1 - start))
+    for lo in range(0, rows, chunk):  # sub-chunks: [rows, vocab] float32 logits are large
+        hi = min(lo + chunk, rows)
+        logits = model.logits(hidden[lo:hi])
+        out += compute_logprobs(logits, prompt_ids[start + lo + 1: start + hi + 1], num_top, tokenizer)
     return out

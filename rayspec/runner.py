@@ -31,6 +31,8 @@ class ModelRunner:
         self._slot_of: dict[str, int] = {}
         self._seq_in_slot: list[str] = []
         self._cached_len: dict[str, int] = {}  # tokens whose KV is valid, per sequence
+        # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
+        self.max_chunk_tokens: int | None = None
 
     # ---- slots -------------------------------------------------------------------------
     @property
@@ -215,14 +217,25 @@ def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, 
             torch.from_numpy(visible).to(device))
 
 
-def prefill_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
+def catch_up_pieces(lengths: list[int], max_tokens: int | None) -> list[list[tuple[int, int, int]]]:
+    """Forwards that take rows' new tokens (row i: lengths[i] of them) with at most max_tokens
+    padded tokens each, as lists of (row, lo, hi): all rows at once when rows x longest fits (or
+    with no bound), else each row alone, in order, in pieces of max_tokens. A proposer's first
+    catch-up on a long prompt then costs a chunk's activations, not the prompt's."""
+    if max_tokens is None or not lengths or len(lengths) * max(lengths) <= max_tokens:
+        return [[(i, 0, n) for i, n in enumerate(lengths)]]
+    return [[(i, lo, min(lo + max_tokens, n))] for i, n in enumerate(lengths) for lo in range(0, max(n, 1), max_tokens)]
+
+
+def prefill_groups(lengths: list[int], overhead_tokens: int, max_padded_tokens: int | None = None) -> list[list[int]]:
     """Split prompts (indices into `lengths`) into batches to prefill, padding included.
 
     A padded batch costs about len(batch) x its longest prompt in tokens, and every forward a
     fixed `overhead_tokens` more (weights read, per-op costs). On CPU, where prefill is
     compute-bound, one 243-token prompt among seven of ~60 would make the batch cost 8 x 243;
     here it goes alone. Exact minimum over groups of consecutive lengths in sorted order (n is
-    at most max_num_seqs, so the O(n^2) search is nothing).
+    at most max_num_seqs, so the O(n^2) search is nothing). With max_padded_tokens, no group of
+    two or more costs more than that (rows x longest): attention sees the padded layout.
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
@@ -230,7 +243,10 @@ def prefill_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j):  # the last group: sorted positions i..j-1, its longest is position j-1
-            cost = best[i] + overhead_tokens + (j - i) * lengths[order[j - 1]]
+            padded = (j - i) * lengths[order[j - 1]]
+            if max_padded_tokens is not None and j - i > 1 and padded > max_padded_tokens:
+                continue
+            cost = best[i] + overhead_tokens + padded
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups, j = [], n

@@ -95,6 +95,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
             # drop a token when the mass before it already reaches top_p (the first always stays)
             before = sorted_probs.cumsum(-1) - sorted_probs
             remove |= before >= top_p
+            remove[:, 0] = False  # top_p below float32's smallest (5e-324 rounds to 0) must keep it too
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
     return logits.softmax(-1)

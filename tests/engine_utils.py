@@ -21,14 +21,15 @@ torch.set_num_threads(int(os.environ.get("RAYSPEC_TEST_THREADS", "1")))
 
 def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
-                kv_cache_memory_gb: float = 2.0, measured_costs: bool = False, **spec) -> LLMEngine:
+                kv_cache_memory_gb: float = 2.0, measured_costs: bool = False,
+                max_num_batched_tokens: int | None = 2048, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
 
     With `adaptive`, the policy sees modelled step costs (`modelled_step_costs`), so the draft
     lengths it picks, and every count a test asserts, are the same on a loaded machine as on an
     idle one; `measured_costs=True` keeps the wall clock."""
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          kv_cache_memory_gb=kv_cache_memory_gb,
+                          kv_cache_memory_gb=kv_cache_memory_gb, max_num_batched_tokens=max_num_batched_tokens,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                         adaptive=adaptive, **spec))
     if loaded is None:

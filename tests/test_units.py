@@ -240,3 +240,13 @@ def test_prefill_groups_minimise_padded_cost():
         assert cost(groups, lengths, overhead) == best
     assert prefill_groups([49, 52, 60, 243], 24) == [[0, 1, 2], [3]]  # the long prompt goes alone
     assert prefill_groups([100, 90, 80], 1024) == [[2, 1, 0]]  # overhead dominates: one batch
+
+
+def test_top_p_below_float32_range_keeps_the_top_token():
+    # found by the route fuzz (top_p 5e-324 -> 500): the threshold rounds to 0.0 in float32, which
+    # removed every token and made the probabilities NaN
+    from rayspec.sampling import logits_to_probs
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5], [3.0, 0.0, 0.0, 0.0]])
+    for top_p, top_k in ((5e-324, 0), (1e-45, 0), (5e-324, 2)):
+        probs = logits_to_probs(logits, 0.7, top_k, top_p)
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())

@@ -6,7 +6,7 @@ import torch
 
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
-from rayspec.runner import ModelRunner
+from rayspec.runner import ModelRunner, catch_up_pieces
 from rayspec.sampling import logits_to_probs, make_generator
 
 
@@ -33,7 +33,9 @@ class DraftModelProposer(Proposer):
 
         model, _ = load_model(config.draft_model or context.target_model, device=context.device,
                               dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers)
-        return cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens)
+        proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens)
+        proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
+        return proposer
 
     def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, max_draft_tokens: int):
         self.runner = ModelRunner(model, max_model_len, num_slots, slack=max_draft_tokens + 1)
@@ -67,15 +69,20 @@ class DraftModelProposer(Proposer):
 
     def _forward_last(self, seq_ids: list[str], pending: list[list[int]]) -> torch.Tensor:
         """The catch-up forward ([B, vocab] last logits), in as few batches as fit the cache
-        (ModelRunner.padded_groups)."""
-        groups = self.runner.padded_groups(seq_ids, [len(p) for p in pending])
-        if len(groups) == 1:
+        (ModelRunner.padded_groups) and the chunk budget (catch_up_pieces)."""
+        forwards = catch_up_pieces([len(p) for p in pending], self.runner.max_chunk_tokens)
+        if len(forwards) == 1 and len(self.runner.padded_groups(seq_ids, [len(p) for p in pending])) == 1:
             return self.runner.forward(seq_ids, pending, last_only=True)
         out: list[torch.Tensor | None] = [None] * len(seq_ids)
-        for idx in groups:
-            logits = self.runner.forward([seq_ids[i] for i in idx], [pending[i] for i in idx], last_only=True)
-            for j, i in enumerate(idx):
-                out[i] = logits[j]
+        for pieces in forwards:
+            ids = [seq_ids[i] for i, _, _ in pieces]
+            toks = [pending[i][lo:hi] for i, lo, hi in pieces]
+            for idx in self.runner.padded_groups(ids, [len(t) for t in toks]):
+                logits = self.runner.forward([ids[j] for j in idx], [toks[j] for j in idx], last_only=True)
+                for row, j in zip(logits, idx):
+                    i, _, hi = pieces[j]
+                    if hi == len(pending[i]):
+                        out[i] = row
         return torch.stack(out)
 
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:

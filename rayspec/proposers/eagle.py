@@ -26,7 +26,7 @@ import torch
 from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.runner import ModelRunner, TreeQuery, last_rows
+from rayspec.runner import ModelRunner, TreeQuery, catch_up_pieces, last_rows
 from rayspec.sampling import logits_to_probs, make_generator
 
 
@@ -77,9 +77,11 @@ class EagleProposer(Proposer):
             target = _load_target_io(context)
         head = load_eagle_head(config.draft_model, target, kind=cls.kind, device=context.device,
                                dtype=draft_dtype(config.draft_dtype, context))
-        return cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
-                   topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob,
-                   lookup=(config.eagle_prompt_lookup, config.prompt_lookup_min, config.prompt_lookup_max))
+        proposer = cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
+                       topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob,
+                       lookup=(config.eagle_prompt_lookup, config.prompt_lookup_min, config.prompt_lookup_max))
+        proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
+        return proposer
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
                  topk: int = 1, depth: int | None = None, stop_prob: float = 0.0,
@@ -133,7 +135,11 @@ class EagleProposer(Proposer):
         if req.features is not None and len(req.features):
             buffered = sum(len(f) for f in self._features[req.seq_id])
             expected = self.runner.cached_len(req.seq_id) + buffered
-            if req.features_start != expected:
+            if not buffered and req.features_start < expected:
+                # features from an earlier position again (the step that sent them failed and is
+                # retried): rewind; the catch-up rewrites those positions
+                self.runner.set_cached_len(req.seq_id, req.features_start)
+            elif req.features_start != expected:
                 self.release(req.seq_id)
                 return False
             self._features[req.seq_id].append(req.features.to(self.runner.device, self.runner.dtype))
@@ -171,18 +177,25 @@ class EagleProposer(Proposer):
     def _catch_up(self, ids: list[str], toks: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
         """The head over every committed position not yet cached; [B, H] the last hidden row of
         each. feats[i]: [len(toks[i]), F]. Split into batches that fit the cache
-        (ModelRunner.padded_groups: a new long prompt beside a sequence near its end)."""
+        (ModelRunner.padded_groups: a new long prompt beside a sequence near its end) and the
+        chunk budget (catch_up_pieces: a long prompt's first catch-up)."""
         out: list[torch.Tensor | None] = [None] * len(ids)
-        for idx in self.runner.padded_groups(ids, [len(t) for t in toks]):
-            q = max(len(toks[i]) for i in idx)
-            f0 = feats[idx[0]]
-            padded = torch.zeros(len(idx), q, f0.shape[-1], dtype=f0.dtype, device=f0.device)  # [b, q, F]
-            for j, i in enumerate(idx):
-                padded[j, : len(feats[i])] = feats[i]
-            hidden, lengths = self.runner.forward_hidden([ids[i] for i in idx], [toks[i] for i in idx],
-                                                         features=padded)
-            for j, row in zip(idx, last_rows(hidden, lengths)):
-                out[j] = row
+        for pieces in catch_up_pieces([len(t) for t in toks], self.runner.max_chunk_tokens):
+            p_ids = [ids[i] for i, _, _ in pieces]
+            p_toks = [toks[i][lo:hi] for i, lo, hi in pieces]
+            p_feats = [feats[i][lo:hi] for i, lo, hi in pieces]
+            for idx in self.runner.padded_groups(p_ids, [len(t) for t in p_toks]):
+                q = max(len(p_toks[j]) for j in idx)
+                f0 = p_feats[idx[0]]
+                padded = torch.zeros(len(idx), q, f0.shape[-1], dtype=f0.dtype, device=f0.device)  # [b, q, F]
+                for r, j in enumerate(idx):
+                    padded[r, : len(p_feats[j])] = p_feats[j]
+                hidden, lengths = self.runner.forward_hidden([p_ids[j] for j in idx], [p_toks[j] for j in idx],
+                                                             features=padded)
+                for j, row in zip(idx, last_rows(hidden, lengths)):
+                    i, _, hi = pieces[j]
+                    if hi == len(toks[i]):
+                        out[i] = row
         return torch.stack(out)
 
     # ---- drafting --------------------------------------------------------------------

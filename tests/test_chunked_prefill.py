@@ -1,0 +1,255 @@
+"""Chunked prefill (EngineConfig.max_num_batched_tokens): long prompts go through the target in
+chunks within a per-step token budget, interleaved with the running requests' verification, and
+nothing changes in what is generated. Also: a forward that fails fails only the request that
+caused it."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model_dir
+from engine_utils import cached_model, make_engine, run_joining, run_to_completion
+from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+from rayspec.eagle.head import attach_target, build_head
+from rayspec.runner import catch_up_pieces, prefill_groups
+from rayspec.sampling import SamplingParams
+
+VOCAB, LAYERS, HIDDEN = 256, 4, 64
+_rng = random.Random(7)
+# short and long prompts, the long ones several chunks of the budgets below; repetitive enough for n-gram hits
+PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (5, 37, 3, 90, 12, 61)]
+PROMPTS[3] = PROMPTS[3][:30] * 3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("chunk-target") / "model", seed=5, num_layers=LAYERS,
+                               hidden=HIDDEN, vocab_size=VOCAB, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("chunk-draft") / "model", seed=6, num_layers=1,
+                               hidden=HIDDEN, vocab_size=VOCAB, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return cached_model(str(target_dir))
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, target, tmp_path_factory) -> Path:
+    torch.manual_seed(2)
+    head = build_head(new_eagle_config("eagle3", target_dir, LAYERS, HIDDEN))
+    attach_target(head, target[0], has_own_embedding=False)
+    return save_eagle_head(head, tmp_path_factory.mktemp("chunk-head") / "head", dtype=torch.float32)
+
+
+def _engine(target_dir, target, method, budget, draft_dir=None, head_dir=None, **kw):
+    spec = {}
+    if method == "draft_model":  # the target's first 3 of 4 layers: often right, not always
+        spec.update(draft_model=str(target_dir), draft_num_layers=3)
+    elif method == "eagle3":
+        spec.update(draft_model=str(head_dir), eagle_topk=2, tree_max_batch=8)
+    return make_engine(target_dir, method, k=4, loaded=target, max_num_batched_tokens=budget, **spec, **kw)
+
+
+def _spy_target_tokens(engine) -> list[list[tuple[int, int]]]:
+    """Per step, the (real tokens, padded rows x longest) of every target forward."""
+    steps: list[list[tuple[int, int]]] = []
+    forward, step = engine.runner.forward_hidden, engine.step
+
+    def spy_forward(seq_ids, token_lists, trees=None, packed=False, **kw):
+        lengths = [len(t) for t in token_lists]
+        steps[-1].append((sum(lengths), len(lengths) * max(lengths)))
+        return forward(seq_ids, token_lists, trees=trees, packed=packed, **kw)
+
+    def spy_step():
+        steps.append([])
+        return step()
+
+    engine.runner.forward_hidden, engine.step = spy_forward, spy_step
+    return steps
+
+
+def _same_logprobs(got, ref) -> None:
+    assert [t.token_id for t in got] == [t.token_id for t in ref]
+    for a, b in zip(got, ref):  # the same rows computed in other batch shapes: float32 rounding only
+        assert (a.logprob is None) == (b.logprob is None) and (a.logprob is None or abs(a.logprob - b.logprob) < 1e-4)
+
+
+# ---- exactness ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3"])
+def test_chunked_prefill_changes_nothing(target_dir, target, draft_dir, head_dir, method):
+    """Greedy outputs, logprobs and prompt logprobs with small budgets (prompts in 2-12 chunks,
+    requests joining mid-decode) equal those of whole-prompt prefill, token for token."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, prompt_logprobs=1)
+    ref_engine = _engine(target_dir, target, method, None, draft_dir, head_dir)
+    reference = ref_engine.generate(PROMPTS, params)
+    for budget in (16, 29):
+        engine = _engine(target_dir, target, method, budget, draft_dir, head_dir)
+        steps = _spy_target_tokens(engine)
+        ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+        done = {}
+        for _ in range(3):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        ids += [engine.add_request(p, params) for p in PROMPTS[2:]]
+        run_to_completion(engine, done)
+        for i, ref in zip(ids, reference):
+            got = done[i]
+            assert got.token_ids == ref.token_ids, (method, budget, i)
+            _same_logprobs(got.logprobs, ref.logprobs)
+            _same_logprobs(got.prompt_logprobs, ref.prompt_logprobs)
+        # the long prompts really were split: some step prefilled a chunk shorter than its prompt
+        assert any(0 < n < len(PROMPTS[3]) and padded <= budget for forwards in steps for n, padded in forwards)
+    if method in ("ngram", "draft_model"):  # drafts both accepted and rejected (the random head's: rejected)
+        assert 0 < ref_engine.stats.num_accepted_tokens < ref_engine.stats.num_draft_tokens
+
+
+def test_budget_holds_per_step_and_per_forward(target_dir, target):
+    """The target takes at most max_num_batched_tokens tokens per step when verification fits
+    in it, and no prefill forward's padded layout (rows x longest) exceeds it."""
+    budget = 24
+    engine = _engine(target_dir, target, "ngram", budget, max_num_seqs=3)  # verification: <= 3 x 5 rows
+    steps = _spy_target_tokens(engine)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    done = run_to_completion(engine)
+    assert all(done[i].num_output_tokens == GREEDY.max_tokens or done[i].finish_reason == "stop" for i in ids)
+    assert max(sum(n for n, _ in forwards) for forwards in steps) <= budget
+    assert max(padded for forwards in steps for _, padded in forwards) <= budget
+    # the 90-token prompt alone needs at least 90 / 24 steps of prefill
+    assert len(steps) >= 4
+
+
+def test_eagle_catch_up_in_chunks_drafts_the_same(target_dir, target, head_dir):
+    """The head's first catch-up over a long prompt goes in chunks of the budget (its attention
+    sees one chunk at a time); its drafts equal those of one whole catch-up."""
+    drafts = {}
+    for budget in (None, 16):
+        engine = _engine(target_dir, target, "eagle3", budget, head_dir=head_dir)
+        seen, propose = [], engine.proposer.propose
+        sizes, forward = [], engine.proposer.runner.forward_hidden
+
+        def spy_forward(ids, toks, *a, _forward=forward, _sizes=sizes, **kw):
+            _sizes.append(sum(len(t) for t in toks))
+            return _forward(ids, toks, *a, **kw)
+
+        def spy(requests, _propose=propose, _seen=seen):
+            out = _propose(requests)
+            _seen.append([(d.tokens, d.parents) for d in out])
+            return out
+
+        engine.proposer.propose, engine.proposer.runner.forward_hidden = spy, spy_forward
+        engine.generate([PROMPTS[3]], GREEDY)
+        drafts[budget] = seen
+        if budget:
+            assert max(sizes) <= budget
+        else:
+            assert max(sizes) >= len(PROMPTS[3]) - 1
+    assert drafts[None] == drafts[16]
+
+
+def test_catch_up_pieces():
+    assert catch_up_pieces([3, 5], None) == [[(0, 0, 3), (1, 0, 5)]]
+    assert catch_up_pieces([3, 5], 10) == [[(0, 0, 3), (1, 0, 5)]]
+    assert catch_up_pieces([3, 9], 4) == [[(0, 0, 3)], [(1, 0, 4)], [(1, 4, 8)], [(1, 8, 9)]]
+
+
+def test_prefill_groups_respect_the_padded_cap():
+    lengths = [10, 10, 10, 10]
+    assert prefill_groups(lengths, 1024) == [[0, 1, 2, 3]]
+    groups = prefill_groups(lengths, 1024, max_padded_tokens=20)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    assert all(len(g) * 10 <= 20 for g in groups)
+    assert prefill_groups([30], 24, max_padded_tokens=20) == [[0]]  # one row always goes
+
+
+# ---- interleaving ---------------------------------------------------------------------------
+
+def test_running_stream_keeps_its_tokens_while_a_long_prompt_prefills(tmp_path_factory):
+    """A request decoding while a 1,500-token prompt arrives gets tokens in every step of that
+    prefill (each step one chunk); its largest inter-token gap stays under two chunks' time.
+    Unchunked, the same prompt holds it up for the whole prefill."""
+    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("chunk-long") / "model", seed=9, num_layers=4,
+                                    hidden=128, vocab_size=VOCAB, with_tokenizer=False)
+    loaded = cached_model(str(model_dir))
+    long_prompt = [random.Random(3).randrange(VOCAB) for _ in range(1500)]
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    results = {}
+    for budget in (128, None):
+        engine = make_engine(model_dir, "none", k=0, loaded=loaded, max_model_len=2048,
+                             max_num_batched_tokens=budget)
+        stream = engine.add_request([1, 2, 3, 4], params)
+        for _ in range(3):
+            engine.step()
+        long_id = engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=2))
+        gaps, chunk_steps, last = [], [], time.perf_counter()
+        while True:
+            started = time.perf_counter()
+            outs = {o.request_id: o for o in engine.step()}
+            now = time.perf_counter()
+            long_started = long_id in outs
+            if stream in outs:
+                gaps.append(now - last)
+                last = now
+            if not long_started:
+                chunk_steps.append(now - started)
+            else:
+                break
+        results[budget] = (gaps, chunk_steps)
+    gaps, chunk_steps = results[128]
+    # prefill took ceil(1500 / (128 - 1)) steps, and the stream got a token in each of them
+    assert len(chunk_steps) >= 1500 // 128
+    assert len(gaps) >= len(chunk_steps)
+    assert max(gaps) < 2 * max(chunk_steps)
+    # unchunked: one step held the whole prompt, and the stream waited for all of it
+    assert len(results[None][1]) == 0 or max(results[None][0]) > 2 * max(chunk_steps)
+
+
+# ---- a failing request fails alone ----------------------------------------------------------
+
+POISON = 255  # a token that makes the target's forward raise when it is in a batch of more than one
+
+
+def _poison_forward(engine, phase: str):
+    """Make target forwards raise (as an out-of-memory would) whenever a row holds POISON:
+    during prefill (phase 'prefill') or during verification ('decode')."""
+    forward = engine.runner.forward_hidden
+
+    def poisoned(seq_ids, token_lists, trees=None, packed=False, **kw):
+        prefill = all(not engine._requests[s].prefilled for s in seq_ids)
+        # in decode, from its fourth token on: the others' proposer state is mid-sequence by then
+        hit = any(POISON in engine._requests[s].prompt_token_ids
+                  and (phase == "prefill" or engine._requests[s].num_output_tokens >= 3) for s in seq_ids)
+        if hit and (phase == "prefill") == prefill:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+        return forward(seq_ids, token_lists, trees=trees, packed=packed, **kw)
+
+    engine.runner.forward_hidden = poisoned
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_a_failing_request_fails_alone(target_dir, target, head_dir, method, phase, caplog):
+    prompts = [p for p in PROMPTS if POISON not in p]
+    reference = _engine(target_dir, target, method, 64, head_dir=head_dir).generate(prompts, GREEDY)
+    engine = _engine(target_dir, target, method, 64, head_dir=head_dir)
+    _poison_forward(engine, phase)
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    bad = engine.add_request([7, POISON, 9, 11], GREEDY)
+    ids += [engine.add_request(p, GREEDY) for p in prompts[3:]]
+    done = run_to_completion(engine)
+    assert done[bad].finish_reason == "error" and "out of memory" in done[bad].error
+    for i, ref in zip(ids, reference):
+        assert done[i].error is None and done[i].token_ids == ref.token_ids, i
+    assert not engine.has_unfinished_requests() and engine.runner.num_free_slots == engine.num_slots
+    assert "retrying them in halves" in caplog.text
+    assert "decodes without drafts" not in caplog.text  # the EAGLE head rewound: the others still draft
