@@ -277,10 +277,30 @@ class Attention(nn.Module):
         else:
             keys = cache_k.index_select(0, batch.slots)[:, :, : batch.kv_len]
             values = cache_v.index_select(0, batch.slots)[:, :, : batch.kv_len]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # [B, heads, Q, head_dim]
+        out = attention(q, keys, values, batch.mask)  # [B, heads, Q, head_dim]
         return self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
+
+
+def repeats_kv_heads(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether attention repeats the KV heads rather than pass grouped-query heads to SDPA.
+
+    On CUDA, SDPA's kernels that take an arbitrary mask (memory-efficient, cuDNN) take no
+    grouped-query heads: it would fall back to the math path and materialize float32 scores
+    [B, heads, Q, kv_len] (2 GiB for a 2,048-token chunk over 8k keys at 32 heads). Past head_dim
+    query rows, repeating the KV heads ([B, heads, kv_len, head_dim], twice) costs less and the
+    masked fused kernel runs. Few query rows (verification) keep the math path, whose scores are
+    then the smaller tensor. On CPU the flash kernel takes a mask and grouped heads together."""
+    return (q.device.type == "cuda" and mask is not None and q.shape[1] != keys.shape[1]
+            and q.shape[2] > q.shape[3])
+
+
+def attention(q, keys, values, mask, repeat_kv: bool | None = None) -> torch.Tensor:
+    """SDPA over q [B, heads, Q, D] and keys/values [B, kv_heads, kv_len, D] (see repeats_kv_heads)."""
+    gqa = q.shape[1] != keys.shape[1]
+    if gqa and (repeats_kv_heads(q, keys, mask) if repeat_kv is None else repeat_kv):
+        repeat = q.shape[1] // keys.shape[1]
+        keys, values, gqa = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1), False
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):

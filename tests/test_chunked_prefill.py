@@ -253,3 +253,51 @@ def test_a_failing_request_fails_alone(target_dir, target, head_dir, method, pha
     assert not engine.has_unfinished_requests() and engine.runner.num_free_slots == engine.num_slots
     assert "retrying them in halves" in caplog.text
     assert "decodes without drafts" not in caplog.text  # the EAGLE head rewound: the others still draft
+
+
+# ---- attention kernels ----------------------------------------------------------------------
+
+def test_masked_grouped_query_attention_stays_fused_on_cpu():
+    """A prefill chunk's layout (grouped-query heads, an additive mask over cached + new keys)
+    runs SDPA's fused CPU kernel, not the math path that materializes [B, heads, Q, kv_len]."""
+    from torch.nn.attention import SDPBackend
+    from rayspec.runner import additive_mask
+    q = torch.randn(1, 9, 256, 64)
+    k, v = torch.randn(1, 3, 1024, 64), torch.randn(1, 3, 1024, 64)
+    positions = 768 + torch.arange(256)
+    mask = additive_mask((torch.arange(1024)[None, :] <= positions[:, None])[None, None], torch.float32)
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=True)
+    assert choice != SDPBackend.MATH.value, choice
+
+
+def test_repeating_kv_heads_is_the_same_attention():
+    """The CUDA path for long masked chunks (repeat the KV heads, no enable_gqa) computes what the
+    grouped-query call does; checked here on CPU, where both run."""
+    from rayspec.model import attention, repeats_kv_heads
+    from rayspec.runner import additive_mask
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 130, 64)
+    k, v = torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
+    mask = additive_mask((torch.arange(300)[None, :] <= 170 + torch.arange(130)[:, None])[None, None].expand(2, 1, -1, -1),
+                         torch.float32)
+    assert torch.allclose(attention(q, k, v, mask, repeat_kv=True), attention(q, k, v, mask, repeat_kv=False), atol=1e-5)
+    assert not repeats_kv_heads(q, k, mask)  # on CPU: never
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+def test_long_prefill_peak_memory_is_one_chunk(smollm2):
+    """A 3,000-token prompt through SmolLM2's shapes (its first 2 layers), each run in a fresh
+    process with the KV cache resident beforehand: chunked (256), the prefill's peak above the
+    weights and cache stays within the planner's estimate of one chunk's activations; unchunked,
+    it is many times larger. (The recorded 8,000-token, 30-layer figures: benchmarks/README.md.)"""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_memory.py"
+    spec = importlib.util.spec_from_file_location("prefill_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    chunked = bench.run_isolated(smollm2, 3000, 256, num_layers=2, threads=1)
+    whole = bench.run_isolated(smollm2, 3000, None, num_layers=2, threads=1)
+    assert chunked["steps"] >= 3000 // 256
+    assert chunked["peak_above_baseline_mib"] <= chunked["estimate_mib"], chunked
+    assert whole["peak_above_baseline_mib"] > 4 * max(chunked["peak_above_baseline_mib"], 8.0), (chunked, whole)

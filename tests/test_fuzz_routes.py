@@ -28,7 +28,7 @@ import ray.serve as serve
 from deployments.app import build_app
 from serve_utils import free_port, tiny_args
 
-FUZZ_EXAMPLES = int(os.environ.get("RAYSPEC_FUZZ_EXAMPLES", "120"))
+FUZZ_EXAMPLES = int(os.environ.get("RAYSPEC_FUZZ_EXAMPLES", "80"))
 CALL_TIMEOUT_S = 60.0
 GENERATION = {"/v1/completions", "/v1/chat/completions"}
 
@@ -70,6 +70,9 @@ def _tame(case) -> None:
         body["n"] = max(1, min(body["n"], 2))
     if isinstance(body.get("max_completion_tokens"), int) and not isinstance(body["max_completion_tokens"], bool):
         body["max_completion_tokens"] = max(1, min(body["max_completion_tokens"], 16))
+    for key in ("max_tokens", "max_completion_tokens"):
+        if key in body and body[key] is None:  # null is "absent" to the server
+            del body[key]
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         # absent means "up to max_model_len": hundreds of tokens per example, the whole budget in a few
         body["max_tokens"] = 16
