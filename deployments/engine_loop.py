@@ -228,6 +228,8 @@ class EngineLoop:
             "num_slots": engine.num_slots,
             "num_free_slots": engine.runner.num_free_slots,  # KV slots no sequence holds
             "max_model_len": engine.max_model_len,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "cpu_kernels": getattr(getattr(engine.model, "cpu_kernels", None), "variant", None),
             "num_running": engine.num_running,
             "num_waiting": engine.num_waiting,
             "num_finished": self.num_finished,

@@ -568,5 +568,8 @@ class _Applied(Exception):
 
 
 def engine_summary(engine: LLMEngine) -> str:
+    kernels = getattr(engine.model, "cpu_kernels", None)
     return json.dumps({"model": engine.config.model, "method": engine.config.speculative.method,
-                       "num_slots": engine.num_slots, "device": str(engine.device), **engine.stats.as_dict()})
+                       "num_slots": engine.num_slots, "device": str(engine.device),
+                       "dtype": str(engine.dtype).removeprefix("torch."),
+                       "cpu_kernels": kernels.describe() if kernels is not None else None, **engine.stats.as_dict()})

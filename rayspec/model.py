@@ -7,11 +7,16 @@ rollback, the next step simply overwrites those positions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rayspec import cpu_kernels
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,8 +125,7 @@ class ForwardBatch:
 
 
 def _onednn_linear_available() -> bool:
-    return hasattr(torch.ops, "mkldnn") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and torch.backends.mkldnn.is_available()
+    return cpu_kernels.onednn_available()
 
 
 def cpu_bf16_fast() -> bool:
@@ -129,17 +133,20 @@ def cpu_bf16_fast() -> bool:
     return _onednn_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-# oneDNN runs 1 or 2 rows against a prepacked weight slower than 4 (measured on this
-# 2-core AVX-512 VM: 30 MLPs + LM head, 1 thread, 36-45 ms for 1-2 rows, 28-37 ms for 4;
-# benchmarks/README.md, "Small matmuls"), so fewer rows are padded up to this many.
+# oneDNN ran 1 or 2 rows against a prepacked weight slower than 4 on one AMD VM (30 MLPs + LM
+# head, 1 thread, 36-45 ms for 1-2 rows, 28-37 ms for 4; benchmarks/README.md, "Small matmuls"),
+# so fewer rows may be padded up to this many. Whether to (and whether to use oneDNN at all) is
+# measured on the CPU at hand when a model loads (rayspec.cpu_kernels); this is the default for
+# layers built outside a model's pack_for_cpu.
 ONEDNN_MIN_ROWS = 4
 
 
-def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows: [N, in] -> [N, out] with a prepacked oneDNN weight."""
+def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  min_rows: int = ONEDNN_MIN_ROWS) -> torch.Tensor:
+    """rows: [N, in] -> [N, out] with a prepacked oneDNN weight (fewer than min_rows rows padded)."""
     n = rows.shape[0]
-    if n < ONEDNN_MIN_ROWS:
-        rows = torch.cat((rows, rows.new_zeros(ONEDNN_MIN_ROWS - n, rows.shape[1])))
+    if n < min_rows:
+        rows = torch.cat((rows, rows.new_zeros(min_rows - n, rows.shape[1])))
         return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")[:n]
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
@@ -160,6 +167,7 @@ class Linear(nn.Linear):
     """
 
     FEW_ROWS = 8
+    min_rows = ONEDNN_MIN_ROWS  # set per model by pack_for_cpu's measurement
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
 
@@ -174,7 +182,7 @@ class Linear(nn.Linear):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and self.weight._version == self._packed_version):  # stale after in-place updates
             rows = x.reshape(-1, x.shape[-1])
-            out = onednn_linear(rows, self._packed, self.bias)
+            out = onednn_linear(rows, self._packed, self.bias, self.min_rows)
             return out.reshape(*x.shape[:-1], out.shape[-1])
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         n = rows.shape[0]
@@ -204,6 +212,7 @@ class FusedProjection:
         weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
         self.bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        self.min_rows = parts[0].min_rows
         for p in parts:  # the fused copy replaces the parts' own packed copies
             p._packed = None
 
@@ -219,7 +228,7 @@ class FusedProjection:
                 or any(p.weight._version != v for p, v in zip(self.parts, self.versions))):
             return None
         rows = x.reshape(-1, x.shape[-1])
-        out = onednn_linear(rows, self.packed, self.bias)
+        out = onednn_linear(rows, self.packed, self.bias, self.min_rows)
         return list(out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1))
 
 
@@ -334,6 +343,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _probe_mlp(src: MLP, variant: str) -> MLP:
+    """A copy of `src` sharing its weights, set up for one of rayspec.cpu_kernels.VARIANTS."""
+    probe = MLP.__new__(MLP)
+    nn.Module.__init__(probe)
+    packed, min_rows = cpu_kernels.VARIANTS[variant]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        part = getattr(src, name)
+        lin = Linear(part.in_features, part.out_features, bias=part.bias is not None, device="meta")
+        lin.weight, lin.bias = part.weight, part.bias
+        lin.min_rows = min_rows
+        if packed:
+            lin.pack_for_cpu()
+        setattr(probe, name, lin)
+    probe.gate_up = None
+    if packed:
+        probe.fuse_for_cpu()
+    return probe
+
+
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -397,9 +425,22 @@ class CausalLM(Float32Rotary):
         return hidden, batch.output(torch.cat(aux, dim=-1))
 
     def pack_for_cpu(self) -> "CausalLM":
-        """Prepack every projection for oneDNN inference on CPU, q/k/v and gate/up fused (no-op elsewhere)."""
+        """On CPU, pick the projections' matmul path by measuring this CPU (rayspec.cpu_kernels) and,
+        when it is oneDNN, prepack every projection, q/k/v and gate/up fused. No-op elsewhere.
+        The choice is kept in `self.cpu_kernels` (None off the CPU)."""
+        self.cpu_kernels = None
+        param = next(self.parameters())
+        mlp = next((m for m in self.modules() if isinstance(m, MLP)), None)
+        if param.device.type != "cpu" or mlp is None:
+            return self
+        self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
+                                              mlp.gate_proj.weight.dtype)
+        logger.info("CPU matmul path: %s", self.cpu_kernels.describe())
+        if not self.cpu_kernels.onednn:
+            return self
         for module in self.modules():
             if isinstance(module, Linear):
+                module.min_rows = self.cpu_kernels.min_rows
                 module.pack_for_cpu()
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):

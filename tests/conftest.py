@@ -18,6 +18,12 @@ import torch
 
 from rayspec.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model_dir
 
+# Every model load in the tests (here and in Ray workers, which inherit the environment) takes the
+# same CPU matmul path, so that models loaded in different processes compute the same bits: the
+# measured choice (rayspec.cpu_kernels) may differ between loads. tests/test_cpu_kernels.py
+# measures.
+os.environ.setdefault("RAYSPEC_CPU_KERNELS", "onednn_pad4")
+
 
 def make_tiny_model_dir(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64,
                         vocab_size: int | None = None, with_tokenizer: bool = True) -> Path:
