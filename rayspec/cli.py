@@ -1,4 +1,4 @@
-"""The `rayspec` command: fetch-model, generate, bench offline, bench serve."""
+"""The `rayspec` command: fetch-model, generate, plan, train, bench offline, bench serve."""
 
 from __future__ import annotations
 
@@ -78,6 +78,25 @@ def cmd_generate(args) -> int:
     print(f"\n\n[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tok/s; {json.dumps(engine.stats.as_dict())}]",
           file=sys.stderr)
     return 0
+
+
+def cmd_plan(args) -> int:
+    from deployments.plan import app_json, format_app, parse_size, plan_config
+    from rayspec.loader import ModelNotFoundError
+
+    try:
+        gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+        apps = plan_config(args.config, args.app)
+    except (ValueError, OSError, ModelNotFoundError) as err:  # a bad size, config or model: say which
+        print(f"rayspec plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([app_json(app, gpu_memory) for app in apps], indent=2))
+    else:
+        print("\n\n".join(format_app(app, gpu_memory) for app in apps))
+        print("\n(GB = 10^9 bytes, MB = 10^6; kv_cache_memory_gb is read as GiB = 2^30 bytes, as the engine does)")
+    fits = [app.fits(gpu_memory) for app in apps if gpu_memory is not None and any(d.on_gpu for d in app.deployments)]
+    return 0 if all(fits) else 1
 
 
 def cmd_train(args) -> int:
@@ -163,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regex", default=None, help="constrain the output to this regex")
     p.add_argument("--choice", action="append", default=None, help="constrain the output to one of these (repeat)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="memory per deployment and per GPU of a serve config, from config files alone",
+                       description="Weights, KV cache, proposer weights and cache, peak forward activations (an "
+                                   "upper bound) and the load peak of each deployment of a serve config, sized as "
+                                   "the engine sizes itself, without loading weights (hub ids: config.json only). "
+                                   "Exit status 1 when something does not fit --gpu-memory, 2 on errors.")
+    p.add_argument("config", help="a serve config (configs/*.yaml)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="GPU size to check against: 80GB (10^9 bytes), 80GiB (2^30 bytes), 24G (= 24GB)")
+    p.add_argument("--app", default=None, help="only the application of this name")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of text")
+    p.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="in-process: rayspec baseline vs method vs HF transformers")

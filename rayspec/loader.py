@@ -208,9 +208,12 @@ def _token_hint() -> str:
     return "set HF_TOKEN to a token of an account with access (none is set)"
 
 
-def _snapshot(spec: str) -> Path:
+def _snapshot(spec: str, download=None, from_cache=None) -> Path:
     """Download (or find in the Hugging Face cache) what a hub model needs: its config, tokenizer and
-    generation files and its weights in one format (`org/name` or `org/name@revision`)."""
+    generation files and its weights in one format (`org/name` or `org/name@revision`).
+    `download(repo_id, revision, where, endpoint)` / `from_cache(repo_id, revision, where)` fetch
+    something else the same way (`model_config_file`: config.json alone)."""
+    download, from_cache = download or _download, from_cache or _from_cache
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
@@ -224,7 +227,7 @@ def _snapshot(spec: str) -> Path:
     try:
         if not offline:
             try:
-                return _download(repo_id, revision, where, endpoint)
+                return download(repo_id, revision, where, endpoint)
             except _network_errors() as err:
                 unreachable = err
             except (RepositoryNotFoundError, RevisionNotFoundError):
@@ -233,7 +236,7 @@ def _snapshot(spec: str) -> Path:
                 if err.response is None or err.response.status_code < 500:
                     raise
                 unreachable = err  # the hub is down: the cache may still have it
-        return _from_cache(repo_id, revision, where)
+        return from_cache(repo_id, revision, where)
     except LocalEntryNotFoundError as err:
         if offline:
             why = f"HF_HUB_OFFLINE is set: {err}"
@@ -359,6 +362,65 @@ def load_hf_config(model_dir: Path):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
+
+
+# ---- configs without weights (rayspec plan) --------------------------------------------------
+
+def model_config_file(spec: str) -> Path:
+    """The config.json of a model spec, without its weights: a directory's own, the default model's
+    (its converted copy in the rayspec cache), or a hub id's: only config.json is downloaded, from
+    HF_ENDPOINT when set, found in the Hugging Face cache when offline (HF_HUB_OFFLINE) or when the
+    hub cannot be reached. A .gguf file has none: see `load_model_config`."""
+    local = Path(spec).expanduser()
+    if spec in (DEFAULT_MODEL, "default") or local.is_dir():
+        return resolve_model_dir(spec) / "config.json"
+    if _is_hub_id(spec):
+        return _snapshot(spec, _download_config, _cached_config)
+    raise ModelNotFoundError(f"model {spec!r} is not a local directory or a hub id (org/name or org/name@revision)")
+
+
+def _download_config(repo_id: str, revision: str | None, where: str, endpoint: str | None) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint))
+
+
+def _cached_config(repo_id: str, revision: str | None, where: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True))
+
+
+def load_model_config(spec: str):
+    """The transformers config a load of `spec` builds its model from (`load_hf_config`), read
+    without the weights; a .gguf file's from its header (tensors are not read)."""
+    from transformers import AutoConfig
+
+    local = Path(spec).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return AutoConfig.from_pretrained(local.parent, gguf_file=local.name)
+    return load_hf_config(model_config_file(spec).parent)
+
+
+def weight_names(model_dir: Path) -> set[str] | None:
+    """The tensor names of a local checkpoint, read from safetensors headers or the shard index
+    (no tensor data); None where that is not possible (pytorch_model*.bin, no weights here)."""
+    try:
+        fmt, files = weight_files(model_dir)
+    except ModelNotFoundError:
+        return None
+    if fmt != "safetensors":
+        return None
+    index = Path(model_dir) / _SAFETENSORS_INDEX
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map") or {})
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
 
 
 def rope_from_config(config) -> tuple[torch.Tensor, float]:

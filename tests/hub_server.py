@@ -21,7 +21,7 @@ downloads only (as the real hub: a gated repo's info and tree are public). A pri
 401 `RepoNotFound` on every route without the token. `log` lists every request as
 "METHOD /path" (query left out); `downloads()` the files fetched with GET.
 
-Use: point `HF_ENDPOINT` at `hub.url`, and `HF_HUB_CACHE` at an empty directory (see the `hub`
+Use: point `HF_ENDPOINT` at `hub.url`, and `HF_HUB_CACHE` at an empty directory (`use_hub`, or the `hub`
 fixture in tests/test_hub_download.py: huggingface_hub reads both at import, so it patches
 `huggingface_hub.constants` too).
 """
@@ -269,3 +269,24 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             headers["ETag"] = f'"{_git_blob_sha1(data)}"'
         self._send(200, data, headers, head, content_type="application/octet-stream")
+
+
+def use_hub(monkeypatch, url: str, home: Path) -> None:
+    """Point huggingface_hub (and rayspec's loader) at a hub at `url` with an empty cache under `home`
+    and no token. huggingface_hub reads these at import: the environment is for what reads it at call
+    time (rayspec's loader, the token lookup), the constants for the rest (the cache, and
+    huggingface_hub's own side requests: never the internet)."""
+    import huggingface_hub.constants as constants
+
+    cache = home / "hub"
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))  # not the developer's login
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -1,0 +1,270 @@
+"""`rayspec plan CONFIG`: the memory each deployment of a serve config needs, per replica and per
+GPU, from the models' config.json files alone (no weights are loaded or downloaded).
+
+The sizing is rayspec.memory's (the engine sizes its KV cache with the same function); this
+module reads the serve config as deployments.app does (AppArgs), finds the model shapes, and
+sets the figures against a GPU size. Ray's fractional `num_gpus` is a scheduling share, not a
+memory limit: replicas packed onto one GPU share its memory, so the worst packing is checked too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deployments.config import AppArgs, load_app_args
+from rayspec import loader
+from rayspec.memory import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
+from rayspec.model import ModelArgs
+
+APP_IMPORT_PATH = "deployments.app:build_app"
+_UNITS = {"": GB, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": GB, "gb": GB, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'80GB' / '80G' / '80' -> 80 x 10^9 bytes; '80GiB' -> 80 x 2^30 (also k, M, T and their -iB)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise ValueError(f"cannot read the size {text!r}; write e.g. 80GB (10^9 bytes) or 80GiB (2^30)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def read_serve_config(path: str | Path, app: str | None = None) -> list[tuple[str, dict]]:
+    """(name, args) of each rayspec application in a serve config (or only the one named `app`)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    apps = [a for a in doc.get("applications") or [] if a.get("import_path") == APP_IMPORT_PATH]
+    if app is not None:
+        apps = [a for a in apps if a.get("name") == app]
+    if not apps:
+        raise ValueError(f"{path} has no rayspec application (import_path {APP_IMPORT_PATH})"
+                         + (f" named {app!r}" if app else ""))
+    return [(a.get("name", "default"), a.get("args") or {}) for a in apps]
+
+
+# ---- model shapes from config files ------------------------------------------------------------
+
+def target_args(spec: str) -> ModelArgs:
+    return ModelArgs.from_hf_config(loader.load_model_config(spec))
+
+
+def draft_shape(spec, target_model: str, target: ModelArgs) -> DraftShape:
+    """What the proposer of `spec` (a SpeculativeConfig, or the SpeculativeArgs of a serve config)
+    loads for the target `target_model`: a draft LM's shape (draft_num_layers applied, as
+    load_model does), or an EAGLE head's config; where the head is a local safetensors checkpoint
+    its tensor names tell whether it has an embedding of its own (else: the target's is shared)."""
+    from rayspec.eagle.checkpoint import eagle_config_from_hf
+    from rayspec.proposers import PROPOSERS
+    from rayspec.proposers.draft_model import DraftModelProposer
+    from rayspec.proposers.eagle import EagleProposer
+
+    cls = PROPOSERS[spec.method]
+    if issubclass(cls, DraftModelProposer):
+        args = target_args(spec.draft_model or target_model)
+        if spec.draft_num_layers is not None:
+            args = dataclasses.replace(args, num_layers=spec.draft_num_layers)
+        return DraftShape(model=args)
+    if issubclass(cls, EagleProposer):
+        config_file = loader.model_config_file(spec.draft_model)
+        names = loader.weight_names(config_file.parent)
+        names = None if names is None else {n.removeprefix("model.") for n in names}  # as read_state_dict
+        # without tensor names (a hub id, a .bin checkpoint): an fc bias as the published EAGLE-1 heads have
+        fc_bias = "fc.bias" in names if names is not None else cls.kind == "eagle"
+        head = eagle_config_from_hf(json.loads(config_file.read_text()), target.num_layers, target.hidden_size,
+                                    fc_bias=fc_bias)
+        return DraftShape(head=head, head_has_embedding=names is not None and "embed_tokens.weight" in names)
+    return DraftShape()
+
+
+# ---- deployments and GPUs ----------------------------------------------------------------------
+
+@dataclass
+class DeploymentPlan:
+    name: str
+    replicas: int  # at most (autoscaling: max_replicas)
+    num_gpus: float | None  # per replica, from ray_actor_options
+    process: ProcessPlan
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.process.device).type == "cuda"
+
+    @property
+    def share(self) -> float:
+        """The part of one GPU a replica is scheduled on (rayspec uses one device per replica)."""
+        return self.num_gpus if self.num_gpus and self.num_gpus < 1 else 1.0
+
+    def budget(self, gpu_memory: int | None) -> int | None:
+        return None if gpu_memory is None or not self.on_gpu else int(self.share * gpu_memory)
+
+
+@dataclass
+class AppPlan:
+    config: str
+    name: str
+    args: AppArgs
+    target: ModelArgs
+    draft: DraftShape
+    deployments: list[DeploymentPlan] = field(default_factory=list)
+
+    def worst_gpu(self) -> list[tuple[DeploymentPlan, int]]:
+        """The replicas Ray may pack onto one GPU that need the most memory together: (deployment,
+        replicas) with fractional shares summing to at most 1; a whole-GPU replica is alone."""
+        gpu = [d for d in self.deployments if d.on_gpu]
+        best, best_bytes = [], -1
+        ranges = [range(min(d.replicas, int(1 / d.share + 1e-9)) + 1) for d in gpu]
+        for counts in itertools.product(*ranges):
+            if sum(counts) == 0 or sum(c * d.share for c, d in zip(counts, gpu)) > 1 + 1e-9:
+                continue
+            need = sum(c * d.process.peak for c, d in zip(counts, gpu))
+            if need > best_bytes:
+                best, best_bytes = [(d, c) for d, c in zip(gpu, counts) if c], need
+        return best
+
+    def fits(self, gpu_memory: int) -> bool:
+        worst = self.worst_gpu()
+        return all(d.process.peak <= d.budget(gpu_memory) for d in self.deployments if d.on_gpu) and \
+            sum(c * d.process.peak for d, c in worst) <= gpu_memory
+
+
+def plan_app(config: str, name: str, args: dict | AppArgs) -> AppPlan:
+    cfg = load_app_args(args)
+    target = target_args(cfg.model)
+    draft = draft_shape(cfg.speculative, cfg.model, target)
+    engine = cfg.engine_config()
+    app = AppPlan(config, name, cfg, target, draft)
+
+    def device(deployment) -> str:  # as deployments.config.replica_device: CUDA when Ray gives a GPU
+        return cfg.engine.device or ("cuda" if deployment.ray_actor_options.num_gpus else "cpu")
+
+    colocated = cfg.topology == "colocated"
+    app.deployments.append(DeploymentPlan(
+        "Verifier", cfg.verifier.max_replicas, cfg.verifier.ray_actor_options.num_gpus,
+        engine_plan(engine, target, device(cfg.verifier), draft, proposer_in_process=colocated)))
+    if not colocated:
+        app.deployments.append(DeploymentPlan(
+            "Proposer", cfg.proposer.max_replicas, cfg.proposer.ray_actor_options.num_gpus,
+            proposer_plan(engine, target, device(cfg.proposer), draft, cfg.proposer_num_slots())))
+    return app
+
+
+def plan_config(path: str | Path, app: str | None = None) -> list[AppPlan]:
+    return [plan_app(str(path), name, args) for name, args in read_serve_config(path, app)]
+
+
+# ---- output ------------------------------------------------------------------------------------
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _describe_models(app: AppPlan) -> list[str]:
+    t, cfg = app.target, app.args
+    lines = [f"  target {cfg.model}: {t.num_layers} layers, hidden {t.hidden_size}, {t.num_heads} heads "
+             f"({t.num_kv_heads} KV) x {t.head_dim}, vocab {t.vocab_size:,}"]
+    spec = cfg.speculative
+    if app.draft.model is not None:
+        lines.append(f"  proposer draft_model: {spec.draft_model or cfg.model}, {app.draft.model.num_layers} layers")
+    elif app.draft.head is not None:
+        h = app.draft.head
+        lines.append(f"  proposer {spec.method}: {spec.draft_model}, {h.args.num_layers} layer(s), "
+                     f"draft vocab {h.draft_vocab_size:,}")
+    else:
+        lines.append(f"  proposer {spec.method}: no model")
+    return lines
+
+
+def _activation_line(process: ProcessPlan) -> str:
+    a = process.activations
+    parts = [("scores", a.scores), ("MLP", a.mlp), ("logits", a.logits), ("features", a.features),
+             ("hidden/qkv/mask", a.hidden + a.qkv + a.mask)]
+    terms = ", ".join(f"{name} {fmt_bytes(n)}" for name, n in parts if n)
+    return (f"upper bound, {a.tokens:,} tokens x {a.kv_len:,} keys: {terms} "
+            f"(with a fused attention kernel: {fmt_bytes(a.without_scores)})")
+
+
+def format_app(app: AppPlan, gpu_memory: int | None) -> str:
+    cfg = app.args
+    out = [f"{app.config}: application {app.name!r}, topology {cfg.topology}"]
+    out += _describe_models(app)
+    chunk = cfg.engine.max_num_batched_tokens
+    out.append(f"  engine: max_model_len {cfg.engine.max_model_len:,}, max_num_seqs {cfg.engine.max_num_seqs}, "
+               f"kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB, max_num_batched_tokens "
+               f"{'None (unchunked)' if chunk is None else f'{chunk:,}'}")
+    for d in app.deployments:
+        p = d.process
+        where = (f"num_gpus {d.num_gpus:g}" if d.num_gpus else "no num_gpus") + \
+            f": {p.device}, {str(p.dtype).removeprefix('torch.')}"
+        out.append("")
+        out.append(f"{d.name}: {d.replicas} replica{'s' if d.replicas > 1 else ''}, {where}"
+                   + ("" if d.on_gpu else " (host memory; no GPU)"))
+        if d.num_gpus and d.num_gpus > 1:
+            out.append(f"  (num_gpus {d.num_gpus:g}: a replica uses one device; the plan is for one GPU)")
+        rows = [(item.name, item.bytes, item.detail) for item in p.items] or [("(no model)", 0, "")]
+        rows.append(("resident", p.resident, ""))
+        if p.activations is not None:
+            rows.append(("forward activations", p.activations.total, _activation_line(p)))
+        rows.append(("total", p.total, "resident + activations"))
+        rows.append(("load peak", p.load_peak, p.load_detail))
+        for name, n, detail in rows:
+            out.append(f"  {name:<30}{fmt_bytes(n):>11}  {detail}".rstrip())
+        if p.kv is not None and p.kv.num_slots < cfg.engine.max_num_seqs:
+            out.append(f"  note: kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB holds {p.kv.num_slots} slots "
+                       f"of {fmt_bytes(p.kv.bytes_per_slot)}, fewer than max_num_seqs {cfg.engine.max_num_seqs}")
+        budget = d.budget(gpu_memory)
+        if budget is not None:
+            share = f" (its {d.share:g} of {fmt_bytes(gpu_memory)})" if d.share < 1 else ""
+            out.append(f"  per replica: {_verdict(p.peak, budget)}{share}")
+    if gpu_memory is not None and any(d.on_gpu for d in app.deployments):
+        worst = app.worst_gpu()
+        need = sum(c * d.process.peak for d, c in worst)
+        packed = " + ".join(f"{c} {d.name} x {d.share:g}" for d, c in worst)
+        out.append("")
+        out.append(f"per GPU ({fmt_bytes(gpu_memory)}), the fullest packing Ray may make ({packed}): "
+                   f"{_verdict(need, gpu_memory)}")
+        gpus = sum(d.replicas * (d.num_gpus or 0) for d in app.deployments)
+        out.append(f"verdict: {'fits' if app.fits(gpu_memory) else 'does not fit'} in {fmt_bytes(gpu_memory)} per GPU "
+                   f"(num_gpus of all replicas: {gpus:g})")
+    return "\n".join(out)
+
+
+def _verdict(need: int, budget: int) -> str:
+    if need <= budget:
+        return f"fits: {fmt_bytes(need)} of {fmt_bytes(budget)}, {fmt_bytes(budget - need)} headroom"
+    return f"does not fit: {fmt_bytes(need)} of {fmt_bytes(budget)}, {fmt_bytes(need - budget)} short"
+
+
+def app_json(app: AppPlan, gpu_memory: int | None) -> dict:
+    deployments = []
+    for d in app.deployments:
+        p = d.process
+        budget = d.budget(gpu_memory)
+        deployments.append({
+            "name": d.name, "replicas": d.replicas, "num_gpus": d.num_gpus, "device": p.device,
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "items": [dataclasses.asdict(item) for item in p.items],
+            "kv_cache": None if p.kv is None else {**dataclasses.asdict(p.kv), "tokens": p.kv.tokens,
+                                                    "bytes": p.kv.bytes},
+            "proposer_kv_cache": None if p.draft_kv is None else {**dataclasses.asdict(p.draft_kv),
+                                                                  "bytes": p.draft_kv.bytes},
+            "activations": None if p.activations is None else {**dataclasses.asdict(p.activations),
+                                                                "total": p.activations.total},
+            "resident": p.resident, "total": p.total, "load_peak": p.load_peak, "peak": p.peak,
+            "budget": budget, "fits": None if budget is None else p.peak <= budget,
+        })
+    fits = app.fits(gpu_memory) if gpu_memory is not None and any(d.on_gpu for d in app.deployments) else None
+    return {"config": app.config, "application": app.name, "topology": app.args.topology, "model": app.args.model,
+            "method": app.args.speculative.method, "target": dataclasses.asdict(app.target),
+            "gpu_memory": gpu_memory, "deployments": deployments, "fits": fits}

@@ -1,0 +1,451 @@
+"""Memory of an engine process from model shapes alone (no weights loaded).
+
+`kv_cache_plan` is how `LLMEngine` sizes its KV cache; the rest counts what the process holds
+next to it (weights, a proposer's weights and cache, activations), for `rayspec plan`. Every
+figure is in bytes. GB = 10**9 bytes, GiB = 2**30; `kv_cache_memory_gb` is read as GiB, as the
+engine has always read it.
+
+A process, in the order it fills its device (GPU figures; a CPU process fills host memory the
+same way and, where its load picks the oneDNN path, adds prepacked copies of the projections):
+  1. the target, built in float32 on the device and then cast to its dtype (`loader.build_model`);
+  2. the target's KV cache: `num_slots` rows of max_model_len + max_k + 1 positions;
+  3. the proposer: a draft LM (built like the target) or an EAGLE head (its own weights; it
+     shares the target's embedding unless its checkpoint has one) with a KV cache of its own;
+  4. per step, the activations of one forward over at most a chunk of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.eagle.head import EagleConfig
+from rayspec.model import KVCache, ModelArgs
+
+GB, GiB = 10**9, 2**30
+FLOAT32 = 4  # bytes: rotary frequencies, float32 builds, attention scores, sampled logits
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """The dtype the engine runs `EngineConfig.dtype` in on `device` (None: float32 on CPU,
+    bfloat16 on CUDA): rayspec.loader.parse_dtype, the function the engine calls."""
+    from rayspec.loader import parse_dtype
+
+    return parse_dtype(name, torch.device(device))
+
+
+# ---- the KV cache -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVPlan:
+    """A KV cache of `num_slots` rows (one per running sequence) of `capacity` positions."""
+
+    num_slots: int
+    capacity: int  # positions per slot: max_model_len + the slack drafts write past it
+    bytes_per_token: int  # K and V of every layer at one position
+
+    @property
+    def tokens(self) -> int:
+        return self.num_slots * self.capacity
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.bytes_per_token * self.capacity
+
+    @property
+    def bytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot
+
+
+def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k: int, max_num_seqs: int,
+                  kv_cache_memory_gb: float, method: str) -> KVPlan:
+    """The target's KV cache as LLMEngine sizes it: as many slots as `kv_cache_memory_gb` (GiB)
+    holds, at most max_num_seqs. A slot holds max_model_len + max_k + 1 positions (a verification
+    writes the pending token and k drafts past the committed ones). `max_model_len` is the
+    engine's: min(EngineConfig.max_model_len, args.max_position_embeddings).
+
+    With method draft_model the budget also pays for the draft's own cache, counted as large as
+    the target's (a draft is usually smaller, so this undercounts the slots the budget could
+    hold; `proposer_cache_plan` gives the draft cache's real size)."""
+    capacity = max_model_len + max_k + 1
+    per_token = KVCache.bytes_per_token(args, dtype)
+    budget_per_token = 2 * per_token if method == "draft_model" else per_token
+    per_slot = budget_per_token * capacity
+    num_slots = min(max_num_seqs, int(kv_cache_memory_gb * GiB // per_slot))
+    if num_slots < 1:
+        raise ValueError(
+            f"kv_cache_memory_gb={kv_cache_memory_gb} cannot hold one sequence of "
+            f"max_model_len={max_model_len} ({per_slot / 2**20:.0f} MiB); raise it or lower max_model_len")
+    return KVPlan(num_slots, capacity, per_token)
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Weights:
+    """What a module holds on its device."""
+
+    num_params: int
+    bytes: int  # parameters in the module's dtype, plus its buffers
+    linear_bytes: int  # the Linear weights among them: oneDNN keeps a prepacked copy of each on CPU
+    largest_bytes: int = 0  # its largest parameter in the module's dtype
+
+
+NO_WEIGHTS = Weights(0, 0, 0)
+
+
+def _rope_buffer(args: ModelArgs) -> int:
+    return args.head_dim // 2 * FLOAT32  # inv_freq, kept float32 through any cast (Float32Rotary)
+
+
+def _attention(args: ModelArgs, input_size: int) -> tuple[int, int]:
+    """(parameters, of which Linear weights) of rayspec.model.Attention."""
+    q, kv, h = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size
+    weights = input_size * (q + 2 * kv) + q * h
+    return weights + ((q + 2 * kv) if args.attention_bias else 0), weights
+
+
+def _mlp(args: ModelArgs) -> tuple[int, int]:
+    h, i = args.hidden_size, args.intermediate_size
+    weights = 3 * h * i
+    return weights + ((2 * i + h) if args.mlp_bias else 0), weights
+
+
+def _decoder_layer(args: ModelArgs, input_size: int, num_norms: int) -> tuple[int, int]:
+    attn, attn_linear = _attention(args, input_size)
+    mlp, mlp_linear = _mlp(args)
+    return attn + mlp + num_norms * args.hidden_size, attn_linear + mlp_linear
+
+
+def _weights(num_params: int, linear_params: int, dtype: torch.dtype, buffers: int, largest: int = 0) -> Weights:
+    size = dtype.itemsize
+    return Weights(num_params, num_params * size + buffers, linear_params * size, largest * size)
+
+
+def causal_lm_weights(args: ModelArgs, dtype: torch.dtype) -> Weights:
+    """rayspec.model.CausalLM: embedding, decoder layers, final norm, LM head (none of its own when
+    tied to the embedding, though on CPU it still gets a prepacked copy), rotary buffer."""
+    v, h = args.vocab_size, args.hidden_size
+    layer, layer_linear = _decoder_layer(args, h, num_norms=2)
+    params = v * h + args.num_layers * layer + h + (0 if args.tie_word_embeddings else v * h)
+    largest = max(v * h, h * args.intermediate_size, h * args.num_heads * args.head_dim)
+    return _weights(params, args.num_layers * layer_linear + v * h, dtype, _rope_buffer(args), largest)
+
+
+def target_io_weights(args: ModelArgs, dtype: torch.dtype) -> Weights:
+    """What an EAGLE proposer deployment loads of the target: the model without its decoder layers
+    (embedding, final norm, LM head), as rayspec.proposers.eagle._load_target_io does."""
+    return causal_lm_weights(dataclasses.replace(args, num_layers=0), dtype)
+
+
+def eagle_head_weights(config: EagleConfig, dtype: torch.dtype, has_own_embedding: bool = False) -> Weights:
+    """rayspec.eagle.head: an EAGLE-3 head (fc over the fused features, one decoder layer whose
+    attention reads 2 x hidden, final norm, LM head over the draft vocabulary, the d2t / t2d maps) or
+    an EAGLE-1 head (fc over [embedding, hidden], its layers, the first without an input norm; it
+    reads out through the target's LM head). The embedding is the target's unless the checkpoint
+    has its own."""
+    a = config.args
+    h = a.hidden_size
+    embedding = a.vocab_size * h if has_own_embedding else 0
+    if config.kind == "eagle3":
+        layer, layer_linear = _decoder_layer(a, 2 * h, num_norms=3)  # input, hidden and post-attention norms
+        fc = config.feature_size * h
+        lm_head = config.draft_vocab_size * h
+        params = embedding + fc + layer + h + lm_head
+        maps = config.draft_vocab_size * torch.int64.itemsize + a.vocab_size * torch.bool.itemsize  # d2t, t2d
+        return _weights(params, fc + layer_linear + lm_head, dtype, maps + _rope_buffer(a))
+    first, first_linear = _decoder_layer(a, h, num_norms=1)
+    rest, rest_linear = _decoder_layer(a, h, num_norms=2)
+    fc = 2 * h * h
+    params = embedding + fc + (h if config.fc_bias else 0) + first + (a.num_layers - 1) * rest
+    linear = fc + first_linear + (a.num_layers - 1) * rest_linear
+    return _weights(params, linear, dtype, _rope_buffer(a))
+
+
+def float32_build_bytes(weights: Weights) -> int:
+    """Device memory while rayspec.loader.build_model builds a model: its parameters are allocated
+    in float32 (from a float32 meta module), loaded, then cast to the dtype one by one (each cast
+    copy is made before its float32 original goes). Measured on an H100 for Llama-3.1-8B in
+    bfloat16: 33.17 GB, as computed (benchmarks/plan_memory_check.py)."""
+    return weights.num_params * FLOAT32 + weights.largest_bytes
+
+
+# ---- proposers ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What a proposer loads, from config files alone: a draft LM or an EAGLE head (None: neither,
+    e.g. ngram)."""
+
+    model: ModelArgs | None = None  # draft_model: the draft, num_layers already cut to draft_num_layers
+    head: EagleConfig | None = None  # eagle3 / eagle
+    head_has_embedding: bool = False  # the head's checkpoint carries its own embedding
+
+    @property
+    def args(self) -> ModelArgs | None:
+        return self.model if self.model is not None else (self.head.args if self.head is not None else None)
+
+    def weights(self, dtype: torch.dtype) -> Weights:
+        if self.model is not None:
+            return causal_lm_weights(self.model, dtype)
+        if self.head is not None:
+            return eagle_head_weights(self.head, dtype, self.head_has_embedding)
+        return NO_WEIGHTS
+
+
+def proposer_slack(spec: SpeculativeConfig, draft: DraftShape) -> int:
+    """Positions past max_model_len the proposer's cache holds, as its runner is built:
+    DraftModelProposer k + 1, EagleProposer topk x depth + k + 2 (a tree's nodes beside the chain)."""
+    k = spec.num_speculative_tokens
+    if draft.head is not None:
+        return max(1, spec.eagle_topk) * (spec.num_steps or k) + k + 2
+    return k + 1
+
+
+def proposer_cache_plan(spec: SpeculativeConfig, draft: DraftShape, dtype: torch.dtype, max_model_len: int,
+                        num_slots: int) -> KVPlan | None:
+    """The proposer's own KV cache (a draft LM's layers, an EAGLE head's), None for proposers without."""
+    args = draft.args
+    if args is None:
+        return None
+    return KVPlan(num_slots, max_model_len + proposer_slack(spec, draft), KVCache.bytes_per_token(args, dtype))
+
+
+# ---- activations --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    """An upper-bound estimate of one forward's activations (see `forward_activations`)."""
+
+    tokens: int  # new tokens in the forward
+    kv_len: int  # keys each of them may attend to
+    logit_rows: int
+    hidden: int
+    qkv: int
+    scores: int
+    mask: int
+    mlp: int
+    logits: int
+    features: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hidden + self.qkv + self.scores + self.mask + self.mlp + self.logits + self.features
+
+    @property
+    def without_scores(self) -> int:
+        """The estimate where SDPA runs a fused kernel (flash / memory-efficient), which holds no scores."""
+        return self.total - self.scores
+
+
+def forward_activations(args: ModelArgs, dtype: torch.dtype, tokens: int, kv_len: int, logit_rows: int,
+                        feature_size: int = 0, held_feature_rows: int = 0) -> ActivationPlan:
+    """An upper-bound estimate of the memory one forward of `tokens` new tokens, each attending to
+    at most `kv_len` keys, allocates beyond the weights and the KV cache. T = tokens, H = hidden,
+    I = intermediate, itemsize of the model dtype unless said:
+
+      hidden:   4 x [T, H]: the residual stream, its normed copy, the attention or MLP output, the sum
+      qkv:      2 x [T, (heads + 2 kv_heads) x head_dim]: the projections and their rotated copies
+      scores:   2 x [heads, T, kv_len] float32 (the scores and their softmax), the same in bool
+                (the math path's test for fully masked rows), and K and V repeated to every query
+                head in float32: what SDPA's math path materializes, the worst case. The fused
+                kernels hold none of it (`without_scores`); the math one runs where they cannot
+      mask:     [T, kv_len]: the additive mask in the model dtype, and the boolean one it came from
+      mlp:      4 x [T, I]: gate, up, silu(gate) and their product
+      logits:   [logit_rows, vocab]: the LM head's output, its float32 copy and a processed copy
+      features: EAGLE feature layers' inputs [T, F] and their concatenation, plus
+                `held_feature_rows` rows of F a sequence keeps until its first draft
+
+    The terms are summed, though the attention and MLP ones are never live at once; allocator
+    rounding and the CUDA context (about 0.5 GB per process) are not counted. Measured on an H100
+    (benchmarks/plan_memory_check.py, Llama-3.1-8B, 2048 tokens x 8192 keys): 5.46 GB with the math
+    backend against 5.61 GB here, 0.42 GB with the default (fused) one against 0.50 without scores."""
+    size = dtype.itemsize
+    h, i = args.hidden_size, args.intermediate_size
+    qkv_width = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    scores = (args.num_heads * tokens * kv_len * (2 * FLOAT32 + torch.bool.itemsize)
+              + 2 * args.num_heads * kv_len * args.head_dim * FLOAT32)
+    return ActivationPlan(
+        tokens=tokens, kv_len=kv_len, logit_rows=logit_rows,
+        hidden=4 * tokens * h * size,
+        qkv=2 * tokens * qkv_width * size,
+        scores=scores,
+        mask=tokens * kv_len * (size + torch.bool.itemsize),
+        mlp=4 * tokens * i * size,
+        logits=logit_rows * args.vocab_size * (size + 2 * FLOAT32),
+        features=(2 * tokens + held_feature_rows) * feature_size * size,
+    )
+
+
+def forward_tokens(config: EngineConfig, max_model_len: int, num_slots: int) -> int:
+    """The most tokens one target forward takes: a prefill chunk (max_num_batched_tokens, padding
+    included) or a verification of every slot's pending token and k drafts, whichever is more.
+    Unchunked (None), every slot's prompt may be prefilled in one padded forward."""
+    verify = num_slots * (config.speculative.num_speculative_tokens + 1)
+    chunk = config.max_num_batched_tokens
+    prefill = num_slots * max_model_len if chunk is None else min(chunk, num_slots * max_model_len)
+    return max(prefill, verify)
+
+
+# ---- one process --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlanItem:
+    name: str
+    bytes: int
+    detail: str = ""
+
+
+@dataclass
+class ProcessPlan:
+    """One engine (or proposer) process: what it holds once loaded (`items`), its peak forward
+    activations, and its peak while loading."""
+
+    role: str  # "engine" or "proposer"
+    device: str
+    dtype: torch.dtype
+    items: list[PlanItem] = field(default_factory=list)
+    activations: ActivationPlan | None = None
+    load_peak: int = 0
+    load_detail: str = ""
+    kv: KVPlan | None = None  # the target's cache (engines)
+    draft_kv: KVPlan | None = None  # the proposer's cache
+
+    @property
+    def resident(self) -> int:
+        return sum(item.bytes for item in self.items)
+
+    @property
+    def total(self) -> int:
+        """Resident memory plus the peak activations of a forward."""
+        return self.resident + (self.activations.total if self.activations is not None else 0)
+
+    @property
+    def peak(self) -> int:
+        return max(self.total, self.load_peak)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape, dtype: torch.dtype,
+                  max_model_len: int, num_slots: int) -> tuple[Weights, int]:
+    """Add the proposer's weights and cache to `plan`; returns its weights and what loading it
+    allocates beyond them on the device for a while."""
+    weights = draft.weights(dtype)
+    if draft.model is not None:
+        plan.items.append(PlanItem("draft model weights", weights.bytes,
+                                   f"{weights.num_params:,} params, {draft.model.num_layers} layers, "
+                                   f"{_dtype_name(dtype)}"))
+        transient = float32_build_bytes(weights) - weights.bytes
+    elif draft.head is not None:
+        shared = "its own embedding" if draft.head_has_embedding else "the target's embedding shared"
+        plan.items.append(PlanItem(f"{draft.head.kind} head weights", weights.bytes,
+                                   f"{weights.num_params:,} params, {_dtype_name(dtype)}, {shared}"))
+        # the head is built with an embedding of its own, moved to the device, then given the target's
+        a = draft.head.args
+        transient = 0 if draft.head_has_embedding else a.vocab_size * a.hidden_size * dtype.itemsize
+    else:
+        return NO_WEIGHTS, 0
+    cache = proposer_cache_plan(spec, draft, dtype, max_model_len, num_slots)
+    plan.draft_kv = cache
+    plan.items.append(PlanItem(f"{'draft' if draft.model is not None else draft.head.kind + ' head'} KV cache",
+                               cache.bytes, f"{cache.num_slots} slots x {cache.capacity:,} positions x "
+                                            f"{cache.bytes_per_token:,} B"))
+    return weights, transient
+
+
+def _cpu_copies(plan: ProcessPlan, *weights: Weights) -> None:
+    if torch.device(plan.device).type == "cpu":
+        linear = sum(w.linear_bytes for w in weights)
+        plan.items.append(PlanItem("oneDNN prepacked projections", linear,
+                                   "CPU: a copy of every Linear weight, where the load picks the oneDNN path "
+                                   "(rayspec.cpu_kernels; none with the plain one)"))
+
+
+def engine_plan(config: EngineConfig, target: ModelArgs, device: str, draft: DraftShape = DraftShape(),
+                proposer_in_process: bool = True) -> ProcessPlan:
+    """The memory of an LLMEngine process (a verifier replica) on `device`, from the target's and the
+    proposer's shapes. `proposer_in_process`: the proposer runs in it (colocated), else in a
+    proposer deployment (see `proposer_plan`)."""
+    spec = config.speculative
+    dtype = resolve_dtype(config.dtype, device)
+    max_model_len = min(config.max_model_len, target.max_position_embeddings)
+    kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
+                       config.kv_cache_memory_gb, spec.method)
+    plan = ProcessPlan("engine", device, dtype, kv=kv)
+    weights = causal_lm_weights(target, dtype)
+    plan.items.append(PlanItem("target weights", weights.bytes,
+                               f"{weights.num_params:,} params, {_dtype_name(dtype)}"))
+    plan.items.append(PlanItem("target KV cache", kv.bytes,
+                               f"{kv.num_slots} slots x {kv.capacity:,} positions (max_model_len {max_model_len:,} "
+                               f"+ {kv.capacity - max_model_len} slack) x {kv.bytes_per_token:,} B"))
+    draft_weights, transient = NO_WEIGHTS, 0
+    draft_dtype = resolve_dtype(spec.draft_dtype or dtype, device)
+    if proposer_in_process:
+        draft_weights, transient = _add_proposer(plan, spec, draft, draft_dtype, max_model_len, kv.num_slots)
+    _cpu_copies(plan, weights, draft_weights)
+
+    tokens = forward_tokens(config, max_model_len, kv.num_slots)
+    feature_size = draft.head.feature_size if draft.head is not None else 0
+    # the prompt being prefilled keeps its features until its first draft (its whole length)
+    plan.activations = forward_activations(
+        target, dtype, tokens, kv.capacity, kv.num_slots * (spec.num_speculative_tokens + 1),
+        feature_size=feature_size, held_feature_rows=max_model_len if feature_size else 0)
+    if proposer_in_process and draft.args is not None:  # the proposer's forwards come at other times
+        own = _proposer_activations(config, draft, draft_dtype, plan.draft_kv, tokens)
+        if own.total > plan.activations.total:
+            plan.activations = own
+
+    build = float32_build_bytes(weights)
+    after_target = weights.bytes + kv.bytes + draft_weights.bytes + transient
+    plan.load_peak = max(build, after_target)
+    if build >= after_target:
+        plan.load_detail = "the target built in float32 on the device, then cast"
+    elif draft_weights.num_params:
+        plan.load_detail = "the target and its KV cache in place while the proposer loads"
+    else:
+        plan.load_detail = "the target and its KV cache"
+    return plan
+
+
+def _proposer_activations(config: EngineConfig, draft: DraftShape, dtype: torch.dtype, cache: KVPlan,
+                          tokens: int) -> ActivationPlan:
+    """A proposer's catch-up forward: chunks as the target's prefill (max_num_batched_tokens)."""
+    args = draft.args
+    rows = cache.num_slots * max(1, config.speculative.eagle_topk)
+    if draft.head is not None:  # the head's LM head is over the draft vocabulary
+        args = dataclasses.replace(args, vocab_size=draft.head.draft_vocab_size)
+    return forward_activations(args, dtype, tokens, cache.capacity, rows,
+                               feature_size=draft.head.feature_size if draft.head is not None else 0)
+
+
+def proposer_plan(config: EngineConfig, target: ModelArgs, device: str, draft: DraftShape,
+                  num_slots: int) -> ProcessPlan:
+    """The memory of a proposer deployment replica (deployments.proposer): the proposer with a cache
+    of `num_slots` slots (every verifier replica's sequences may land there) of the configured
+    max_model_len; an EAGLE head also loads the target without its layers."""
+    spec = config.speculative
+    dtype = resolve_dtype(config.dtype, device)
+    draft_dtype = resolve_dtype(spec.draft_dtype or dtype, device)
+    plan = ProcessPlan("proposer", device, draft_dtype)
+    io = NO_WEIGHTS
+    if draft.head is not None:
+        io = target_io_weights(target, dtype)
+        plan.items.append(PlanItem("target embedding + LM head", io.bytes,
+                                   f"{io.num_params:,} params, {_dtype_name(dtype)} (no decoder layers)"))
+    weights, transient = _add_proposer(plan, spec, draft, draft_dtype, config.max_model_len, num_slots)
+    _cpu_copies(plan, io, weights)
+    if plan.draft_kv is not None:
+        tokens = config.max_num_batched_tokens or config.max_model_len * num_slots
+        plan.activations = _proposer_activations(config, draft, draft_dtype, plan.draft_kv, tokens)
+    if draft.model is not None:
+        plan.load_peak, plan.load_detail = float32_build_bytes(weights), "the draft built in float32, then cast"
+    else:
+        plan.load_peak = max(float32_build_bytes(io), io.bytes + weights.bytes + transient)
+        plan.load_detail = "the target's embedding and LM head built in float32, then cast"
+    return plan
