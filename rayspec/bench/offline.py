@@ -51,6 +51,32 @@ def _run_hf(model, prompt_ids: list[int], max_tokens: int, run: SystemRun, eos_i
     run.outputs.append(new)
 
 
+def environment() -> dict:
+    """What a figure depends on: the CPU (model name and the matmul features that matter), the
+    library versions, the threads."""
+    import platform
+    import subprocess
+
+    cpu, flags = platform.processor(), set()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                cpu = value.strip()
+            elif key.strip() == "Flags":
+                flags = set(value.split())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    versions = {"torch": torch.__version__}
+    for name in ("transformers", "ray"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    return {"cpu_model": cpu, "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+            "cpu_count": __import__("os").cpu_count(), **versions, "torch_threads": torch.get_num_threads()}
+
+
 def _load_hf(model_dir, num_layers: int | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -158,7 +184,12 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "greedy_match": meth.outputs == base.outputs,
         "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf else None,
-        "torch_threads": torch.get_num_threads(),
+        "baseline_vs_hf": base.throughput / runs["hf"].throughput if with_hf and runs["hf"].throughput else None,
+        "method_vs_hf_assisted": (meth.throughput / runs["hf_assisted"].throughput
+                                  if with_hf and method != "none" and runs["hf_assisted"].throughput else None),
+        "dtype": str(baseline.dtype).removeprefix("torch."),
+        "cpu_kernels": target.cpu_kernels.describe() if getattr(target, "cpu_kernels", None) else None,
+        **environment(),
     }
 
 
@@ -166,5 +197,6 @@ def format_result(result: dict) -> str:
     keys = ["method", "prompts", "concurrency", "output_throughput", "baseline_output_throughput", "speedup",
             "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
-            "spec_decode_acceptance_rate", "greedy_match"]
+            "spec_decode_acceptance_rate", "greedy_match", "baseline_vs_hf", "method_vs_hf_assisted", "cpu_model",
+            "cpu_kernels"]
     return json.dumps({k: result[k] for k in keys}, indent=2)
