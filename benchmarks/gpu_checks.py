@@ -151,7 +151,7 @@ def sdpa_backends(results: dict) -> None:
     from rayspec.model import repeats_kv_heads
     from rayspec.runner import additive_mask
 
-    names = {b.value: b.name for b in SDPBackend}
+    names = {b.value: name for name, b in SDPBackend.__members__.items()}
     rows = []
     for label, q_len, kv_len, masked in [("decode, 1 sequence", 1, 4000, False), ("verification, 9 rows", 9, 4000, True),
                                          ("prefill chunk 2048 over 8192 keys", 2048, 8192, True)]:
@@ -167,6 +167,16 @@ def sdpa_backends(results: dict) -> None:
         if row["repeats_kv_heads"]:
             kk = k.repeat_interleave(3, 1)
             row["after repeating KV heads"] = names.get(torch._fused_sdp_choice(q, kk, kk, mask, 0.0, False), None)
+            for how, call in (("grouped-query call", lambda: torch.nn.functional.scaled_dot_product_attention(
+                                  q, k, k, attn_mask=mask, enable_gqa=True)),
+                              ("repeated KV heads", lambda: torch.nn.functional.scaled_dot_product_attention(
+                                  q, k.repeat_interleave(3, 1), k.repeat_interleave(3, 1), attn_mask=mask))):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                call()
+                torch.cuda.synchronize()
+                row[f"peak MiB, {how}"] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
     results["sdpa"] = rows
