@@ -290,21 +290,51 @@ class Attention(nn.Module):
         return self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
 
 
+_MATH_FALLBACK: dict[tuple, bool] = {}  # (dtype, head_dim, device index) -> SDPA's choice was its math path
+
+
 def repeats_kv_heads(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether attention repeats the KV heads rather than pass grouped-query heads to SDPA.
 
-    On CUDA, SDPA's kernels that take an arbitrary mask (memory-efficient, cuDNN) take no
-    grouped-query heads: it would fall back to the math path and materialize float32 scores
-    [B, heads, Q, kv_len] (2 GiB for a 2,048-token chunk over 8k keys at 32 heads). Past head_dim
-    query rows, repeating the KV heads ([B, heads, kv_len, head_dim], twice) costs less and the
-    masked fused kernel runs. Few query rows (verification) keep the math path, whose scores are
-    then the smaller tensor. On CPU the flash kernel takes a mask and grouped heads together."""
-    return (q.device.type == "cuda" and mask is not None and q.shape[1] != keys.shape[1]
-            and q.shape[2] > q.shape[3])
+    On CUDA, depending on the torch version and GPU, no fused SDPA kernel may take an arbitrary
+    mask and grouped-query heads together (torch 2.5's memory-efficient kernel took no
+    enable_gqa; on an H100 with torch 2.11, cuDNN takes both). SDPA then falls back to its math
+    path and materializes float32 scores [B, heads, Q, kv_len] (2 GiB for a 2,048-token chunk over
+    8k keys at 32 heads). So SDPA's own choice is asked once per dtype and head size, and only
+    where it would be the math path, and the query has more than head_dim rows (a prefill chunk),
+    are the KV heads repeated ([B, heads, kv_len, head_dim], twice: less than the scores there).
+    Few query rows (verification) keep the math path, whose scores are then the smaller tensor.
+    On CPU the flash kernel takes a mask and grouped heads together."""
+    if (q.device.type != "cuda" or mask is None or q.shape[1] == keys.shape[1] or q.shape[2] <= q.shape[3]):
+        return False
+    key = (q.dtype, q.shape[3], q.device.index)
+    if key not in _MATH_FALLBACK:
+        from torch.nn.attention import SDPBackend
+        try:
+            choice = torch._fused_sdp_choice(q, keys, keys, mask, 0.0, False, enable_gqa=True)
+        except (AttributeError, RuntimeError, TypeError):  # a torch without it: assume the fallback
+            choice = SDPBackend.MATH.value
+        _MATH_FALLBACK[key] = choice == SDPBackend.MATH.value
+        if _MATH_FALLBACK[key]:
+            logger.info("SDPA takes no masked grouped-query heads here: prefill chunks repeat the KV heads")
+    return _MATH_FALLBACK[key]
 
 
 def attention(q, keys, values, mask, repeat_kv: bool | None = None) -> torch.Tensor:
-    """SDPA over q [B, heads, Q, D] and keys/values [B, kv_heads, kv_len, D] (see repeats_kv_heads)."""
+    """SDPA over q [B, heads, Q, D] and keys/values [B, kv_heads, kv_len, D] (see repeats_kv_heads).
+
+    On CPU, bfloat16 / float16 attention runs in float32: the CPU flash kernel in reduced precision
+    rounds the attention probabilities to that dtype in blocks whose shape follows the number of
+    query rows and keys, so one row's output changes with what is batched beside it. A verification
+    forward (the pending token and k drafts) then computes the pending token's row differently from
+    target-only decoding (one row), and greedy speculation drifts from target-only output (6-7 of
+    10 prompts equal on an AMD EPYC; benchmarks/bf16_equality.py). In float32 a row's output does not
+    depend on its batch there (10 of 10), and the upcast copy costs the keys and values of one layer.
+    (On an H100 with torch 2.11, bfloat16 attention needs no such care: 10 of 10 equal as it is,
+    benchmarks/results/gpu_checks_h100.json.)"""
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        return attention(q.float(), keys.float(), values.float(), None if mask is None else mask.float(),
+                         repeat_kv).to(q.dtype)
     gqa = q.shape[1] != keys.shape[1]
     if gqa and (repeats_kv_heads(q, keys, mask) if repeat_kv is None else repeat_kv):
         repeat = q.shape[1] // keys.shape[1]

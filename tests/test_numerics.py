@@ -53,3 +53,79 @@ def test_eagle_head_rotary_stays_float32(tmp_path):
     head = build_head(head_config).to(torch.bfloat16)
     assert next(head.parameters()).dtype == torch.bfloat16
     assert head.inv_freq.dtype == torch.float32 and torch.equal(head.inv_freq, inv_freq)
+
+
+# ---- lossless in reduced precision ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_target(tmp_path_factory):
+    from conftest import make_tiny_model_dir
+    return make_tiny_model_dir(tmp_path_factory.mktemp("bf16-target") / "model", seed=11, num_layers=3,
+                               hidden=64, vocab_size=512, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def bf16_heads(bf16_target, tmp_path_factory):
+    """kind -> a random EAGLE head for the bf16 target (its drafts are nearly all rejected: every
+    verification row is then a rejection row, the ones that must equal target-only decoding)."""
+    from rayspec.eagle.checkpoint import save_eagle_head
+    from rayspec.eagle.head import attach_target
+    from rayspec.loader import load_model
+
+    target, _ = load_model(str(bf16_target))
+    out = {}
+    for kind in ("eagle3", "eagle"):
+        torch.manual_seed(4)
+        head = build_head(new_eagle_config(kind, bf16_target, 3, 64))
+        attach_target(head, target, has_own_embedding=False)
+        out[kind] = save_eagle_head(head, tmp_path_factory.mktemp(f"bf16-{kind}") / "head", dtype=torch.float32)
+    return out
+
+
+BF16_PROPOSERS = {
+    "ngram": {},
+    "draft_model": {"draft_num_layers": 2},  # the target's first 2 of 3 layers
+    "self-draft": {},  # the target as its own draft: nearly every draft accepted
+    "eagle3 chain": {},
+    "eagle3 tree": {"eagle_topk": 2, "tree_max_batch": 16},
+    "eagle tree": {"eagle_topk": 2, "tree_max_batch": 16},
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("proposer", sorted(BF16_PROPOSERS))
+def test_speculation_equals_target_only_in_reduced_precision(bf16_target, bf16_heads, proposer, dtype):
+    """In bfloat16 and float16 (CPU), greedy speculative output equals our own target-only output in
+    the same dtype, token for token, prompts decoded together (rows of different lengths batched)
+    and one at a time. The verification forward computes each row as decoding alone would
+    (see rayspec.model.attention); before that, 6-7 of 10 prompts drifted apart in bfloat16."""
+    import random
+
+    from engine_utils import make_engine
+    from rayspec.loader import load_model
+    from rayspec.sampling import SamplingParams
+
+    rng = random.Random(2)
+    base = [rng.randrange(3, 512) for _ in range(7)]
+    prompts = [base * 3 + [rng.randrange(3, 512) for _ in range(n)] for n in range(6)]
+    prompts += [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 23)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    loaded = load_model(str(bf16_target), dtype=dtype)
+    method = {"ngram": "ngram", "draft_model": "draft_model", "self-draft": "draft_model"}.get(
+        proposer, proposer.split()[0])
+    spec = dict(BF16_PROPOSERS[proposer])
+    if method == "draft_model":
+        spec["draft_model"] = str(bf16_target)
+    elif method in ("eagle3", "eagle"):
+        spec["draft_model"] = str(bf16_heads[method])
+    reference = make_engine(bf16_target, "none", loaded=loaded, max_num_seqs=8).generate(prompts, params)
+    engine = make_engine(bf16_target, method, k=4, loaded=loaded, max_num_seqs=8, **spec)
+    assert engine.dtype == getattr(torch, dtype)
+    together = engine.generate(prompts, params)
+    alone = [engine.generate([p], params)[0] for p in prompts[:3]]
+    for i, ref in enumerate(reference):
+        assert together[i].token_ids == ref.token_ids, (proposer, dtype, i)
+    for i, out in enumerate(alone):
+        assert out.token_ids == reference[i].token_ids, (proposer, dtype, i)
+    if proposer in ("ngram", "self-draft"):
+        assert engine.stats.num_accepted_tokens > 0
