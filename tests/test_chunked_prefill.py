@@ -301,3 +301,41 @@ def test_long_prefill_peak_memory_is_one_chunk(smollm2):
     assert chunked["steps"] >= 3000 // 256
     assert chunked["peak_above_baseline_mib"] <= chunked["estimate_mib"], chunked
     assert whole["peak_above_baseline_mib"] > 4 * max(chunked["peak_above_baseline_mib"], 8.0), (chunked, whole)
+
+
+def test_engine_loop_delivers_one_requests_failure_to_that_request_only(target_dir, target):
+    """Served: the failed request's stream ends with the engine's error (the ingress's 500), the
+    others are delivered in full, and the loop counts it (`num_failed` in /v1/stats)."""
+    import threading
+
+    from deployments.engine_loop import EngineLoop
+
+    def factory():
+        engine = _engine(target_dir, target, "ngram", 64)
+        _poison_forward(engine, "prefill")
+        return engine
+
+    loop = EngineLoop(factory)
+    loop.wait_ready(60)
+    got: dict[str, list] = {}
+    finished = threading.Semaphore(0)
+
+    def deliver_to(rid):
+        def deliver(item):
+            got.setdefault(rid, []).append(item)
+            if isinstance(item, Exception) or item.finished:
+                finished.release()
+        return deliver
+
+    prompts = {"a": PROMPTS[0], "bad": [7, POISON, 9], "b": PROMPTS[2]}
+    for rid, prompt in prompts.items():
+        loop.submit(rid, prompt, GREEDY, deliver_to(rid))
+    for _ in prompts:
+        assert finished.acquire(timeout=60)
+    try:
+        assert isinstance(got["bad"][-1], RuntimeError) and "out of memory" in str(got["bad"][-1])
+        reference = _engine(target_dir, target, "ngram", 64).generate([PROMPTS[0], PROMPTS[2]], GREEDY)
+        assert [got["a"][-1].token_ids, got["b"][-1].token_ids] == [r.token_ids for r in reference]
+        assert loop.num_failed == 1 and loop.call(lambda engine: engine.num_running) == 0
+    finally:
+        loop.shutdown()
