@@ -2,9 +2,9 @@
 
 One `step()`:
   1. admit waiting requests while KV slots are free; prefill prompts in chunks within the
-     step's token budget (`max_num_batched_tokens`, less what this step's verification takes):
-     a long prompt takes several steps, interleaved with the running requests' decoding, and
-     samples its first token with its last chunk;
+     step's prompt-token budget (`max_num_batched_tokens`; prompts cut at fixed places): a long
+     prompt takes several steps, interleaved with the running requests' decoding, and samples
+     its first token with its last chunk;
   2. for every running sequence whose prefill is done: pick the draft length (adaptive policy), ask the
      proposer for drafts (one batched call), verify all of them in one target forward,
      keep the accepted prefix plus one recovered/bonus token, and trim the KV cache.
@@ -256,10 +256,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         decoding = [s for s in self.running if s.prefilled]
         self._admit()
-        budget = self.config.max_num_batched_tokens
-        if budget is not None:  # verification rows first: the pending token plus at most k drafts each
-            budget -= sum(1 + self._draft_len(s, self.max_k) for s in decoding)
-        chunks = self._prefill_chunks([s for s in self.running if not s.prefilled], budget)
+        chunks = self._prefill_chunks([s for s in self.running if not s.prefilled])
         touched: list[Sequence] = []
         if chunks:
             touched += self._prefill(chunks)
@@ -278,15 +275,25 @@ class LLMEngine:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
-    def _prefill_chunks(self, seqs: list[Sequence], budget: int | None) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to prefill this step) in admission order, within the token budget
-        (None: whole prompts); a prompt that does not fit takes what is left and goes on next step."""
-        chunks = []
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to prefill this step), in admission order, at most
+        max_num_batched_tokens in all (None: whole prompts).
+
+        A prompt is cut at fixed places, every max_num_batched_tokens tokens from its start, and a
+        step takes whole pieces while they fit (the first that does not waits for the next step,
+        and the ones behind it too). So where a prompt is cut never depends on what else runs:
+        with a speculative method or without, joining an idle engine or a busy one, its KV cache is
+        computed from the same pieces, which in bfloat16 is what keeps speculation equal to
+        target-only decoding (other cuts compute other roundings). Verification rows are a forward
+        of their own, never cut."""
+        size = self.config.max_num_batched_tokens
+        budget, chunks = size, []
         for seq in seqs:
-            n = len(seq.token_ids) - self.runner.cached_len(seq.request_id)
-            if budget is not None:
-                n = min(n, budget)
-                if n <= 0:
+            done = self.runner.cached_len(seq.request_id)
+            n = len(seq.token_ids) - done
+            if size is not None:
+                n = min(n, size - done % size)  # up to the prompt's next cut
+                if n > budget:
                     break
                 budget -= n
             chunks.append((seq, n))

@@ -114,17 +114,50 @@ def test_chunked_prefill_changes_nothing(target_dir, target, draft_dir, head_dir
         assert 0 < ref_engine.stats.num_accepted_tokens < ref_engine.stats.num_draft_tokens
 
 
+def _spy_prefill_tokens(engine) -> list[list[tuple[int, int]]]:
+    """Per step, the (real tokens, padded rows x longest) of every prefill forward."""
+    steps: list[list[tuple[int, int]]] = []
+    forward, step = engine.runner.forward_hidden, engine.step
+
+    def spy_forward(seq_ids, token_lists, trees=None, packed=False, **kw):
+        if not engine._requests[seq_ids[0]].prefilled:
+            lengths = [len(t) for t in token_lists]
+            steps[-1].append((sum(lengths), len(lengths) * max(lengths)))
+        return forward(seq_ids, token_lists, trees=trees, packed=packed, **kw)
+
+    def spy_step():
+        steps.append([])
+        return step()
+
+    engine.runner.forward_hidden, engine.step = spy_forward, spy_step
+    return steps
+
+
 def test_budget_holds_per_step_and_per_forward(target_dir, target):
-    """The target takes at most max_num_batched_tokens tokens per step when verification fits
-    in it, and no prefill forward's padded layout (rows x longest) exceeds it."""
+    """A step prefills at most max_num_batched_tokens prompt tokens, no prefill forward's padded
+    layout (rows x longest) exceeds it, and prompts are cut at fixed places (multiples of it)."""
     budget = 24
-    engine = _engine(target_dir, target, "ngram", budget, max_num_seqs=3)  # verification: <= 3 x 5 rows
-    steps = _spy_target_tokens(engine)
-    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    engine = _engine(target_dir, target, "ngram", budget)
+    steps = _spy_prefill_tokens(engine)
+    cuts: dict[str, list[int]] = {}
+    prefill = engine._prefill_batch
+
+    def spy_batch(chunks):
+        for seq, n in chunks:
+            cuts.setdefault(seq.request_id, []).append(engine.runner.cached_len(seq.request_id) + n)
+        return prefill(chunks)
+
+    engine._prefill_batch = spy_batch
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    engine.step()
+    ids += [engine.add_request(p, GREEDY) for p in PROMPTS[2:]]
     done = run_to_completion(engine)
     assert all(done[i].num_output_tokens == GREEDY.max_tokens or done[i].finish_reason == "stop" for i in ids)
     assert max(sum(n for n, _ in forwards) for forwards in steps) <= budget
     assert max(padded for forwards in steps for _, padded in forwards) <= budget
+    for i, prompt in zip(ids, PROMPTS):  # every cut a multiple of the budget, the last the prompt's end
+        want = list(range(budget, len(prompt), budget)) + [len(prompt)]
+        assert cuts[i] == want, (i, cuts[i], want)
     # the 90-token prompt alone needs at least 90 / 24 steps of prefill
     assert len(steps) >= 4
 
@@ -206,7 +239,7 @@ def test_running_stream_keeps_its_tokens_while_a_long_prompt_prefills(tmp_path_f
                 break
         results[budget] = (gaps, chunk_steps)
     gaps, chunk_steps = results[128]
-    # prefill took ceil(1500 / (128 - 1)) steps, and the stream got a token in each of them
+    # prefill took ceil(1500 / 128) steps, and the stream got a token in each of them
     assert len(chunk_steps) >= 1500 // 128
     assert len(gaps) >= len(chunk_steps)
     assert max(gaps) < 2 * max(chunk_steps)

@@ -101,7 +101,7 @@ def test_speculation_equals_target_only_in_reduced_precision(bf16_target, bf16_h
     (see rayspec.model.attention); before that, 6-7 of 10 prompts drifted apart in bfloat16."""
     import random
 
-    from engine_utils import make_engine
+    from engine_utils import make_engine, run_joining
     from rayspec.loader import load_model
     from rayspec.sampling import SamplingParams
 
@@ -127,5 +127,12 @@ def test_speculation_equals_target_only_in_reduced_precision(bf16_target, bf16_h
         assert together[i].token_ids == ref.token_ids, (proposer, dtype, i)
     for i, out in enumerate(alone):
         assert out.token_ids == reference[i].token_ids, (proposer, dtype, i)
+    # requests joining mid-decode, prompts prefilled in chunks of 8: cut at the same places with
+    # and without speculation (whatever else runs), so the same KV, so the same tokens
+    chunked_ref = run_joining(make_engine(bf16_target, "none", loaded=loaded, max_num_seqs=8,
+                                          max_num_batched_tokens=8), prompts, params)
+    chunked = run_joining(make_engine(bf16_target, method, k=4, loaded=loaded, max_num_seqs=8,
+                                      max_num_batched_tokens=8, **spec), prompts, params)
+    assert chunked == chunked_ref, (proposer, dtype)
     if proposer in ("ngram", "self-draft"):
         assert engine.stats.num_accepted_tokens > 0
