@@ -1,13 +1,16 @@
-"""Which matmul path a model's projections take on this CPU, measured when the model loads.
+"""Which matmul kernel a model's projections use on this CPU, per row count, measured at load.
 
 The CPU changes under us (an AMD EPYC one day, an Intel Xeon with AMX the next), and so does the
-fastest way to multiply a few rows by a weight: on the AMD, MKL's few-row matmuls ran far below
-memory bandwidth and oneDNN with a prepacked weight was 2-4x faster, with 1-2 rows padded up to 4;
-on the Intel, the plain path was the faster one for the same code. No constant fits both, so
-`choose` times the candidates on one of the model's own MLPs, interleaved and repeated, for the
-row counts the engine runs (decode, small batches, verification, a slice of prefill), and keeps
-the fastest in total. `RAYSPEC_CPU_KERNELS` names one instead (`plain`, `onednn`,
-`onednn_pad4`), e.g. for runs that must compute the same bits on every load.
+fastest way to multiply a few rows by a weight. On one AMD VM (session 8) MKL's few-row matmuls
+ran far below memory bandwidth and oneDNN with a prepacked weight was 2-4x faster, 1-2 rows padded
+up to 4; on the same kind of VM in session 16 MKL's one-row F.linear was the fastest and oneDNN
+(padded) won from 4 rows; on an Intel Xeon the plain path ran the same code at half the speed
+relative to HF. No constant fits them all, so `choose` times the candidates on one of the model's
+own MLPs, interleaved and repeated, at the row counts the engine runs (decode of 1, 2 and 4
+sequences, a verification of k+1 = 9, a slice of prefill), and keeps the fastest for each;
+`Linear` then dispatches on its input's row count (`path_for`). `RAYSPEC_CPU_KERNELS` names one
+kernel for every row count instead (`flinear`, `wxt`, `onednn`, `onednn_pad4`), e.g. for runs that
+must compute the same bits on every load.
 """
 
 from __future__ import annotations
@@ -22,32 +25,49 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# name -> (prepacked oneDNN weights, rows padded up to at least this many)
-VARIANTS: dict[str, tuple[bool, int]] = {"plain": (False, 1), "onednn": (True, 1), "onednn_pad4": (True, 4)}
-ROWS = (1, 2, 4, 9, 32)  # decode of 1-4 sequences, a verification of k+1 = 9, a chunk's slice
+# the candidates: F.linear (MKL's x @ W^T), W @ x^T (a single row doubled), oneDNN with a prepacked
+# weight, and oneDNN with fewer than 4 rows padded to 4
+VARIANTS = ("flinear", "wxt", "onednn", "onednn_pad4")
+ONEDNN = {"onednn": 1, "onednn_pad4": 4}  # oneDNN variants -> rows padded up to at least this many
+ROWS = (1, 2, 4, 9, 32)  # each stands for the row counts up to it (past 32: the 32 choice)
 ENV = "RAYSPEC_CPU_KERNELS"
-MEASURE_BUDGET_S = 1.0  # at most about this long per model load
+MEASURE_BUDGET_S = 1.5  # at most about this long per model load
 
 
 @dataclass(frozen=True)
 class CpuKernels:
-    variant: str
-    source: str  # "measured", "RAYSPEC_CPU_KERNELS", or "no oneDNN"
+    per_rows: dict[int, str]  # a ROWS bucket -> the variant used for row counts up to it
+    source: str  # "measured", "RAYSPEC_CPU_KERNELS", "no oneDNN", or "default"
     median_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # variant -> rows -> ms (measured)
+
+    @classmethod
+    def single(cls, variant: str, source: str) -> "CpuKernels":
+        return cls({n: variant for n in ROWS}, source)
+
+    def path_for(self, rows: int) -> str:
+        for bucket in ROWS:
+            if rows <= bucket:
+                return self.per_rows[bucket]
+        return self.per_rows[ROWS[-1]]
 
     @property
     def onednn(self) -> bool:
-        return VARIANTS[self.variant][0]
+        """Whether any row count uses oneDNN (then every projection keeps a prepacked copy)."""
+        return any(v in ONEDNN for v in self.per_rows.values())
 
     @property
-    def min_rows(self) -> int:
-        return VARIANTS[self.variant][1]
+    def variant(self) -> str:
+        """One name for the choice: the variant, or 'mixed:' and the per-row-count table."""
+        names = set(self.per_rows.values())
+        if len(names) == 1:
+            return names.pop()
+        return "mixed:" + ",".join(f"{n}={v}" for n, v in self.per_rows.items())
 
     def describe(self) -> str:
         if not self.median_ms:
             return f"{self.variant} ({self.source})"
-        totals = {v: round(sum(ms.values()), 3) for v, ms in self.median_ms.items()}
-        return f"{self.variant} ({self.source}; one MLP over rows {list(ROWS)}, summed medians in ms: {totals})"
+        table = {v: [round(ms[n], 3) for n in ROWS] for v, ms in self.median_ms.items()}
+        return f"{self.variant} ({self.source}; one MLP, medians in ms at rows {list(ROWS)}: {table})"
 
 
 def onednn_available() -> bool:
@@ -55,25 +75,23 @@ def onednn_available() -> bool:
         and torch.backends.mkldnn.is_available()
 
 
-def pick(scores: dict[str, dict[int, float]]) -> str:
-    """The variant with the least summed time over the row counts (each counted once: a decode step
-    of one sequence matters as much as a verification of nine rows)."""
-    return min(scores, key=lambda v: (sum(scores[v].values()), v))
+def pick(medians: dict[str, dict[int, float]]) -> dict[int, str]:
+    """The fastest variant at each row count (ties: the first in VARIANTS)."""
+    return {n: min(medians, key=lambda v: (medians[v][n], VARIANTS.index(v))) for n in ROWS}
 
 
 def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_counter) -> CpuKernels:
-    """mlp_factory(variant) -> a callable MLP set up for that variant (rayspec.model builds it from
-    the model's first layer, sharing its weights). Returns the choice; see the module docstring."""
+    """mlp_factory(variant) -> a callable MLP that uses that variant for every row count (rayspec.model
+    builds it from the model's first layer, sharing its weights). See the module docstring."""
     forced = os.environ.get(ENV, "measure").strip()
     if forced != "measure":
         if forced not in VARIANTS:
-            raise ValueError(f"{ENV}={forced!r}: use one of {sorted(VARIANTS)} or 'measure'")
-        if VARIANTS[forced][0] and not onednn_available():
-            return CpuKernels("plain", "no oneDNN")
-        return CpuKernels(forced, ENV)
-    if not onednn_available():
-        return CpuKernels("plain", "no oneDNN")
-    mlps = {v: mlp_factory(v) for v in VARIANTS}
+            raise ValueError(f"{ENV}={forced!r}: use one of {list(VARIANTS)} or 'measure'")
+        if forced in ONEDNN and not onednn_available():
+            return CpuKernels.single("flinear", "no oneDNN")
+        return CpuKernels.single(forced, ENV)
+    candidates = [v for v in VARIANTS if v not in ONEDNN or onednn_available()]
+    mlps = {v: mlp_factory(v) for v in candidates}
     inputs = {n: torch.randn(n, hidden_size).to(dtype) for n in ROWS}
     with torch.inference_mode():
         for mlp in mlps.values():  # warm up (first calls allocate, pick kernels)
@@ -81,10 +99,10 @@ def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_co
                 mlp(x)
         started = timer()
         for x in inputs.values():
-            mlps["plain"](x)
+            mlps[candidates[0]](x)
         once = max(timer() - started, 1e-6)  # one pass of one variant
-        rounds = max(3, min(9, int(MEASURE_BUDGET_S / (once * len(VARIANTS)))))
-        samples: dict[str, dict[int, list[float]]] = {v: {n: [] for n in ROWS} for v in VARIANTS}
+        rounds = max(3, min(15, int(MEASURE_BUDGET_S / (once * len(candidates)))))
+        samples: dict[str, dict[int, list[float]]] = {v: {n: [] for n in ROWS} for v in candidates}
         for _ in range(rounds):  # interleaved: a slow moment of the machine hits every variant alike
             for n, x in inputs.items():
                 for v, mlp in mlps.items():

@@ -167,7 +167,10 @@ class Linear(nn.Linear):
     """
 
     FEW_ROWS = 8
-    min_rows = ONEDNN_MIN_ROWS  # set per model by pack_for_cpu's measurement
+    min_rows = ONEDNN_MIN_ROWS  # the default's padding (no measured choice)
+    # the kernel per row count, measured on this CPU (set by CausalLM.pack_for_cpu); None: oneDNN when
+    # packed, else W @ x^T up to FEW_ROWS rows, else F.linear
+    kernels: "cpu_kernels.CpuKernels | None" = None
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
 
@@ -177,16 +180,25 @@ class Linear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
             self._packed_version = w._version
 
+    def path_for(self, rows: int) -> str:
+        if self.kernels is not None:
+            return self.kernels.path_for(rows)
+        if self._packed is not None:
+            return "onednn_pad4" if self.min_rows >= 4 else "onednn"
+        return "wxt" if rows <= self.FEW_ROWS else "flinear"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._packed is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and self.weight._version == self._packed_version):  # stale after in-place updates
-            rows = x.reshape(-1, x.shape[-1])
-            out = onednn_linear(rows, self._packed, self.bias, self.min_rows)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         n = rows.shape[0]
-        if n > self.FEW_ROWS or rows.device.type != "cpu":
+        path = self.path_for(n)
+        if (path in cpu_kernels.ONEDNN and self._packed is not None and x.dtype == self.weight.dtype
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and self.weight._version == self._packed_version):  # stale after in-place updates
+            out = onednn_linear(rows, self._packed, self.bias, cpu_kernels.ONEDNN[path])
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+        if path != "wxt" or n > cpu_kernels.ROWS[-1]:
             return F.linear(x, self.weight, self.bias)
         if n == 1:
             rows = rows.expand(2, -1).contiguous()
@@ -212,7 +224,7 @@ class FusedProjection:
         weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
         self.bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-        self.min_rows = parts[0].min_rows
+        self.lead = parts[0]  # whose kernel choice (path_for) this follows
         for p in parts:  # the fused copy replaces the parts' own packed copies
             p._packed = None
 
@@ -228,7 +240,11 @@ class FusedProjection:
                 or any(p.weight._version != v for p, v in zip(self.parts, self.versions))):
             return None
         rows = x.reshape(-1, x.shape[-1])
-        out = onednn_linear(rows, self.packed, self.bias, self.min_rows)
+        path = self.lead.path_for(rows.shape[0]) if self.lead.kernels is not None else (
+            "onednn_pad4" if self.lead.min_rows >= 4 else "onednn")
+        if path not in cpu_kernels.ONEDNN:  # this row count runs faster on another kernel: the parts' own
+            return None
+        out = onednn_linear(rows, self.packed, self.bias, cpu_kernels.ONEDNN[path])
         return list(out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1))
 
 
@@ -374,15 +390,16 @@ class DecoderLayer(nn.Module):
 
 
 def _probe_mlp(src: MLP, variant: str) -> MLP:
-    """A copy of `src` sharing its weights, set up for one of rayspec.cpu_kernels.VARIANTS."""
+    """A copy of `src` sharing its weights that runs every row count on one of
+    rayspec.cpu_kernels.VARIANTS."""
     probe = MLP.__new__(MLP)
     nn.Module.__init__(probe)
-    packed, min_rows = cpu_kernels.VARIANTS[variant]
+    packed = variant in cpu_kernels.ONEDNN
     for name in ("gate_proj", "up_proj", "down_proj"):
         part = getattr(src, name)
         lin = Linear(part.in_features, part.out_features, bias=part.bias is not None, device="meta")
         lin.weight, lin.bias = part.weight, part.bias
-        lin.min_rows = min_rows
+        lin.kernels = cpu_kernels.CpuKernels.single(variant, "probe")
         if packed:
             lin.pack_for_cpu()
         setattr(probe, name, lin)
@@ -455,8 +472,9 @@ class CausalLM(Float32Rotary):
         return hidden, batch.output(torch.cat(aux, dim=-1))
 
     def pack_for_cpu(self) -> "CausalLM":
-        """On CPU, pick the projections' matmul path by measuring this CPU (rayspec.cpu_kernels) and,
-        when it is oneDNN, prepack every projection, q/k/v and gate/up fused. No-op elsewhere.
+        """On CPU, pick the projections' matmul kernel per row count by measuring this CPU
+        (rayspec.cpu_kernels) and, when any is oneDNN, prepack every projection, q/k/v and gate/up
+        fused (used at the row counts that chose oneDNN). No-op elsewhere.
         The choice is kept in `self.cpu_kernels` (None off the CPU)."""
         self.cpu_kernels = None
         param = next(self.parameters())
@@ -465,12 +483,14 @@ class CausalLM(Float32Rotary):
             return self
         self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
                                               mlp.gate_proj.weight.dtype)
-        logger.info("CPU matmul path: %s", self.cpu_kernels.describe())
+        logger.info("CPU matmul kernels: %s", self.cpu_kernels.describe())
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.kernels = self.cpu_kernels
         if not self.cpu_kernels.onednn:
             return self
         for module in self.modules():
             if isinstance(module, Linear):
-                module.min_rows = self.cpu_kernels.min_rows
                 module.pack_for_cpu()
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):

@@ -22,7 +22,7 @@ from rayspec.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model_dir
 # same CPU matmul path, so that models loaded in different processes compute the same bits: the
 # measured choice (rayspec.cpu_kernels) may differ between loads. tests/test_cpu_kernels.py
 # measures.
-os.environ.setdefault("RAYSPEC_CPU_KERNELS", "onednn_pad4")
+os.environ.setdefault("RAYSPEC_CPU_KERNELS", "onednn_pad4")  # the path of sessions 8-15
 
 
 def make_tiny_model_dir(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64,

@@ -1,4 +1,5 @@
-"""The CPU matmul path is measured at load time (rayspec.cpu_kernels), not fixed by a constant."""
+"""The CPU matmul kernel per row count is measured at load time (rayspec.cpu_kernels), not fixed
+by a constant measured on one CPU."""
 
 from __future__ import annotations
 
@@ -8,68 +9,90 @@ import pytest
 import torch
 
 from rayspec import cpu_kernels
-from rayspec.cpu_kernels import VARIANTS, choose, pick
+from rayspec.cpu_kernels import ROWS, VARIANTS, CpuKernels, choose, pick
 from rayspec.model import Linear
 
 needs_onednn = pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="oneDNN is one of the candidates")
 
 
-def test_pick_takes_the_least_total_time():
-    assert pick({"plain": {1: 1.0, 9: 1.0}, "onednn": {1: 0.5, 9: 1.2}, "onednn_pad4": {1: 0.6, 9: 1.2}}) == "onednn"
-    assert pick({"plain": {1: 1.0, 9: 1.0}, "onednn": {1: 1.5, 9: 1.2}, "onednn_pad4": {1: 1.6, 9: 1.0}}) == "plain"
+def test_pick_takes_the_fastest_per_row_count():
+    medians = {"flinear": {n: 1.0 for n in ROWS}, "wxt": {n: 2.0 for n in ROWS},
+               "onednn": {n: 0.5 if n >= 9 else 1.5 for n in ROWS}, "onednn_pad4": {n: 3.0 for n in ROWS}}
+    assert pick(medians) == {1: "flinear", 2: "flinear", 4: "flinear", 9: "onednn", 32: "onednn"}
+    kernels = CpuKernels(pick(medians), "measured", medians)
+    assert [kernels.path_for(n) for n in (1, 3, 4, 5, 9, 10, 32, 2048)] == \
+        ["flinear", "flinear", "flinear", "onednn", "onednn", "onednn", "onednn", "onednn"]
+    assert kernels.onednn and kernels.variant.startswith("mixed:")
+    assert not CpuKernels.single("wxt", "x").onednn and CpuKernels.single("wxt", "x").variant == "wxt"
 
 
 @needs_onednn
-@pytest.mark.parametrize("fast", sorted(VARIANTS))
+@pytest.mark.parametrize("fast", VARIANTS)
 def test_choose_keeps_what_runs_fastest(monkeypatch, fast):
-    """Candidates that sleep except the fast one: the measurement finds it, whichever it is."""
+    """Candidates that sleep except the fast one: the measurement finds it at every row count."""
     monkeypatch.setenv(cpu_kernels.ENV, "measure")
 
     def factory(variant):
         return lambda x: time.sleep(0 if variant == fast else 0.002)
 
     chosen = choose(factory, 16, torch.float32)
-    assert chosen.variant == fast and chosen.source == "measured"
-    assert set(chosen.median_ms) == set(VARIANTS) and all(set(m) == set(cpu_kernels.ROWS) for m in chosen.median_ms.values())
+    assert chosen.per_rows == {n: fast for n in ROWS} and chosen.source == "measured"
+    assert set(chosen.median_ms) == set(VARIANTS)
     assert fast in chosen.describe()
 
 
-def test_environment_names_the_path(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.ENV, "plain")
-    assert choose(lambda v: None, 16, torch.float32).variant == "plain"
+@needs_onednn
+def test_choose_differs_by_row_count(monkeypatch):
+    """One kernel fast for few rows, another for many: each row count gets its own."""
+    monkeypatch.setenv(cpu_kernels.ENV, "measure")
+
+    def factory(variant):
+        def run(x):
+            fast = "flinear" if x.shape[0] <= 2 else "onednn_pad4"
+            time.sleep(0 if variant == fast else 0.002)
+        return run
+
+    chosen = choose(factory, 16, torch.float32)
+    assert chosen.per_rows == {1: "flinear", 2: "flinear", 4: "onednn_pad4", 9: "onednn_pad4", 32: "onednn_pad4"}
+
+
+def test_environment_names_the_kernel(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, "wxt")
+    assert choose(lambda v: None, 16, torch.float32).per_rows == {n: "wxt" for n in ROWS}
     monkeypatch.setenv(cpu_kernels.ENV, "fastest")
     with pytest.raises(ValueError, match="RAYSPEC_CPU_KERNELS"):
         choose(lambda v: None, 16, torch.float32)
 
 
 @needs_onednn
-def test_every_path_computes_the_same_model(tiny_model_dir, monkeypatch):
-    """A model loaded under each path (and under measurement) gives the same logits; the chosen
-    path is what its projections then use (packed or not, padding rows or not)."""
+def test_every_kernel_computes_the_same_model(tiny_model_dir, monkeypatch):
+    """A model loaded under each kernel (and under measurement) gives the same logits for 1, 3 and
+    12 rows; its projections use what was chosen (packed copies exactly when oneDNN is among it)."""
     from rayspec import loader
     from rayspec.model import ForwardBatch, KVCache
+    from rayspec.runner import additive_mask
 
     outputs = {}
-    for variant in ["measure", *sorted(VARIANTS)]:
+    for variant in ["measure", *VARIANTS]:
         monkeypatch.setenv(cpu_kernels.ENV, variant)
         model, _ = loader.load_model(str(tiny_model_dir))
         kernels = model.cpu_kernels
-        assert kernels.variant in VARIANTS and (variant == "measure") == (kernels.source == "measured")
+        assert (variant == "measure") == (kernels.source == "measured")
+        assert variant == "measure" or kernels.per_rows == {n: variant for n in ROWS}
         linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.kernels is kernels for m in linears)
         packed = any(m._packed is not None for m in linears) or model.model.layers[0].mlp.gate_up is not None
         assert packed == kernels.onednn
-        if kernels.onednn:
-            assert model.model.layers[0].mlp.gate_up.min_rows == kernels.min_rows
-        cache = KVCache(model.args, 1, 16, torch.float32, torch.device("cpu"))
-        ids = torch.tensor([[5, 9, 200, 31, 7]])
-        batch = ForwardBatch(slots=torch.tensor([0]), positions=torch.arange(5)[None], kv_len=5, mask=None,
-                             slot_range=(0, 1))
-        with torch.inference_mode():
-            from rayspec.runner import additive_mask
-            batch.mask = additive_mask((torch.arange(5)[None, :] <= torch.arange(5)[:, None])[None, None], torch.float32)
-            outputs[variant] = model.logits(model(ids, cache, batch))
-    for variant, logits in outputs.items():
-        torch.testing.assert_close(logits, outputs["plain"], rtol=1e-4, atol=1e-4)
+        for rows in (1, 3, 12):
+            cache = KVCache(model.args, 1, 16, torch.float32, torch.device("cpu"))
+            ids = torch.arange(5, 5 + rows)[None]
+            mask = additive_mask((torch.arange(rows)[None, :] <= torch.arange(rows)[:, None])[None, None], torch.float32)
+            batch = ForwardBatch(slots=torch.tensor([0]), positions=torch.arange(rows)[None], kv_len=rows, mask=mask,
+                                 slot_range=(0, 1))
+            with torch.inference_mode():
+                outputs[variant, rows] = model.logits(model(ids, cache, batch))
+    for (variant, rows), logits in outputs.items():
+        torch.testing.assert_close(logits, outputs["flinear", rows], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("native", [True, False])
