@@ -313,8 +313,6 @@ class LLMEngine:
         seqs = [item[0] if isinstance(item, tuple) else item for item in items]
         if retry:
             logger.warning("a forward over %d requests failed (%r); retrying them in halves", len(items), err)
-            for seq in seqs:
-                seq.retried = True
             half = len(items) // 2
             self._guarded(run, items[:half], touched)
             self._guarded(run, items[half:], touched)
@@ -404,8 +402,6 @@ class LLMEngine:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _draft_len(self, seq: Sequence, k: int) -> int:
-        if seq.draft_lost:
-            return 0
         if seq.params.seed is not None and not seq.params.greedy:
             # the adaptive k depends on measured time; a seeded sample must not, or the same
             # seed would consume its random stream differently from run to run
@@ -446,14 +442,9 @@ class LLMEngine:
                                        *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             drafts = self.proposer.propose(requests)
-            lost = [(s, d) for s, d, n in zip(seqs, drafts, draft_lens) if d.resend_features_from is not None and n]
-            if any(not s.retried for s, _ in lost):  # a remote proposer resends itself; here it is a bug
-                raise RuntimeError(f"the proposer lost the target features of {[s.request_id for s, _ in lost]}")
-            for seq, draft in lost:  # after a failed forward was retried: go on without drafts (still exact)
-                logger.warning("request %s decodes without drafts from now on: its proposer state was lost to a "
-                               "failed forward", seq.request_id)
-                seq.draft_lost, draft.resend_features_from = True, None
-                self.proposer.release(seq.request_id)
+            lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
+            if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
+                raise RuntimeError(f"the proposer lost the target features of {lost}")
         else:
             drafts = [Draft([]) for _ in seqs]
         # under a grammar, draft what it forces even where the proposer was not asked (a large

@@ -85,8 +85,6 @@ class Sequence:
     # target's KV cache and the first token is sampled; until then each step prefills a chunk
     prefilled: bool = False
     error: str | None = None  # why the engine failed this request (finish_reason "error")
-    retried: bool = False  # a failed batched forward was retried without it beside others
-    draft_lost: bool = False  # its proposer state was lost to a failed forward: no more drafts
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):
