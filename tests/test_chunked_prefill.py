@@ -61,14 +61,16 @@ def _engine(target_dir, target, method, budget, draft_dir=None, head_dir=None, *
     return make_engine(target_dir, method, k=4, loaded=target, max_num_batched_tokens=budget, **spec, **kw)
 
 
-def _spy_target_tokens(engine) -> list[list[tuple[int, int]]]:
-    """Per step, the (real tokens, padded rows x longest) of every target forward."""
+def _spy_target_tokens(engine, prefill_only: bool = False) -> list[list[tuple[int, int]]]:
+    """Per step, the (real tokens, padded rows x longest) of every target forward (or only the
+    prefill forwards)."""
     steps: list[list[tuple[int, int]]] = []
     forward, step = engine.runner.forward_hidden, engine.step
 
     def spy_forward(seq_ids, token_lists, trees=None, packed=False, **kw):
-        lengths = [len(t) for t in token_lists]
-        steps[-1].append((sum(lengths), len(lengths) * max(lengths)))
+        if not (prefill_only and engine._requests[seq_ids[0]].prefilled):
+            lengths = [len(t) for t in token_lists]
+            steps[-1].append((sum(lengths), len(lengths) * max(lengths)))
         return forward(seq_ids, token_lists, trees=trees, packed=packed, **kw)
 
     def spy_step():
@@ -114,31 +116,12 @@ def test_chunked_prefill_changes_nothing(target_dir, target, draft_dir, head_dir
         assert 0 < ref_engine.stats.num_accepted_tokens < ref_engine.stats.num_draft_tokens
 
 
-def _spy_prefill_tokens(engine) -> list[list[tuple[int, int]]]:
-    """Per step, the (real tokens, padded rows x longest) of every prefill forward."""
-    steps: list[list[tuple[int, int]]] = []
-    forward, step = engine.runner.forward_hidden, engine.step
-
-    def spy_forward(seq_ids, token_lists, trees=None, packed=False, **kw):
-        if not engine._requests[seq_ids[0]].prefilled:
-            lengths = [len(t) for t in token_lists]
-            steps[-1].append((sum(lengths), len(lengths) * max(lengths)))
-        return forward(seq_ids, token_lists, trees=trees, packed=packed, **kw)
-
-    def spy_step():
-        steps.append([])
-        return step()
-
-    engine.runner.forward_hidden, engine.step = spy_forward, spy_step
-    return steps
-
-
 def test_budget_holds_per_step_and_per_forward(target_dir, target):
     """A step prefills at most max_num_batched_tokens prompt tokens, no prefill forward's padded
     layout (rows x longest) exceeds it, and prompts are cut at fixed places (multiples of it)."""
     budget = 24
     engine = _engine(target_dir, target, "ngram", budget)
-    steps = _spy_prefill_tokens(engine)
+    steps = _spy_target_tokens(engine, prefill_only=True)
     cuts: dict[str, list[int]] = {}
     prefill = engine._prefill_batch
 
