@@ -69,6 +69,9 @@ class EngineConfig:
     # interleaved with the running requests' decoding). Bounds prefill activations and attention
     # scores to one chunk's worth. None: no chunking (a whole prompt per step).
     max_num_batched_tokens: int | None = 2048
+    # tensor parallelism (vLLM's name): the target's layers split over this many ranks (processes,
+    # one device each); rank 0 runs the engine, the others only forwards (rayspec.parallel)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -77,6 +80,8 @@ class EngineConfig:
             raise ValueError("max_model_len >= 2, max_num_seqs >= 1 and kv_cache_memory_gb > 0 required")
         if self.max_num_waiting is not None and self.max_num_waiting < 0:
             raise ValueError("max_num_waiting must be >= 0 (or None: unbounded)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1 (or None: no chunked prefill)")
 

@@ -82,15 +82,23 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None, tokenizer=None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, rank_launcher=None):
+        """rank_launcher: starts the other ranks when config.tensor_parallel_size > 1
+        (rayspec.parallel.RankLauncher; deployments.tensor_parallel has Ray's)."""
         from rayspec import loader
 
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         eos_ids: set[int] = set()
+        self.ranks = None  # the other tensor-parallel ranks (a launcher's handle)
         if model is None:
-            model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype)
+            if config.tensor_parallel_size > 1:
+                from rayspec.parallel import start_tensor_parallel
+
+                model, tokenizer, self.ranks = start_tensor_parallel(config, rank_launcher)
+            else:
+                model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype)
             eos_ids |= loader.generation_eos_ids(config.model)
         self.model, self.tokenizer = model, tokenizer
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -231,6 +239,15 @@ class LLMEngine:
         self._release(seq)
         return True
 
+    def shutdown(self) -> None:
+        """Release the other tensor-parallel ranks (no-op at TP=1)."""
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.size > 1:
+            tp.stop()
+        if self.ranks is not None:
+            self.ranks.shutdown()
+            self.ranks = None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -307,8 +324,12 @@ class LLMEngine:
             touched += run(items)
             return
         except _Applied as applied:
+            if getattr(applied.__cause__, "fatal", False):
+                raise applied.__cause__
             err, retry = applied.__cause__, False
         except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the others
+            if getattr(exc, "fatal", False):  # the engine itself is broken (a tensor-parallel rank died)
+                raise
             err, retry = exc, len(items) > 1
         seqs = [item[0] if isinstance(item, tuple) else item for item in items]
         if retry:

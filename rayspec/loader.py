@@ -455,25 +455,39 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.clone(), float(rotary.attention_scaling)
 
 
-def build_model(config, state_dict: dict | None, device, dtype) -> CausalLM:
+def build_model(config, state_dict: dict | None, device, dtype, tp=None) -> CausalLM:
+    """tp: this rank's rayspec.parallel.TPGroup (the model is its shard; state_dict is the full one)."""
+    from rayspec.parallel import NO_TP, tag_shards, zero_row_biases
+
+    tp = tp or NO_TP
     args = ModelArgs.from_hf_config(config)
     inv_freq, scaling = rope_from_config(config)
     with torch.device("meta"):
-        model = CausalLM(args, inv_freq, scaling)
+        model = CausalLM(args, inv_freq, scaling, tp=tp)
     model = model.to_empty(device=device)
     model.inv_freq = inv_freq.to(device)
+    tag_shards(model)
     if state_dict is not None:
+        if tp.size > 1:
+            state_dict = dict(state_dict)
+            for name, param in model.named_parameters():
+                where = getattr(param, "tp_shard", None)
+                if where is not None and name in state_dict:
+                    dim, start, stop = where
+                    state_dict[name] = state_dict[name].narrow(dim, start, stop - start)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         missing = [k for k in missing if not (k == "lm_head.weight" and args.tie_word_embeddings)]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}...")
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        zero_row_biases(model, tp)
     return model.to(dtype).eval().pack_for_cpu()
 
 
-def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None):
-    """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft)."""
+def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True):
+    """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft).
+    tp: a rayspec.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None)."""
     from transformers import AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -486,9 +500,9 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
         config.num_hidden_layers = num_layers
         state = {k: v for k, v in state.items()
                  if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
-    model = build_model(config, state, device, dtype)
+    model = build_model(config, state, device, dtype, tp=tp)
     # a checkpoint without tokenizer files serves token ids only (tokenizer None)
-    has_tokenizer = any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists()
+    has_tokenizer = tokenizer and (any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists())
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
     return model, tokenizer
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayspec import cpu_kernels
+from rayspec.parallel import (NO_TP, OP_COPY_SLOT, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE, TPGroup,
+                              VocabParallelEmbedding, column_parallel, row_parallel, send_forward)
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +59,17 @@ class KVCache:
     """Per-layer key/value storage, one row ("slot") per running sequence.
 
     k, v: [num_layers, num_slots, num_kv_heads, capacity, head_dim]
+    With tensor parallelism each rank holds its own KV heads (num_kv_heads / size); rank 0's cache
+    (`tp` set) tells the other ranks to do each of its copies on theirs.
     """
 
-    def __init__(self, args: ModelArgs, num_slots: int, capacity: int, dtype, device):
-        shape = (args.num_layers, num_slots, args.num_kv_heads, capacity, args.head_dim)
+    def __init__(self, args: ModelArgs, num_slots: int, capacity: int, dtype, device, tp: TPGroup = NO_TP):
+        shape = (args.num_layers, num_slots, args.num_kv_heads // tp.size, capacity, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.capacity = capacity
+        self.tp = tp
 
     @staticmethod
     def bytes_per_token(args: ModelArgs, dtype) -> int:
@@ -72,8 +77,18 @@ class KVCache:
         return 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
+        if self.tp.is_driver:
+            self.tp.send(OP_COPY_SLOT, [src, dst, length])
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cache rows src -> dst (positions, [n] long each) of one slot, every layer."""
+        if self.tp.is_driver:
+            self.tp.send(OP_MOVE_ROWS, [slot, src.shape[0]], [src, dst])
+        for cache in (self.k, self.v):
+            rows = cache[:, slot]  # [layers, kv_heads, capacity, head_dim] view: one copy for all layers
+            rows[:, :, dst] = rows[:, :, src]
 
 
 @dataclass
@@ -264,16 +279,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, input_size: int | None = None):
-        """input_size: width of the attention input when it is not hidden_size (EAGLE-3: 2x)."""
+    def __init__(self, args: ModelArgs, input_size: int | None = None, tp: TPGroup = NO_TP):
+        """input_size: width of the attention input when it is not hidden_size (EAGLE-3: 2x).
+        With tp, this rank's heads only (q/k/v column-parallel, o_proj row-parallel)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        tp.shard(args.num_heads, "num_attention_heads")  # raise early, naming what does not divide
+        tp.shard(args.num_kv_heads, "num_key_value_heads")
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = args.num_heads // tp.size, args.num_kv_heads // tp.size
+        self.head_dim = hd = args.head_dim
         h, bias = args.hidden_size, args.attention_bias
         d_in = input_size or h
-        self.q_proj = Linear(d_in, args.num_heads * args.head_dim, bias=bias)
-        self.k_proj = Linear(d_in, args.num_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = Linear(d_in, args.num_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = Linear(args.num_heads * args.head_dim, h, bias=False)
+        self.q_proj = column_parallel(Linear(d_in, self.num_heads * hd, bias=bias), tp, args.num_heads * hd, "q_proj")
+        self.k_proj = column_parallel(Linear(d_in, self.num_kv_heads * hd, bias=bias), tp, args.num_kv_heads * hd,
+                                      "k_proj")
+        self.v_proj = column_parallel(Linear(d_in, self.num_kv_heads * hd, bias=bias), tp, args.num_kv_heads * hd,
+                                      "v_proj")
+        self.o_proj = row_parallel(Linear(self.num_heads * hd, h, bias=False), tp, args.num_heads * hd, "o_proj")
         self.qkv: FusedProjection | None = None  # set by pack_for_cpu
 
     def fuse_for_cpu(self) -> None:
@@ -303,7 +325,8 @@ class Attention(nn.Module):
             keys = cache_k.index_select(0, batch.slots)[:, :, : batch.kv_len]
             values = cache_v.index_select(0, batch.slots)[:, :, : batch.kv_len]
         out = attention(q, keys, values, batch.mask)  # [B, heads, Q, head_dim]
-        return self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
+        out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(out)  # [N, H]: the ranks' partial sums
 
 
 _MATH_FALLBACK: dict[tuple, bool] = {}  # (dtype, head_dim, device index) -> SDPA's choice was its math path
@@ -359,12 +382,15 @@ def attention(q, keys, values, mask, repeat_kv: bool | None = None) -> torch.Ten
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, tp: TPGroup = NO_TP):
         super().__init__()
         h, i, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias)
-        self.up_proj = Linear(h, i, bias=bias)
-        self.down_proj = Linear(i, h, bias=bias)
+        tp.shard(i, "intermediate_size")
+        local = i // tp.size
+        self.tp = tp
+        self.gate_proj = column_parallel(Linear(h, local, bias=bias), tp, i, "gate_proj")
+        self.up_proj = column_parallel(Linear(h, local, bias=bias), tp, i, "up_proj")
+        self.down_proj = row_parallel(Linear(local, h, bias=bias), tp, i, "down_proj")
         self.gate_up: FusedProjection | None = None  # set by pack_for_cpu
 
     def fuse_for_cpu(self) -> None:
@@ -373,14 +399,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up(x) if self.gate_up is not None else None
         gate, up = fused or (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, tp: TPGroup = NO_TP):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.self_attn = Attention(args, tp=tp)
+        self.mlp = MLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -394,6 +420,7 @@ def _probe_mlp(src: MLP, variant: str) -> MLP:
     rayspec.cpu_kernels.VARIANTS."""
     probe = MLP.__new__(MLP)
     nn.Module.__init__(probe)
+    probe.tp = NO_TP  # times this rank's share alone
     packed = variant in cpu_kernels.ONEDNN
     for name in ("gate_proj", "up_proj", "down_proj"):
         part = getattr(src, name)
@@ -410,10 +437,10 @@ def _probe_mlp(src: MLP, variant: str) -> MLP:
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, tp: TPGroup = NO_TP):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(args, tp) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -431,13 +458,21 @@ class Float32Rotary(nn.Module):
 
 
 class CausalLM(Float32Rotary):
-    """Decoder + LM head. `forward` returns final-norm hidden states; `logits` projects them."""
+    """Decoder + LM head. `forward` returns final-norm hidden states; `logits` projects them.
 
-    def __init__(self, args: ModelArgs, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    With tp (rayspec.parallel), this is one rank's shard: rank 0's forward / logits / cache first
+    tell the other ranks (running `serve_commands`) to do the same on theirs."""
+
+    def __init__(self, args: ModelArgs, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                 tp: TPGroup = NO_TP):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tp = tp
+        self.model = Backbone(args, tp)
+        embed = self.model.embed_tokens
+        self.lm_head = Linear(args.hidden_size, embed.num_embeddings, bias=False)  # this rank's vocabulary rows
+        if embed.split:
+            self.lm_head.tp_shards = {"weight": (0, embed.vocab_start, embed.vocab_stop)}
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -459,6 +494,8 @@ class CausalLM(Float32Rotary):
         With aux_layers, also returns the inputs of those layers concatenated,
         [B, Q, len(aux_layers) * hidden_size] (the features an EAGLE-3 head drafts from).
         """
+        if self.tp.is_driver:
+            send_forward(self.tp, input_ids, batch)
         x = self.model.embed_tokens(batch.pack(input_ids))  # [N, H]
         cos, sin = self.rope(batch.positions, x.dtype)
         aux = []
@@ -497,6 +534,20 @@ class CausalLM(Float32Rotary):
                 module.fuse_for_cpu()
         return self
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        """A KV cache for this model (with tp: this rank's heads; rank 0 has the others make theirs)."""
+        if self.tp.is_driver:
+            self.tp.send(OP_NEW_CACHE, [num_slots, capacity])
+        return KVCache(self.args, num_slots, capacity, self.compute_dtype, self.model.norm.weight.device, self.tp)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden_size] -> [..., vocab] in float32 (sampling wants full precision)
-        return self.lm_head(hidden).float()
+        if not self.model.embed_tokens.split:
+            return self.lm_head(hidden).float()
+        if self.tp.is_driver:  # the other ranks project the same rows onto their vocabulary slices
+            self.tp.send(OP_LOGITS, [hidden[..., 0].numel(), hidden.shape[-1]], [hidden.reshape(-1, hidden.shape[-1])])
+        return self.tp.all_gather_last(self.lm_head(hidden).float())

@@ -27,7 +27,9 @@ class ModelRunner:
         # the KV cache and inputs follow the layers' dtype (a head's embedding is the target's)
         self.device, self.dtype = param.device, getattr(model, "compute_dtype", param.dtype)
         self.max_model_len = max_model_len
-        self.cache = KVCache(model.args, num_slots, max_model_len + slack, self.dtype, self.device)
+        new_cache = getattr(model, "new_cache", None)  # a CausalLM's (tensor-parallel aware)
+        self.cache = (new_cache(num_slots, max_model_len + slack) if new_cache is not None
+                      else KVCache(model.args, num_slots, max_model_len + slack, self.dtype, self.device))
         self._slot_of: dict[str, int] = {}
         self._seq_in_slot: list[str] = []
         self._cached_len: dict[str, int] = {}  # tokens whose KV is valid, per sequence
@@ -170,9 +172,7 @@ class ModelRunner:
         if tree_rows != list(range(len(tree_rows))):
             src = torch.tensor(tree_rows, dtype=torch.long, device=self.device) + start
             dst = torch.arange(start, start + len(tree_rows), device=self.device)
-            for cache in (self.cache.k, self.cache.v):
-                rows = cache[:, slot]  # [layers, kv_heads, capacity, head_dim] view: one copy for all layers
-                rows[:, :, dst] = rows[:, :, src]
+            self.cache.move_rows(slot, src, dst)
         self._cached_len[seq_id] = start + len(tree_rows)
 
 

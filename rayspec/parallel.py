@@ -1,0 +1,325 @@
+"""Tensor parallelism: a process group, the parallel layers the one model is built from, and the
+command channel that makes the other ranks follow rank 0.
+
+Megatron-style, as gpt-fast's tp.py and nano-vllm's layers do it: q/k/v and gate/up are
+column-parallel (each rank holds a slice of the heads / of the intermediate width), o_proj and
+down_proj row-parallel (each rank multiplies its slice, one all-reduce sums them), the embedding and
+the LM head vocab-parallel. So a decoder layer costs two all-reduces, and the model code reads the
+same at TP=1 (every layer a plain Linear) and TP=N.
+
+Only rank 0 runs the engine (scheduler, proposer, sampling). The other ranks run `serve_commands`:
+they wait for the next command from rank 0 (a forward, a logits call, a KV-cache copy) and do their
+share of it. Every command has a declared layout: an int64 header of HEADER_LEN values, then
+tensors whose shapes the header gives, all by `broadcast` (nothing is pickled). NCCL on CUDA, gloo
+on CPU: the same code. Launching the ranks is someone else's job (deployments.tensor_parallel starts
+them as Ray actors in the replica's placement group); this module needs no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HEADER_LEN = 12
+OP_STOP, OP_FORWARD, OP_LOGITS, OP_NEW_CACHE, OP_COPY_SLOT, OP_MOVE_ROWS = range(6)
+
+
+class RankFailure(RuntimeError):
+    """A collective or a command broadcast failed: a rank died or the group broke. The engine cannot
+    go on (its ranks' caches no longer agree); the replica must be replaced."""
+
+    fatal = True
+
+
+@dataclass
+class TPGroup:
+    """This process's place in a tensor-parallel group. size 1: no group, every op is the identity."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")  # where collectives run (cuda:i for NCCL, cpu for gloo)
+    group: object = None  # the torch.distributed process group (None: the default group)
+    broken: BaseException | None = None
+
+    @property
+    def is_driver(self) -> bool:
+        return self.size > 1 and self.rank == 0
+
+    @classmethod
+    def init(cls, rank: int, size: int, init_method: str, device: torch.device,
+             timeout_s: float = 300.0) -> "TPGroup":
+        """Join the group (blocks until every rank has). NCCL on CUDA devices, gloo elsewhere."""
+        device = torch.device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s))
+        logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
+        return cls(rank=rank, size=size, device=device)
+
+    def shard(self, n: int, what: str) -> tuple[int, int]:
+        """(start, stop) of this rank's equal slice of n things."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size {self.size}")
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise RankFailure(f"the tensor-parallel group is broken: {self.broken!r}") from self.broken
+
+    def _run(self, op, *args):
+        self._check()
+        try:
+            return op(*args, group=self.group)
+        except Exception as err:  # noqa: BLE001 - a dead peer: gloo/NCCL raise assorted errors
+            self.broken = err
+            raise RankFailure(f"tensor-parallel collective failed (a rank died?): {err!r}") from err
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self._run(dist.all_reduce, x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._run(dist.all_gather, parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        self._run(dist.broadcast, x, 0)
+        return x
+
+    # ---- the command channel (rank 0 sends, the others receive) ------------------------------
+    def send(self, op: int, ints: list[int] = (), tensors: list[torch.Tensor] = ()) -> None:
+        header = [op, *ints] + [0] * (HEADER_LEN - 1 - len(ints))
+        self.broadcast(torch.tensor(header, dtype=torch.long).to(self.device))
+        for t in tensors:
+            self.broadcast(t.contiguous())
+
+    def receive_header(self) -> list[int]:
+        header = self.broadcast(torch.empty(HEADER_LEN, dtype=torch.long, device=self.device))
+        return header.tolist()  # a follower's one host read per command
+
+    def receive(self, shape, dtype) -> torch.Tensor:
+        return self.broadcast(torch.empty(shape, dtype=dtype, device=self.device))
+
+    def stop(self) -> None:
+        """Release the followers (they return from serve_commands) and leave the group."""
+        if self.size > 1 and self.broken is None and self.rank == 0:
+            try:
+                self.send(OP_STOP)
+            except RankFailure:
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+NO_TP = TPGroup()
+
+
+# ---- parallel layers -------------------------------------------------------------------------
+# Layers tag their parameters with the checkpoint slice they hold (`tp_shards`: name -> (dim, start,
+# stop)); `tag_shards` copies that onto the parameters as `tp_shard`, which the loader reads to load
+# only its slice (see rayspec.loader).
+
+def column_parallel(linear: torch.nn.Module, tp: TPGroup, out_features: int, what: str) -> torch.nn.Module:
+    """Mark a Linear built with out_features / tp.size outputs as this rank's rows of the full one."""
+    if tp.size > 1:
+        start, stop = tp.shard(out_features, what)
+        linear.tp_shards = {"weight": (0, start, stop), "bias": (0, start, stop)}
+    return linear
+
+
+def row_parallel(linear: torch.nn.Module, tp: TPGroup, in_features: int, what: str) -> torch.nn.Module:
+    """Mark a Linear built with in_features / tp.size inputs as this rank's columns of the full one;
+    its output is then a partial sum: the caller all-reduces it (`tp.all_reduce`). Its bias is
+    added on rank 0 only (the other ranks' copies are zeroed after loading, `zero_row_biases`)."""
+    if tp.size > 1:
+        start, stop = tp.shard(in_features, what)
+        linear.tp_shards = {"weight": (1, start, stop)}
+        linear.tp_row_parallel = True
+    return linear
+
+
+def tag_shards(model: torch.nn.Module) -> None:
+    """Put each module's `tp_shards` onto its parameters as `tp_shard` (parameters are new objects
+    after `to_empty`, so this runs after materializing and before loading)."""
+    for module in model.modules():
+        for name, where in getattr(module, "tp_shards", {}).items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter):
+                param.tp_shard = where
+
+
+@torch.no_grad()
+def zero_row_biases(model: torch.nn.Module, tp: TPGroup) -> None:
+    if tp.rank == 0:
+        return
+    for module in model.modules():
+        if getattr(module, "tp_row_parallel", False) and getattr(module, "bias", None) is not None:
+            module.bias.zero_()
+
+
+def splits_vocab(tp: TPGroup, vocab_size: int) -> bool:
+    """Whether the embedding and LM head are split over the ranks: when the vocabulary divides
+    evenly (128256, 151936 and 49152 do for 2, 4 and 8 ranks, 49152 for 3); otherwise each rank
+    keeps them whole (memory, not correctness)."""
+    return tp.size > 1 and vocab_size % tp.size == 0
+
+
+class VocabParallelEmbedding(torch.nn.Embedding):
+    """An embedding whose rows (token ids start..stop) are split over the ranks: each rank looks up
+    the ids it holds, zeros for the others, and one all-reduce assembles the rows."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
+        self.tp = tp
+        self.split = splits_vocab(tp, vocab_size)
+        self.vocab_start, self.vocab_stop = tp.shard(vocab_size, "vocab_size") if self.split else (0, vocab_size)
+        super().__init__(self.vocab_stop - self.vocab_start, dim)
+        if self.split:
+            self.tp_shards = {"weight": (0, self.vocab_start, self.vocab_stop)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return super().forward(ids)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        x = super().forward(local).masked_fill(outside[..., None], 0)
+        return self.tp.all_reduce(x)
+
+
+# ---- what the other ranks run -------------------------------------------------------------------
+
+def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch) -> None:
+    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`)."""
+    B, Q = input_ids.shape
+    lo, hi = batch.slot_range if batch.slot_range is not None else (-1, -1)
+    n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]
+    ints = [B, Q, batch.kv_len, int(batch.mask is not None), int(batch.cache_positions is not None), n_real,
+            int(batch.packed_output), lo, hi]
+    tensors = [input_ids, batch.slots, batch.positions]
+    tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows) if m is not None]
+    tp.send(OP_FORWARD, ints, tensors)
+
+
+def receive_forward(tp: TPGroup, header: list[int], dtype: torch.dtype):
+    """A follower: the inputs of the forward rank 0 announced -> (input_ids, ForwardBatch)."""
+    from rayspec.model import ForwardBatch
+
+    _, B, Q, kv_len, has_mask, has_cache_pos, n_real, packed, lo, hi = header[:10]
+    long = torch.long
+    input_ids, slots, positions = tp.receive((B, Q), long), tp.receive((B,), long), tp.receive((B, Q), long)
+    mask = tp.receive((B, 1, Q, kv_len), dtype) if has_mask else None
+    cache_positions = tp.receive((B, Q), long) if has_cache_pos else None
+    real_rows = tp.receive((n_real,), long) if n_real >= 0 else None
+    batch = ForwardBatch(slots=slots, positions=positions, kv_len=kv_len, mask=mask,
+                         slot_range=(lo, hi) if lo >= 0 else None, cache_positions=cache_positions,
+                         real_rows=real_rows, packed_output=bool(packed))
+    return input_ids, batch
+
+
+@torch.inference_mode()
+def serve_commands(model, tp: TPGroup) -> int:
+    """A follower's life: do rank 0's commands until OP_STOP. Returns the number of commands run."""
+    cache, count = None, 0
+    while True:
+        header = tp.receive_header()
+        op = header[0]
+        if op == OP_STOP:
+            return count
+        count += 1
+        if op == OP_FORWARD:
+            input_ids, batch = receive_forward(tp, header, model.compute_dtype)
+            model(input_ids, cache, batch)
+        elif op == OP_LOGITS:
+            model.logits(tp.receive((header[1], header[2]), model.compute_dtype))
+        elif op == OP_NEW_CACHE:
+            cache = model.new_cache(header[1], header[2])
+        elif op == OP_COPY_SLOT:
+            cache.copy_slot(*header[1:4])
+        elif op == OP_MOVE_ROWS:
+            slot, n = header[1:3]
+            cache.move_rows(slot, tp.receive((n,), torch.long), tp.receive((n,), torch.long))
+        else:
+            raise RankFailure(f"unknown tensor-parallel command {op}")
+
+
+def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
+             timeout_s: float = 300.0) -> int:
+    """A follower rank's whole process: join the group, load this rank's shard of the model, then
+    serve rank 0's commands until it stops them (or the group breaks)."""
+    from rayspec import loader
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tp = TPGroup.init(rank, size, init_method, device, timeout_s)
+    try:
+        model, _ = loader.load_model(model_spec, device=device, dtype=dtype, tp=tp, tokenizer=False)
+        tp.all_reduce(torch.zeros(1, device=device))  # loaded: rank 0 waits for this
+        return serve_commands(model, tp)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- starting the ranks --------------------------------------------------------------------------
+
+class RankLauncher:
+    """Starts ranks 1..size-1, each running `run_rank` in a process of its own on its own device.
+    deployments.tensor_parallel.RayRankLauncher does it with Ray actors in a placement group."""
+
+    def address(self) -> str:
+        """An address of this process's host that the ranks can reach (rank 0 listens there)."""
+        raise NotImplementedError
+
+    def launch(self, size: int, init_method: str, model_spec: str, device: str, dtype: str | None):
+        """Start the ranks; returns a handle with `alive() -> bool` and `shutdown()`."""
+        raise NotImplementedError
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def start_tensor_parallel(config, launcher: RankLauncher | None):
+    """Rank 0's side of starting an engine at config.tensor_parallel_size: start the other ranks,
+    join their group, load this rank's shard; returns (model, tokenizer, the ranks' handle)."""
+    from rayspec import loader
+
+    size = config.tensor_parallel_size
+    if launcher is None:
+        raise ValueError(f"tensor_parallel_size {size} needs its other ranks started: run it under Ray "
+                         "(the verifier deployment, `rayspec bench offline --tensor-parallel-size`) or pass "
+                         "rank_launcher=deployments.tensor_parallel.RayRankLauncher()")
+    device = torch.device(config.device) if config.device else loader.default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    init_method = f"tcp://{launcher.address()}:{free_port()}"
+    ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype)
+    try:
+        tp = TPGroup.init(0, size, init_method, device)
+        model, tokenizer = loader.load_model(config.model, device=device, dtype=config.dtype, tp=tp)
+        tp.all_reduce(torch.zeros(1, device=device))  # every rank has loaded its shard
+    except BaseException:
+        ranks.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return model, tokenizer, ranks
