@@ -108,6 +108,9 @@ class EngineArgs(_Strict):
     # chunked prefill: target tokens per engine step (decode/verify rows first, then prompt chunks);
     # None: whole prompts in one step (unbounded prefill memory)
     max_num_batched_tokens: int | None = Field(2048, ge=1)
+    # tensor parallelism: the verifier replica reserves one placement group bundle per rank
+    # (verifier.placement_group_strategy, STRICT_PACK by default) and starts ranks 1..N-1 there
+    tensor_parallel_size: int = Field(1, ge=1)
 
 
 class RayActorOptions(BaseModel):
@@ -131,6 +134,10 @@ class DeploymentArgs(_Strict):
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
     health_check_period_s: float | None = None
     graceful_shutdown_timeout_s: float | None = None
+    # Serve's placement group options (a tensor-parallel verifier: one bundle per rank). Bundles
+    # default to the replica's num_cpus / num_gpus per rank; the replica itself takes the first.
+    placement_group_bundles: list[dict[str, float]] | None = None
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
 
     @model_validator(mode="after")
     def _replicas_xor_autoscaling(self):
@@ -170,6 +177,19 @@ class DeploymentArgs(_Strict):
         actor.setdefault("num_cpus", default_cpus)
         opts["ray_actor_options"] = actor
         return opts
+
+    def rank_bundles(self, size: int, default_cpus: float) -> list[dict[str, float]]:
+        """The placement group bundles of a replica with `size` tensor-parallel ranks."""
+        if self.placement_group_bundles is not None:
+            if len(self.placement_group_bundles) < size:
+                raise ValueError(f"placement_group_bundles has {len(self.placement_group_bundles)} bundles; "
+                                 f"tensor_parallel_size {size} needs one per rank")
+            return [dict(b) for b in self.placement_group_bundles]
+        actor = self.ray_actor_options.to_dict()
+        bundle = {"CPU": float(actor.get("num_cpus", default_cpus))}
+        if actor.get("num_gpus"):
+            bundle["GPU"] = float(actor["num_gpus"])
+        return [dict(bundle) for _ in range(size)]
 
 
 INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
@@ -255,11 +275,16 @@ class AppArgs(_Strict):
     def verifier_options(self) -> dict[str, Any]:
         # each ingress replica queues at most max_queued_requests for busy verifiers; past that a
         # BackPressureError, which the ingress answers with a 429
-        return self.verifier.options(name=VERIFIER_NAME, default_cpus=1, default_max_ongoing=self.verifier_max_ongoing,
+        opts = self.verifier.options(name=VERIFIER_NAME, default_cpus=1, default_max_ongoing=self.verifier_max_ongoing,
                                      # also holds requests being routed, and one HTTP request fans out to
                                      # prompts x n of them: sized for bursts, not for waiting
                                      default_max_queued=max(256, 4 * self.verifier_max_ongoing),
                                      retry_after_s=self.retry_after_s)
+        size = self.engine.tensor_parallel_size
+        if size > 1 or self.verifier.placement_group_bundles is not None:
+            opts["placement_group_bundles"] = self.verifier.rank_bundles(size, default_cpus=1)
+            opts["placement_group_strategy"] = self.verifier.placement_group_strategy
+        return opts
 
     def proposer_options(self) -> dict[str, Any]:
         # every verifier replica has at most one propose call in flight (plus one release flush)

@@ -40,8 +40,12 @@ class _Add:
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], LLMEngine], metrics=None, idle_poll_s: float = 0.2):
+    def __init__(self, engine_factory: Callable[[], LLMEngine], metrics=None, idle_poll_s: float = 0.2,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        """on_fatal(err): called on the loop thread when a step fails in a way the engine cannot go on
+        from (`err.fatal`: a tensor-parallel rank died); the loop stops either way (not alive)."""
         self._factory = engine_factory
+        self._on_fatal = on_fatal
         self.metrics = metrics
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -114,6 +118,17 @@ class EngineLoop:
         self._update_snapshot()
         self._ready.set()
         engine = self.engine
+        try:
+            self._serve(engine)
+        finally:
+            shutdown = getattr(engine, "shutdown", None)  # releases tensor-parallel ranks (no-op at TP=1)
+            try:
+                if shutdown is not None:
+                    shutdown()
+            except Exception:  # noqa: BLE001 - the ranks may be gone already
+                logger.exception("engine shutdown failed")
+
+    def _serve(self, engine) -> None:
         while not self._stop.is_set():
             idle = not engine.has_unfinished_requests()
             self._drain(block=idle)
@@ -135,6 +150,12 @@ class EngineLoop:
                 self.num_steps += 1
             except Exception as err:  # noqa: BLE001 - fail the running requests, keep serving
                 logger.exception("engine step failed")
+                if getattr(err, "fatal", False):
+                    self._error = err
+                    if self._on_fatal is not None:
+                        self._on_fatal(err)
+                    self._fail_all(err)
+                    break
                 self._fail_all(err)
                 continue
             now = time.perf_counter()

@@ -74,6 +74,16 @@ def _replica_tag() -> str:
         return uuid.uuid4().hex[:8]
 
 
+def _end_replica(err: BaseException) -> None:
+    """The engine cannot go on (a tensor-parallel rank died: the ranks' caches no longer agree). The
+    replica's process ends, so Serve starts a new one and the requests in flight fail over to a live
+    replica (deployments.failover), as when the replica itself dies."""
+    import os
+
+    logger.error("verifier replica ending: %r", err)
+    os._exit(1)
+
+
 @serve.deployment
 class Verifier:
     def __init__(self, args: dict, proposer_handle=None, channel_secret=None):
@@ -91,7 +101,12 @@ class Verifier:
                                           timeout_s=cfg.proposer_call_timeout_s,
                                           direct=cfg.proposer_transport == "direct", channel_secret=channel_secret,
                                           max_frame_bytes=cfg.proposer_channel_max_frame_mib << 20)
-            engine = LLMEngine(engine_config, proposer=proposer)
+            launcher = None
+            if engine_config.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
+                from deployments.tensor_parallel import RayRankLauncher
+
+                launcher = RayRankLauncher()
+            engine = LLMEngine(engine_config, proposer=proposer, rank_launcher=launcher)
             if proposer is not None:  # drafts coming back are checked against the target's vocabulary
                 proposer.vocab_size = engine.model.args.vocab_size
             return engine
@@ -103,7 +118,7 @@ class Verifier:
         except Exception:  # noqa: BLE001 - metrics are best effort
             logger.exception("metrics disabled")
             metrics = None
-        self.loop = EngineLoop(factory, metrics=metrics)
+        self.loop = EngineLoop(factory, metrics=metrics, on_fatal=_end_replica)
         self.loop.wait_ready()
         # seq ids unique across verifier replicas: a shared proposer keys its state on them
         self._prefix = f"{tag}-"
@@ -133,6 +148,9 @@ class Verifier:
     def check_health(self) -> None:
         if not self.loop.alive:
             raise RuntimeError("engine loop is not running")
+        ranks = getattr(self.loop.engine, "ranks", None)
+        if ranks is not None and not ranks.alive():
+            raise RuntimeError("a tensor-parallel rank of this replica died")
 
     def health(self) -> dict:
         """For the ingress's /health: raises when the engine loop is down."""

@@ -73,7 +73,10 @@ class EagleProposer(Proposer):
         if not config.draft_model:
             raise ValueError(f"method {cls.name!r} needs the head's location in `draft_model`")
         target = context.target
-        if target is None:  # a proposer deployment (disaggregated): load what the head shares
+        # a proposer deployment (disaggregated), or a tensor-parallel target (rank 0 holds a slice of its
+        # vocabulary): load what the head shares, whole. The features need nothing: the layer inputs
+        # (the residual stream) are whole on every rank after each block's all-reduce.
+        if target is None or getattr(getattr(target, "tp", None), "size", 1) > 1:
             target = _load_target_io(context)
         head = load_eagle_head(config.draft_model, target, kind=cls.kind, device=context.device,
                                dtype=draft_dtype(config.draft_dtype, context))

@@ -1,0 +1,190 @@
+"""Tensor parallelism on a real local Ray cluster: ranks 1..N-1 are Ray actors in a placement group
+(deployments.tensor_parallel), rank 0 runs the engine, gloo between them (NCCL on GPUs: the same
+code). Greedy output at TP=2 / TP=3 equals TP=1 target-only decoding token for token under every
+proposer; sampled output keeps the target's distribution; a rank that dies fails the engine at once
+(never a hang), and a served replica that loses a rank is replaced while its streams fail over."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from conftest import make_tiny_model_dir
+from engine_utils import empirical, greedy_reference, run_alone, run_batch, tv_distance, tv_threshold
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+from rayspec.eagle.head import attach_target, build_head
+from rayspec.engine import LLMEngine
+from rayspec.loader import load_model
+from rayspec.parallel import RankFailure
+from rayspec.sampling import SamplingParams
+
+from deployments.tensor_parallel import RayRankLauncher
+
+VOCAB, LAYERS, HIDDEN = 256, 3, 64
+PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [200, 3, 3, 3, 41], [9] * 12, [77, 78, 79, 80, 77, 78]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+REPO = Path(__file__).resolve().parents[1]
+SMOL_HEAD = REPO / "heads" / "smollm2-135m-eagle3"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tp-target") / "model", seed=21, num_layers=LAYERS,
+                               hidden=HIDDEN, vocab_size=VOCAB, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tp-draft") / "model", seed=22, num_layers=1,
+                               hidden=HIDDEN, vocab_size=VOCAB, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, tmp_path_factory) -> Path:
+    target, _ = load_model(str(target_dir), device="cpu")
+    torch.manual_seed(3)
+    head = build_head(new_eagle_config("eagle3", target_dir, LAYERS, HIDDEN))
+    attach_target(head, target, has_own_embedding=False)
+    return save_eagle_head(head, tmp_path_factory.mktemp("tp-head") / "head", dtype=torch.float32)
+
+
+def engine_at(model, tp: int, method: str = "none", k: int = 3, max_num_seqs: int = 8, **spec) -> LLMEngine:
+    config = EngineConfig(model=str(model), device="cpu", tensor_parallel_size=tp, max_model_len=256,
+                          max_num_seqs=max_num_seqs, kv_cache_memory_gb=0.5,
+                          speculative=SpeculativeConfig(method=method, num_speculative_tokens=k, adaptive=False,
+                                                        **spec))
+    return LLMEngine(config, rank_launcher=RayRankLauncher() if tp > 1 else None)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    """TP=1, no speculation: each prompt alone."""
+    engine = engine_at(target_dir, 1)
+    return run_alone(engine, PROMPTS, GREEDY)
+
+
+def _spec(method, draft_dir, head_dir) -> dict:
+    return {"none": dict(method="none"),
+            "ngram": dict(method="ngram", prompt_lookup_min=1, prompt_lookup_max=3),
+            "draft_model": dict(method="draft_model", draft_model=str(draft_dir)),
+            "draft_model-self": dict(method="draft_model", draft_num_layers=1),
+            "eagle3": dict(method="eagle3", draft_model=str(head_dir))}[method]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "draft_model-self", "eagle3"])
+def test_tp2_greedy_equals_tp1_target_only(target_dir, draft_dir, head_dir, reference, method):
+    engine = engine_at(target_dir, 2, **_spec(method, draft_dir, head_dir))
+    try:
+        assert engine.model.tp.size == 2 and engine.model.model.embed_tokens.split  # 256 / 2: vocab-parallel
+        alone = run_alone(engine, PROMPTS[:2], GREEDY)
+        batch = run_batch(engine, PROMPTS, GREEDY)
+        assert alone == reference[:2]
+        assert batch == reference, "batch of 4 at TP=2 diverges from TP=1 target-only"
+        if method != "none":
+            assert engine.stats.num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_tp_needs_divisible_heads_and_a_launcher(target_dir):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        engine_at(target_dir, 3)  # 4 heads over 3 ranks
+    with pytest.raises(ValueError, match="rank_launcher"):
+        LLMEngine(EngineConfig(model=str(target_dir), device="cpu", tensor_parallel_size=2))
+
+
+# ---- temperature > 0 ----------------------------------------------------------------------------
+
+def test_tp2_sampling_follows_the_target(tmp_path_factory):
+    """Marginals of the first three sampled tokens at TP=2 with n-gram drafts against the exact ones
+    (a 16-token vocabulary, so they can be computed; as test_sampling_distribution does at TP=1)."""
+    import test_sampling_distribution as sd
+
+    target = make_tiny_model_dir(tmp_path_factory.mktemp("tp-v16") / "target", seed=11, vocab_size=sd.VOCAB,
+                                 with_tokenizer=False)
+    exact = sd._marginals(target, None)
+    config = EngineConfig(model=str(target), device="cpu", tensor_parallel_size=2, max_model_len=40, max_num_seqs=64,
+                          speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False,
+                                                        prompt_lookup_min=1, prompt_lookup_max=3))
+    engine = LLMEngine(config, rank_launcher=RayRankLauncher())
+    try:
+        n = sd.NUM_REQUESTS
+        params = [SamplingParams(temperature=sd.TEMPERATURE, top_k=sd.TOP_K, top_p=sd.TOP_P, max_tokens=5,
+                                 ignore_eos=True, seed=2 * i) for i in range(n)]
+        outs = engine.generate([sd.PROMPT] * n, params)
+        assert engine.stats.num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+    for pos in range(3):
+        emp = empirical([o.token_ids[pos] for o in outs], sd.VOCAB)
+        tv, bound = tv_distance(emp, exact[pos]), tv_threshold(exact[pos], n)
+        assert tv < bound, f"token {pos + 1}: TV {tv:.4f} >= {bound:.4f}"
+
+
+# ---- a rank that dies ---------------------------------------------------------------------------
+
+def test_a_dead_rank_fails_the_engine_without_a_hang(target_dir):
+    engine = engine_at(target_dir, 2)
+    try:
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        ray.kill(engine.ranks.workers[0], no_restart=True)
+        box: dict = {}
+
+        def steps():
+            try:
+                for _ in range(200):
+                    engine.step()
+            except BaseException as err:  # noqa: BLE001
+                box["error"] = err
+
+        thread = threading.Thread(target=steps, daemon=True)
+        started = time.monotonic()
+        thread.start()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the engine hung on a dead rank"
+        assert isinstance(box.get("error"), RankFailure) and box["error"].fatal
+        assert time.monotonic() - started < 60
+        assert not engine.ranks.alive()
+    finally:
+        engine.ranks = None  # the actor is gone; nothing to release
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- SmolLM2-135M at TP=3 (9 query heads, 3 KV heads) -------------------------------------------
+
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+SMOL_TOKENS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3"])
+def test_smollm2_tp3_greedy_equals_tp1(smollm2, method):
+    spec = {"none": dict(method="none"), "ngram": dict(method="ngram"),
+            "draft_model": dict(method="draft_model", draft_num_layers=8),
+            "eagle3": dict(method="eagle3", draft_model=str(SMOL_HEAD))}[method]
+    reference = [list(greedy_reference(smollm2, p, SMOL_TOKENS)) for p in SMOL_PROMPTS]
+    engine = engine_at(smollm2, 3, max_num_seqs=4, **spec)
+    try:
+        assert engine.model.model.layers[0].self_attn.num_kv_heads == 1  # 3 KV heads over 3 ranks
+        params = SamplingParams(temperature=0.0, max_tokens=SMOL_TOKENS)
+        prompts = [engine.tokenizer.encode(p) for p in SMOL_PROMPTS]
+        assert run_alone(engine, prompts[:1], params) == reference[:1]
+        assert run_batch(engine, prompts, params) == reference
+    finally:
+        engine.shutdown()
