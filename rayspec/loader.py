@@ -1,8 +1,10 @@
 """Find and load models: hub id (`org/name[@revision]`), local directory (config + safetensors or
 pytorch_model*.bin), GGUF file, or the default.
 
-A GGUF file is dequantized once by transformers and kept as safetensors in the rayspec cache
-(`$RAYSPEC_CACHE`, default `~/.cache/rayspec`), so later starts take seconds, not ~20 s.
+Weights are read tensor by tensor into a model built at its dtype on its device (`build_model`,
+`load_checkpoint`): a load never holds them twice. A GGUF file is dequantized once by transformers
+and kept as safetensors in the rayspec cache (`$RAYSPEC_CACHE`, default `~/.cache/rayspec`), so
+later starts take seconds, not ~20 s.
 """
 
 from __future__ import annotations
@@ -590,13 +592,19 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
                         reader.copy_into(name, params[name], buffer)
                         filled.add(name)
         else:
-            state = _torch_load(path)
-            for name, tensor in state.items():
-                if name in params:
-                    _copy_tensor(name, params[name], tensor)
-                    filled.add(name)
-            del state  # unmaps the file before the next one
+            filled |= _copy_bin_file(path, params)
     _check_filled(model, filled)
+
+
+def _copy_bin_file(path: Path, params: dict[str, torch.Tensor]) -> set[str]:
+    """Fill the parameters one pytorch_model*.bin file has (memory-mapped: unmapped on return, when
+    the last of its tensors goes)."""
+    filled = set()
+    for name, tensor in _torch_load(path).items():
+        if name in params:
+            _copy_tensor(name, params[name], tensor)
+            filled.add(name)
+    return filled
 
 
 _SAFETENSORS_DTYPES = {
@@ -650,6 +658,10 @@ class SafetensorsReader:
         if dtype is None:
             raise ValueError(f"{self.path}: {name} has dtype {entry['dtype']}, which rayspec cannot read")
         shape = tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{self.path}: {name}'s header gives {end - begin} bytes for shape {list(shape)} "
+                             f"in {entry['dtype']}")
         shard = _shard_of(param)
         _source_shape(name, shape, shard, param)
         if not param.is_contiguous():
@@ -662,7 +674,7 @@ class SafetensorsReader:
         run, stride = (stop - start) * inner, (shape[dim] if shape else 1) * inner
         first = start * inner
         size = dtype.itemsize
-        begin = self._data_start + entry["data_offsets"][0]
+        begin += self._data_start
         dest = param.view(-1)  # [numel]
         staging = torch.frombuffer(buffer, dtype=torch.uint8)  # [READ_CHUNK_BYTES], shares `buffer`
         capacity = len(buffer) // size  # elements per buffer

@@ -296,7 +296,7 @@ def test_reads_through_a_buffer_smaller_than_a_tensor(small_dir, monkeypatch):
 _PEAK_SCRIPT = """
 import json, sys
 import torch, transformers
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer  # what a load imports lazily: part of the baseline
 from transformers.models.llama import modeling_llama
 from rayspec import loader
 
@@ -322,6 +322,7 @@ print(json.dumps({"peak": status("VmHWM") - baseline, "weights": weights}))
 def test_peak_memory_stays_near_the_weights(tmp_path):
     """Loading a float32 checkpoint (76 MB) in bfloat16 holds little beyond the 38 MB of bfloat16 weights:
     the old loader (a dict of every float32 tensor, then a float32 model, then the cast) held 4x."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -331,7 +332,7 @@ def test_peak_memory_stays_near_the_weights(tmp_path):
     path = make_tiny_model_dir(tmp_path / "m", seed=0, num_layers=2, hidden=256, vocab_size=32000, with_tokenizer=False)
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(path)], cwd=root, check=True,
-                         capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})  # this checkout's rayspec
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["weights"] > 30e6
     assert figures["peak"] < 1.5 * figures["weights"], figures
