@@ -129,6 +129,14 @@ def _cpu_model() -> str:
                 platform.processor())
 
 
+def _describe(case: dict) -> str:
+    return (f"{case['loader']:>14} {case['dtype']:>9}: load peak {case['load_peak'] / MIB:7.1f} MiB "
+            f"({case['load_peak_over_bf16_weights']:.2f}x the bf16 weights, {case['bf16_weight_bytes'] / MIB:.1f} MiB; "
+            f"{case['load_peak_over_weights']:.2f}x at this dtype), pack +{case['pack_extra'] / MIB:.1f} MiB, "
+            f"whole load_model {case['total_peak'] / MIB:.1f} MiB, baseline {case['baseline_rss'] / MIB:.0f} MiB, "
+            f"{case['seconds']:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -153,10 +161,7 @@ def main() -> None:
             case["load_peak_over_bf16_weights"] = round(case["load_peak"] / case["bf16_weight_bytes"], 3)
             case["load_peak_over_weights"] = round(case["load_peak"] / case["weight_bytes"], 3)  # at this dtype
             cases.append(case)
-            print(f"{case['loader']:>14} {dtype:>9}: load peak {case['load_peak'] / MIB:7.1f} MiB "
-                  f"({case['load_peak_over_bf16_weights']:.2f}x the bf16 weights, {case['bf16_weight_bytes'] / MIB:.1f} "
-                  f"MiB; {case['load_peak_over_weights']:.2f}x at this dtype), pack +{case['pack_extra'] / MIB:.1f} MiB, whole load_model {case['total_peak'] / MIB:.1f} MiB, "
-                  f"baseline {case['baseline_rss'] / MIB:.0f} MiB, {case['seconds']:.1f} s", flush=True)
+            print(_describe(case), flush=True)
     result = {"model": args.model, "cpu": _cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
               "goal": "load_peak <= 1.2x the bf16 weight bytes (bfloat16 load)", "cases": cases}
     if args.json:

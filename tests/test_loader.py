@@ -331,8 +331,9 @@ def test_peak_memory_stays_near_the_weights(tmp_path):
 
     path = make_tiny_model_dir(tmp_path / "m", seed=0, num_layers=2, hidden=256, vocab_size=32000, with_tokenizer=False)
     root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}  # this checkout's rayspec
     out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(path)], cwd=root, check=True,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})  # this checkout's rayspec
+                         capture_output=True, text=True, env=env)
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["weights"] > 30e6
     assert figures["peak"] < 1.5 * figures["weights"], figures
