@@ -1,8 +1,10 @@
 """Find and load models: hub id (`org/name[@revision]`), local directory (config + safetensors or
 pytorch_model*.bin), GGUF file, or the default.
 
-A GGUF file is dequantized once by transformers and kept as safetensors in the rayspec cache
-(`$RAYSPEC_CACHE`, default `~/.cache/rayspec`), so later starts take seconds, not ~20 s.
+Weights are read tensor by tensor into a model built at its dtype on its device (`build_model`,
+`load_checkpoint`): a load never holds them twice. A GGUF file is dequantized once by transformers
+and kept as safetensors in the rayspec cache (`$RAYSPEC_CACHE`, default `~/.cache/rayspec`), so
+later starts take seconds, not ~20 s.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import fnmatch
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -455,34 +459,45 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.clone(), float(rotary.attention_scaling)
 
 
-def build_model(config, state_dict: dict | None, device, dtype, tp=None) -> CausalLM:
-    """tp: this rank's rayspec.parallel.TPGroup (the model is its shard; state_dict is the full one)."""
-    from rayspec.parallel import NO_TP, tag_shards, zero_row_biases
+def empty_model(config, device, dtype, tp=None) -> CausalLM:
+    """A CausalLM for `config` with its parameters allocated at `dtype` on `device` and not yet
+    filled (tied embeddings shared, the rotary buffer float32 and computed). Built on the meta
+    device and cast there, so no float32 copy of a bfloat16 model ever exists. A parameter's
+    `tp_shard` (see `load_checkpoint`), set at construction, is kept. tp: this rank's
+    rayspec.parallel.TPGroup (the model is then its shard; its layers' slices become `tp_shard`s)."""
+    from rayspec.parallel import NO_TP, tag_shards
 
-    tp = tp or NO_TP
     args = ModelArgs.from_hf_config(config)
     inv_freq, scaling = rope_from_config(config)
     with torch.device("meta"):
-        model = CausalLM(args, inv_freq, scaling, tp=tp)
+        model = CausalLM(args, inv_freq, scaling, tp=tp or NO_TP)
+    model.to(dtype)  # on meta: only the dtypes change (inv_freq stays float32: Float32Rotary)
+    shards = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
+    # to_empty makes new Parameter objects: their attributes are lost and tied weights come apart
     model = model.to_empty(device=device)
-    model.inv_freq = inv_freq.to(device)
+    for name, shard in shards.items():
+        model.get_parameter(name).tp_shard = shard
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     tag_shards(model)
-    if state_dict is not None:
-        if tp.size > 1:
-            state_dict = dict(state_dict)
-            for name, param in model.named_parameters():
-                where = getattr(param, "tp_shard", None)
-                if where is not None and name in state_dict:
-                    dim, start, stop = where
-                    state_dict[name] = state_dict[name].narrow(dim, start, stop - start)
-        missing, unexpected = model.load_state_dict(state_dict, strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and args.tie_word_embeddings)]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:5]}...")
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        zero_row_biases(model, tp)
-    return model.to(dtype).eval().pack_for_cpu()
+    model.inv_freq = inv_freq.to(device)
+    return model
+
+
+def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torch.float32,
+                model_dir: Path | None = None, tp=None) -> CausalLM:
+    """A ready model (eval mode, packed for the CPU): weights streamed from the checkpoint in
+    `model_dir` (`load_checkpoint`), or copied from `state_dict`, or left uninitialized when
+    neither is given (only the sizes matter: memory checks, tests that fill weights themselves)."""
+    from rayspec.parallel import NO_TP, zero_row_biases
+
+    model = empty_model(config, device, dtype, tp)
+    if model_dir is not None:
+        load_checkpoint(model, model_dir)
+    elif state_dict is not None:
+        load_state(model, state_dict)
+    zero_row_biases(model, tp or NO_TP)
+    return model.eval().pack_for_cpu()
 
 
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True):
@@ -494,17 +509,204 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     dtype = parse_dtype(dtype, device)
     model_dir = resolve_model_dir(spec)
     config = load_hf_config(model_dir)
-    state = load_weights(model_dir)  # all safetensors shards, else pytorch_model*.bin
-    state = {k: v for k, v in state.items() if k.startswith(("model.", "lm_head."))}
     if num_layers is not None:
-        config.num_hidden_layers = num_layers
-        state = {k: v for k, v in state.items()
-                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
-    model = build_model(config, state, device, dtype, tp=tp)
+        config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
+    model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp)
     # a checkpoint without tokenizer files serves token ids only (tokenizer None)
     has_tokenizer = tokenizer and (any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists())
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
     return model, tokenizer
+
+
+# ---- filling a model's parameters ------------------------------------------------------------
+#
+# Each parameter is filled from its checkpoint tensor: cast to the parameter's dtype and copied to
+# its device, one tensor at a time. A parameter with a `tp_shard = (dim, start, stop)` attribute
+# (tensor parallelism) holds `checkpoint_tensor.narrow(dim, start, stop - start)`, and only that
+# slice is read. Checkpoint tensors the model has no parameter for (layers past num_layers,
+# anything outside `model.` / `lm_head.`, lm_head.weight of a model with tied embeddings, whose
+# weight is embed_tokens') are skipped.
+
+# bytes read from disk per step; what a load holds beyond the weights themselves
+READ_CHUNK_BYTES = 16 << 20
+
+
+def _shard_of(param: torch.Tensor) -> tuple[int, int, int] | None:
+    shard = getattr(param, "tp_shard", None)
+    return None if shard is None else tuple(int(v) for v in shard)
+
+
+def _source_shape(name: str, shape: tuple[int, ...], shard: tuple[int, int, int] | None,
+                  param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of what `param` takes from a checkpoint tensor of `shape` (its tp_shard slice);
+    ValueError when the slice is out of range or does not fit the parameter."""
+    if shard is not None:
+        dim, start, stop = shard
+        if not (0 <= dim < len(shape) and 0 <= start < stop <= shape[dim]):
+            raise ValueError(f"{name}: tp_shard {shard} does not fit the checkpoint tensor of shape {list(shape)}")
+        shape = shape[:dim] + (stop - start,) + shape[dim + 1:]
+    if tuple(param.shape) != tuple(shape):
+        what = f"its tp_shard {shard} of the checkpoint tensor" if shard is not None else "the checkpoint tensor"
+        raise ValueError(f"{name}: the model's parameter has shape {list(param.shape)}, "
+                         f"{what} has shape {list(shape)}")
+    return shape
+
+
+def _check_filled(model: CausalLM, filled: set[str]) -> None:
+    missing = [name for name, _ in model.named_parameters() if name not in filled]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
+
+
+def _copy_tensor(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Fill `param` from a whole checkpoint tensor already in memory (its tp_shard slice)."""
+    shard = _shard_of(param)
+    _source_shape(name, tuple(tensor.shape), shard, param)
+    if shard is not None:
+        dim, start, stop = shard
+        tensor = tensor.narrow(dim, start, stop - start)
+    param.copy_(tensor)  # casts to the parameter's dtype, moves to its device
+
+
+@torch.no_grad()
+def load_state(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Fill every parameter of `model` from a state dict (tensors anywhere, any float dtype)."""
+    filled = set()
+    for name, param in model.named_parameters():
+        if name in state_dict:
+            _copy_tensor(name, param, state_dict[name])
+            filled.add(name)
+    _check_filled(model, filled)
+
+
+@torch.no_grad()
+def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`, tensor by tensor, so that
+    the weights are never held twice: safetensors shards are read with plain positioned reads
+    through one READ_CHUNK_BYTES buffer (a memory map would leave the pages it touched resident: a
+    float32 file is twice a bfloat16 model), pytorch_model*.bin files are memory-mapped one at a
+    time. ValueError names the parameters the checkpoint lacks."""
+    params = dict(model.named_parameters())  # tied lm_head.weight is not here: embed_tokens' is
+    fmt, files = weight_files(model_dir)
+    filled: set[str] = set()
+    buffer = None
+    for path in files:
+        if fmt == "safetensors":
+            with SafetensorsReader(path) as reader:
+                for name in reader.names():  # in file order: reads go forward through the file
+                    if name in params:
+                        buffer = buffer if buffer is not None else bytearray(READ_CHUNK_BYTES)
+                        reader.copy_into(name, params[name], buffer)
+                        filled.add(name)
+        else:
+            filled |= _copy_bin_file(path, params)
+    _check_filled(model, filled)
+
+
+def _copy_bin_file(path: Path, params: dict[str, torch.Tensor]) -> set[str]:
+    """Fill the parameters one pytorch_model*.bin file has (memory-mapped: unmapped on return, when
+    the last of its tensors goes)."""
+    filled = set()
+    for name, tensor in _torch_load(path).items():
+        if name in params:
+            _copy_tensor(name, params[name], tensor)
+            filled.add(name)
+    return filled
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class SafetensorsReader:
+    """One safetensors file read with positioned reads from its header's offsets.
+
+    Layout: 8 bytes (little-endian u64) header length N, N bytes of JSON
+    {name: {"dtype", "shape", "data_offsets": [begin, end]}}, then the data, offsets relative to
+    byte 8 + N, each tensor row-major and contiguous."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            (length,) = struct.unpack("<Q", self._read(0, 8))
+            header = json.loads(self._read(8, length))
+        except Exception:
+            os.close(self._fd)
+            raise
+        header.pop("__metadata__", None)
+        self._data_start = 8 + length
+        self._entries: dict[str, dict] = header
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)
+
+    def _read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise ValueError(f"{self.path}: truncated (wanted {size} bytes at {offset}, got {len(data)})")
+        return data
+
+    def names(self) -> list[str]:
+        """Tensor names in the order of their data in the file."""
+        return sorted(self._entries, key=lambda name: self._entries[name]["data_offsets"][0])
+
+    def copy_into(self, name: str, param: torch.Tensor, buffer: bytearray) -> None:
+        """Fill `param` (contiguous, any device and float dtype) with tensor `name`, or its tp_shard
+        slice, through `buffer`: only the bytes of that slice are read."""
+        entry = self._entries[name]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{self.path}: {name} has dtype {entry['dtype']}, which rayspec cannot read")
+        shape = tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{self.path}: {name}'s header gives {end - begin} bytes for shape {list(shape)} "
+                             f"in {entry['dtype']}")
+        shard = _shard_of(param)
+        _source_shape(name, shape, shard, param)
+        if not param.is_contiguous():
+            raise ValueError(f"{name}: the model's parameter is not contiguous")
+        # the slice as `outer` contiguous runs of `run` elements, `stride` elements apart:
+        # shape [outer, shape[dim], inner] narrowed on its middle dim (one run for a whole tensor)
+        dim, start, stop = shard if shard is not None else (0, 0, shape[0] if shape else 1)
+        outer = math.prod(shape[:dim])
+        inner = math.prod(shape[dim + 1:])
+        run, stride = (stop - start) * inner, (shape[dim] if shape else 1) * inner
+        first = start * inner
+        size = dtype.itemsize
+        begin += self._data_start
+        dest = param.view(-1)  # [numel]
+        staging = torch.frombuffer(buffer, dtype=torch.uint8)  # [READ_CHUNK_BYTES], shares `buffer`
+        capacity = len(buffer) // size  # elements per buffer
+        view = memoryview(buffer)
+        written = held = 0  # elements of dest filled, elements waiting in the buffer
+
+        def flush() -> None:
+            nonlocal written, held
+            dest[written:written + held].copy_(staging[:held * size].view(dtype))  # cast + device move
+            written, held = written + held, 0
+
+        for o in range(outer):
+            done = 0
+            while done < run:  # a run longer than the buffer is read in pieces
+                if held == capacity:
+                    flush()
+                n = min(run - done, capacity - held)
+                offset = begin + (o * stride + first + done) * size
+                got = os.preadv(self._fd, [view[held * size:(held + n) * size]], offset)
+                if got != n * size:
+                    raise ValueError(f"{self.path}: truncated in {name} (wanted {n * size} bytes at {offset})")
+                held, done = held + n, done + n
+        if held:
+            flush()
 
 
 def generation_eos_ids(spec: str) -> set[int]:

@@ -422,3 +422,17 @@ def test_config_naming_hub_ids_served_from_empty_cache_then_offline(repos, tmp_p
         assert len(server.log) == logged
     finally:
         server.stop()
+
+
+def test_chat_template_jinja_comes_along(hub, tmp_path):
+    """transformers 5 saves the chat template as chat_template.jinja beside tokenizer_config.json: a
+    snapshot must fetch it (`_META_PATTERNS`), or the tokenizer has no template."""
+    path = make_tiny_model_dir(tmp_path / "chat", seed=12, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                               with_tokenizer=False)
+    _write_tokenizer(path)
+    template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    (path / "chat_template.jinja").write_text(template)
+    hub.add_repo("org/chat", {"main": path})
+    _, tokenizer = loader.load_model("org/chat", device="cpu")
+    assert "chat_template.jinja" in hub.downloads("org/chat")
+    assert tokenizer.chat_template == template
