@@ -257,8 +257,8 @@ def test_tp_shard_survives_materialization_and_is_checked(small_dir, monkeypatch
 
     built = model_module.Backbone.__init__
 
-    def backbone_with_shard(self, args):  # as a tensor-parallel layer would, at construction
-        built(self, args)
+    def backbone_with_shard(self, args, *rest):  # as a tensor-parallel layer would, at construction
+        built(self, args, *rest)
         norm = self.layers[0].input_layernorm
         norm.weight = torch.nn.Parameter(torch.empty(args.hidden_size // 2))
         norm.weight.tp_shard = (0, args.hidden_size // 2, args.hidden_size)
