@@ -49,7 +49,7 @@ def _gemma2_config():
     from transformers import Gemma2Config
 
     return Gemma2Config(**_common(), num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
-                        attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                        attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=False,
                         layer_types=["sliding_attention", "full_attention"] * 2)
 
 
