@@ -177,12 +177,16 @@ def _tree_logits(model, prefix: list[int], tokens: list[int], parents: list[int]
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
 def test_tree_query_across_the_window(model_dirs, arch):
     """A token tree (siblings share a rope position, not a cache row) hanging off a prefix longer
-    than the window: each node's logits equal transformers' over prefix + its path. The sliding
-    layers must measure the window in rope positions (a node's depth), not cache rows."""
+    than the window, deeper than the window: each node's logits equal transformers' over prefix +
+    its path. The sliding layers must measure the window in rope positions (a node's depth), not
+    cache rows."""
     target, _ = model_dirs[arch]
     prefix = PROMPTS[3]  # 20 tokens: the window (8) reaches back into it from every node
-    tokens = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
-    parents = [0, 0, 0, 1, 1, 2, 4, 4, 6, 8]  # node j+1 hangs from node parents[j] (0: the prefix's last token)
+    # node j+1 hangs from node parents[j] (0: the prefix's last token): four siblings at depth 1,
+    # then a chain from the last of them 10 deep, whose far end (depth 11, cache row 14) must not see
+    # its ancestors more than a window away in depth, though they are fewer than a window away in rows
+    tokens = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    parents = [0, 0, 0, 0, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     got = _tree_logits(_ours(target), prefix, tokens, parents)
     full_parents = [-1] + parents
     for node in range(len(full_parents)):
