@@ -170,15 +170,19 @@ class GenericCausalLM(nn.Module):
         register_attention()
         if hf_model.config._attn_implementation != ATTN_IMPLEMENTATION:
             hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.hf = hf_model.eval()
-        self.decoder = hf_model.get_decoder()  # embeddings, layers, final norm (no LM head)
+        hf_model.eval()
+        # Only the decoder (embeddings, layers, final norm) and the LM head are kept: the causal-LM
+        # wrapper adds nothing a forward here uses. `model` / `lm_head` / `model.embed_tokens` are
+        # the names CausalLM has, which EAGLE heads share weights through (eagle.head.attach_target).
+        self.model = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
         self.config = hf_model.config
         self.args = args_from_config(self.config)
         # the KV cache and inputs' dtype (gpt-oss keeps its norms in float32 whatever the load dtype)
         self.compute_dtype = compute_dtype or self.lm_head.weight.dtype
-        self.layers = _decoder_layers(self.decoder, self.args.num_layers)
+        self.layers = tuple(_decoder_layers(self.model, self.args.num_layers))  # where aux_layers hook in
         self.cpu_kernels = None
+        self.eval()
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch,
                 aux_layers: tuple[int, ...] | None = None):
@@ -193,7 +197,7 @@ class GenericCausalLM(nn.Module):
             for i in aux_layers or ():
                 handle = self.layers[i].register_forward_pre_hook(_capture_input(captured, i), with_kwargs=True)
                 hooks.callback(handle.remove)
-            out = self.decoder(input_ids=input_ids, position_ids=batch.positions, use_cache=False,
+            out = self.model(input_ids=input_ids, position_ids=batch.positions, use_cache=False,
                                **{_STEP_KWARG: _Step(cache, batch)})
         hidden = batch.output(batch.pack(out.last_hidden_state))
         if aux_layers is None:

@@ -7,6 +7,7 @@ query_pre_attn_scalar) and Granite (embedding/residual/attention multipliers, lo
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,25 @@ def test_aux_layers_are_layer_inputs(model_dirs, arch):
     assert aux.shape == (1, len(prompt), 3 * H)
     for j, layer in enumerate((0, 1, 3)):
         torch.testing.assert_close(aux[0, :, j * H:(j + 1) * H], ref[layer][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("topk,depth", [(1, None), (2, 3)], ids=["chain", "tree"])
+def test_eagle3_on_the_generic_path(model_dirs, tmp_path, topk, depth):
+    """An EAGLE-3 head (random: its drafts are mostly rejected) drafting from the features the
+    generic path hands over (aux_layers), chains and trees verified over sliding layers: greedy
+    output equals generate()'s."""
+    from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+    from rayspec.eagle.head import attach_target, build_head
+
+    target, _ = model_dirs["gpt_oss"]
+    model = _ours(target)
+    torch.manual_seed(1)
+    head = build_head(new_eagle_config("eagle3", Path(target), model.args.num_layers, model.args.hidden_size))
+    attach_target(head, model, has_own_embedding=False)
+    head_dir = save_eagle_head(head, tmp_path / "head", dtype=torch.float32)
+    engine = make_engine(target, "eagle3", k=4, loaded=(model, None), draft_model=str(head_dir), eagle_topk=topk,
+                         num_steps=depth, tree_max_batch=8)
+    assert engine.feature_layers == (0, 2, 3)
+    got = run_batch(engine, PROMPTS, PARAMS)
+    assert got == [hf_greedy(target, tuple(p)) for p in PROMPTS]
+    assert engine.stats.num_draft_tokens > 0
