@@ -178,11 +178,32 @@ class GenericCausalLM(nn.Module):
         self.lm_head = hf_model.get_output_embeddings()
         self.config = hf_model.config
         self.args = args_from_config(self.config)
-        # the KV cache and inputs' dtype (gpt-oss keeps its norms in float32 whatever the load dtype)
+        # the KV cache's and the masks' dtype (a model may keep some modules in float32)
         self.compute_dtype = compute_dtype or self.lm_head.weight.dtype
         self.layers = tuple(_decoder_layers(self.model, self.args.num_layers))  # where aux_layers hook in
         self.cpu_kernels = None
         self.eval()
+        self._check_logits(hf_model)
+
+    @torch.inference_mode()
+    def _check_logits(self, hf_model: nn.Module) -> None:
+        """`logits` redoes what the causal-LM wrapper does after the decoder (LM head, then known
+        scalings); a wrapper doing something else would make every token wrong. So the wrapper's own
+        logits of a 2-token probe (same attention, same cache) must match ours."""
+        device = self.lm_head.weight.device
+        cache = KVCache(self.args, num_slots=1, capacity=2, dtype=self.compute_dtype, device=device)
+        ids = torch.tensor([[1, 2]], device=device) % self.args.vocab_size  # [1, 2]
+        visible = torch.ones(2, 2, dtype=torch.bool, device=device).tril()
+        mask = torch.zeros(1, 1, 2, 2, dtype=self.compute_dtype, device=device).masked_fill_(~visible, float("-inf"))
+        batch = ForwardBatch(slots=torch.zeros(1, dtype=torch.long, device=device),
+                             positions=torch.arange(2, device=device)[None], kv_len=2, mask=mask, slot_range=(0, 1))
+        ours = self.logits(self(ids, cache, batch))  # [1, 2, vocab]
+        theirs = hf_model(input_ids=ids, position_ids=batch.positions, use_cache=False,
+                          **{_STEP_KWARG: _Step(cache, batch)}).logits.float()
+        scale = float(theirs.abs().max()) + 1e-6
+        if not torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2 * scale):
+            raise ValueError(f"{type(hf_model).__name__} computes its logits in a way the generic path does not "
+                             f"reproduce (max difference {float((ours - theirs).abs().max()):.3g} on a probe)")
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch,
                 aux_layers: tuple[int, ...] | None = None):

@@ -240,3 +240,19 @@ def test_eagle3_on_the_generic_path(model_dirs, tmp_path, topk, depth):
     got = run_batch(engine, PROMPTS, PARAMS)
     assert got == [hf_greedy(target, tuple(p)) for p in PROMPTS]
     assert engine.stats.num_draft_tokens > 0
+
+
+def test_unknown_logit_processing_is_refused(model_dirs):
+    """A causal LM whose logits the generic path would not reproduce is refused at load, not run
+    wrong: here Granite, with a `logits` that forgets its logits_scaling."""
+    from transformers import AutoModelForCausalLM
+
+    class Forgetful(GenericCausalLM):
+        def logits(self, hidden):
+            return self.lm_head(hidden).float()
+
+    target, _ = model_dirs["granite"]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    GenericCausalLM(hf)  # as it is: accepted
+    with pytest.raises(ValueError, match="logits"):
+        Forgetful(hf)
