@@ -220,26 +220,62 @@ def test_aux_layers_are_layer_inputs(model_dirs, arch):
         torch.testing.assert_close(aux[0, :, j * H:(j + 1) * H], ref[layer][0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("topk,depth", [(1, None), (2, 3)], ids=["chain", "tree"])
-def test_eagle3_on_the_generic_path(model_dirs, tmp_path, topk, depth):
-    """An EAGLE-3 head (random: its drafts are mostly rejected) drafting from the features the
-    generic path hands over (aux_layers), chains and trees verified over sliding layers: greedy
-    output equals generate()'s."""
+@pytest.fixture(scope="module")
+def eagle3_head(model_dirs, tmp_path_factory) -> str:
+    """An EAGLE-3 head for the tiny gpt-oss, trained for a few seconds on features the generic
+    path extracts (aux_layers through rayspec.eagle.data, as `rayspec train` does): drafts the
+    target really accepts."""
+    import json
+    import random
+
     from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+    from rayspec.eagle.data import extract_features, read_answers
     from rayspec.eagle.head import attach_target, build_head
+    from rayspec.eagle.train import collate, load_examples, ttt_loss
 
     target, _ = model_dirs["gpt_oss"]
     model = _ours(target)
-    torch.manual_seed(1)
-    head = build_head(new_eagle_config("eagle3", Path(target), model.args.num_layers, model.args.hidden_size))
+    work = tmp_path_factory.mktemp("eagle3")
+    rng = random.Random(7)
+    prompts = PROMPTS + [[rng.randrange(3, 128) for _ in range(rng.randrange(4, 10))] for _ in range(28)]
+    answers = run_batch(make_engine(target, "none", loaded=(model, None)), prompts,
+                        SamplingParams(temperature=0, max_tokens=40))
+    (work / "answers.jsonl").write_text("".join(json.dumps({"prompt": str(i), "prompt_ids": p, "output_ids": a}) + "\n"
+                                               for i, (p, a) in enumerate(zip(prompts, answers))))
+    config = new_eagle_config("eagle3", Path(target), model.args.num_layers, model.args.hidden_size)
+    shards = extract_features(model, read_answers(work / "answers.jsonl"), work, config.aux_layers)
+    torch.manual_seed(0)
+    head = build_head(config)
     attach_target(head, model, has_own_embedding=False)
-    head_dir = save_eagle_head(head, tmp_path / "head", dtype=torch.float32)
-    engine = make_engine(target, "eagle3", k=4, loaded=(model, None), draft_model=str(head_dir), eagle_topk=topk,
-                         num_steps=depth, tree_max_batch=8)
+    with torch.no_grad():  # start from the target's own output layer
+        head.lm_head.weight.copy_(model.lm_head.weight)
+        head.norm.weight.copy_(model.model.norm.weight)
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    examples = load_examples(shards, "eagle3")
+    batch = collate(examples, list(range(len(examples))), None)
+    head.train()
+    for _ in range(40):
+        loss, _ = ttt_loss(head, *batch, steps=3)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return str(save_eagle_head(head.eval(), work / "head", dtype=torch.float32))
+
+
+@pytest.mark.parametrize("topk,depth", [(1, None), (2, 3)], ids=["chain", "tree"])
+def test_eagle3_on_the_generic_path(model_dirs, eagle3_head, topk, depth):
+    """EAGLE-3 drafting from the features the generic path hands over (aux_layers: inputs of
+    layers 0, 2, 3), chains and trees verified over sliding layers, accepted paths moved in the
+    cache (keep_path): greedy output equals generate()'s."""
+    target, _ = model_dirs["gpt_oss"]
+    engine = make_engine(target, "eagle3", k=4, loaded=(_ours(target), None), draft_model=eagle3_head,
+                         eagle_topk=topk, num_steps=depth, tree_max_batch=8)
     assert engine.feature_layers == (0, 2, 3)
     got = run_batch(engine, PROMPTS, PARAMS)
     assert got == [hf_greedy(target, tuple(p)) for p in PROMPTS]
-    assert engine.stats.num_draft_tokens > 0
+    stats = engine.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 def test_unknown_logit_processing_is_refused(model_dirs):
