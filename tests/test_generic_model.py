@@ -118,6 +118,8 @@ def _engine(target_dir: str, method: str, draft: str | None = None, **spec):
 
 METHODS = [
     ("none", "none", None, {}),
+    # prompts prefilled 5 tokens a step: chunks start mid-prompt, their window reaching into earlier chunks
+    ("none-chunked", "none", None, dict(max_num_batched_tokens=5)),
     ("ngram", "ngram", None, dict(k=4, prompt_lookup_min=1, prompt_lookup_max=3)),
     ("draft-self-1layer", "draft_model", "self", dict(k=3)),
     ("draft-other", "draft_model", "other", dict(k=2)),
@@ -199,6 +201,28 @@ def test_tree_query_across_the_window(model_dirs, arch):
         with torch.no_grad():
             want = _hf(target)(ids).logits[0, -1].float()
         torch.testing.assert_close(got[node], want, atol=2e-4, rtol=1e-4, msg=f"{arch} tree node {node}")
+
+
+def test_transformers_builds_no_mask_or_cache(model_dirs, monkeypatch):
+    """transformers builds no mask for an attention implementation it has no mask function for
+    (our batch's mask is used), and no cache of its own: the attention function sees mask None and
+    the current tokens' keys only."""
+    from transformers import AttentionInterface
+
+    from rayspec import generic_model
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, key.shape[2], kwargs.get("cache")))
+        return generic_model.rayspec_attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, generic_model.ATTN_IMPLEMENTATION, spy)
+    target, _ = model_dirs["gpt_oss"]
+    engine = _engine(target, "ngram", k=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    run_batch(engine, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8))
+    assert seen and all(mask is None and cache is None for mask, _, cache in seen)
+    assert max(q for _, q, _ in seen) == len(PROMPTS[1])  # the longest forward: the prefill, no past keys
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
