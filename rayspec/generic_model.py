@@ -247,7 +247,9 @@ class GenericCausalLM(nn.Module):
 
 
 def _decoder_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
-    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:  # GPT-2-style naming
+        layers = getattr(decoder, "h", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) != num_layers:
         raise ValueError(f"{type(decoder).__name__} has no list of {num_layers} decoder layers the generic path knows")
     return layers

@@ -316,3 +316,14 @@ def test_unknown_logit_processing_is_refused(model_dirs):
     GenericCausalLM(hf)  # as it is: accepted
     with pytest.raises(ValueError, match="logits"):
         Forgetful(hf)
+
+
+@pytest.mark.parametrize("num_layers", [0, 1])
+def test_load_first_layers(model_dirs, num_layers):
+    """num_layers keeps the first layers (a self-draft; 0: the embedding and head an EAGLE proposer
+    deployment loads of its target), sliding/full layer types cut to match."""
+    target, _ = model_dirs["gpt_oss"]
+    model = _ours(target, num_layers=num_layers)
+    assert model.args.num_layers == len(model.layers) == num_layers
+    assert model.config.layer_types == ["sliding_attention", "full_attention"][:num_layers]
+    assert torch.equal(model.model.embed_tokens.weight, _ours(target).model.embed_tokens.weight)
