@@ -15,6 +15,11 @@ kernel: `scaling`, `sliding_window` (key visible iff q_pos - k_pos < window, as 
 masks), `softcap` (Gemma 2) and `s_aux` (gpt-oss attention sinks: one extra logit per head in
 the softmax, whose probability is dropped).
 
+The cache and batch reach the attention function as one forward kwarg (`rayspec_step`), which
+transformers' decoders pass down through each layer to the attention call. transformers builds no
+mask of its own for an implementation it has no mask function for (the function gets None and
+uses the batch's), and with use_cache=False no cache of its own either.
+
 EAGLE-3 features (the inputs of three decoder layers) come from forward pre-hooks on the decoder
 layers (`aux_layers`), which catch each chosen layer's input hidden states as the layer is called;
 transformers' `output_hidden_states=True` gives the same tensors, but for every layer.
