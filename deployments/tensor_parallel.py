@@ -17,6 +17,7 @@ whether every rank's actor is still running.
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
@@ -30,15 +31,21 @@ STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 READY_TIMEOUT_S = 600.0  # a placement group that cannot be placed (no such GPUs) fails the start
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
+@ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)
 class RankWorker:
-    """One follower rank (its own process, its bundle's device)."""
+    """One follower rank (its own process, its bundle's device). Two threads: `run` holds one for
+    the rank's life, `node_id` answers on the other."""
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
     def run(self, rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None) -> int:
         return run_rank(rank, size, init_method, model_spec, device, dtype)
+
+
+def rank_actor_name(owner_actor_id: str, rank: int) -> str:
+    """The name of rank `rank`'s actor, started by the replica (actor) `owner_actor_id`."""
+    return f"rayspec-tp-rank{rank}-of-{owner_actor_id}"
 
 
 def rank_bundles(size: int, num_cpus: float, num_gpus: float) -> list[dict]:
@@ -50,8 +57,12 @@ def rank_bundles(size: int, num_cpus: float, num_gpus: float) -> list[dict]:
 
 
 class _RayRanks:
-    def __init__(self, workers: list, runs: list, own_group=None):
-        self.workers, self.runs, self.own_group = workers, runs, own_group
+    def __init__(self, workers: list, started: list, runs: list, own_group=None):
+        self.workers, self.started, self.runs, self.own_group = workers, started, runs, own_group
+
+    def wait_started(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Every rank's actor is up (its process started in its bundle); raises otherwise."""
+        ray.get(self.started, timeout=timeout_s)
 
     def alive(self) -> bool:
         """No rank's run has ended (a rank's run ends only at shutdown, or when its process died)."""
@@ -92,14 +103,16 @@ class RayRankLauncher(RankLauncher):
         if len(specs) < first + size - 1:
             raise ValueError(f"tensor_parallel_size {size} needs {first + size - 1} placement group bundles; "
                              f"this replica's group has {len(specs)} (placement_group_bundles)")
+        owner = ray.get_runtime_context().get_actor_id() or f"driver-{os.getpid()}"
         workers = []
         for rank in range(1, size):
             spec = specs[first + rank - 1]
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first + rank - 1,
                                                         placement_group_capture_child_tasks=False)
-            workers.append(RankWorker.options(num_cpus=spec.get("CPU", 0), num_gpus=spec.get("GPU", 0),
-                                              scheduling_strategy=strategy).remote())
+            workers.append(RankWorker.options(name=rank_actor_name(owner, rank), num_cpus=spec.get("CPU", 0),
+                                              num_gpus=spec.get("GPU", 0), scheduling_strategy=strategy).remote())
+        started = [w.node_id.remote() for w in workers]
         runs = [w.run.remote(rank, size, init_method, model_spec, device, dtype) for rank, w in enumerate(workers, 1)]
         logger.info("started %d tensor-parallel ranks (%s)", size - 1, "own placement group" if own else
                     "the replica's placement group")
-        return _RayRanks(workers, runs, own)
+        return _RayRanks(workers, started, runs, own)

@@ -114,6 +114,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _ray_rank_launcher():
+    """Tensor-parallel ranks as Ray actors (a local Ray instance unless RAY_ADDRESS names a cluster)."""
+    import ray
+
+    from deployments.tensor_parallel import RayRankLauncher
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    return RayRankLauncher()
+
+
 def cmd_bench_offline(args) -> int:
     from rayspec.bench.offline import format_result, run_offline_benchmark
 
@@ -128,7 +139,9 @@ def cmd_bench_offline(args) -> int:
         draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
         eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
-        eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size)
+        eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
+        tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
+        rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -205,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the target over N ranks (Ray actors; gloo on CPU, NCCL on GPUs); a TP=1 "
+                        "target-only engine runs beside it for tp1_greedy_match and tp_vs_tp1")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: float32 on CPU)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.set_defaults(func=cmd_bench_offline)
 
     p = sub.add_parser("train", help="train a draft head by self-distillation").add_subparsers(

@@ -129,6 +129,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
         self._committing = False  # _decode past the point where sequences take tokens
+        self.num_steps = 0
 
     def _num_slots(self, model: CausalLM, spec) -> int:
         from rayspec.memory import kv_cache_plan  # the one sizing function (`rayspec plan` reports it too)
@@ -271,6 +272,7 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
         decoding = [s for s in self.running if s.prefilled]
         self._admit()
         chunks = self._prefill_chunks([s for s in self.running if not s.prefilled])

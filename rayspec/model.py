@@ -70,6 +70,7 @@ class KVCache:
         self.num_slots = num_slots
         self.capacity = capacity
         self.tp = tp
+        self.cache_id = 0  # with tp: which of the followers' caches mirrors this one (CausalLM.new_cache)
 
     @staticmethod
     def bytes_per_token(args: ModelArgs, dtype) -> int:
@@ -78,14 +79,14 @@ class KVCache:
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         if self.tp.is_driver:
-            self.tp.send(OP_COPY_SLOT, [src, dst, length])
+            self.tp.send(OP_COPY_SLOT, [src, dst, length, self.cache_id])
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy cache rows src -> dst (positions, [n] long each) of one slot, every layer."""
         if self.tp.is_driver:
-            self.tp.send(OP_MOVE_ROWS, [slot, src.shape[0]], [src, dst])
+            self.tp.send(OP_MOVE_ROWS, [slot, src.shape[0], self.cache_id], [src, dst])
         for cache in (self.k, self.v):
             rows = cache[:, slot]  # [layers, kv_heads, capacity, head_dim] view: one copy for all layers
             rows[:, :, dst] = rows[:, :, src]
@@ -495,7 +496,7 @@ class CausalLM(Float32Rotary):
         [B, Q, len(aux_layers) * hidden_size] (the features an EAGLE-3 head drafts from).
         """
         if self.tp.is_driver:
-            send_forward(self.tp, input_ids, batch)
+            send_forward(self.tp, input_ids, batch, cache.cache_id)
         x = self.model.embed_tokens(batch.pack(input_ids))  # [N, H]
         cos, sin = self.rope(batch.positions, x.dtype)
         aux = []
@@ -540,9 +541,12 @@ class CausalLM(Float32Rotary):
 
     def new_cache(self, num_slots: int, capacity: int) -> KVCache:
         """A KV cache for this model (with tp: this rank's heads; rank 0 has the others make theirs)."""
-        if self.tp.is_driver:
-            self.tp.send(OP_NEW_CACHE, [num_slots, capacity])
-        return KVCache(self.args, num_slots, capacity, self.compute_dtype, self.model.norm.weight.device, self.tp)
+        cache = KVCache(self.args, num_slots, capacity, self.compute_dtype, self.model.norm.weight.device, self.tp)
+        if self.tp.size > 1:
+            cache.cache_id, self.tp.num_caches = self.tp.num_caches, self.tp.num_caches + 1
+            if self.tp.is_driver:
+                self.tp.send(OP_NEW_CACHE, [num_slots, capacity])
+        return cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden_size] -> [..., vocab] in float32 (sampling wants full precision)

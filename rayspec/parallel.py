@@ -27,6 +27,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 HEADER_LEN = 12
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see TPGroup.init
 OP_STOP, OP_FORWARD, OP_LOGITS, OP_NEW_CACHE, OP_COPY_SLOT, OP_MOVE_ROWS = range(6)
 
 
@@ -46,6 +47,7 @@ class TPGroup:
     device: torch.device = torch.device("cpu")  # where collectives run (cuda:i for NCCL, cpu for gloo)
     group: object = None  # the torch.distributed process group (None: the default group)
     broken: BaseException | None = None
+    num_caches: int = 0  # KV caches made so far (each engine on a model makes its own; ids in order)
 
     @property
     def is_driver(self) -> bool:
@@ -53,8 +55,13 @@ class TPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str, device: torch.device,
-             timeout_s: float = 300.0) -> "TPGroup":
-        """Join the group (blocks until every rank has). NCCL on CUDA devices, gloo elsewhere."""
+             timeout_s: float = IDLE_TIMEOUT_S) -> "TPGroup":
+        """Join the group (blocks until every rank has). NCCL on CUDA devices, gloo elsewhere.
+
+        The timeout bounds every collective, including a follower's wait for rank 0's next command,
+        which lasts as long as the engine is idle: so it is long. A rank that dies is noticed
+        otherwise: gloo raises as soon as a peer's connection closes, and the launcher's handle
+        (`alive()`, the verifier's health check) sees a rank's process end, for NCCL too."""
         device = torch.device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -202,13 +209,14 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 
 # ---- what the other ranks run -------------------------------------------------------------------
 
-def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch) -> None:
-    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`)."""
+def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int) -> None:
+    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`) over
+    their KV cache `cache_id`."""
     B, Q = input_ids.shape
     lo, hi = batch.slot_range if batch.slot_range is not None else (-1, -1)
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]
     ints = [B, Q, batch.kv_len, int(batch.mask is not None), int(batch.cache_positions is not None), n_real,
-            int(batch.packed_output), lo, hi]
+            int(batch.packed_output), lo, hi, cache_id]
     tensors = [input_ids, batch.slots, batch.positions]
     tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows) if m is not None]
     tp.send(OP_FORWARD, ints, tensors)
@@ -233,7 +241,7 @@ def receive_forward(tp: TPGroup, header: list[int], dtype: torch.dtype):
 @torch.inference_mode()
 def serve_commands(model, tp: TPGroup) -> int:
     """A follower's life: do rank 0's commands until OP_STOP. Returns the number of commands run."""
-    cache, count = None, 0
+    caches, count = [], 0  # KV caches by id (one per engine rank 0 runs on this model)
     while True:
         header = tp.receive_header()
         op = header[0]
@@ -242,22 +250,22 @@ def serve_commands(model, tp: TPGroup) -> int:
         count += 1
         if op == OP_FORWARD:
             input_ids, batch = receive_forward(tp, header, model.compute_dtype)
-            model(input_ids, cache, batch)
+            model(input_ids, caches[header[10]], batch)
         elif op == OP_LOGITS:
             model.logits(tp.receive((header[1], header[2]), model.compute_dtype))
         elif op == OP_NEW_CACHE:
-            cache = model.new_cache(header[1], header[2])
+            caches.append(model.new_cache(header[1], header[2]))
         elif op == OP_COPY_SLOT:
-            cache.copy_slot(*header[1:4])
+            caches[header[4]].copy_slot(*header[1:4])
         elif op == OP_MOVE_ROWS:
-            slot, n = header[1:3]
-            cache.move_rows(slot, tp.receive((n,), torch.long), tp.receive((n,), torch.long))
+            slot, n, cache_id = header[1:4]
+            caches[cache_id].move_rows(slot, tp.receive((n,), torch.long), tp.receive((n,), torch.long))
         else:
             raise RankFailure(f"unknown tensor-parallel command {op}")
 
 
 def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-             timeout_s: float = 300.0) -> int:
+             timeout_s: float = IDLE_TIMEOUT_S) -> int:
     """A follower rank's whole process: join the group, load this rank's shard of the model, then
     serve rank 0's commands until it stops them (or the group breaks)."""
     from rayspec import loader
@@ -286,7 +294,8 @@ class RankLauncher:
         raise NotImplementedError
 
     def launch(self, size: int, init_method: str, model_spec: str, device: str, dtype: str | None):
-        """Start the ranks; returns a handle with `alive() -> bool` and `shutdown()`."""
+        """Start the ranks; returns a handle with `wait_started()` (raises when a rank cannot start),
+        `alive() -> bool` and `shutdown()`."""
         raise NotImplementedError
 
 
@@ -314,6 +323,7 @@ def start_tensor_parallel(config, launcher: RankLauncher | None):
     init_method = f"tcp://{launcher.address()}:{free_port()}"
     ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype)
     try:
+        ranks.wait_started()  # the ranks' processes run (else joining the group below would wait forever)
         tp = TPGroup.init(0, size, init_method, device)
         model, tokenizer = loader.load_model(config.model, device=device, dtype=config.dtype, tp=tp)
         tp.all_reduce(torch.zeros(1, device=device))  # every rank has loaded its shard

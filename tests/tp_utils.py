@@ -12,6 +12,9 @@ class _Processes:
     def __init__(self, procs):
         self.procs = procs
 
+    def wait_started(self) -> None:
+        pass
+
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 

@@ -22,18 +22,24 @@ from rayspec.sampling import SamplingParams
 class SystemRun:
     seconds: float = 0.0
     tokens: int = 0
+    steps: int = 0  # engine steps (rayspec engines only)
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def step_ms(self) -> float | None:
+        return 1000 * self.seconds / self.steps if self.steps else None
+
 
 def _run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, run: SystemRun) -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), engine.num_steps
     outs = engine.generate(batch, params)
     run.seconds += time.perf_counter() - start
+    run.steps += engine.num_steps - steps
     for out in outs:
         run.tokens += len(out.token_ids)
         run.outputs.append(out.token_ids)
@@ -92,19 +98,35 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                           prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
                           eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
                           eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
-                          progress: bool = True) -> dict:
+                          progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
+                          device: str = "cpu", rank_launcher=None) -> dict:
+    """tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
+    rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
+    `tp1_greedy_match`, `tp_vs_tp1`, step times."""
     from rayspec import loader
+    from rayspec.parallel import start_tensor_parallel
 
-    target, tokenizer = loader.load_model(model, device="cpu")
+    ranks = None
+    if tensor_parallel_size > 1:
+        target, tokenizer, ranks = start_tensor_parallel(
+            EngineConfig(model=model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size),
+            rank_launcher)
+    else:
+        target, tokenizer = loader.load_model(model, device=device, dtype=dtype)
     eos = loader.generation_eos_ids(model) | {tokenizer.eos_token_id}
 
-    def engine(spec: SpeculativeConfig) -> LLMEngine:
-        config = EngineConfig(model=model, speculative=spec, device="cpu", max_num_seqs=max(concurrency, 1))
-        eng = LLMEngine(config, model=target, tokenizer=tokenizer)
+    def engine(spec: SpeculativeConfig, on=None) -> LLMEngine:
+        config = EngineConfig(model=model, speculative=spec, device=device, dtype=dtype, max_num_seqs=max(concurrency, 1))
+        on = on if on is not None else target
+        eng = LLMEngine(config, model=on, tokenizer=tokenizer)
         eng.eos_token_ids |= eos
         return eng
 
     baseline = engine(SpeculativeConfig(method="none", num_speculative_tokens=0))
+    tp1 = None
+    if tensor_parallel_size > 1:
+        tp1 = engine(SpeculativeConfig(method="none", num_speculative_tokens=0),
+                     on=loader.load_model(model, device=device, dtype=dtype, tokenizer=False)[0])
     spec_cfg = SpeculativeConfig(method=method, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
                                  draft_model=draft_model, draft_num_layers=draft_num_layers,
                                  prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
@@ -130,10 +152,12 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     # warm-up (allocations, kernel selection) outside the timed runs
     _run_engine(baseline, prompt_ids[:1], 8, SystemRun())
     _run_engine(speculative, prompt_ids[:1], 8, SystemRun())
+    if tp1 is not None:
+        _run_engine(tp1, prompt_ids[:1], 8, SystemRun())
     if hf_model is not None:
         _run_hf(hf_model, prompt_ids[0], 8, SystemRun(), eos)
 
-    runs = {name: SystemRun() for name in ("baseline", "method", "hf", "hf_assisted", "baseline_c1")}
+    runs = {name: SystemRun() for name in ("baseline", "method", "hf", "hf_assisted", "baseline_c1", "tp1")}
     batches = [prompt_ids[i:i + concurrency] for i in range(0, len(prompt_ids), concurrency)]
     spec_stats_before = speculative.stats.as_dict()
     for i, batch in enumerate(batches):
@@ -141,6 +165,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
             print(f"  batch {i + 1}/{len(batches)}", flush=True)
         _run_engine(baseline, batch, max_tokens, runs["baseline"])
         _run_engine(speculative, batch, max_tokens, runs["method"])
+        if tp1 is not None:
+            _run_engine(tp1, batch, max_tokens, runs["tp1"])
         if concurrency > 1:  # the same prompts one at a time: how well batching scales
             for prompt in batch:
                 _run_engine(baseline, [prompt], max_tokens, runs["baseline_c1"])
@@ -152,7 +178,10 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     drafts = stats.num_drafts - spec_stats_before["num_drafts"]
     draft_tokens = stats.num_draft_tokens - spec_stats_before["num_draft_tokens"]
     accepted = stats.num_accepted_tokens - spec_stats_before["num_accepted_tokens"]
-    base, meth = runs["baseline"], runs["method"]
+    base, meth, tp1_run = runs["baseline"], runs["method"], runs["tp1"]
+    if ranks is not None:
+        target.tp.stop()
+        ranks.shutdown()
     return {
         "model": model,
         "method": method,
@@ -188,6 +217,15 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "method_vs_hf_assisted": (meth.throughput / runs["hf_assisted"].throughput
                                   if with_hf and method != "none" and runs["hf_assisted"].throughput else None),
         "dtype": str(baseline.dtype).removeprefix("torch."),
+        "device": str(baseline.device),
+        "tensor_parallel_size": tensor_parallel_size,
+        "baseline_step_ms": base.step_ms,
+        "method_step_ms": meth.step_ms,
+        "tp1_output_throughput": tp1_run.throughput if tp1 is not None else None,
+        "tp1_step_ms": tp1_run.step_ms if tp1 is not None else None,
+        "tp_vs_tp1": base.throughput / tp1_run.throughput if tp1 is not None and tp1_run.throughput else None,
+        "tp1_greedy_match": (base.outputs == tp1_run.outputs and meth.outputs == tp1_run.outputs
+                             if tp1 is not None else None),
         "cpu_kernels": target.cpu_kernels.describe() if getattr(target, "cpu_kernels", None) else None,
         **environment(),
     }
@@ -198,5 +236,6 @@ def format_result(result: dict) -> str:
             "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
             "spec_decode_acceptance_rate", "greedy_match", "baseline_vs_hf", "method_vs_hf_assisted", "cpu_model",
+            "tensor_parallel_size", "dtype", "baseline_step_ms", "tp1_step_ms", "tp_vs_tp1", "tp1_greedy_match",
             "cpu_kernels"]
     return json.dumps({k: result[k] for k in keys}, indent=2)
