@@ -58,6 +58,7 @@ class SpeculativeArgs(_Strict):
     draft_model: str | None = None
     draft_num_layers: int | None = Field(None, ge=1)
     draft_dtype: str | None = None
+    draft_tensor_parallel_size: int | None = Field(None, ge=1)  # 1 or engine.tensor_parallel_size (colocated)
     # eagle3 / eagle tree drafting (SGLang's names): branching per node (1 = a chain) and tree
     # depth (None: num_speculative_tokens); num_speculative_tokens caps the nodes verified
     eagle_topk: int = Field(1, ge=1)
@@ -236,6 +237,9 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _topology(self):
+        if self.topology == "disaggregated" and (self.speculative.draft_tensor_parallel_size or 1) > 1:
+            raise ValueError("draft_tensor_parallel_size > 1 splits the draft over the verifier's ranks: "
+                             "topology must be colocated (a disaggregated proposer runs the draft whole)")
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
         return self

@@ -19,6 +19,9 @@ class SpeculativeConfig:
     draft_model: str | None = None  # hub id, directory or .gguf; None: the target's own checkpoint
     draft_num_layers: int | None = None  # keep only the first N layers of the draft checkpoint
     draft_dtype: str | None = None
+    # draft_model split over the target's tensor-parallel ranks (vLLM's name): 1 (or None) keeps it
+    # whole on rank 0's device; otherwise it must equal EngineConfig.tensor_parallel_size
+    draft_tensor_parallel_size: int | None = None
     # eagle3 / eagle tree drafting (names as SGLang's): branching per node (1 = a chain) and
     # tree depth (None: num_speculative_tokens); num_speculative_tokens caps the tree's nodes
     eagle_topk: int = 1
@@ -82,6 +85,12 @@ class EngineConfig:
             raise ValueError("max_num_waiting must be >= 0 (or None: unbounded)")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        draft_tp = self.speculative.draft_tensor_parallel_size
+        if draft_tp not in (None, 1, self.tensor_parallel_size):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                             f"({self.tensor_parallel_size}), not {draft_tp}")
+        if draft_tp not in (None, 1) and self.speculative.method != "draft_model":
+            raise ValueError("draft_tensor_parallel_size > 1 applies to method draft_model only")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1 (or None: no chunked prefill)")
 

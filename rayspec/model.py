@@ -469,6 +469,10 @@ class CausalLM(Float32Rotary):
         super().__init__()
         self.args = args
         self.tp = tp
+        # which of the followers' models this shard is (rayspec.parallel.serve_commands): in load order
+        self.model_id = 0
+        if tp.size > 1:
+            self.model_id, tp.num_models = tp.num_models, tp.num_models + 1
         self.model = Backbone(args, tp)
         embed = self.model.embed_tokens
         self.lm_head = Linear(args.hidden_size, embed.num_embeddings, bias=False)  # this rank's vocabulary rows
@@ -496,7 +500,7 @@ class CausalLM(Float32Rotary):
         [B, Q, len(aux_layers) * hidden_size] (the features an EAGLE-3 head drafts from).
         """
         if self.tp.is_driver:
-            send_forward(self.tp, input_ids, batch, cache.cache_id)
+            send_forward(self.tp, input_ids, batch, cache.cache_id, self.model_id)
         x = self.model.embed_tokens(batch.pack(input_ids))  # [N, H]
         cos, sin = self.rope(batch.positions, x.dtype)
         aux = []
@@ -545,7 +549,7 @@ class CausalLM(Float32Rotary):
         if self.tp.size > 1:
             cache.cache_id, self.tp.num_caches = self.tp.num_caches, self.tp.num_caches + 1
             if self.tp.is_driver:
-                self.tp.send(OP_NEW_CACHE, [num_slots, capacity])
+                self.tp.send(OP_NEW_CACHE, [num_slots, capacity, self.model_id])
         return cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -553,5 +557,6 @@ class CausalLM(Float32Rotary):
         if not self.model.embed_tokens.split:
             return self.lm_head(hidden).float()
         if self.tp.is_driver:  # the other ranks project the same rows onto their vocabulary slices
-            self.tp.send(OP_LOGITS, [hidden[..., 0].numel(), hidden.shape[-1]], [hidden.reshape(-1, hidden.shape[-1])])
+            self.tp.send(OP_LOGITS, [hidden[..., 0].numel(), hidden.shape[-1], self.model_id],
+                         [hidden.reshape(-1, hidden.shape[-1])])
         return self.tp.all_gather_last(self.lm_head(hidden).float())

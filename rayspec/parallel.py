@@ -48,6 +48,7 @@ class TPGroup:
     group: object = None  # the torch.distributed process group (None: the default group)
     broken: BaseException | None = None
     num_caches: int = 0  # KV caches made so far (each engine on a model makes its own; ids in order)
+    num_models: int = 0  # models sharded over this group so far (the target 0, a draft model 1)
 
     @property
     def is_driver(self) -> bool:
@@ -209,14 +210,14 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 
 # ---- what the other ranks run -------------------------------------------------------------------
 
-def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int) -> None:
-    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`) over
-    their KV cache `cache_id`."""
+def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int, model_id: int) -> None:
+    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`) of their
+    model `model_id` over their KV cache `cache_id`."""
     B, Q = input_ids.shape
     lo, hi = batch.slot_range if batch.slot_range is not None else (-1, -1)
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]
     ints = [B, Q, batch.kv_len, int(batch.mask is not None), int(batch.cache_positions is not None), n_real,
-            int(batch.packed_output), lo, hi, cache_id]
+            int(batch.packed_output), lo, hi, cache_id, model_id]
     tensors = [input_ids, batch.slots, batch.positions]
     tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows) if m is not None]
     tp.send(OP_FORWARD, ints, tensors)
@@ -239,9 +240,10 @@ def receive_forward(tp: TPGroup, header: list[int], dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def serve_commands(model, tp: TPGroup) -> int:
-    """A follower's life: do rank 0's commands until OP_STOP. Returns the number of commands run."""
-    caches, count = [], 0  # KV caches by id (one per engine rank 0 runs on this model)
+def serve_commands(models: list, tp: TPGroup) -> int:
+    """A follower's life: do rank 0's commands until OP_STOP. Returns the number of commands run.
+    models: this rank's shards, by model id (the target; a draft model sharded the same way)."""
+    caches, count = [], 0  # KV caches by id (one per engine or proposer rank 0 runs on a model)
     while True:
         header = tp.receive_header()
         op = header[0]
@@ -249,12 +251,14 @@ def serve_commands(model, tp: TPGroup) -> int:
             return count
         count += 1
         if op == OP_FORWARD:
+            model = models[header[11]]
             input_ids, batch = receive_forward(tp, header, model.compute_dtype)
             model(input_ids, caches[header[10]], batch)
         elif op == OP_LOGITS:
+            model = models[header[3]]
             model.logits(tp.receive((header[1], header[2]), model.compute_dtype))
         elif op == OP_NEW_CACHE:
-            caches.append(model.new_cache(header[1], header[2]))
+            caches.append(models[header[3]].new_cache(header[1], header[2]))
         elif op == OP_COPY_SLOT:
             caches[header[4]].copy_slot(*header[1:4])
         elif op == OP_MOVE_ROWS:
@@ -265,9 +269,10 @@ def serve_commands(model, tp: TPGroup) -> int:
 
 
 def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-             timeout_s: float = IDLE_TIMEOUT_S) -> int:
-    """A follower rank's whole process: join the group, load this rank's shard of the model, then
-    serve rank 0's commands until it stops them (or the group breaks)."""
+             draft: "DraftShard | None" = None, timeout_s: float = IDLE_TIMEOUT_S) -> int:
+    """A follower rank's whole process: join the group, load this rank's shard of the model (and of
+    the draft model, when it is sharded too), then serve rank 0's commands until it stops them (or
+    the group breaks)."""
     from rayspec import loader
 
     device = torch.device(device)
@@ -275,15 +280,41 @@ def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: st
         device = torch.device("cuda", torch.cuda.current_device())
     tp = TPGroup.init(rank, size, init_method, device, timeout_s)
     try:
-        model, _ = loader.load_model(model_spec, device=device, dtype=dtype, tp=tp, tokenizer=False)
+        models = [loader.load_model(model_spec, device=device, dtype=dtype, tp=tp, tokenizer=False)[0]]
+        if draft is not None:
+            models.append(draft.load(device, dtype, tp))
         tp.all_reduce(torch.zeros(1, device=device))  # loaded: rank 0 waits for this
-        return serve_commands(model, tp)
+        return serve_commands(models, tp)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 # ---- starting the ranks --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DraftShard:
+    """A draft model split over the target's ranks (draft_tensor_parallel_size equal to
+    tensor_parallel_size): what each rank loads, as model id 1."""
+
+    model: str
+    num_layers: int | None = None
+    dtype: str | None = None
+
+    @classmethod
+    def of(cls, config) -> "DraftShard | None":
+        """The draft of an EngineConfig when it is sharded with the target, else None."""
+        spec = config.speculative
+        if spec.method != "draft_model" or spec.draft_tensor_parallel_size in (None, 1):
+            return None
+        return cls(spec.draft_model or config.model, spec.draft_num_layers, spec.draft_dtype)
+
+    def load(self, device, dtype, tp: TPGroup):
+        from rayspec import loader
+
+        return loader.load_model(self.model, device=device, dtype=self.dtype or dtype, num_layers=self.num_layers,
+                                 tp=tp, tokenizer=False)[0]
+
 
 class RankLauncher:
     """Starts ranks 1..size-1, each running `run_rank` in a process of its own on its own device.
@@ -293,7 +324,8 @@ class RankLauncher:
         """An address of this process's host that the ranks can reach (rank 0 listens there)."""
         raise NotImplementedError
 
-    def launch(self, size: int, init_method: str, model_spec: str, device: str, dtype: str | None):
+    def launch(self, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
+               draft: DraftShard | None = None):
         """Start the ranks; returns a handle with `wait_started()` (raises when a rank cannot start),
         `alive() -> bool` and `shutdown()`."""
         raise NotImplementedError
@@ -321,11 +353,14 @@ def start_tensor_parallel(config, launcher: RankLauncher | None):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     init_method = f"tcp://{launcher.address()}:{free_port()}"
-    ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype)
+    ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype, DraftShard.of(config))
     try:
         ranks.wait_started()  # the ranks' processes run (else joining the group below would wait forever)
         tp = TPGroup.init(0, size, init_method, device)
         model, tokenizer = loader.load_model(config.model, device=device, dtype=config.dtype, tp=tp)
+        draft = DraftShard.of(config)
+        if draft is not None:  # the draft proposer takes it (rayspec.proposers.draft_model)
+            model.draft_shard = draft.load(device, config.dtype, tp)
         tp.all_reduce(torch.zeros(1, device=device))  # every rank has loaded its shard
     except BaseException:
         ranks.shutdown()

@@ -81,10 +81,14 @@ def _spec(method, draft_dir, head_dir) -> dict:
             "ngram": dict(method="ngram", prompt_lookup_min=1, prompt_lookup_max=3),
             "draft_model": dict(method="draft_model", draft_model=str(draft_dir)),
             "draft_model-self": dict(method="draft_model", draft_num_layers=1),
+            # the draft split over the target's two ranks too (draft_tensor_parallel_size, vLLM's name)
+            "draft_model-tp2": dict(method="draft_model", draft_model=str(draft_dir), draft_tensor_parallel_size=2),
+            "draft_model-self-tp2": dict(method="draft_model", draft_num_layers=1, draft_tensor_parallel_size=2),
             "eagle3": dict(method="eagle3", draft_model=str(head_dir))}[method]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "draft_model-self", "eagle3"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "draft_model-self", "draft_model-tp2",
+                                    "draft_model-self-tp2", "eagle3"])
 def test_tp2_greedy_equals_tp1_target_only(target_dir, draft_dir, head_dir, reference, method):
     engine = engine_at(target_dir, 2, **_spec(method, draft_dir, head_dir))
     try:
@@ -95,6 +99,10 @@ def test_tp2_greedy_equals_tp1_target_only(target_dir, draft_dir, head_dir, refe
         assert batch == reference, "batch of 4 at TP=2 diverges from TP=1 target-only"
         if method != "none":
             assert engine.stats.num_draft_tokens > 0
+        if method.endswith("-tp2"):
+            draft = engine.proposer.runner.model
+            assert draft.tp is engine.model.tp and draft.model_id == 1
+            assert draft.model.layers[0].self_attn.num_heads == 2  # its half of the 4 heads
     finally:
         engine.shutdown()
 

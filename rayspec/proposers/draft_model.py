@@ -31,8 +31,13 @@ class DraftModelProposer(Proposer):
     def create(cls, config, context) -> "DraftModelProposer":
         from rayspec.loader import load_model
 
-        model, _ = load_model(config.draft_model or context.target_model, device=context.device,
-                              dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers)
+        model = getattr(context.target, "draft_shard", None)  # split over the target's ranks (rayspec.parallel)
+        if model is None:
+            if (config.draft_tensor_parallel_size or 1) > 1:
+                raise ValueError("draft_tensor_parallel_size > 1 needs the draft in the target's process group: "
+                                 "equal to tensor_parallel_size, topology colocated")
+            model, _ = load_model(config.draft_model or context.target_model, device=context.device,
+                                  dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers)
         proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
         return proposer
