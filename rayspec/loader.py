@@ -448,7 +448,12 @@ def weight_names(model_dir: Path) -> set[str] | None:
 
 
 def rope_from_config(config) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling for any rope type transformers knows (default, llama3, ...)."""
+    """inv_freq and attention scaling for any static rope type transformers knows (default, linear,
+    llama3, yarn, ...), read from transformers 5's `config.rope_parameters` (rope_theta, rope_type
+    and its scaling fields; older configs' rope_theta / rope_scaling are converted into it when the
+    config loads). Llama's rotary embedding serves every native family: Mistral's, Qwen2's and
+    Qwen3's compute the same from the same config (tests/test_families.py compares each). The
+    length-dependent types (dynamic, longrope) are refused by ModelArgs.from_hf_config."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config)

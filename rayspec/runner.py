@@ -130,18 +130,19 @@ class ModelRunner:
         start_t = torch.tensor(starts, dtype=torch.long, device=dev)
         kv_len = max(ends)
         cache_positions = None
+        args = self.model.args
         if trees is None:
             positions = start_t[:, None] + torch.arange(Q, device=dev)  # [B, Q]
-            key_positions = torch.arange(kv_len, device=dev)[None]  # [1, kv_len]: cache row j holds position j
             if B == 1 and Q == 1:
-                mask = visible = None
+                mask = visible = key_positions = None
             else:
+                key_positions = torch.arange(kv_len, device=dev)[None]  # [1, kv_len]: cache row j holds position j
                 visible = (key_positions[:, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, kv_len]
                 mask = additive_mask(visible, self.dtype)
         else:
-            positions, cache_positions, visible, key_positions = tree_layout(trees, starts, Q, kv_len, dev)
+            positions, cache_positions, visible, key_positions = tree_layout(
+                trees, starts, Q, kv_len, dev, with_key_positions=bool(args.sliding_layers))
             mask = additive_mask(visible, self.dtype)
-        args = self.model.args
         sliding_start, sliding_mask = 0, None
         if args.sliding_layers:
             sliding_start, sliding_mask = sliding_window_mask(visible, mask, positions, key_positions,
@@ -202,10 +203,11 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device):
-    """Rope positions [B, Q], cache rows [B, Q], visibility [B, 1, Q, kv_len] and the position of
-    each cache row's key [B, kv_len] (a tree node's: its rope position; a sliding window counts
-    positions, not cache rows) for tree rows."""
+def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device,
+                with_key_positions: bool = False):
+    """Rope positions [B, Q], cache rows [B, Q], visibility [B, 1, Q, kv_len] for tree rows, and
+    with_key_positions the position of each cache row's key [B, kv_len] (a tree node's: its rope
+    position; a sliding window counts positions, not cache rows), else None."""
     # built in numpy: element writes into torch tensors cost microseconds each, on every draft step
     B = len(trees)
     positions = np.zeros((B, Q), dtype=np.int64)
@@ -225,7 +227,7 @@ def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, 
                 visible[b, 0, q, start + a] = True
                 a = tree.parents[a]
     return (torch.from_numpy(positions).to(device), torch.from_numpy(cache_positions).to(device),
-            torch.from_numpy(visible).to(device), torch.from_numpy(key_positions).to(device))
+            torch.from_numpy(visible).to(device), torch.from_numpy(key_positions).to(device) if with_key_positions else None)
 
 
 def sliding_window_mask(visible, mask, positions, key_positions, window: int, first_start: int, kv_len: int):
@@ -233,9 +235,10 @@ def sliding_window_mask(visible, mask, positions, key_positions, window: int, fi
     at position p, only keys at positions p - window + 1 .. p (transformers' sliding window: key
     position > p - window).
 
-    visible: [B, 1, Q, kv_len] bool or None (one query per row, at kv_len - 1); mask: its additive
-    form; positions: [B, Q] query positions; key_positions: [B or 1, kv_len] each cache row's
-    position; first_start: the least cached length of a row (no query sits before it).
+    visible: [B, 1, Q, kv_len] bool, or None (one query per row, at kv_len - 1: no mask needed);
+    mask: its additive form; positions: [B, Q] query positions; key_positions: [B or 1, kv_len]
+    each cache row's position (None with visible); first_start: the least cached length of a row
+    (no query sits before it).
     Keys before first_start - window + 1 are outside every window: they are cut, not masked."""
     start = max(0, first_start - window + 1)
     if visible is None:  # the single query's window is exactly the keys from `start` on
