@@ -87,6 +87,9 @@ def build(tmp_path_factory):
                     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                       max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0)
                     reference.append(out[0, len(prompt):].tolist())
+                    # no near-tie on the way (measured >= 1e-3 here): equality then does not hang on rounding
+                    top2 = hf(out).logits[0, len(prompt) - 1: -1].topk(2, dim=-1).values  # [32, 2]
+                    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4, f"{name}: a near-tie in the reference"
             assert all(len(r) == GREEDY.max_tokens for r in reference)
             built[name] = name, path, hf, cached_model(str(path)), reference
         return built[name]
