@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rayspec.model import CausalLM, ModelArgs
+from rayspec.model import NATIVE_MODEL_TYPES, CausalLM, ModelArgs, UnsupportedArchitectureError
 
 logger = logging.getLogger(__name__)
 
@@ -452,7 +452,12 @@ def weight_names(model_dir: Path) -> set[str] | None:
 
 
 def rope_from_config(config) -> tuple[torch.Tensor, float]:
-    """inv_freq and attention scaling for any rope type transformers knows (default, llama3, ...)."""
+    """inv_freq and attention scaling for any static rope type transformers knows (default, linear,
+    llama3, yarn, ...), read from transformers 5's `config.rope_parameters` (rope_theta, rope_type
+    and its scaling fields; older configs' rope_theta / rope_scaling are converted into it when the
+    config loads). Llama's rotary embedding serves every native family: Mistral's, Qwen2's and
+    Qwen3's compute the same from the same config (tests/test_families.py compares each). The
+    length-dependent types (dynamic, longrope) are refused by ModelArgs.from_hf_config."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rotary = LlamaRotaryEmbedding(config)
@@ -500,6 +505,17 @@ def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torc
     return model.eval().pack_for_cpu()
 
 
+def is_native(config) -> bool:
+    """Whether rayspec's own model (rayspec/model.py) runs this transformers config; the others run
+    on the generic path. Native: the families of NATIVE_MODEL_TYPES, with the rope types and
+    activations the one model implements (ModelArgs.from_hf_config says which not)."""
+    try:
+        ModelArgs.from_hf_config(config)
+    except UnsupportedArchitectureError:
+        return False
+    return True
+
+
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True):
     """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft).
     tp: a rayspec.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None)."""
@@ -509,9 +525,18 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     dtype = parse_dtype(dtype, device)
     model_dir = resolve_model_dir(spec)
     config = load_hf_config(model_dir)
-    if num_layers is not None:
-        config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
-    model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp)
+    if is_native(config):
+        if num_layers is not None:
+            config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
+        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp)
+    else:  # transformers' own modeling code over our KV cache (rayspec/generic_model.py)
+        from rayspec.generic_model import load_generic_model
+
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"tensor parallelism needs a natively supported architecture ({sorted(NATIVE_MODEL_TYPES)}); "
+                             f"{getattr(config, 'model_type', '?')!r} runs on the generic path, on one device")
+        logger.info("%s (%s) runs on the generic transformers path", spec, getattr(config, "model_type", "?"))
+        model = load_generic_model(model_dir, config, device, dtype, num_layers=num_layers)
     # a checkpoint without tokenizer files serves token ids only (tokenizer None)
     has_tokenizer = tokenizer and (any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists())
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None

@@ -1,4 +1,5 @@
-"""One Llama-family decoder (Llama, SmolLM, Mistral, Qwen2-style bias) over an explicit KV cache.
+"""One Llama-family decoder over an explicit KV cache, configured per family (NATIVE_MODEL_TYPES:
+Llama 2/3/3.1/3.3 and SmolLM, Mistral, Qwen2/2.5, Qwen3): attention biases, q/k norms, sliding windows.
 
 Module names mirror Hugging Face's `LlamaForCausalLM`, so HF safetensors load as they are.
 The cache is written at explicit positions (as in gpt-fast): a rejected draft needs no
@@ -21,6 +22,58 @@ from rayspec.parallel import (NO_TP, OP_COPY_SLOT, OP_LOGITS, OP_MOVE_ROWS, OP_N
 logger = logging.getLogger(__name__)
 
 
+class UnsupportedArchitectureError(ValueError):
+    """A checkpoint this model implementation does not compute exactly (model_type not in
+    NATIVE_MODEL_TYPES, or a feature of it that is not implemented here)."""
+
+
+# rope types whose frequencies transformers recomputes from the sequence length during a forward:
+# one static inv_freq (what CausalLM.rope uses) would differ from them past the original context
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _llama_family(config) -> dict:
+    """Llama (2, 3, 3.1, 3.3, SmolLM): `attention_bias` on q/k/v and o_proj alike, `mlp_bias`."""
+    bias = bool(getattr(config, "attention_bias", False))
+    return dict(attention_bias=bias, o_proj_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+
+def _mistral_family(config) -> dict:
+    """Mistral: no biases; with `sliding_window` set, every layer attends within it."""
+    window = getattr(config, "sliding_window", None)
+    return dict(sliding_window=window, sliding_layers=tuple(range(config.num_hidden_layers)) if window else ())
+
+
+def _layer_type_windows(config) -> dict:
+    """Qwen2/Qwen3: the layers whose `layer_types` entry is "sliding_attention" (the config
+    derives them from use_sliding_window and max_window_layers when not given) attend within
+    `sliding_window`, which the config sets to None unless use_sliding_window."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ()
+    sliding = tuple(i for i, t in enumerate(types[: config.num_hidden_layers]) if t == "sliding_attention")
+    return dict(sliding_window=window, sliding_layers=sliding if window else ())
+
+
+def _qwen2_family(config) -> dict:
+    """Qwen2 / Qwen2.5: biases on q/k/v always (the config has no switch), none on o_proj."""
+    return dict(attention_bias=True, o_proj_bias=False, **_layer_type_windows(config))
+
+
+def _qwen3_family(config) -> dict:
+    """Qwen3: per-head RMSNorm on q and k before rope; `attention_bias` on q/k/v and o_proj alike."""
+    bias = bool(getattr(config, "attention_bias", False))
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, **_layer_type_windows(config))
+
+
+# config.model_type -> the ModelArgs fields particular to that family (the shapes are read alike)
+NATIVE_MODEL_TYPES = {
+    "llama": _llama_family,
+    "mistral": _mistral_family,
+    "qwen2": _qwen2_family,
+    "qwen3": _qwen3_family,
+}
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     vocab_size: int
@@ -32,12 +85,37 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q_proj, k_proj, v_proj
     mlp_bias: bool = False
     max_position_embeddings: int = 8192
+    o_proj_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
+    # layers in sliding_layers see, at position p, only the keys at positions p - sliding_window + 1 .. p
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.sliding_layers and not self.sliding_window:
+            raise ValueError("sliding_layers without a sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None where it attends to every position."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelArgs":
+        model_type = getattr(config, "model_type", None)
+        family = NATIVE_MODEL_TYPES.get(model_type)
+        if family is None:
+            raise UnsupportedArchitectureError(
+                f"model_type {model_type!r} has no native implementation (native: {', '.join(NATIVE_MODEL_TYPES)})")
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise UnsupportedArchitectureError(f"rope type {rope_type!r} (frequencies that change with the "
+                                               "sequence length) has no native implementation")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":  # MLP computes silu(gate) * up
+            raise UnsupportedArchitectureError(f"hidden_act {act!r} has no native implementation (silu only)")
         num_heads = config.num_attention_heads
         return cls(
             vocab_size=config.vocab_size,
@@ -49,9 +127,8 @@ class ModelArgs:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
             max_position_embeddings=getattr(config, "max_position_embeddings", 8192),
+            **family(config),
         )
 
 
@@ -108,6 +185,11 @@ class ForwardBatch:
                the N real tokens only (a padded row costs as much as a real one on CPU); only
                attention sees the padded [B, Q] layout.
     packed_output: return [N, ...] (real tokens, row after row) instead of [B, Q, ...]
+    sliding_start: keys before it lie outside every query's sliding window (ModelArgs.sliding_window),
+               so sliding-window layers attend to keys sliding_start..kv_len-1 only
+    sliding_mask: [B, 1, Q, kv_len - sliding_start] additive float, the mask of sliding-window layers
+               over those keys; None where `mask` is None (one query per row, at kv_len - 1, whose
+               window is exactly those keys) or where the model has no sliding-window layers
     """
 
     slots: torch.Tensor
@@ -118,6 +200,8 @@ class ForwardBatch:
     cache_positions: torch.Tensor | None = None
     real_rows: torch.Tensor | None = None
     packed_output: bool = False
+    sliding_start: int = 0
+    sliding_mask: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -280,8 +364,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, input_size: int | None = None, tp: TPGroup = NO_TP):
-        """input_size: width of the attention input when it is not hidden_size (EAGLE-3: 2x).
+    def __init__(self, args: ModelArgs, input_size: int | None = None, layer: int | None = None,
+                 tp: TPGroup = NO_TP):
+        """input_size: width of the attention input when it is not hidden_size (EAGLE-3: 2x);
+        layer: the decoder layer's index (whether it is a sliding-window layer).
         With tp, this rank's heads only (q/k/v column-parallel, o_proj row-parallel)."""
         super().__init__()
         tp.shard(args.num_heads, "num_attention_heads")  # raise early, naming what does not divide
@@ -296,7 +382,13 @@ class Attention(nn.Module):
                                       "k_proj")
         self.v_proj = column_parallel(Linear(d_in, self.num_kv_heads * hd, bias=bias), tp, args.num_kv_heads * hd,
                                       "v_proj")
-        self.o_proj = row_parallel(Linear(self.num_heads * hd, h, bias=False), tp, args.num_heads * hd, "o_proj")
+        # its bias (Qwen3, Llama with attention_bias) is added once: on rank 0, after the ranks' sum
+        self.o_proj = row_parallel(Linear(self.num_heads * hd, h, bias=args.o_proj_bias), tp, args.num_heads * hd,
+                                   "o_proj")
+        # Qwen3: RMSNorm over each head's head_dim, one weight shared by the heads (whole on every rank)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.sliding_window = None if layer is None else args.layer_window(layer)
         self.qkv: FusedProjection | None = None  # set by pack_for_cpu
 
     def fuse_for_cpu(self) -> None:
@@ -308,6 +400,9 @@ class Attention(nn.Module):
         B, Q = batch.shape
         fused = self.qkv(x) if self.qkv is not None else None
         q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if self.q_norm is not None:  # [N, heads * head_dim], normed per head before rope
+            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         q, k, v = batch.unpack(q), batch.unpack(k), batch.unpack(v)  # [B * Q, ...], padding zero
         q = q.reshape(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.reshape(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -325,7 +420,13 @@ class Attention(nn.Module):
         else:
             keys = cache_k.index_select(0, batch.slots)[:, :, : batch.kv_len]
             values = cache_v.index_select(0, batch.slots)[:, :, : batch.kv_len]
-        out = attention(q, keys, values, batch.mask)  # [B, heads, Q, head_dim]
+        mask = batch.mask
+        if self.sliding_window is not None:  # only the keys inside some query's window, and its own mask
+            if batch.sliding_mask is None and batch.mask is not None:
+                raise ValueError("a sliding-window layer needs ForwardBatch.sliding_mask (ModelRunner builds it)")
+            keys, values = keys[:, :, batch.sliding_start:], values[:, :, batch.sliding_start:]
+            mask = batch.sliding_mask
+        out = attention(q, keys, values, mask)  # [B, heads, Q, head_dim]
         out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
         return self.tp.all_reduce(out)  # [N, H]: the ranks' partial sums
 
@@ -404,9 +505,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, tp: TPGroup = NO_TP):
+    def __init__(self, args: ModelArgs, layer: int | None = None, tp: TPGroup = NO_TP):
         super().__init__()
-        self.self_attn = Attention(args, tp=tp)
+        self.self_attn = Attention(args, layer=layer, tp=tp)
         self.mlp = MLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -441,7 +542,7 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs, tp: TPGroup = NO_TP):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(args, tp) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 

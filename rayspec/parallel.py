@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-HEADER_LEN = 12
+HEADER_LEN = 16
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see TPGroup.init
 OP_STOP, OP_FORWARD, OP_LOGITS, OP_NEW_CACHE, OP_COPY_SLOT, OP_MOVE_ROWS = range(6)
 
@@ -217,9 +217,10 @@ def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int, mod
     lo, hi = batch.slot_range if batch.slot_range is not None else (-1, -1)
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]
     ints = [B, Q, batch.kv_len, int(batch.mask is not None), int(batch.cache_positions is not None), n_real,
-            int(batch.packed_output), lo, hi, cache_id, model_id]
+            int(batch.packed_output), lo, hi, cache_id, model_id, batch.sliding_start,
+            -1 if batch.sliding_mask is None else batch.sliding_mask.shape[-1]]
     tensors = [input_ids, batch.slots, batch.positions]
-    tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows) if m is not None]
+    tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows, batch.sliding_mask) if m is not None]
     tp.send(OP_FORWARD, ints, tensors)
 
 
@@ -233,9 +234,12 @@ def receive_forward(tp: TPGroup, header: list[int], dtype: torch.dtype):
     mask = tp.receive((B, 1, Q, kv_len), dtype) if has_mask else None
     cache_positions = tp.receive((B, Q), long) if has_cache_pos else None
     real_rows = tp.receive((n_real,), long) if n_real >= 0 else None
+    sliding_start, sliding_keys = header[12:14]
+    sliding_mask = tp.receive((B, 1, Q, sliding_keys), dtype) if sliding_keys >= 0 else None
     batch = ForwardBatch(slots=slots, positions=positions, kv_len=kv_len, mask=mask,
                          slot_range=(lo, hi) if lo >= 0 else None, cache_positions=cache_positions,
-                         real_rows=real_rows, packed_output=bool(packed))
+                         real_rows=real_rows, packed_output=bool(packed), sliding_start=sliding_start,
+                         sliding_mask=sliding_mask)
     return input_ids, batch
 
 

@@ -132,17 +132,23 @@ class ModelRunner:
         start_t = torch.tensor(starts, dtype=torch.long, device=dev)
         kv_len = max(ends)
         cache_positions = None
+        args = self.model.args
         if trees is None:
             positions = start_t[:, None] + torch.arange(Q, device=dev)  # [B, Q]
             if B == 1 and Q == 1:
-                mask = None
+                mask = visible = key_positions = None
             else:
-                keys = torch.arange(kv_len, device=dev)
-                visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, kv_len]
+                key_positions = torch.arange(kv_len, device=dev)[None]  # [1, kv_len]: cache row j holds position j
+                visible = (key_positions[:, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, kv_len]
                 mask = additive_mask(visible, self.dtype)
         else:
-            positions, cache_positions, visible = tree_layout(trees, starts, Q, kv_len, dev)
+            positions, cache_positions, visible, key_positions = tree_layout(
+                trees, starts, Q, kv_len, dev, with_key_positions=bool(args.sliding_layers))
             mask = additive_mask(visible, self.dtype)
+        sliding_start, sliding_mask = 0, None
+        if args.sliding_layers:
+            sliding_start, sliding_mask = sliding_window_mask(visible, mask, positions, key_positions,
+                                                              args.sliding_window, min(starts), kv_len)
         real_rows = None
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             real_rows = torch.from_numpy(np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)]))
@@ -157,6 +163,8 @@ class ModelRunner:
             cache_positions=cache_positions,
             real_rows=None if real_rows is None else real_rows.to(dev),
             packed_output=packed,
+            sliding_start=sliding_start,
+            sliding_mask=sliding_mask,
         )
         out = self.model(input_ids, self.cache, batch, **model_kwargs)
         if trees is None:
@@ -195,15 +203,20 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device):
-    """Rope positions [B, Q], cache rows [B, Q] and visibility [B, 1, Q, kv_len] for tree rows."""
+def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device,
+                with_key_positions: bool = False):
+    """Rope positions [B, Q], cache rows [B, Q], visibility [B, 1, Q, kv_len] for tree rows, and
+    with_key_positions the position of each cache row's key [B, kv_len] (a tree node's: its rope
+    position; a sliding window counts positions, not cache rows), else None."""
     # built in numpy: element writes into torch tensors cost microseconds each, on every draft step
     B = len(trees)
     positions = np.zeros((B, Q), dtype=np.int64)
     cache_positions = np.zeros((B, Q), dtype=np.int64)
     visible = np.zeros((B, 1, Q, kv_len), dtype=bool)
+    key_positions = np.tile(np.arange(kv_len, dtype=np.int64), (B, 1))
     for b, (tree, start) in enumerate(zip(trees, starts)):
         depths = tree_depths(tree.parents)
+        key_positions[b, start: start + len(depths)] = start + np.asarray(depths, dtype=np.int64)
         visible[b, 0, :, :start] = True
         for q in range(Q):
             node = min(tree.first + q, len(tree.parents) - 1)  # padding repeats the last node
@@ -214,7 +227,26 @@ def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, 
                 visible[b, 0, q, start + a] = True
                 a = tree.parents[a]
     return (torch.from_numpy(positions).to(device), torch.from_numpy(cache_positions).to(device),
-            torch.from_numpy(visible).to(device))
+            torch.from_numpy(visible).to(device), torch.from_numpy(key_positions).to(device) if with_key_positions else None)
+
+
+def sliding_window_mask(visible, mask, positions, key_positions, window: int, first_start: int, kv_len: int):
+    """(sliding_start, sliding_mask) of a ForwardBatch (see there) for layers that see, from a query
+    at position p, only keys at positions p - window + 1 .. p (transformers' sliding window: key
+    position > p - window).
+
+    visible: [B, 1, Q, kv_len] bool, or None (one query per row, at kv_len - 1: no mask needed);
+    mask: its additive form; positions: [B, Q] query positions; key_positions: [B or 1, kv_len]
+    each cache row's position (None with visible); first_start: the least cached length of a row
+    (no query sits before it).
+    Keys before first_start - window + 1 are outside every window: they are cut, not masked."""
+    start = max(0, first_start - window + 1)
+    if visible is None:  # the single query's window is exactly the keys from `start` on
+        return start, None
+    if kv_len <= window:  # every position is < window: no query's window excludes a key
+        return 0, mask
+    in_window = key_positions[:, None, None, start:] > positions[:, None, :, None] - window  # [B, 1, Q, kv_len - start]
+    return start, additive_mask(visible[..., start:] & in_window, mask.dtype)
 
 
 def catch_up_pieces(lengths: list[int], max_tokens: int | None) -> list[list[tuple[int, int, int]]]:

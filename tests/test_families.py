@@ -1,0 +1,267 @@
+"""The native model families (rayspec.model.NATIVE_MODEL_TYPES): Llama (llama3 rope scaling,
+attention and MLP biases), Mistral (sliding window), Qwen2 (q/k/v biases, sliding layers from
+use_sliding_window / max_window_layers), Qwen3 (q/k norms, explicit head_dim, tied and untied
+embeddings, alternating layer_types).
+
+Each family is a tiny random checkpoint written by transformers itself (its own config class and
+modeling code, float32); our engine's greedy output must equal transformers' `generate` token for
+token with every proposer, alone and batched, and the sliding-window mask must give transformers'
+logits for prefill, decode, padded batches and token trees whose paths cross the window's edge.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
+
+from engine_utils import cached_model, make_engine, run_alone, run_batch
+from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+from rayspec.eagle.head import attach_target, build_head
+from rayspec.loader import rope_from_config
+from rayspec.model import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
+from rayspec.runner import ModelRunner, TreeQuery
+from rayspec.sampling import SamplingParams
+
+VOCAB, HIDDEN, LAYERS = 256, 64, 3
+WINDOW = 8  # the sliding windows: far shorter than prompt + output (~44 tokens)
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+# repetitive prompts (n-gram hits), 9-14 tokens: prompt + output crosses the window many times over
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5],
+    [40, 41, 42, 40, 41, 42, 40, 41, 42],
+    [100, 3, 77, 200, 9, 31, 100, 3, 77, 200, 9],
+    [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13, 14],
+]
+
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              initializer_range=0.2,  # at 0.02 the embedding dominates: most outputs repeat one token
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no EOS: every output is 32 tokens
+
+# name -> the transformers config of a tiny checkpoint of that family
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**_SHAPE, attention_bias=True, mlp_bias=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32)),
+    "mistral": lambda: MistralConfig(**_SHAPE, sliding_window=WINDOW),  # every layer slides
+    "qwen2": lambda: Qwen2Config(**_SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                 rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                                      original_max_position_embeddings=128)),
+    "qwen3-tied": lambda: Qwen3Config(**_SHAPE, head_dim=32, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**_SHAPE, head_dim=32, attention_bias=True, use_sliding_window=True,
+                                 sliding_window=WINDOW + 4,
+                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+SLIDING = ["mistral", "qwen2", "qwen3"]
+
+
+def _write_family(name: str, path) -> torch.nn.Module:
+    """A random checkpoint of family `name` at `path` (safetensors); returns transformers' model."""
+    torch.manual_seed(sum(map(ord, name)))
+    hf = AutoModelForCausalLM.from_config(FAMILIES[name]()).float().eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if pname.endswith("bias"):  # initialized to zero: a bias left out would go unnoticed
+                p.normal_(0.0, 0.5)
+            elif "norm" in pname:  # initialized to one: the same for the norms (q_norm / k_norm)
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """name -> (name, checkpoint dir, transformers model, (our model, None), transformers' greedy
+    outputs of PROMPTS), each family built once for the module."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = tmp_path_factory.mktemp(name) / "model"
+            hf = _write_family(name, path)
+            reference = []
+            with torch.no_grad():
+                for prompt in PROMPTS:
+                    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=0)
+                    reference.append(out[0, len(prompt):].tolist())
+                    # no near-tie on the way (measured >= 1e-3 here): equality then does not hang on rounding
+                    top2 = hf(out).logits[0, len(prompt) - 1: -1].topk(2, dim=-1).values  # [32, 2]
+                    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4, f"{name}: a near-tie in the reference"
+            assert all(len(r) == GREEDY.max_tokens for r in reference)
+            built[name] = name, path, hf, cached_model(str(path)), reference
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, build):
+    return build(request.param)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(family, tmp_path_factory):
+    """A random EAGLE-3 head for the family's target (Llama-style whatever the target)."""
+    name, path, _, loaded, _ = family
+    torch.manual_seed(1)
+    head = build_head(new_eagle_config("eagle3", path, LAYERS, HIDDEN))
+    attach_target(head, loaded[0], has_own_embedding=False)
+    return save_eagle_head(head, tmp_path_factory.mktemp(f"eagle3-{name}") / "head", dtype=torch.float32)
+
+
+# ---- config -> ModelArgs -------------------------------------------------------------------------
+
+def test_family_args_follow_transformers(family):
+    name, _, hf, loaded, _ = family
+    args = loaded[0].args
+    attn = hf.model.layers[0].self_attn
+    assert (args.attention_bias, args.o_proj_bias) == (attn.q_proj.bias is not None, attn.o_proj.bias is not None)
+    assert args.qk_norm == hasattr(attn, "q_norm")
+    assert args.head_dim == attn.head_dim and args.tie_word_embeddings == (hf.lm_head.weight is hf.model.embed_tokens.weight)
+    # the layers transformers gives a sliding window, and that window
+    windows = tuple(getattr(layer.self_attn, "sliding_window", None) for layer in hf.model.layers)
+    if name == "mistral":  # its layers all read config.sliding_window
+        windows = (hf.config.sliding_window,) * LAYERS
+    assert tuple(args.layer_window(i) for i in range(LAYERS)) == windows
+    assert (name in SLIDING) == any(w is not None for w in windows)
+    # rope: the family's own rotary embedding's frequencies and scaling
+    inv_freq, scaling = rope_from_config(hf.config)
+    assert torch.equal(inv_freq, hf.model.rotary_emb.inv_freq) and scaling == hf.model.rotary_emb.attention_scaling
+    assert torch.equal(loaded[0].inv_freq, hf.model.rotary_emb.inv_freq)
+
+
+def test_registry_and_unsupported_architectures():
+    assert set(NATIVE_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    with pytest.raises(UnsupportedArchitectureError, match="model_type 'gpt2'"):
+        ModelArgs.from_hf_config(GPT2Config())
+    assert issubclass(UnsupportedArchitectureError, ValueError)
+    with pytest.raises(UnsupportedArchitectureError, match="rope type 'dynamic'"):  # inv_freq changes with length
+        ModelArgs.from_hf_config(LlamaConfig(**_SHAPE, rope_parameters=dict(rope_type="dynamic", factor=2.0)))
+    with pytest.raises(UnsupportedArchitectureError, match="hidden_act 'gelu'"):
+        ModelArgs.from_hf_config(LlamaConfig(**_SHAPE, hidden_act="gelu"))
+
+
+def test_sliding_layers_from_config_fields():
+    # Qwen2/3: no window unless use_sliding_window (Qwen2.5 configs carry sliding_window but do not use it)
+    assert ModelArgs.from_hf_config(Qwen2Config(**_SHAPE, sliding_window=4096)).sliding_layers == ()
+    args = ModelArgs.from_hf_config(Qwen3Config(**{**_SHAPE, "num_hidden_layers": 5}, use_sliding_window=True,
+                                                sliding_window=16, max_window_layers=3))
+    assert (args.sliding_window, args.sliding_layers) == (16, (3, 4))
+    cut = Qwen3Config(**{**_SHAPE, "num_hidden_layers": 5}, use_sliding_window=True, sliding_window=16, max_window_layers=3)
+    cut.num_hidden_layers = 2  # a truncated self-draft keeps the first layers: none slides
+    assert ModelArgs.from_hf_config(cut).sliding_layers == ()
+    assert ModelArgs.from_hf_config(MistralConfig(**_SHAPE, sliding_window=None)).sliding_layers == ()
+    qwen2 = ModelArgs.from_hf_config(Qwen2Config(**_SHAPE))
+    assert (qwen2.attention_bias, qwen2.o_proj_bias, qwen2.qk_norm) == (True, False, False)
+
+
+# ---- greedy equality with transformers, every proposer ---------------------------------------------
+
+METHODS = [
+    ("none", dict(method="none")),
+    ("ngram", dict(method="ngram", k=4, prompt_lookup_min=1, prompt_lookup_max=3)),
+    ("draft_model", dict(method="draft_model", k=3, draft_num_layers=1)),  # the target's first layer
+    ("eagle3", dict(method="eagle3", k=6, eagle_topk=2, num_steps=3, tree_max_batch=8)),  # trees
+]
+
+
+@pytest.mark.parametrize("method,spec", METHODS, ids=[m[0] for m in METHODS])
+def test_greedy_equals_transformers(family, eagle3_head, method, spec):
+    name, path, _, loaded, reference = family
+    spec = dict(spec)
+    if method == "eagle3":
+        spec["draft_model"] = str(eagle3_head)
+    alone = run_alone(make_engine(path, loaded=loaded, **spec), PROMPTS, GREEDY)
+    # batched, with prefill in chunks of 16 tokens (rows whose window starts past the first key)
+    engine = make_engine(path, loaded=loaded, max_num_batched_tokens=16, **spec)
+    batch = run_batch(engine, PROMPTS, GREEDY)
+    for i, ref in enumerate(reference):
+        assert alone[i] == ref, f"{name}/{method}: prompt {i} alone differs from transformers"
+        assert batch[i] == ref, f"{name}/{method}: prompt {i} in a batch of 4 differs from transformers"
+    stats = engine.stats
+    if method != "none":
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+        if method != "eagle3":  # a random head's drafts are (almost) all rejected
+            assert stats.num_accepted_tokens > 0, f"{name}/{method}: no draft accepted"
+
+
+# ---- the sliding-window mask against transformers' logits ------------------------------------------
+
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]  # [T, vocab]
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_sliding_logits_prefill_chunks_decode_and_padding(build, name):
+    """Prefill in two chunks, decode one token at a time (no mask: the window cuts the keys) and a
+    padded batch of two rows at different depths: every logit is transformers' within 1e-4."""
+    _, _, hf, loaded, _ = build(name)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (48,), generator=g).tolist()
+    expected = _hf_logits(hf, tokens)  # [48, vocab]
+    runner = ModelRunner(loaded[0], 96, num_slots=2, slack=8)
+    runner.allocate("a")
+    with torch.no_grad():
+        got = [runner.forward(["a"], [tokens[:20]], last_only=False)[0],
+               runner.forward(["a"], [tokens[20:30]], last_only=False)[0]]
+        got += [runner.forward(["a"], [[t]], last_only=False)[0] for t in tokens[30:40]]
+        # a second row joins far behind: padded [2, 8] queries, row "b" prefilling, row "a" at 40..47
+        runner.allocate("b")
+        other = torch.randint(0, VOCAB, (20,), generator=g).tolist()
+        runner.forward(["b"], [other[:12]], last_only=False)
+        both = runner.forward(["a", "b"], [tokens[40:48], other[12:18]], last_only=False)  # [2, 8, vocab]
+    got.append(both[0])
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(both[1, :6], _hf_logits(hf, other[:18])[12:], atol=1e-4, rtol=0)
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_tree_rows_across_the_window_edge(build, name):
+    """Token trees deeper than the window, node order unlike depth order (cache rows differ from
+    positions): each node's logits are transformers' over prefix + its own path, in a batch of two
+    trees at different depths. Then keeping a path leaves the cache as a plain forward would."""
+    _, _, hf, loaded, _ = build(name)
+    window = loaded[0].args.sliding_window
+    g = torch.Generator().manual_seed(1)
+    # two chains from the root, their nodes interleaved (node i hangs from i - 2): node index != depth
+    parents = [-1, 0] + [i - 2 for i in range(2, 2 * (window + 2))]
+    depth = max(len(_path(parents, n)) for n in range(len(parents)))
+    assert depth > window  # the deepest nodes' first ancestors lie outside their window
+    runner = ModelRunner(loaded[0], 128, num_slots=2, slack=8)
+    prefixes, trees_tokens = {}, {}
+    for seq, plen in (("a", 30), ("b", 11)):
+        runner.allocate(seq)
+        prefixes[seq] = torch.randint(0, VOCAB, (plen,), generator=g).tolist()
+        with torch.no_grad():
+            runner.forward([seq], [prefixes[seq]], last_only=False)
+        trees_tokens[seq] = torch.randint(0, VOCAB, (len(parents),), generator=g).tolist()
+    with torch.no_grad():
+        hidden, _ = runner.forward_hidden(["a", "b"], [trees_tokens["a"], trees_tokens["b"]],
+                                          trees=[TreeQuery(parents), TreeQuery(parents)])
+        logits = loaded[0].logits(hidden)  # [2, nodes, vocab]
+    for row, seq in enumerate(("a", "b")):
+        for node in range(len(parents)):
+            tokens = prefixes[seq] + [trees_tokens[seq][n] for n in _path(parents, node)]
+            torch.testing.assert_close(logits[row, node], _hf_logits(hf, tokens)[-1], atol=1e-4, rtol=0,
+                                       msg=f"{name}: tree node {node} of row {seq}")
+    # keep the deep path of "a" and continue: the cache at the moved rows is a plain forward's
+    deepest = max(range(len(parents)), key=lambda n: len(_path(parents, n)))
+    kept = _path(parents, deepest)
+    runner.keep_path("a", kept)
+    nxt = int(torch.randint(0, VOCAB, (1,), generator=g))
+    with torch.no_grad():
+        last = runner.forward(["a"], [[nxt]], last_only=True)[0]
+    tokens = prefixes["a"] + [trees_tokens["a"][n] for n in kept] + [nxt]
+    torch.testing.assert_close(last, _hf_logits(hf, tokens)[-1], atol=1e-4, rtol=0)
