@@ -327,3 +327,24 @@ def test_load_first_layers(model_dirs, num_layers):
     assert model.args.num_layers == len(model.layers) == num_layers
     assert model.config.layer_types == ["sliding_attention", "full_attention"][:num_layers]
     assert torch.equal(model.model.embed_tokens.weight, _ours(target).model.embed_tokens.weight)
+
+
+def test_engine_config_routes_non_native_models_to_the_generic_path(model_dirs):
+    """`model:` naming a gpt_oss checkpoint (not a native family) builds the engine on the generic
+    path, with the draft model loaded the same way, and stays greedy-identical to transformers; asking
+    for tensor parallelism there fails clearly."""
+    from rayspec import loader
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.engine import LLMEngine
+    from rayspec.parallel import TPGroup
+
+    target, draft = model_dirs["gpt_oss"]
+    assert not loader.is_native(loader.load_hf_config(Path(target)))
+    engine = LLMEngine(EngineConfig(model=target, max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(
+        method="draft_model", draft_model=draft, num_speculative_tokens=2, adaptive=False)))
+    assert isinstance(engine.model, GenericCausalLM) and isinstance(engine.proposer.runner.model, GenericCausalLM)
+    prompt = PROMPTS[0]
+    out = engine.generate([list(prompt)], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
+    assert out.token_ids == hf_greedy(target, tuple(prompt))
+    with pytest.raises(ValueError, match="natively supported"):
+        loader.load_model(target, device="cpu", tp=TPGroup(rank=1, size=2))

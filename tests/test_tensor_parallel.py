@@ -196,3 +196,25 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2, method):
         assert run_batch(engine, prompts, params) == reference
     finally:
         engine.shutdown()
+
+
+# ---- other native families at TP=2 --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_tp2_native_families_equal_tp1(tmp_path_factory, name):
+    """Qwen3 (q/k norms, a biased o_proj added once after the sum, sliding and full layers) and
+    Mistral (every layer sliding, window 8 < the 41 positions): the sliding mask crosses the command
+    channel too. n-gram drafts at TP=2 against TP=1 target-only, batch of 4."""
+    import test_families as fam
+
+    path = tmp_path_factory.mktemp(f"tp-{name}") / "model"
+    fam._write_family(name, path)
+    params = SamplingParams(temperature=0.0, max_tokens=28)
+    reference = run_batch(engine_at(path, 1), fam.PROMPTS, params)
+    engine = engine_at(path, 2, method="ngram", prompt_lookup_min=1, prompt_lookup_max=3)
+    try:
+        assert engine.model.model.layers[0].self_attn.sliding_window is not None
+        assert run_batch(engine, fam.PROMPTS, params) == reference
+        assert engine.stats.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
