@@ -30,7 +30,45 @@ def test_expected_configs_exist():
     names = {p.name for p in CONFIGS.glob("*.yaml")}
     assert {"default.yaml", "baseline.yaml", "draft_model.yaml", "disaggregated.yaml", "fractional_gpu.yaml",
             "autoscaling.yaml", "llama3_eagle3.yaml", "eagle3.yaml", "eagle3_disaggregated.yaml",
-            "cluster.yaml"} <= names
+            "cluster.yaml", "llama70b_draft8b_tp4.yaml", "qwen3_eagle3.yaml"} <= names
+
+
+def test_big_target_configs():
+    """The 70B target on 4 GPUs (one bundle per rank, STRICT_PACK) with the 8B draft on a GPU of its
+    own; the Qwen3 target with its EAGLE-3 head on one GPU."""
+    big = AppArgs.model_validate(app_args(CONFIGS / "llama70b_draft8b_tp4.yaml"))
+    engine = big.engine_config()
+    assert (engine.model, engine.tensor_parallel_size, engine.dtype) == ("meta-llama/Llama-3.3-70B-Instruct", 4,
+                                                                       "bfloat16")
+    spec = engine.speculative
+    assert (spec.method, spec.draft_model, spec.num_speculative_tokens) == (
+        "draft_model", "meta-llama/Llama-3.1-8B-Instruct", 4)
+    opts = big.verifier_options()
+    assert opts["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["ray_actor_options"]["num_gpus"] == 1  # the replica (rank 0) takes the first bundle
+    assert big.topology == "disaggregated" and big.proposer_options()["ray_actor_options"]["num_gpus"] == 1
+    assert "placement_group_bundles" not in big.proposer_options()
+    qwen = AppArgs.model_validate(app_args(CONFIGS / "qwen3_eagle3.yaml")).engine_config()
+    assert (qwen.model, qwen.speculative.method, qwen.speculative.draft_model) == (
+        "Qwen/Qwen3-8B", "eagle3", "Tengyunw/qwen3_8b_eagle3")
+    assert qwen.tensor_parallel_size == 1
+    assert "placement_group_bundles" not in AppArgs.model_validate(app_args(CONFIGS / "default.yaml")).verifier_options()
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"engine": {"tensor_parallel_size": 2}, "speculative": {"method": "draft_model",
+                                                            "draft_tensor_parallel_size": 3}}, "draft_tensor_parallel_size"),
+    ({"engine": {"tensor_parallel_size": 2}, "topology": "disaggregated",
+      "speculative": {"method": "draft_model", "draft_tensor_parallel_size": 2}}, "colocated"),
+    ({"engine": {"tensor_parallel_size": 2}, "verifier": {"placement_group_bundles": [{"CPU": 1}]}}, "one per rank"),
+    ({"verifier": {"placement_group_strategy": "ANYWHERE"}}, "placement_group_strategy"),
+])
+def test_tensor_parallel_args_checked(args, match):
+    with pytest.raises(Exception, match=match):
+        cfg = AppArgs.model_validate(args)
+        cfg.engine_config()
+        cfg.verifier_options()
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
