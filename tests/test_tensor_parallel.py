@@ -218,3 +218,22 @@ def test_tp2_native_families_equal_tp1(tmp_path_factory, name):
         assert engine.stats.num_accepted_tokens > 0
     finally:
         engine.shutdown()
+
+
+def test_bench_offline_tensor_parallel(tiny_model_dir, tmp_path):
+    """`rayspec bench offline --tensor-parallel-size 2 --dtype float32`: both reported, and the TP=2
+    engines' greedy outputs equal the TP=1 engine's run beside them."""
+    import json
+
+    from rayspec.cli import main
+    from test_bench_offline import _prompts_file
+
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--method", "ngram", "--num-speculative-tokens",
+               "3", "--prompts", str(_prompts_file(tmp_path / "p.jsonl")), "--num-prompts", "2", "--max-tokens", "16",
+               "--no-hf", "--tensor-parallel-size", "2", "--dtype", "float32", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["tensor_parallel_size"] == 2 and result["dtype"] == "float32"
+    assert result["tp1_greedy_match"] is True and result["greedy_match"] is True
+    assert result["tp_vs_tp1"] > 0 and result["baseline_step_ms"] > 0 and result["tp1_step_ms"] > 0
