@@ -509,8 +509,9 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
     _cpu_copies(plan, weights, io, draft_weights)
 
     tokens = forward_tokens(config, max_model_len, kv.num_slots)
-    feature_size = draft.head.feature_size if draft.head is not None and in_process else 0
+    # the target hands an EAGLE head its feature layers wherever the head runs (rank 0 captures them);
     # the prompt being prefilled keeps its features until its first draft (its whole length)
+    feature_size = draft.head.feature_size if draft.head is not None and rank == 0 else 0
     plan.activations = forward_activations(
         target, dtype, tokens, kv.capacity, kv.num_slots * (spec.num_speculative_tokens + 1),
         feature_size=feature_size, held_feature_rows=max_model_len if feature_size else 0,
