@@ -91,10 +91,6 @@ def model_shape(spec: str, num_layers: int | None = None) -> ModelShape:
     return shape_of(config)
 
 
-def target_args(spec: str) -> ModelArgs:
-    return model_shape(spec).args
-
-
 def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> DraftShape:
     """What the proposer of `spec` (a SpeculativeConfig, or the SpeculativeArgs of a serve config)
     loads for the target `target_model`: a draft LM's shape (draft_num_layers applied, as

@@ -396,3 +396,35 @@ def test_qwen3_eagle3_plan_offline(big_hub, capsys):
     assert verifier["total"] - acts["scores"] < 36 * GB < 40 * GB < verifier["total"] < 41 * GB
     rc, out = run_plan_text(capsys, "qwen3_eagle3.yaml", "40GB")
     assert rc == 1 and "per replica: does not fit: 40.55 GB of 40.00 GB" in out
+
+
+def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
+    """Llama-3.1-8B over 2 GPUs with its EAGLE-3 head colocated: rank 0 holds the head, a whole copy
+    of the target's embedding and LM head for it (its own are vocabulary halves), the head's cache
+    and the features; rank 1 none of them."""
+    from transformers import LlamaConfig
+
+    from rayspec.eagle.checkpoint import eagle_config_from_hf
+    from rayspec.memory import DraftShape
+
+    args = ModelArgs.from_hf_config(LlamaConfig(**json.loads((DATA / "llama-3.1-8b-instruct" / "config.json").read_text())))
+    head = eagle_config_from_hf(json.loads((DATA / "eagle3-llama3.1-instruct-8b" / "config.json").read_text()),
+                                args.num_layers, args.hidden_size)
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=8, eagle_topk=4, num_steps=5)
+    config = EngineConfig(model="x", dtype="bfloat16", max_model_len=8192, max_num_seqs=32, kv_cache_memory_gb=16.0,
+                          tensor_parallel_size=2, speculative=spec)
+    rank0, rank1 = (engine_plan(config, args, "cuda", DraftShape(head=head), rank=r) for r in (0, 1))
+    items0, items1 = ({i.name: i.bytes for i in p.items} for p in (rank0, rank1))
+    assert items0["target embedding + LM head"] == 2 * (2 * 128256 * 4096 + 4096) + 64 * 4
+    assert items0["target weights"] == items1["target weights"] == 2 * (LLAMA_PARAMS - 32 * (3 * 4096 * 14336 + (
+        4096 + 2 * 1024 + 4096) * 4096) // 2 - 128256 * 4096) + 64 * 4  # halves: layers' projections, embedding, head
+    assert "eagle3 head weights" in items0 and set(items1) == {"target weights", "target KV cache"}
+    assert items0["target KV cache"] == items1["target KV cache"] == 15 * 8201 * (32 * 4 * 128 * 2 * 2)  # 4 KV heads each
+    assert rank0.activations.features > 0 and rank1.activations.features == 0
+    # rank 0 loads its shard, allocates its cache, then the whole target I/O and the head (with its
+    # placeholder embedding)
+    assert rank0.load_peak == rank0.resident - items0["eagle3 head KV cache"] + 128256 * 4096 * 2
+    # disaggregated: the head runs elsewhere, but the verifier still hands it the feature layers
+    remote = engine_plan(dataclasses.replace(config, tensor_parallel_size=1), args, "cuda", DraftShape(head=head),
+                         proposer_in_process=False)
+    assert remote.activations.features > 0 and "eagle3 head weights" not in {i.name for i in remote.items}
