@@ -65,7 +65,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         loaded = build_model(cut, None, device, dtype, model_dir=Path(checkpoint))
         planned = load_bytes(causal_lm_weights(ModelArgs.from_hf_config(cut), dtype), device)
-        row(f"streamed load, {LOAD_LAYERS} layers, float32 file (load peak)", planned, torch.cuda.max_memory_allocated())
+        measured = torch.cuda.max_memory_allocated()
+        row(f"streamed load, {LOAD_LAYERS} layers, float32 file (load peak)", planned, measured)
         del loaded
 
     torch.cuda.reset_peak_memory_stats()

@@ -428,6 +428,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def fmt_gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
 def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape, dtype: torch.dtype,
                   max_model_len: int, num_slots: int) -> tuple[Weights, int]:
     """Add the proposer's weights and cache to `plan`; returns its weights and what loading it
@@ -528,7 +532,8 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
     after_target = weights.bytes + kv.bytes + io.bytes + io_load + draft_weights.bytes + transient
     plan.load_peak = max(target_load, after_target)
     if target_load >= after_target:
-        plan.load_detail = "the target streamed in" + (" (+ the host read buffer)" if target_load > weights.bytes else "")
+        buffer = " (+ the host read buffer)" if target_load > weights.bytes else ""
+        plan.load_detail = "the target streamed in" + buffer
     elif draft_weights.num_params:
         plan.load_detail = "the target and its KV cache in place while the proposer loads"
     else:
@@ -574,6 +579,3 @@ def proposer_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: 
         plan.load_detail = "the target's embedding and LM head in place while the head arrives"
     return plan
 
-
-def fmt_gb(n: float) -> str:
-    return f"{n / GB:.2f} GB"

@@ -407,7 +407,8 @@ def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
     from rayspec.eagle.checkpoint import eagle_config_from_hf
     from rayspec.memory import DraftShape
 
-    args = ModelArgs.from_hf_config(LlamaConfig(**json.loads((DATA / "llama-3.1-8b-instruct" / "config.json").read_text())))
+    hf = json.loads((DATA / "llama-3.1-8b-instruct" / "config.json").read_text())
+    args = ModelArgs.from_hf_config(LlamaConfig(**hf))
     head = eagle_config_from_hf(json.loads((DATA / "eagle3-llama3.1-instruct-8b" / "config.json").read_text()),
                                 args.num_layers, args.hidden_size)
     spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=8, eagle_topk=4, num_steps=5)
@@ -419,7 +420,8 @@ def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
     assert items0["target weights"] == items1["target weights"] == 2 * (LLAMA_PARAMS - 32 * (3 * 4096 * 14336 + (
         4096 + 2 * 1024 + 4096) * 4096) // 2 - 128256 * 4096) + 64 * 4  # halves: layers' projections, embedding, head
     assert "eagle3 head weights" in items0 and set(items1) == {"target weights", "target KV cache"}
-    assert items0["target KV cache"] == items1["target KV cache"] == 15 * 8201 * (32 * 4 * 128 * 2 * 2)  # 4 KV heads each
+    # 15 slots as at TP 1; each rank 4 of the 8 KV heads
+    assert items0["target KV cache"] == items1["target KV cache"] == 15 * 8201 * (32 * 4 * 128 * 2 * 2)
     assert rank0.activations.features > 0 and rank1.activations.features == 0
     # rank 0 loads its shard, allocates its cache, then the whole target I/O and the head (with its
     # placeholder embedding)
