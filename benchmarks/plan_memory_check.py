@@ -1,7 +1,9 @@
 """Check `rayspec plan`'s figures (rayspec.memory) against what CUDA allocates, on one GPU.
 
-Builds the target of tests/data/llama-3.1-8b-instruct (Llama-3.1-8B-Instruct's published config;
-weights left uninitialized: only the sizes matter) the way rayspec.loader.build_model does, its KV
+Streams a checkpoint of the target of tests/data/llama-3.1-8b-instruct (Llama-3.1-8B-Instruct's
+published config) cut to LOAD_LAYERS layers, written in float32 to a temporary directory, into
+bfloat16 on the GPU (rayspec.loader.build_model, as a load does): the load peak. Then builds the
+whole target (weights left uninitialized: only the sizes matter) the way build_model does, its KV
 cache as the engine sizes it for configs/llama3_eagle3.yaml, the EAGLE-3 head of
 tests/data/eagle3-llama3.1-instruct-8b attached as rayspec.eagle.checkpoint does, then one
 prefill forward of a 2048-token chunk at the end of an 8192-token context (the EAGLE feature
@@ -9,13 +11,15 @@ layers handed out, as the engine asks), under SDPA's default backend choice and 
 backend. Prints planned and measured bytes side by side (torch.cuda.memory_allocated /
 max_memory_allocated: the caching allocator's reserve beyond them is not counted).
 
-    python benchmarks/plan_memory_check.py          # needs a GPU with ~45 GB free
+    python benchmarks/plan_memory_check.py          # needs a GPU with ~45 GB free, ~6 GB of disk
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,14 +28,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.checkpoint import eagle_config_from_hf
 from rayspec.eagle.head import attach_target, build_head
-from rayspec.loader import build_model
-from rayspec.memory import (causal_lm_weights, eagle_head_weights, float32_build_bytes, forward_activations,
-                            kv_cache_plan)
+from rayspec.loader import build_model, empty_model
+from rayspec.memory import causal_lm_weights, eagle_head_weights, forward_activations, kv_cache_plan, load_bytes
 from rayspec.model import ModelArgs
 from rayspec.runner import ModelRunner
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 CHUNK, CONTEXT = 2048, 8192
+LOAD_LAYERS = 2  # the streamed load's checkpoint: the embedding, LM head and this many layers (about 6 GB in float32)
 
 
 def row(name: str, planned: int, measured: int) -> None:
@@ -50,10 +54,24 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'':<52}{'planned':>13}{'measured':>13}{'ratio':>8}")
 
+    cut = copy.deepcopy(hf)
+    cut.num_hidden_layers = LOAD_LAYERS
+    with tempfile.TemporaryDirectory() as checkpoint:
+        from safetensors.torch import save_file
+
+        state = empty_model(cut, "cpu", torch.float32).state_dict()  # tied weights: none in Llama-3.1-8B
+        save_file({name: t.contiguous() for name, t in state.items()}, str(Path(checkpoint) / "model.safetensors"))
+        del state
+        torch.cuda.reset_peak_memory_stats()
+        loaded = build_model(cut, None, device, dtype, model_dir=Path(checkpoint))
+        planned = load_bytes(causal_lm_weights(ModelArgs.from_hf_config(cut), dtype), device)
+        measured = torch.cuda.max_memory_allocated()
+        row(f"streamed load, {LOAD_LAYERS} layers, float32 file (load peak)", planned, measured)
+        del loaded
+
     torch.cuda.reset_peak_memory_stats()
     target = build_model(hf, None, device, dtype)
     weights = causal_lm_weights(args, dtype)
-    row("target: float32 build (load peak)", float32_build_bytes(weights), torch.cuda.max_memory_allocated())
     row("target weights", weights.bytes, torch.cuda.memory_allocated())
 
     kv = kv_cache_plan(args, dtype, CONTEXT, 8, 32, 16.0, "eagle3")

@@ -5,10 +5,13 @@ The sizing is rayspec.memory's (the engine sizes its KV cache with the same func
 module reads the serve config as deployments.app does (AppArgs), finds the model shapes, and
 sets the figures against a GPU size. Ray's fractional `num_gpus` is a scheduling share, not a
 memory limit: replicas packed onto one GPU share its memory, so the worst packing is checked too.
+A tensor-parallel verifier replica is N processes, one per placement-group bundle (rank 0 is the
+replica itself): each is planned and checked against a GPU of its own (its bundle's share).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -20,7 +23,8 @@ import torch
 
 from deployments.config import AppArgs, load_app_args
 from rayspec import loader
-from rayspec.memory import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
+from rayspec.memory import (GB, DraftShape, ModelShape, ProcessPlan, as_shape, causal_lm_weights, engine_plan,
+                            generic_weights, proposer_plan)
 from rayspec.model import ModelArgs
 
 APP_IMPORT_PATH = "deployments.app:build_app"
@@ -53,11 +57,41 @@ def read_serve_config(path: str | Path, app: str | None = None) -> list[tuple[st
 
 # ---- model shapes from config files ------------------------------------------------------------
 
-def target_args(spec: str) -> ModelArgs:
-    return ModelArgs.from_hf_config(loader.load_model_config(spec))
+def shape_of(hf_config) -> ModelShape:
+    """How the planner counts a model: natively (rayspec.model's formula) when ModelArgs accepts its
+    config and the formula counts every parameter transformers' own model of it has; otherwise as
+    the generic path loads it (rayspec.generic_model: transformers' model, e.g. gpt_oss's experts
+    and attention sinks, which the formula knows nothing of), counted from a meta-device build."""
+    from rayspec.generic_model import args_from_config
+
+    try:
+        args = ModelArgs.from_hf_config(hf_config)
+    except ValueError:  # a family rayspec.model refuses (UnsupportedArchitectureError is one)
+        args = None
+    try:
+        reference = generic_weights(hf_config, torch.float32).num_params
+    except ValueError:  # transformers has no model class for it: only the native formula can count it
+        if args is None:
+            raise
+        return ModelShape(args)
+    if args is not None and causal_lm_weights(args, torch.float32).num_params == reference:
+        return ModelShape(args)
+    return ModelShape(args_from_config(hf_config), generic=hf_config)
 
 
-def draft_shape(spec, target_model: str, target: ModelArgs) -> DraftShape:
+def model_shape(spec: str, num_layers: int | None = None) -> ModelShape:
+    """The shape of model `spec` from its config file; num_layers keeps the first layers (as
+    loader.load_model and load_generic_model cut a self-draft)."""
+    config = loader.load_model_config(spec)
+    if num_layers is not None:
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = config.layer_types[:num_layers]
+    return shape_of(config)
+
+
+def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> DraftShape:
     """What the proposer of `spec` (a SpeculativeConfig, or the SpeculativeArgs of a serve config)
     loads for the target `target_model`: a draft LM's shape (draft_num_layers applied, as
     load_model does), or an EAGLE head's config; where the head is a local safetensors checkpoint
@@ -67,12 +101,11 @@ def draft_shape(spec, target_model: str, target: ModelArgs) -> DraftShape:
     from rayspec.proposers.draft_model import DraftModelProposer
     from rayspec.proposers.eagle import EagleProposer
 
+    target = as_shape(target).args
     cls = PROPOSERS[spec.method]
     if issubclass(cls, DraftModelProposer):
-        args = target_args(spec.draft_model or target_model)
-        if spec.draft_num_layers is not None:
-            args = dataclasses.replace(args, num_layers=spec.draft_num_layers)
-        return DraftShape(model=args)
+        draft = model_shape(spec.draft_model or target_model, spec.draft_num_layers)
+        return DraftShape(model=draft.args, model_generic=draft.generic)
     if issubclass(cls, EagleProposer):
         config_file = loader.model_config_file(spec.draft_model)
         names = loader.weight_names(config_file.parent)
@@ -87,24 +120,69 @@ def draft_shape(spec, target_model: str, target: ModelArgs) -> DraftShape:
 
 # ---- deployments and GPUs ----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Tenant:
+    """Processes of one kind that Ray places on GPUs: `count` of them, each on `share` of a GPU."""
+
+    deployment: "DeploymentPlan"
+    label: str  # "" (a whole replica), "rank 0", "ranks 1-3"
+    process: ProcessPlan
+    count: int
+    share: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.deployment.name} {self.label}".rstrip()
+
+
+def _share(num_gpus: float | None) -> float:
+    """The part of one GPU a process is scheduled on (each uses one device; none given: a whole one)."""
+    return num_gpus if num_gpus and num_gpus < 1 else 1.0
+
+
 @dataclass
 class DeploymentPlan:
     name: str
     replicas: int  # at most (autoscaling: max_replicas)
-    num_gpus: float | None  # per replica, from ray_actor_options
-    process: ProcessPlan
+    num_gpus: float | None  # per replica (with tp: per rank), from ray_actor_options
+    process: ProcessPlan  # the replica's process (with tp: rank 0)
+    follower: ProcessPlan | None = None  # with tp: each of ranks 1..N-1
+    bundles: list[dict[str, float]] = field(default_factory=list)  # with tp: the placement group, rank 0's first
+    strategy: str | None = None
 
     @property
     def on_gpu(self) -> bool:
         return torch.device(self.process.device).type == "cuda"
 
     @property
-    def share(self) -> float:
-        """The part of one GPU a replica is scheduled on (rayspec uses one device per replica)."""
-        return self.num_gpus if self.num_gpus and self.num_gpus < 1 else 1.0
+    def tp_size(self) -> int:
+        return self.process.tp_size
 
-    def budget(self, gpu_memory: int | None) -> int | None:
-        return None if gpu_memory is None or not self.on_gpu else int(self.share * gpu_memory)
+    @property
+    def share(self) -> float:
+        """The part of one GPU the replica's process (rank 0) is scheduled on."""
+        return _share(self.bundles[0].get("GPU") if self.bundles else self.num_gpus)
+
+    @property
+    def gpus_per_replica(self) -> float:
+        return sum(b.get("GPU", 0.0) for b in self.bundles) if self.bundles else (self.num_gpus or 0.0)
+
+    def tenants(self) -> list[Tenant]:
+        if self.follower is None:
+            return [Tenant(self, "", self.process, self.replicas, self.share)]
+        # ranks 1..N-1 of one replica have the same shard: one tenant kind per bundle share
+        followers: dict[float, int] = {}
+        for bundle in self.bundles[1:self.tp_size]:
+            share = _share(bundle.get("GPU"))
+            followers[share] = followers.get(share, 0) + self.replicas
+        label = "ranks 1" + (f"-{self.tp_size - 1}" if self.tp_size > 2 else "")
+        return [Tenant(self, "rank 0", self.process, self.replicas, self.share)] + \
+            [Tenant(self, label, self.follower, count, share) for share, count in followers.items()]
+
+    def budget(self, gpu_memory: int | None, share: float | None = None) -> int | None:
+        if gpu_memory is None or not self.on_gpu:
+            return None
+        return int((self.share if share is None else share) * gpu_memory)
 
 
 @dataclass
@@ -115,41 +193,52 @@ class AppPlan:
     target: ModelArgs
     draft: DraftShape
     deployments: list[DeploymentPlan] = field(default_factory=list)
+    generic: bool = False  # the target runs on the generic path
 
-    def worst_gpu(self) -> list[tuple[DeploymentPlan, int]]:
-        """The replicas Ray may pack onto one GPU that need the most memory together: (deployment,
-        replicas) with fractional shares summing to at most 1; a whole-GPU replica is alone."""
-        gpu = [d for d in self.deployments if d.on_gpu]
+    def tenants(self) -> list[Tenant]:
+        return [t for d in self.deployments if d.on_gpu for t in d.tenants()]
+
+    def worst_gpu(self) -> list[tuple[Tenant, int]]:
+        """The processes Ray may pack onto one GPU that need the most memory together: (tenant,
+        count) with fractional shares summing to at most 1; a whole-GPU process is alone."""
+        gpu = self.tenants()
         best, best_bytes = [], -1
-        ranges = [range(min(d.replicas, int(1 / d.share + 1e-9)) + 1) for d in gpu]
+        ranges = [range(min(t.count, int(1 / t.share + 1e-9)) + 1) for t in gpu]
         for counts in itertools.product(*ranges):
-            if sum(counts) == 0 or sum(c * d.share for c, d in zip(counts, gpu)) > 1 + 1e-9:
+            if sum(counts) == 0 or sum(c * t.share for c, t in zip(counts, gpu)) > 1 + 1e-9:
                 continue
-            need = sum(c * d.process.peak for c, d in zip(counts, gpu))
+            need = sum(c * t.process.peak for c, t in zip(counts, gpu))
             if need > best_bytes:
-                best, best_bytes = [(d, c) for d, c in zip(gpu, counts) if c], need
+                best, best_bytes = [(t, c) for t, c in zip(gpu, counts) if c], need
         return best
 
     def fits(self, gpu_memory: int) -> bool:
         worst = self.worst_gpu()
-        return all(d.process.peak <= d.budget(gpu_memory) for d in self.deployments if d.on_gpu) and \
-            sum(c * d.process.peak for d, c in worst) <= gpu_memory
+        return all(t.process.peak <= t.share * gpu_memory for t in self.tenants()) and \
+            sum(c * t.process.peak for t, c in worst) <= gpu_memory
 
 
 def plan_app(config: str, name: str, args: dict | AppArgs) -> AppPlan:
     cfg = load_app_args(args)
-    target = target_args(cfg.model)
+    target = model_shape(cfg.model)
     draft = draft_shape(cfg.speculative, cfg.model, target)
     engine = cfg.engine_config()
-    app = AppPlan(config, name, cfg, target, draft)
+    app = AppPlan(config, name, cfg, target.args, draft, generic=target.generic is not None)
 
     def device(deployment) -> str:  # as deployments.config.replica_device: CUDA when Ray gives a GPU
         return cfg.engine.device or ("cuda" if deployment.ray_actor_options.num_gpus else "cpu")
 
     colocated = cfg.topology == "colocated"
-    app.deployments.append(DeploymentPlan(
+    tp_size = engine.tensor_parallel_size
+    verifier = DeploymentPlan(
         "Verifier", cfg.verifier.max_replicas, cfg.verifier.ray_actor_options.num_gpus,
-        engine_plan(engine, target, device(cfg.verifier), draft, proposer_in_process=colocated)))
+        engine_plan(engine, target, device(cfg.verifier), draft, proposer_in_process=colocated))
+    if tp_size > 1:  # as AppArgs.verifier_options: one bundle per rank, the ranks on their own devices
+        verifier.follower = engine_plan(engine, target, device(cfg.verifier), draft, proposer_in_process=colocated,
+                                        rank=1)
+        verifier.bundles = cfg.verifier.rank_bundles(tp_size, default_cpus=1)
+        verifier.strategy = cfg.verifier.placement_group_strategy
+    app.deployments.append(verifier)
     if not colocated:
         app.deployments.append(DeploymentPlan(
             "Proposer", cfg.proposer.max_replicas, cfg.proposer.ray_actor_options.num_gpus,
@@ -173,7 +262,8 @@ def fmt_bytes(n: float) -> str:
 def _describe_models(app: AppPlan) -> list[str]:
     t, cfg = app.target, app.args
     lines = [f"  target {cfg.model}: {t.num_layers} layers, hidden {t.hidden_size}, {t.num_heads} heads "
-             f"({t.num_kv_heads} KV) x {t.head_dim}, vocab {t.vocab_size:,}"]
+             f"({t.num_kv_heads} KV) x {t.head_dim}, vocab {t.vocab_size:,}"
+             + (" (generic path: weights from transformers' model of its config)" if app.generic else "")]
     spec = cfg.speculative
     if app.draft.model is not None:
         lines.append(f"  proposer draft_model: {spec.draft_model or cfg.model}, {app.draft.model.num_layers} layers")
@@ -195,48 +285,74 @@ def _activation_line(process: ProcessPlan) -> str:
             f"(with a fused attention kernel: {fmt_bytes(a.without_scores)})")
 
 
+def _process_rows(p: ProcessPlan, indent: str = "  ") -> list[str]:
+    rows = [(item.name, item.bytes, item.detail) for item in p.items] or [("(no model)", 0, "")]
+    rows.append(("resident", p.resident, ""))
+    if p.activations is not None:
+        rows.append(("forward activations", p.activations.total, _activation_line(p)))
+    rows.append(("total", p.total, "resident + activations"))
+    rows.append(("load peak", p.load_peak, p.load_detail))
+    return [f"{indent}{name:<30}{fmt_bytes(n):>11}  {detail}".rstrip() for name, n, detail in rows]
+
+
 def format_app(app: AppPlan, gpu_memory: int | None) -> str:
     cfg = app.args
     out = [f"{app.config}: application {app.name!r}, topology {cfg.topology}"]
     out += _describe_models(app)
     chunk = cfg.engine.max_num_batched_tokens
     out.append(f"  engine: max_model_len {cfg.engine.max_model_len:,}, max_num_seqs {cfg.engine.max_num_seqs}, "
-               f"kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB, max_num_batched_tokens "
-               f"{'None (unchunked)' if chunk is None else f'{chunk:,}'}")
+               f"kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB"
+               + (" (over all ranks)" if cfg.engine.tensor_parallel_size > 1 else "")
+               + f", max_num_batched_tokens {'None (unchunked)' if chunk is None else f'{chunk:,}'}"
+               + (f", tensor_parallel_size {cfg.engine.tensor_parallel_size}"
+                  if cfg.engine.tensor_parallel_size > 1 else ""))
     for d in app.deployments:
         p = d.process
         where = (f"num_gpus {d.num_gpus:g}" if d.num_gpus else "no num_gpus") + \
             f": {p.device}, {str(p.dtype).removeprefix('torch.')}"
         out.append("")
-        out.append(f"{d.name}: {d.replicas} replica{'s' if d.replicas > 1 else ''}, {where}"
-                   + ("" if d.on_gpu else " (host memory; no GPU)"))
-        if d.num_gpus and d.num_gpus > 1:
-            out.append(f"  (num_gpus {d.num_gpus:g}: a replica uses one device; the plan is for one GPU)")
-        rows = [(item.name, item.bytes, item.detail) for item in p.items] or [("(no model)", 0, "")]
-        rows.append(("resident", p.resident, ""))
-        if p.activations is not None:
-            rows.append(("forward activations", p.activations.total, _activation_line(p)))
-        rows.append(("total", p.total, "resident + activations"))
-        rows.append(("load peak", p.load_peak, p.load_detail))
-        for name, n, detail in rows:
-            out.append(f"  {name:<30}{fmt_bytes(n):>11}  {detail}".rstrip())
+        if d.follower is not None:
+            kinds = {}  # bundle -> how many, in order
+            for b in d.bundles:
+                key = ", ".join(f"{k}: {v:g}" for k, v in b.items())
+                kinds[key] = kinds.get(key, 0) + 1
+            bundles = ", ".join(f"{n} x {{{key}}}" for key, n in kinds.items())
+            out.append(f"{d.name}: {d.replicas} replica{'s' if d.replicas > 1 else ''}, tensor_parallel_size "
+                       f"{d.tp_size}: {d.gpus_per_replica:g} GPUs per replica (placement group {d.strategy}: "
+                       f"{bundles}), {p.device}, {str(p.dtype).removeprefix('torch.')}")
+        else:
+            out.append(f"{d.name}: {d.replicas} replica{'s' if d.replicas > 1 else ''}, {where}"
+                       + ("" if d.on_gpu else " (host memory; no GPU)"))
+            if d.num_gpus and d.num_gpus > 1:
+                out.append(f"  (num_gpus {d.num_gpus:g}: a replica uses one device; the plan is for one GPU)")
+        for tenant in d.tenants():
+            q = tenant.process
+            indent = "  "
+            if d.follower is not None:
+                role = "the replica's process: scheduler, sampling" + (", proposer" if q.draft_kv else "") \
+                    if q.rank == 0 else "each"
+                out.append(f"  {tenant.label} ({role}):")
+                indent = "    "
+            out += _process_rows(q, indent)
+            budget = d.budget(gpu_memory, tenant.share)
+            if budget is not None:
+                share = f" (its {tenant.share:g} of {fmt_bytes(gpu_memory)})" if tenant.share < 1 else ""
+                out.append(f"{indent}per {'GPU' if d.follower is not None else 'replica'}: "
+                           f"{_verdict(q.peak, budget)}{share}")
         if p.kv is not None and p.kv.num_slots < cfg.engine.max_num_seqs:
+            per_slot = p.kv.bytes_per_slot * p.tp_size
             out.append(f"  note: kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB holds {p.kv.num_slots} slots "
-                       f"of {fmt_bytes(p.kv.bytes_per_slot)}, fewer than max_num_seqs {cfg.engine.max_num_seqs}")
-        budget = d.budget(gpu_memory)
-        if budget is not None:
-            share = f" (its {d.share:g} of {fmt_bytes(gpu_memory)})" if d.share < 1 else ""
-            out.append(f"  per replica: {_verdict(p.peak, budget)}{share}")
+                       f"of {fmt_bytes(per_slot)}, fewer than max_num_seqs {cfg.engine.max_num_seqs}")
     if gpu_memory is not None and any(d.on_gpu for d in app.deployments):
         worst = app.worst_gpu()
-        need = sum(c * d.process.peak for d, c in worst)
-        packed = " + ".join(f"{c} {d.name} x {d.share:g}" for d, c in worst)
+        need = sum(c * t.process.peak for t, c in worst)
+        packed = " + ".join(f"{c} {t.name} x {t.share:g}" for t, c in worst)
         out.append("")
         out.append(f"per GPU ({fmt_bytes(gpu_memory)}), the fullest packing Ray may make ({packed}): "
                    f"{_verdict(need, gpu_memory)}")
-        gpus = sum(d.replicas * (d.num_gpus or 0) for d in app.deployments)
+        gpus = sum(d.replicas * d.gpus_per_replica for d in app.deployments)
         out.append(f"verdict: {'fits' if app.fits(gpu_memory) else 'does not fit'} in {fmt_bytes(gpu_memory)} per GPU "
-                   f"(num_gpus of all replicas: {gpus:g})")
+                   f"(GPUs of all replicas: {gpus:g})")
     return "\n".join(out)
 
 
@@ -246,25 +362,33 @@ def _verdict(need: int, budget: int) -> str:
     return f"does not fit: {fmt_bytes(need)} of {fmt_bytes(budget)}, {fmt_bytes(need - budget)} short"
 
 
+def _process_json(p: ProcessPlan, budget: int | None) -> dict:
+    return {
+        "rank": p.rank, "device": p.device, "dtype": str(p.dtype).removeprefix("torch."),
+        "items": [dataclasses.asdict(item) for item in p.items],
+        "kv_cache": None if p.kv is None else {**dataclasses.asdict(p.kv), "tokens": p.kv.tokens, "bytes": p.kv.bytes},
+        "proposer_kv_cache": None if p.draft_kv is None else {**dataclasses.asdict(p.draft_kv),
+                                                              "bytes": p.draft_kv.bytes},
+        "activations": None if p.activations is None else {**dataclasses.asdict(p.activations),
+                                                            "total": p.activations.total},
+        "resident": p.resident, "total": p.total, "load_peak": p.load_peak, "peak": p.peak,
+        "budget": budget, "fits": None if budget is None else p.peak <= budget,
+    }
+
+
 def app_json(app: AppPlan, gpu_memory: int | None) -> dict:
+    """Per deployment: its replica's process (with tp: rank 0) at the top level, `followers` the
+    figures of each of ranks 1..N-1 (None without tp)."""
     deployments = []
     for d in app.deployments:
-        p = d.process
-        budget = d.budget(gpu_memory)
-        deployments.append({
-            "name": d.name, "replicas": d.replicas, "num_gpus": d.num_gpus, "device": p.device,
-            "dtype": str(p.dtype).removeprefix("torch."),
-            "items": [dataclasses.asdict(item) for item in p.items],
-            "kv_cache": None if p.kv is None else {**dataclasses.asdict(p.kv), "tokens": p.kv.tokens,
-                                                    "bytes": p.kv.bytes},
-            "proposer_kv_cache": None if p.draft_kv is None else {**dataclasses.asdict(p.draft_kv),
-                                                                  "bytes": p.draft_kv.bytes},
-            "activations": None if p.activations is None else {**dataclasses.asdict(p.activations),
-                                                                "total": p.activations.total},
-            "resident": p.resident, "total": p.total, "load_peak": p.load_peak, "peak": p.peak,
-            "budget": budget, "fits": None if budget is None else p.peak <= budget,
-        })
+        tenants = d.tenants()
+        entry = {"name": d.name, "replicas": d.replicas, "num_gpus": d.num_gpus, "tensor_parallel_size": d.tp_size,
+                 "gpus_per_replica": d.gpus_per_replica, "placement_group_bundles": d.bundles or None,
+                 **_process_json(d.process, d.budget(gpu_memory, tenants[0].share))}
+        entry["followers"] = None if d.follower is None else \
+            _process_json(d.follower, d.budget(gpu_memory, tenants[1].share))
+        deployments.append(entry)
     fits = app.fits(gpu_memory) if gpu_memory is not None and any(d.on_gpu for d in app.deployments) else None
     return {"config": app.config, "application": app.name, "topology": app.args.topology, "model": app.args.model,
-            "method": app.args.speculative.method, "target": dataclasses.asdict(app.target),
+            "method": app.args.speculative.method, "target": dataclasses.asdict(app.target), "generic": app.generic,
             "gpu_memory": gpu_memory, "deployments": deployments, "fits": fits}

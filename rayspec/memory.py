@@ -7,11 +7,22 @@ engine has always read it.
 
 A process, in the order it fills its device (GPU figures; a CPU process fills host memory the
 same way and, where its load picks the oneDNN path, adds prepacked copies of the projections):
-  1. the target, built in float32 on the device and then cast to its dtype (`loader.build_model`);
+  1. the target, allocated at its dtype and streamed in from the checkpoint (`loader.empty_model`,
+     `loader.load_checkpoint`): the device holds the weights alone, the host one READ_CHUNK_BYTES
+     staging buffer besides;
   2. the target's KV cache: `num_slots` rows of max_model_len + max_k + 1 positions;
-  3. the proposer: a draft LM (built like the target) or an EAGLE head (its own weights; it
+  3. the proposer: a draft LM (loaded like the target) or an EAGLE head (its own weights; it
      shares the target's embedding unless its checkpoint has one) with a KV cache of its own;
   4. per step, the activations of one forward over at most a chunk of tokens.
+
+With tensor parallelism (tp_size N > 1, rayspec.parallel) every rank is such a process on a GPU of
+its own: it holds 1/N of each projection (q/k/v/gate/up by output, o/down by input; norms and
+row-parallel biases whole), 1/N of the KV heads (the KV cache is 1/N of the one `kv_cache_plan`
+sizes: `kv_cache_memory_gb` is the budget over all ranks), the embedding and LM head split by
+vocabulary when it divides by N (else whole on every rank). Rank 0 alone runs the proposer and
+samples. Models rayspec.model does not describe (mixture of experts, attention sinks: the generic
+path, rayspec.generic_model) are counted from transformers' own model of their config, built on
+the meta device (`generic_weights`).
 """
 
 from __future__ import annotations
@@ -23,10 +34,12 @@ import torch
 
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.head import EagleConfig
+from rayspec.loader import READ_CHUNK_BYTES
 from rayspec.model import KVCache, ModelArgs
+from rayspec.parallel import TPGroup, splits_vocab
 
 GB, GiB = 10**9, 2**30
-FLOAT32 = 4  # bytes: rotary frequencies, float32 builds, attention scores, sampled logits
+FLOAT32 = 4  # bytes: rotary frequencies, attention scores, sampled logits
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
@@ -59,6 +72,11 @@ class KVPlan:
     def bytes(self) -> int:
         return self.num_slots * self.bytes_per_slot
 
+    def rank_share(self, tp_size: int) -> "KVPlan":
+        """What one of tp_size ranks holds of this cache: the same slots and positions, 1/tp_size of
+        the KV heads (every rank's share is equal: the heads divide evenly, or the model refuses)."""
+        return dataclasses.replace(self, bytes_per_token=self.bytes_per_token // tp_size)
+
 
 def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k: int, max_num_seqs: int,
                   kv_cache_memory_gb: float, method: str) -> KVPlan:
@@ -86,12 +104,11 @@ def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k
 
 @dataclass(frozen=True)
 class Weights:
-    """What a module holds on its device."""
+    """What a module holds on its device (with tensor parallelism: what one rank holds)."""
 
     num_params: int
     bytes: int  # parameters in the module's dtype, plus its buffers
     linear_bytes: int  # the Linear weights among them: oneDNN keeps a prepacked copy of each on CPU
-    largest_bytes: int = 0  # its largest parameter in the module's dtype
 
 
 NO_WEIGHTS = Weights(0, 0, 0)
@@ -101,44 +118,103 @@ def _rope_buffer(args: ModelArgs) -> int:
     return args.head_dim // 2 * FLOAT32  # inv_freq, kept float32 through any cast (Float32Rotary)
 
 
-def _attention(args: ModelArgs, input_size: int) -> tuple[int, int]:
-    """(parameters, of which Linear weights) of rayspec.model.Attention."""
-    q, kv, h = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size
+def _check_divides(args: ModelArgs, tp_size: int) -> None:
+    """Refuse a tp_size the model cannot be split by, with the model's own message (TPGroup.shard)."""
+    tp = TPGroup(rank=0, size=tp_size)
+    for n, what in ((args.num_heads, "num_attention_heads"), (args.num_kv_heads, "num_key_value_heads"),
+                    (args.intermediate_size, "intermediate_size")):
+        tp.shard(n, what)
+
+
+def _attention(args: ModelArgs, input_size: int, tp_size: int = 1) -> tuple[int, int]:
+    """(parameters, of which Linear weights) of one rank's rayspec.model.Attention: q/k/v
+    column-parallel (their biases split with them), o_proj row-parallel (its bias whole on every
+    rank), q/k norms (one head_dim weight each) whole."""
+    hd, h = args.head_dim, args.hidden_size
+    q, kv = args.num_heads // tp_size * hd, args.num_kv_heads // tp_size * hd
     weights = input_size * (q + 2 * kv) + q * h
-    return weights + ((q + 2 * kv) if args.attention_bias else 0), weights
+    params = weights + ((q + 2 * kv) if args.attention_bias else 0)
+    params += h if getattr(args, "o_proj_bias", False) else 0  # the families' ModelArgs (Qwen2/3, Llama)
+    params += 2 * hd if getattr(args, "qk_norm", False) else 0  # Qwen3
+    return params, weights
 
 
-def _mlp(args: ModelArgs) -> tuple[int, int]:
-    h, i = args.hidden_size, args.intermediate_size
+def _mlp(args: ModelArgs, tp_size: int = 1) -> tuple[int, int]:
+    """gate/up column-parallel, down row-parallel (its bias whole on every rank)."""
+    h, i = args.hidden_size, args.intermediate_size // tp_size
     weights = 3 * h * i
     return weights + ((2 * i + h) if args.mlp_bias else 0), weights
 
 
-def _decoder_layer(args: ModelArgs, input_size: int, num_norms: int) -> tuple[int, int]:
-    attn, attn_linear = _attention(args, input_size)
-    mlp, mlp_linear = _mlp(args)
+def _decoder_layer(args: ModelArgs, input_size: int, num_norms: int, tp_size: int = 1) -> tuple[int, int]:
+    attn, attn_linear = _attention(args, input_size, tp_size)
+    mlp, mlp_linear = _mlp(args, tp_size)
     return attn + mlp + num_norms * args.hidden_size, attn_linear + mlp_linear
 
 
-def _weights(num_params: int, linear_params: int, dtype: torch.dtype, buffers: int, largest: int = 0) -> Weights:
+def _weights(num_params: int, linear_params: int, dtype: torch.dtype, buffers: int) -> Weights:
     size = dtype.itemsize
-    return Weights(num_params, num_params * size + buffers, linear_params * size, largest * size)
+    return Weights(num_params, num_params * size + buffers, linear_params * size)
 
 
-def causal_lm_weights(args: ModelArgs, dtype: torch.dtype) -> Weights:
-    """rayspec.model.CausalLM: embedding, decoder layers, final norm, LM head (none of its own when
-    tied to the embedding, though on CPU it still gets a prepacked copy), rotary buffer."""
-    v, h = args.vocab_size, args.hidden_size
-    layer, layer_linear = _decoder_layer(args, h, num_norms=2)
+def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> Weights:
+    """rayspec.model.CausalLM, or one rank's shard of it (every rank's is the same size): embedding
+    and LM head (split by vocabulary when it divides by tp_size; the LM head none of its own when
+    tied to the embedding, though on CPU it still gets a prepacked copy), decoder layers (see
+    `_attention`, `_mlp`), final norm, rotary buffer."""
+    if tp_size > 1:
+        _check_divides(args, tp_size)
+    v = args.vocab_size // tp_size if splits_vocab(TPGroup(size=tp_size), args.vocab_size) else args.vocab_size
+    h = args.hidden_size
+    layer, layer_linear = _decoder_layer(args, h, num_norms=2, tp_size=tp_size)
     params = v * h + args.num_layers * layer + h + (0 if args.tie_word_embeddings else v * h)
-    largest = max(v * h, h * args.intermediate_size, h * args.num_heads * args.head_dim)
-    return _weights(params, args.num_layers * layer_linear + v * h, dtype, _rope_buffer(args), largest)
+    return _weights(params, args.num_layers * layer_linear + v * h, dtype, _rope_buffer(args))
 
 
 def target_io_weights(args: ModelArgs, dtype: torch.dtype) -> Weights:
-    """What an EAGLE proposer deployment loads of the target: the model without its decoder layers
-    (embedding, final norm, LM head), as rayspec.proposers.eagle._load_target_io does."""
+    """What an EAGLE proposer loads of the target, whole, where it cannot share the engine's (a
+    proposer deployment; rank 0 of a tensor-parallel target, which holds a vocabulary slice): the
+    model without its decoder layers (embedding, final norm, LM head), as
+    rayspec.proposers.eagle._load_target_io does."""
     return causal_lm_weights(dataclasses.replace(args, num_layers=0), dtype)
+
+
+def generic_weights(hf_config, dtype: torch.dtype) -> Weights:
+    """What the generic path (rayspec.generic_model.load_generic_model) holds: transformers' model of
+    `hf_config` at `dtype` (modules it keeps in float32 stay so), its parameters (tied ones once)
+    and buffers, counted from a build on the meta device (no memory, config.json alone). No
+    prepacked CPU copies: the generic path has no CPU kernel choice."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights are one Parameter
+    buffers = {id(b): b for b in model.buffers()}.values()
+    return Weights(sum(p.numel() for p in params),
+                   sum(t.numel() * t.element_size() for t in (*params, *buffers)), 0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the planner counts it: its ModelArgs (KV cache, activations, the native weights),
+    and for a model the engine runs on the generic path its transformers config (`generic`)."""
+
+    args: ModelArgs
+    generic: object | None = None  # the transformers config of a generic-path model
+
+    def weights(self, dtype: torch.dtype, tp_size: int = 1) -> Weights:
+        if self.generic is None:
+            return causal_lm_weights(self.args, dtype, tp_size)
+        if tp_size > 1:
+            raise ValueError(f"{type(self.generic).__name__} runs on the generic path (rayspec.generic_model), "
+                             "which has no tensor parallelism: set tensor_parallel_size 1")
+        return generic_weights(self.generic, dtype)
+
+
+def as_shape(model: ModelArgs | ModelShape) -> ModelShape:
+    return model if isinstance(model, ModelShape) else ModelShape(model)
 
 
 def eagle_head_weights(config: EagleConfig, dtype: torch.dtype, has_own_embedding: bool = False) -> Weights:
@@ -165,12 +241,13 @@ def eagle_head_weights(config: EagleConfig, dtype: torch.dtype, has_own_embeddin
     return _weights(params, linear, dtype, _rope_buffer(a))
 
 
-def float32_build_bytes(weights: Weights) -> int:
-    """Device memory while rayspec.loader.build_model builds a model: its parameters are allocated
-    in float32 (from a float32 meta module), loaded, then cast to the dtype one by one (each cast
-    copy is made before its float32 original goes). Measured on an H100 for Llama-3.1-8B in
-    bfloat16: 33.17 GB, as computed (benchmarks/plan_memory_check.py)."""
-    return weights.num_params * FLOAT32 + weights.largest_bytes
+def load_bytes(weights: Weights, device: str | torch.device) -> int:
+    """Memory while a model streams in (rayspec.loader.load_checkpoint): its parameters, allocated at
+    their dtype on the device, filled tensor by tensor through one READ_CHUNK_BYTES host buffer
+    (casts of a chunk happen on the host too). So a GPU holds the weights alone, and a CPU process
+    the weights plus that buffer. (The loader before it built float32 weights on the device and
+    cast them: 33.17 GB measured on an H100 for Llama-3.1-8B in bfloat16, 2x its weights.)"""
+    return weights.bytes + (READ_CHUNK_BYTES if torch.device(device).type == "cpu" else 0)
 
 
 # ---- proposers ----------------------------------------------------------------------------
@@ -183,6 +260,7 @@ class DraftShape:
     model: ModelArgs | None = None  # draft_model: the draft, num_layers already cut to draft_num_layers
     head: EagleConfig | None = None  # eagle3 / eagle
     head_has_embedding: bool = False  # the head's checkpoint carries its own embedding
+    model_generic: object | None = None  # a draft on the generic path: its transformers config (ModelShape)
 
     @property
     def args(self) -> ModelArgs | None:
@@ -190,7 +268,7 @@ class DraftShape:
 
     def weights(self, dtype: torch.dtype) -> Weights:
         if self.model is not None:
-            return causal_lm_weights(self.model, dtype)
+            return ModelShape(self.model, self.model_generic).weights(dtype)
         if self.head is not None:
             return eagle_head_weights(self.head, dtype, self.head_has_embedding)
         return NO_WEIGHTS
@@ -242,7 +320,8 @@ class ActivationPlan:
 
 
 def forward_activations(args: ModelArgs, dtype: torch.dtype, tokens: int, kv_len: int, logit_rows: int,
-                        feature_size: int = 0, held_feature_rows: int = 0) -> ActivationPlan:
+                        feature_size: int = 0, held_feature_rows: int = 0, tp_size: int = 1,
+                        rank: int = 0) -> ActivationPlan:
     """An upper-bound estimate of the memory one forward of `tokens` new tokens, each attending to
     at most `kv_len` keys, allocates beyond the weights and the KV cache. T = tokens, H = hidden,
     I = intermediate, itemsize of the model dtype unless said:
@@ -259,15 +338,30 @@ def forward_activations(args: ModelArgs, dtype: torch.dtype, tokens: int, kv_len
       features: EAGLE feature layers' inputs [T, F] and their concatenation, plus
                 `held_feature_rows` rows of F a sequence keeps until its first draft
 
+    With tensor parallelism (`rank` of `tp_size`), a rank computes its heads and its slice of the
+    intermediate width (qkv, scores, mlp over 1/tp_size); the hidden states are whole on every
+    rank. Logits over a split vocabulary: each rank projects its slice ([rows, vocab / N] in the
+    dtype, then float32), and all_gather_last gives every rank the N parts and their concatenation
+    (2 x [rows, vocab] float32); rank 0 alone processes them. An unsplit vocabulary: rank 0 alone
+    computes them, as at tp_size 1. Features: rank 0 alone (the proposer's).
+
     The terms are summed, though the attention and MLP ones are never live at once; allocator
     rounding and the CUDA context (about 0.5 GB per process) are not counted. Measured on an H100
     (benchmarks/plan_memory_check.py, Llama-3.1-8B, 2048 tokens x 8192 keys): 5.46 GB with the math
     backend against 5.61 GB here, 0.42 GB with the default (fused) one against 0.50 without scores."""
     size = dtype.itemsize
-    h, i = args.hidden_size, args.intermediate_size
-    qkv_width = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
-    scores = (args.num_heads * tokens * kv_len * (2 * FLOAT32 + torch.bool.itemsize)
-              + 2 * args.num_heads * kv_len * args.head_dim * FLOAT32)
+    h, i = args.hidden_size, args.intermediate_size // tp_size
+    heads, kv_heads = args.num_heads // tp_size, args.num_kv_heads // tp_size
+    qkv_width = (heads + 2 * kv_heads) * args.head_dim
+    scores = (heads * tokens * kv_len * (2 * FLOAT32 + torch.bool.itemsize)
+              + 2 * heads * kv_len * args.head_dim * FLOAT32)
+    v = args.vocab_size
+    if splits_vocab(TPGroup(rank=rank, size=tp_size), v):
+        logits = logit_rows * (v // tp_size * (size + FLOAT32) + 2 * v * FLOAT32 + (v * FLOAT32 if rank == 0 else 0))
+    else:
+        logits = logit_rows * v * (size + 2 * FLOAT32) if rank == 0 else 0
+    if rank != 0:
+        feature_size = held_feature_rows = 0
     return ActivationPlan(
         tokens=tokens, kv_len=kv_len, logit_rows=logit_rows,
         hidden=4 * tokens * h * size,
@@ -275,7 +369,7 @@ def forward_activations(args: ModelArgs, dtype: torch.dtype, tokens: int, kv_len
         scores=scores,
         mask=tokens * kv_len * (size + torch.bool.itemsize),
         mlp=4 * tokens * i * size,
-        logits=logit_rows * args.vocab_size * (size + 2 * FLOAT32),
+        logits=logits,
         features=(2 * tokens + held_feature_rows) * feature_size * size,
     )
 
@@ -302,7 +396,7 @@ class PlanItem:
 @dataclass
 class ProcessPlan:
     """One engine (or proposer) process: what it holds once loaded (`items`), its peak forward
-    activations, and its peak while loading."""
+    activations, and its peak while loading. With tensor parallelism, one rank of the engine."""
 
     role: str  # "engine" or "proposer"
     device: str
@@ -311,8 +405,10 @@ class ProcessPlan:
     activations: ActivationPlan | None = None
     load_peak: int = 0
     load_detail: str = ""
-    kv: KVPlan | None = None  # the target's cache (engines)
+    kv: KVPlan | None = None  # the target's cache (engines; with tp: this rank's share)
     draft_kv: KVPlan | None = None  # the proposer's cache
+    rank: int = 0
+    tp_size: int = 1
 
     @property
     def resident(self) -> int:
@@ -332,16 +428,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def fmt_gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
 def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape, dtype: torch.dtype,
                   max_model_len: int, num_slots: int) -> tuple[Weights, int]:
     """Add the proposer's weights and cache to `plan`; returns its weights and what loading it
-    allocates beyond them on the device for a while."""
+    holds beyond them for a while."""
     weights = draft.weights(dtype)
     if draft.model is not None:
+        path = ", generic path" if draft.model_generic is not None else ""
         plan.items.append(PlanItem("draft model weights", weights.bytes,
                                    f"{weights.num_params:,} params, {draft.model.num_layers} layers, "
-                                   f"{_dtype_name(dtype)}"))
-        transient = float32_build_bytes(weights) - weights.bytes
+                                   f"{_dtype_name(dtype)}{path}"))
+        transient = load_bytes(weights, plan.device) - weights.bytes  # streamed like the target
     elif draft.head is not None:
         shared = "its own embedding" if draft.head_has_embedding else "the target's embedding shared"
         plan.items.append(PlanItem(f"{draft.head.kind} head weights", weights.bytes,
@@ -367,45 +468,72 @@ def _cpu_copies(plan: ProcessPlan, *weights: Weights) -> None:
                                    "(rayspec.cpu_kernels; none with the plain one)"))
 
 
-def engine_plan(config: EngineConfig, target: ModelArgs, device: str, draft: DraftShape = DraftShape(),
-                proposer_in_process: bool = True) -> ProcessPlan:
+def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: str, draft: DraftShape = DraftShape(),
+                proposer_in_process: bool = True, rank: int = 0) -> ProcessPlan:
     """The memory of an LLMEngine process (a verifier replica) on `device`, from the target's and the
     proposer's shapes. `proposer_in_process`: the proposer runs in it (colocated), else in a
-    proposer deployment (see `proposer_plan`)."""
+    proposer deployment (see `proposer_plan`). With config.tensor_parallel_size N > 1: the memory of
+    rank `rank` (0: the replica's own process, with the proposer and sampling; the others hold the
+    same shard and cache share, and compute their share of every forward)."""
     spec = config.speculative
+    shape = as_shape(target)
+    target = shape.args
+    tp_size = config.tensor_parallel_size
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} of tensor_parallel_size {tp_size}")
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = min(config.max_model_len, target.max_position_embeddings)
-    kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
-                       config.kv_cache_memory_gb, spec.method)
-    plan = ProcessPlan("engine", device, dtype, kv=kv)
-    weights = causal_lm_weights(target, dtype)
+    total_kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
+                             config.kv_cache_memory_gb, spec.method)  # the slots: every rank has them all
+    kv = total_kv.rank_share(tp_size)
+    plan = ProcessPlan("engine", device, dtype, kv=kv, rank=rank, tp_size=tp_size)
+    weights = shape.weights(dtype, tp_size)
+    of = ""
+    if tp_size > 1:
+        vocab = "split by vocabulary" if splits_vocab(TPGroup(size=tp_size), target.vocab_size) else \
+            "embedding and LM head whole"
+        of = f", rank {rank}'s shard of {tp_size} ({vocab})"
     plan.items.append(PlanItem("target weights", weights.bytes,
-                               f"{weights.num_params:,} params, {_dtype_name(dtype)}"))
+                               f"{weights.num_params:,} params, {_dtype_name(dtype)}{of}"
+                               + (", generic path" if shape.generic is not None else "")))
+    share = f" (1/{tp_size} of {fmt_gb(total_kv.bytes)}: its KV heads)" if tp_size > 1 else ""
     plan.items.append(PlanItem("target KV cache", kv.bytes,
                                f"{kv.num_slots} slots x {kv.capacity:,} positions (max_model_len {max_model_len:,} "
-                               f"+ {kv.capacity - max_model_len} slack) x {kv.bytes_per_token:,} B"))
-    draft_weights, transient = NO_WEIGHTS, 0
+                               f"+ {kv.capacity - max_model_len} slack) x {kv.bytes_per_token:,} B{share}"))
+    in_process = proposer_in_process and rank == 0
+    draft_weights, io, transient = NO_WEIGHTS, NO_WEIGHTS, 0
     draft_dtype = resolve_dtype(spec.draft_dtype or dtype, device)
-    if proposer_in_process:
+    if in_process and draft.head is not None and tp_size > 1:
+        # rank 0 holds a vocabulary slice (or the embedding whole): the head gets a whole copy of its own
+        io = target_io_weights(target, dtype)
+        plan.items.append(PlanItem("target embedding + LM head", io.bytes,
+                                   f"{io.num_params:,} params, {_dtype_name(dtype)}, whole, for the head"))
+    if in_process:
         draft_weights, transient = _add_proposer(plan, spec, draft, draft_dtype, max_model_len, kv.num_slots)
-    _cpu_copies(plan, weights, draft_weights)
+    _cpu_copies(plan, weights, io, draft_weights)
 
     tokens = forward_tokens(config, max_model_len, kv.num_slots)
-    feature_size = draft.head.feature_size if draft.head is not None else 0
+    # the target hands an EAGLE head its feature layers wherever the head runs (rank 0 captures them);
     # the prompt being prefilled keeps its features until its first draft (its whole length)
+    feature_size = draft.head.feature_size if draft.head is not None and rank == 0 else 0
     plan.activations = forward_activations(
         target, dtype, tokens, kv.capacity, kv.num_slots * (spec.num_speculative_tokens + 1),
-        feature_size=feature_size, held_feature_rows=max_model_len if feature_size else 0)
-    if proposer_in_process and draft.args is not None:  # the proposer's forwards come at other times
+        feature_size=feature_size, held_feature_rows=max_model_len if feature_size else 0,
+        tp_size=tp_size, rank=rank)
+    if in_process and draft.args is not None:  # the proposer's forwards come at other times
         own = _proposer_activations(config, draft, draft_dtype, plan.draft_kv, tokens)
         if own.total > plan.activations.total:
             plan.activations = own
 
-    build = float32_build_bytes(weights)
-    after_target = weights.bytes + kv.bytes + draft_weights.bytes + transient
-    plan.load_peak = max(build, after_target)
-    if build >= after_target:
-        plan.load_detail = "the target built in float32 on the device, then cast"
+    # the target streams in, its KV cache is allocated, then the proposer loads (streamed, or an
+    # EAGLE head arriving with a placeholder embedding)
+    target_load = load_bytes(weights, device)
+    io_load = load_bytes(io, device) - io.bytes if io.num_params else 0
+    after_target = weights.bytes + kv.bytes + io.bytes + io_load + draft_weights.bytes + transient
+    plan.load_peak = max(target_load, after_target)
+    if target_load >= after_target:
+        buffer = " (+ the host read buffer)" if target_load > weights.bytes else ""
+        plan.load_detail = "the target streamed in" + buffer
     elif draft_weights.num_params:
         plan.load_detail = "the target and its KV cache in place while the proposer loads"
     else:
@@ -424,12 +552,13 @@ def _proposer_activations(config: EngineConfig, draft: DraftShape, dtype: torch.
                                feature_size=draft.head.feature_size if draft.head is not None else 0)
 
 
-def proposer_plan(config: EngineConfig, target: ModelArgs, device: str, draft: DraftShape,
+def proposer_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: str, draft: DraftShape,
                   num_slots: int) -> ProcessPlan:
     """The memory of a proposer deployment replica (deployments.proposer): the proposer with a cache
     of `num_slots` slots (every verifier replica's sequences may land there) of the configured
     max_model_len; an EAGLE head also loads the target without its layers."""
     spec = config.speculative
+    target = as_shape(target).args
     dtype = resolve_dtype(config.dtype, device)
     draft_dtype = resolve_dtype(spec.draft_dtype or dtype, device)
     plan = ProcessPlan("proposer", device, draft_dtype)
@@ -444,8 +573,9 @@ def proposer_plan(config: EngineConfig, target: ModelArgs, device: str, draft: D
         tokens = config.max_num_batched_tokens or config.max_model_len * num_slots
         plan.activations = _proposer_activations(config, draft, draft_dtype, plan.draft_kv, tokens)
     if draft.model is not None:
-        plan.load_peak, plan.load_detail = float32_build_bytes(weights), "the draft built in float32, then cast"
+        plan.load_peak, plan.load_detail = load_bytes(weights, device), "the draft streamed in"
     else:
-        plan.load_peak = max(float32_build_bytes(io), io.bytes + weights.bytes + transient)
-        plan.load_detail = "the target's embedding and LM head built in float32, then cast"
+        plan.load_peak = max(load_bytes(io, device), io.bytes + weights.bytes + transient)
+        plan.load_detail = "the target's embedding and LM head in place while the head arrives"
     return plan
+

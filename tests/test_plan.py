@@ -1,9 +1,12 @@
 """`rayspec plan` and rayspec.memory: the planner's figures are the engine's own (real engines on
-SmolLM2-135M-Instruct), and `rayspec plan configs/llama3_eagle3.yaml` runs offline against the
-published Llama-3.1-8B-Instruct and EAGLE-3 head configs (tests/data) served by the localhost hub."""
+SmolLM2-135M-Instruct; tensor-parallel shards and caches of a tiny model, built per rank without a
+process group; a tiny gpt_oss on the generic path), and `rayspec plan` runs offline on
+configs/llama3_eagle3.yaml, llama70b_draft8b_tp4.yaml and qwen3_eagle3.yaml against the published
+model configs in tests/data served by the localhost hub, checked against arithmetic written out here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,10 +15,13 @@ import torch
 
 from engine_utils import cached_model, make_engine
 from hub_server import FakeHub, use_hub
-from deployments.plan import draft_shape, parse_size, target_args
+from deployments.plan import draft_shape, model_shape, parse_size, shape_of
 from rayspec.cli import main
 from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.loader import READ_CHUNK_BYTES, empty_model
 from rayspec.memory import GB, GiB, causal_lm_weights, eagle_head_weights, engine_plan, kv_cache_plan
+from rayspec.model import KVCache, ModelArgs
+from rayspec.parallel import TPGroup
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -47,7 +53,7 @@ def cache_bytes(runner) -> int:
 def plan_for(engine) -> object:
     """The planner's figures for an engine's config, from the config files alone (device: the engine's)."""
     config = engine.config
-    target = target_args(config.model)
+    target = model_shape(config.model)
     draft = draft_shape(config.speculative, config.model, target)
     return engine_plan(config, target, engine.device.type, draft)
 
@@ -186,11 +192,12 @@ def test_llama3_eagle3_plan_offline(llama_hub, monkeypatch, capsys):
     assert items["eagle3 head weights"] == 2 * head + 32000 * 8 + 128256 + 64 * 4  # + d2t, t2d, rotary
     assert verifier["proposer_kv_cache"]["bytes"] == 15 * (8192 + 4 * 5 + 8 + 2) * (1 * 8 * 128 * 2 * 2)
     assert verifier["activations"]["tokens"] == 2048 and verifier["fits"] and app["fits"]
-    # loading: the target's float32 build (4 x params) passes; then the head arrives with an embedding
-    # of its own (128,256 x 4096 bfloat16) before it takes the target's
+    assert not app["generic"] and verifier["tensor_parallel_size"] == 1 and verifier["followers"] is None
+    # loading: the target streams in at its dtype (no float32 copy on the GPU), its KV cache is
+    # allocated, then the head arrives with an embedding of its own (128,256 x 4096 bfloat16) before
+    # it takes the target's
     placeholder = 128256 * 4096 * 2
     assert verifier["load_peak"] == items["target weights"] + kv["bytes"] + items["eagle3 head weights"] + placeholder
-    assert verifier["load_peak"] > 4 * LLAMA_PARAMS
     fetched = llama_hub.downloads()
     assert sorted(fetched) == ["meta-llama/Llama-3.1-8B-Instruct/config.json",
                                "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/config.json"]  # no weights
@@ -204,3 +211,222 @@ def test_llama3_eagle3_plan_offline(llama_hub, monkeypatch, capsys):
     rc, out = run_plan(capsys, "--gpu-memory", "16GB")
     assert rc == 1 and "verdict: does not fit in 16.00 GB per GPU" in out and not llama_hub.log
     assert "per replica: does not fit" in out and " short" in out
+
+
+# ---- tensor parallelism: the planner's per-rank figures are the shards' --------------------------
+
+def tiny_llama_config(vocab: int, tied: bool = False, bias: bool = False):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=tied, attention_bias=bias, mlp_bias=bias)
+
+
+@pytest.mark.parametrize("vocab,tied,bias", [(256, False, False), (256, True, True), (255, False, True)])
+def test_tp_rank_figures_are_the_shards(vocab, tied, bias):
+    """Each rank's shard as rayspec.loader builds it (no process group needed to build one) holds
+    what causal_lm_weights(..., tp_size=2) says; each rank's cache is the KV heads' half. 255 does
+    not divide by 2: the embedding and LM head stay whole on both ranks."""
+    hf = tiny_llama_config(vocab, tied, bias)
+    args = ModelArgs.from_hf_config(hf)
+    config = EngineConfig(model="x", dtype="bfloat16", max_model_len=128, max_num_seqs=4, kv_cache_memory_gb=1.0,
+                          tensor_parallel_size=2, speculative=SpeculativeConfig(method="ngram"))
+    planned = causal_lm_weights(args, torch.bfloat16, tp_size=2)
+    for rank in (0, 1):
+        tp = TPGroup(rank=rank, size=2)
+        shard = empty_model(hf, "cpu", torch.bfloat16, tp=tp)
+        assert (planned.num_params, planned.bytes) == held_bytes(shard)
+        plan = engine_plan(config, args, "cpu", rank=rank)
+        assert {i.name: i.bytes for i in plan.items}["target weights"] == planned.bytes
+        # rank 0's new_cache would tell the (absent) other ranks: build its KVCache directly
+        cache = shard.new_cache(plan.kv.num_slots, plan.kv.capacity) if rank else \
+            KVCache(args, plan.kv.num_slots, plan.kv.capacity, torch.bfloat16, "cpu", tp)
+        assert plan.kv.bytes == 2 * cache.k.numel() * cache.k.element_size()
+        assert plan.kv.num_slots == 4 and plan.tp_size == 2 and plan.rank == rank
+    whole = causal_lm_weights(args, torch.bfloat16)
+    embedding = vocab * 64 * (1 if tied else 2)
+    split = embedding // 2 if vocab % 2 == 0 else embedding
+    # the layers' projections halve; norms, the rotary buffer and row-parallel biases (o_proj has
+    # none, down_proj's 64) stay whole
+    layer_linear = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 96
+    layer_bias = (64 + 2 * 32 + 2 * 96 + 64) if bias else 0
+    halved = 3 * (layer_linear + layer_bias - (64 if bias else 0)) // 2 + (embedding - split)
+    assert whole.num_params - planned.num_params == halved
+
+
+def test_tp_sizes_the_model_cannot_take_are_refused():
+    args = ModelArgs.from_hf_config(tiny_llama_config(256))
+    with pytest.raises(ValueError, match="num_attention_heads .4. is not divisible by tensor_parallel_size 3"):
+        causal_lm_weights(args, torch.bfloat16, tp_size=3)
+
+
+# ---- the generic path: weights of models the native formula does not describe ---------------------
+
+def test_gpt_oss_weights_are_the_generic_models(tmp_path):
+    """A tiny gpt_oss (mixture of experts, attention sinks): counted from transformers' model of its
+    config, as the generic path loads it, where the native formula would miss its experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from rayspec.generic_model import load_generic_model
+
+    H, heads, kv_heads, hd, E, I, V, L = 64, 4, 2, 16, 4, 64, 128, 2
+    hf = GptOssConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=hd, num_hidden_layers=L, num_local_experts=E,
+                      num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                      max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
+                      pad_token_id=0)
+    attention = heads + (H * heads * hd + heads * hd) + 2 * (H * kv_heads * hd + kv_heads * hd) + (heads * hd * H + H)
+    experts = (E * H + E) + (E * H * 2 * I + E * 2 * I) + (E * I * H + E * H)  # router, gate_up, down (with biases)
+    params = 2 * V * H + L * (attention + experts + 2 * H) + H
+    shape = shape_of(hf)
+    assert shape.generic is not None
+    assert causal_lm_weights(shape.args, torch.float32).num_params < params  # what the native formula would say
+
+    config = EngineConfig(model="x", dtype="float32", max_model_len=64, max_num_seqs=2, kv_cache_memory_gb=0.01,
+                          speculative=SpeculativeConfig(method="ngram"))
+    plan = engine_plan(config, shape, "cpu")
+    items = {i.name: (i.bytes, i.detail) for i in plan.items}
+    assert items["target weights"][1].startswith(f"{params:,} params") and "generic path" in items["target weights"][1]
+    assert items["oneDNN prepacked projections"][0] == 0  # the generic path packs nothing for the CPU
+    assert plan.load_peak >= items["target weights"][0] + READ_CHUNK_BYTES  # a CPU load holds the read buffer too
+
+    torch.manual_seed(0)
+    GptOssForCausalLM(hf).save_pretrained(tmp_path)
+    loaded = load_generic_model(tmp_path, hf.__class__.from_pretrained(tmp_path), "cpu", torch.float32)
+    assert held_bytes(loaded) == (params, items["target weights"][0])
+
+    with pytest.raises(ValueError, match="generic path.*no tensor parallelism"):
+        engine_plan(dataclasses.replace(config, tensor_parallel_size=2), shape, "cpu")
+
+
+# ---- Llama-3.3-70B over 4 GPUs, and Qwen3-8B + EAGLE-3, through the localhost hub ------------------
+
+# Llama-3.3-70B, one of 4 ranks: a layer's q/o 8192 x (64/4 x 128), k/v 8192 x (8/4 x 128), gate/up/down
+# 8192 x 28672/4, its two norms whole; the embedding and LM head 128,256/4 rows each; the final norm
+LLAMA70B_RANK_PARAMS = (80 * (2 * 8192 * 2048 + 2 * 8192 * 256 + 3 * 8192 * 7168 + 2 * 8192)
+                        + 2 * 32064 * 8192 + 8192)
+LLAMA70B_KV_PER_TOKEN = 80 * 8 * 128 * 2 * 2  # K and V, every layer, bfloat16: 320 KiB
+QWEN3_PARAMS = 36 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128) \
+    + 2 * 151936 * 4096 + 4096  # q/k norms: 128 each per layer
+
+
+@pytest.fixture
+def big_hub(tmp_path, monkeypatch):
+    hub = FakeHub()
+    for repo, folder in (("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b-instruct"),
+                         ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct"),
+                         ("Qwen/Qwen3-8B", "qwen3-8b"), ("Tengyunw/qwen3_8b_eagle3", "qwen3-8b-eagle3")):
+        hub.add_repo(repo, DATA / folder)
+    with hub:
+        use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
+        yield hub
+
+
+def plan_json(capsys, config: str, gpu: str) -> tuple[int, dict]:
+    rc = main(["plan", str(REPO / "configs" / config), "--gpu-memory", gpu, "--json"])
+    (app,) = json.loads(capsys.readouterr().out)
+    return rc, app
+
+
+def test_llama70b_tp4_plan_offline(big_hub, capsys):
+    rc, app = plan_json(capsys, "llama70b_draft8b_tp4.yaml", "80GB")
+    assert rc == 0 and app["fits"]
+    verifier, proposer = app["deployments"]
+    assert (verifier["tensor_parallel_size"], verifier["gpus_per_replica"]) == (4, 4)
+    assert verifier["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
+    assert LLAMA70B_RANK_PARAMS == 17_639_415_808  # a quarter of 70,553,706,496, less 3/4 of the norms
+    followers = verifier["followers"]
+    for rank in (verifier, followers):
+        items = {i["name"]: i["bytes"] for i in rank["items"]}
+        assert items["target weights"] == 2 * LLAMA70B_RANK_PARAMS + 64 * 4  # + the float32 rotary buffer
+        assert round(items["target weights"] / GB, 2) == 35.28
+        # the engine's slots from the 96 GiB budget over the whole model, the draft's cache counted
+        # as large as the target's (method draft_model): 96 GiB // (2 x 320 KiB x 8197) = 19
+        kv = rank["kv_cache"]
+        assert (kv["num_slots"], kv["capacity"]) == (96 * GiB // (2 * LLAMA70B_KV_PER_TOKEN * 8197), 8197) == (19, 8197)
+        assert items["target KV cache"] == 19 * 8197 * LLAMA70B_KV_PER_TOKEN // 4  # its 2 of the 8 KV heads
+        assert round((items["target weights"] + items["target KV cache"]) / GB, 1) == 48.0
+        assert "draft model weights" not in items  # disaggregated: the draft is the proposer's
+    # logits of 19 x 5 verified rows over 128,256 tokens: each rank's quarter (bfloat16, then float32),
+    # the gathered parts and their concatenation (float32) on every rank, rank 0's processed copy
+    rows, vocab = 19 * 5, 128256
+    assert verifier["activations"]["logits"] == rows * (vocab // 4 * 6 + 3 * vocab * 4)
+    assert followers["activations"]["logits"] == rows * (vocab // 4 * 6 + 2 * vocab * 4)
+    assert verifier["activations"]["mlp"] == 4 * 2048 * (28672 // 4) * 2  # its quarter of the intermediate
+    assert verifier["total"] < 80 * GB < 2 * verifier["total"]
+    items = {i["name"]: i["bytes"] for i in proposer["items"]}
+    assert items["draft model weights"] == 2 * LLAMA_PARAMS + 64 * 4
+    assert proposer["load_peak"] == items["draft model weights"]  # streamed: no float32 copy on the GPU
+
+    rc, out = run_plan_text(capsys, "llama70b_draft8b_tp4.yaml", "40GB")
+    assert rc == 1 and "verdict: does not fit in 40.00 GB per GPU (GPUs of all replicas: 5)" in out
+    assert "rank 0 (the replica's process: scheduler, sampling):" in out and "ranks 1-3 (each):" in out
+    assert "4 GPUs per replica (placement group STRICT_PACK: 4 x {CPU: 4, GPU: 1})" in out
+
+
+def run_plan_text(capsys, config: str, gpu: str) -> tuple[int, str]:
+    rc = main(["plan", str(REPO / "configs" / config), "--gpu-memory", gpu])
+    return rc, capsys.readouterr().out
+
+
+def test_qwen3_eagle3_plan_offline(big_hub, capsys):
+    rc, app = plan_json(capsys, "qwen3_eagle3.yaml", "80GB")
+    assert rc == 0 and app["fits"]
+    (verifier,) = app["deployments"]
+    items = {i["name"]: i["bytes"] for i in verifier["items"]}
+    assert QWEN3_PARAMS == 8_190_735_360
+    # bfloat16, plus rotary buffers: inv_freq (64 float32) natively, transformers' model (the generic
+    # path, while rayspec.model has no q/k norms) keeps original_inv_freq too
+    assert items["target weights"] - 2 * QWEN3_PARAMS in (64 * 4, 2 * 64 * 4)
+    kv = verifier["kv_cache"]
+    per_token = 36 * 8 * 128 * 2 * 2  # 144 KiB
+    assert kv["bytes_per_token"] == per_token and kv["num_slots"] == 16 * GiB // (per_token * 8201) == 14
+    # the head: fc over 3 x 4096 features, one layer whose attention reads 2 x 4096, three norms, the
+    # final norm, an LM head over the 32,000-token draft vocabulary; + d2t, t2d, rotary buffer
+    head = 12288 * 4096 + 8192 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288 + 3 * 4096 + 4096 + 32000 * 4096
+    assert items["eagle3 head weights"] == 2 * head + 32000 * 8 + 151936 + 64 * 4
+    assert verifier["proposer_kv_cache"]["bytes"] == 14 * (8192 + 4 * 3 + 8 + 2) * (8 * 128 * 2 * 2)
+    resident = sum(items.values())
+    acts = verifier["activations"]
+    assert verifier["total"] == resident + acts["total"]
+    # at 40 GB the upper bound (SDPA's math path: 32 heads x 2048 x 8201 scores) does not fit, by
+    # about half a GB; with a fused attention kernel (no scores held) it fits with 4.6 GB to spare
+    assert acts["scores"] == 32 * 2048 * 8201 * 9 + 2 * 32 * 8201 * 128 * 4
+    assert verifier["total"] - acts["scores"] < 36 * GB < 40 * GB < verifier["total"] < 41 * GB
+    rc, out = run_plan_text(capsys, "qwen3_eagle3.yaml", "40GB")
+    assert rc == 1 and "per replica: does not fit: 40.55 GB of 40.00 GB" in out
+
+
+def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
+    """Llama-3.1-8B over 2 GPUs with its EAGLE-3 head colocated: rank 0 holds the head, a whole copy
+    of the target's embedding and LM head for it (its own are vocabulary halves), the head's cache
+    and the features; rank 1 none of them."""
+    from transformers import LlamaConfig
+
+    from rayspec.eagle.checkpoint import eagle_config_from_hf
+    from rayspec.memory import DraftShape
+
+    hf = json.loads((DATA / "llama-3.1-8b-instruct" / "config.json").read_text())
+    args = ModelArgs.from_hf_config(LlamaConfig(**hf))
+    head = eagle_config_from_hf(json.loads((DATA / "eagle3-llama3.1-instruct-8b" / "config.json").read_text()),
+                                args.num_layers, args.hidden_size)
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=8, eagle_topk=4, num_steps=5)
+    config = EngineConfig(model="x", dtype="bfloat16", max_model_len=8192, max_num_seqs=32, kv_cache_memory_gb=16.0,
+                          tensor_parallel_size=2, speculative=spec)
+    rank0, rank1 = (engine_plan(config, args, "cuda", DraftShape(head=head), rank=r) for r in (0, 1))
+    items0, items1 = ({i.name: i.bytes for i in p.items} for p in (rank0, rank1))
+    assert items0["target embedding + LM head"] == 2 * (2 * 128256 * 4096 + 4096) + 64 * 4
+    assert items0["target weights"] == items1["target weights"] == 2 * (LLAMA_PARAMS - 32 * (3 * 4096 * 14336 + (
+        4096 + 2 * 1024 + 4096) * 4096) // 2 - 128256 * 4096) + 64 * 4  # halves: layers' projections, embedding, head
+    assert "eagle3 head weights" in items0 and set(items1) == {"target weights", "target KV cache"}
+    # 15 slots as at TP 1; each rank 4 of the 8 KV heads
+    assert items0["target KV cache"] == items1["target KV cache"] == 15 * 8201 * (32 * 4 * 128 * 2 * 2)
+    assert rank0.activations.features > 0 and rank1.activations.features == 0
+    # rank 0 loads its shard, allocates its cache, then the whole target I/O and the head (with its
+    # placeholder embedding)
+    assert rank0.load_peak == rank0.resident - items0["eagle3 head KV cache"] + 128256 * 4096 * 2
+    # disaggregated: the head runs elsewhere, but the verifier still hands it the feature layers
+    remote = engine_plan(dataclasses.replace(config, tensor_parallel_size=1), args, "cuda", DraftShape(head=head),
+                         proposer_in_process=False)
+    assert remote.activations.features > 0 and "eagle3 head weights" not in {i.name for i in remote.items}
