@@ -68,6 +68,7 @@ def _route_in_own_loop(handle) -> None:
 
 class RemoteProposer(Proposer):
     name = "remote"
+    in_process = False  # its draft cache lives in the proposer deployment, not in this engine's KV budget
 
     MAX_BACKOFF_S = 60.0
 

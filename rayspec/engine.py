@@ -112,7 +112,7 @@ class LLMEngine:
         spec = config.speculative
         self.max_k = spec.num_speculative_tokens
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
-        num_slots = self._num_slots(model, spec)
+        num_slots = self._num_slots(model, spec, in_process=getattr(proposer, "in_process", True))
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1)
         context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model,
                                   max_num_batched_tokens=config.max_num_batched_tokens)
@@ -131,11 +131,13 @@ class LLMEngine:
         self._committing = False  # _decode past the point where sequences take tokens
         self.num_steps = 0
 
-    def _num_slots(self, model: CausalLM, spec) -> int:
+    def _num_slots(self, model: CausalLM, spec, in_process: bool = True) -> int:
+        """in_process: the proposer (a draft model's cache) shares this process's KV budget; a
+        disaggregated one (deployments.remote_proposer) keeps its cache in its own deployment."""
         from rayspec.memory import kv_cache_plan  # the one sizing function (`rayspec plan` reports it too)
 
         return kv_cache_plan(model.args, self.dtype, self.max_model_len, self.max_k, self.config.max_num_seqs,
-                             self.config.kv_cache_memory_gb, spec.method).num_slots
+                             self.config.kv_cache_memory_gb, spec.method if in_process else "none").num_slots
 
     @property
     def num_slots(self) -> int:

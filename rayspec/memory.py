@@ -484,7 +484,8 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = min(config.max_model_len, target.max_position_embeddings)
     total_kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
-                             config.kv_cache_memory_gb, spec.method)  # the slots: every rank has them all
+                             config.kv_cache_memory_gb,  # the slots: every rank has them all
+                             spec.method if proposer_in_process else "none")  # a remote draft: its own budget
     kv = total_kv.rank_share(tp_size)
     plan = ProcessPlan("engine", device, dtype, kv=kv, rank=rank, tp_size=tp_size)
     weights = shape.weights(dtype, tp_size)

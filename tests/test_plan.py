@@ -341,16 +341,17 @@ def test_llama70b_tp4_plan_offline(big_hub, capsys):
         items = {i["name"]: i["bytes"] for i in rank["items"]}
         assert items["target weights"] == 2 * LLAMA70B_RANK_PARAMS + 64 * 4  # + the float32 rotary buffer
         assert round(items["target weights"] / GB, 2) == 35.28
-        # the engine's slots from the 96 GiB budget over the whole model, the draft's cache counted
-        # as large as the target's (method draft_model): 96 GiB // (2 x 320 KiB x 8197) = 19
+        # the engine's slots from the 96 GiB budget over the whole model: the draft is disaggregated, so
+        # its cache is not in this budget: 96 GiB // (320 KiB x 8197) = 38, capped by max_num_seqs 32
         kv = rank["kv_cache"]
-        assert (kv["num_slots"], kv["capacity"]) == (96 * GiB // (2 * LLAMA70B_KV_PER_TOKEN * 8197), 8197) == (19, 8197)
-        assert items["target KV cache"] == 19 * 8197 * LLAMA70B_KV_PER_TOKEN // 4  # its 2 of the 8 KV heads
-        assert round((items["target weights"] + items["target KV cache"]) / GB, 1) == 48.0
+        assert 96 * GiB // (LLAMA70B_KV_PER_TOKEN * 8197) == 38
+        assert (kv["num_slots"], kv["capacity"]) == (32, 8197)
+        assert items["target KV cache"] == 32 * 8197 * LLAMA70B_KV_PER_TOKEN // 4  # its 2 of the 8 KV heads
+        assert round((items["target weights"] + items["target KV cache"]) / GB, 1) == 56.8
         assert "draft model weights" not in items  # disaggregated: the draft is the proposer's
-    # logits of 19 x 5 verified rows over 128,256 tokens: each rank's quarter (bfloat16, then float32),
+    # logits of 32 x 5 verified rows over 128,256 tokens: each rank's quarter (bfloat16, then float32),
     # the gathered parts and their concatenation (float32) on every rank, rank 0's processed copy
-    rows, vocab = 19 * 5, 128256
+    rows, vocab = 32 * 5, 128256
     assert verifier["activations"]["logits"] == rows * (vocab // 4 * 6 + 3 * vocab * 4)
     assert followers["activations"]["logits"] == rows * (vocab // 4 * 6 + 2 * vocab * 4)
     assert verifier["activations"]["mlp"] == 4 * 2048 * (28672 // 4) * 2  # its quarter of the intermediate

@@ -50,6 +50,7 @@ class Draft:
 
 class Proposer(ABC):
     name: str = ""
+    in_process: bool = True  # its state (a draft model's KV cache) lives in the engine's process and budget
 
     @classmethod
     def create(cls, config, context) -> "Proposer":
