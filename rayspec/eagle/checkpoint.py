@@ -114,7 +114,9 @@ def new_eagle_config(kind: str, target_dir: Path, num_target_layers: int, target
     """The config of a fresh head for a target (what `rayspec train` starts from)."""
     target_cfg = json.loads((target_dir / "config.json").read_text())
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size",
+            # transformers 5 writes rope_parameters (theta, scaling) and no rope_theta: a head without it
+            # would rotate at the default theta 10000, not its target's (1e6 for Qwen)
+            "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size",
             "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")
     hf = {k: target_cfg[k] for k in keep if k in target_cfg}
     hf.update(model_type="llama", num_hidden_layers=1 if kind == "eagle3" else num_layers,
