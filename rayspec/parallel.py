@@ -93,8 +93,24 @@ class TPGroup:
             raise RankFailure(f"tensor-parallel collective failed (a rank died?): {err!r}") from err
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the ranks, in place, batch-invariantly: every element is summed in rank order
+        (rank 0 + rank 1 + ...), whatever x's size.
+
+        A library all-reduce is not: gloo's ring (and NCCL's ring/tree) cut the buffer into chunks by
+        its size, so which rank's value an element's sum starts from depends on how many rows the
+        tensor has (measured on gloo, 3 ranks: one row reduced alone differs by 4e-6 from the same
+        row reduced among five). Then a verification forward of k+1 rows would not compute what
+        decoding one row computes, and greedy speculation could leave target-only decoding at a
+        near-tie. So: gather the partial sums, add them in a fixed order. It moves (size-1) x the
+        tensor to every rank (a ring all-reduce moves about 2x); at decode and verification sizes
+        both are latency-bound."""
         if self.size > 1:
-            self._run(dist.all_reduce, x)
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self._run(dist.all_gather, parts, x.contiguous())
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,43 @@ def test_tp_needs_divisible_heads_and_a_launcher(target_dir):
         LLMEngine(EngineConfig(model=str(target_dir), device="cpu", tensor_parallel_size=2))
 
 
+def _reduce_rows(rank: int, size: int, init_method: str, queue) -> None:
+    from rayspec.parallel import TPGroup
+
+    tp = TPGroup.init(rank, size, init_method, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(rank)
+    full = torch.randn(9, 576, generator=gen) * 10
+    one, five, nine = (tp.all_reduce(full[:n].clone()) for n in (1, 5, 9))
+    if rank == 0:
+        parts = [torch.randn(9, 576, generator=torch.Generator().manual_seed(r)) * 10 for r in range(size)]
+        in_order = parts[0] + parts[1] + parts[2]
+        queue.put((torch.equal(one[0], nine[0]), torch.equal(five, nine[:5]), torch.equal(nine, in_order)))
+    torch.distributed.destroy_process_group()
+
+
+def test_all_reduce_is_batch_invariant():
+    """A row sums to the same bits whether it is reduced alone or among others (gloo's own ring
+    all-reduce does not: it chunks by size), so a k+1-row verification computes what decoding one
+    row computes, at TP > 1 as at TP = 1."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_reduce_rows, args=(r, 3, f"tcp://127.0.0.1:{port}", queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        assert queue.get(timeout=120) == (True, True, True)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+
+
 # ---- temperature > 0 ----------------------------------------------------------------------------
 
 def test_tp2_sampling_follows_the_target(tmp_path_factory):
