@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from deployments.autoscaling import proposer_autoscaling_config
 from rayspec.config import EngineConfig, SpeculativeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +191,9 @@ class DeploymentArgs(_Strict):
         bundle = {"CPU": float(actor.get("num_cpus", default_cpus))}
         if actor.get("num_gpus"):
             bundle["GPU"] = float(actor["num_gpus"])
+        # custom resources (the node-type convention: target_node) in every rank's bundle, so each
+        # rank lands on a node of that type and the replica actor fits its bundle 0
+        bundle.update({k: float(v) for k, v in actor.get("resources", {}).items()})
         return [dict(bundle) for _ in range(size)]
 
 
@@ -215,6 +219,10 @@ class AppArgs(_Strict):
     # the direct channel refuses frames longer than this (both ways; a call that would be longer goes
     # through Serve): checked from the length prefix, before anything is allocated
     proposer_channel_max_frame_mib: int = Field(256, ge=1, le=1 << 16)
+    # disaggregated: a verifier replica pins itself to one proposer replica (its draft state lives
+    # there) and pins again, letting Serve's router choose, this often: so verifiers spread over a
+    # proposer pool that grew. A re-pin that lands elsewhere costs one resend of the features. None: never.
+    proposer_repin_interval_s: float | None = Field(60.0, gt=0)
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
     api_key: SecretStr | None = None
@@ -292,8 +300,11 @@ class AppArgs(_Strict):
 
     def proposer_options(self) -> dict[str, Any]:
         # every verifier replica has at most one propose call in flight (plus one release flush)
-        return self.proposer.options(name=PROPOSER_NAME, default_cpus=1,
+        opts = self.proposer.options(name=PROPOSER_NAME, default_cpus=1,
                                      default_max_ongoing=2 * self.verifier.max_replicas + 2)
+        if "autoscaling_config" in opts:  # its own signal: busy drafting, not ongoing calls
+            opts["autoscaling_config"] = proposer_autoscaling_config(opts["autoscaling_config"])
+        return opts
 
     def proposer_num_slots(self) -> int:
         """Draft-model KV slots in one proposer replica: every verifier replica's sequences may land there."""

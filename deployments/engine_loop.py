@@ -269,5 +269,6 @@ class EngineLoop:
             self.snapshot["proposer_features_resent"] = remote.num_resent
             self.snapshot["proposer_failed_calls"] = remote.num_failed_calls
             self.snapshot["proposer_skipped_steps"] = remote.num_skipped_steps
+            self.snapshot["proposer_repins"] = getattr(remote, "num_repins", 0)
         if self.metrics is not None:
             self.metrics.update(self.snapshot)

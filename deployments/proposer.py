@@ -32,6 +32,7 @@ import time
 import torch
 from ray import serve
 
+from deployments.autoscaling import BUSY_METRIC, BusyMeter
 from deployments.config import load_app_args, replica_device
 from deployments.direct_channel import ChannelServer
 from deployments.wire import CallLimits
@@ -76,6 +77,7 @@ class Proposer:
         self.num_requests = 0
         self.num_tree_drafts = 0
         self.propose_seconds = 0.0  # drafting time inside this replica (the rest of a call is transport)
+        self.busy = BusyMeter()  # the pool's autoscaling signal (deployments.autoscaling)
 
     def feature_layers(self) -> tuple[int, ...] | None:
         """What the verifier's engine must hand over (rayspec.proposers.base.Proposer.feature_layers)."""
@@ -131,7 +133,8 @@ class Proposer:
             if not requests:
                 return []
             started = time.perf_counter()
-            drafts = self.proposer.propose(requests)
+            with self.busy:
+                drafts = self.proposer.propose(requests)
             self.propose_seconds += time.perf_counter() - started
             self.num_calls += 1
             self.num_requests += len(requests)
@@ -142,10 +145,20 @@ class Proposer:
                 self.num_tree_drafts += 1
         return drafts
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: the fraction of the last seconds spent drafting, over
+        the direct channel and Serve alike (deployments.autoscaling.ProposerBusyPolicy reads it)."""
+        return {BUSY_METRIC: self.busy.fraction()}
+
     def stats(self) -> dict:
         layers = self.proposer.feature_layers
-        return {"method": self.proposer.name, "device": str(self.device), "num_calls": self.num_calls,
-                "propose_seconds": round(self.propose_seconds, 4),
+        try:
+            replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve
+            replica = None
+        return {"replica": replica, "method": self.proposer.name, "device": str(self.device),
+                "num_calls": self.num_calls,
+                "propose_seconds": round(self.propose_seconds, 4), "busy": round(self.busy.fraction(), 4),
                 "num_requests": self.num_requests, "num_tree_drafts": self.num_tree_drafts,
                 "feature_layers": None if layers is None else list(layers),
                 # the direct channel: authenticated connections, and those closed (failed handshake,

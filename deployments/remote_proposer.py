@@ -75,7 +75,7 @@ class RemoteProposer(Proposer):
     def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 30.0,
                  startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic,
                  direct: bool = True, channel_secret=None, vocab_size: int | None = None,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, repin_interval_s: float | None = None):
         _route_in_own_loop(handle)
         self.direct = direct  # per-step calls over the pinned replica's direct channel when it offers one
         self._channel: ChannelClient | None = None
@@ -83,9 +83,15 @@ class RemoteProposer(Proposer):
         self.vocab_size = vocab_size  # the target's: what the drafts' tokens and probs are checked against
         self.max_frame_bytes = max_frame_bytes
         self.num_direct_calls = 0
+        self._base_handle = handle
         self.handle = handle.options(multiplexed_model_id=affinity) if affinity else handle
         self.affinity = affinity
         self._pinned = affinity is None  # with a tag, the first call pins it to one proposer replica
+        # pin again (a new tag, so Serve's router chooses afresh) this often: spreads the verifiers
+        # over a proposer pool that grew (deployments.autoscaling)
+        self.repin_interval_s = repin_interval_s if affinity else None
+        self.num_repins = 0
+        self._pinned_at = float("-inf")
         self.device = torch.device(device) if device is not None else None
         self.timeout_s = timeout_s
         self._released: list[str] = []
@@ -117,6 +123,7 @@ class RemoteProposer(Proposer):
     def _pin(self) -> None:
         answer = self.handle.pin.remote().result(timeout_s=self.timeout_s)
         self._pinned = True
+        self._pinned_at = self._clock()
         address = (answer or {}).get("channel") if isinstance(answer, dict) else None
         if self.direct and address is not None and self._channel_secret is None:
             logger.warning("no channel secret for the proposer's direct channel; calls go through Serve")
@@ -126,6 +133,20 @@ class RemoteProposer(Proposer):
                                               ReplyLimits(vocab_size=self.vocab_size), self.max_frame_bytes)
             except OSError as err:  # a firewall between nodes, another secret: Serve's path still works
                 logger.warning("no direct channel to the proposer at %s (%s); calls go through Serve", address, err)
+
+    def _repin_due(self) -> bool:
+        return (self._pinned and self.repin_interval_s is not None
+                and self._clock() - self._pinned_at >= self.repin_interval_s)
+
+    def _repin(self) -> None:
+        """Leave the pinned replica: the next call pins a new tag wherever Serve's router sends it
+        (the least busy of two replicas it samples). Landing on another replica costs one resend of
+        the sequences' features (`resend_features_from`); the old replica's draft state for them is
+        evicted there as slots are needed."""
+        self.num_repins += 1
+        self.handle = self._base_handle.options(multiplexed_model_id=f"{self.affinity}.{self.num_repins}")
+        self._drop_channel()
+        self._pinned = False
 
     def _drop_channel(self) -> None:
         if self._channel is not None:
@@ -164,6 +185,8 @@ class RemoteProposer(Proposer):
             return [Draft([]) for _ in requests]
         released, self._released = self._released, []
         try:
+            if self._repin_due():
+                self._repin()
             if not self._pinned:
                 self._pin()
             drafts = self._call(requests, released)

@@ -54,6 +54,10 @@ def test_big_target_configs():
         "Qwen/Qwen3-8B", "eagle3", "Tengyunw/qwen3_8b_eagle3")
     assert qwen.tensor_parallel_size == 1
     assert "placement_group_bundles" not in AppArgs.model_validate(app_args(CONFIGS / "default.yaml")).verifier_options()
+    # a TP verifier pinned to target nodes: every rank's bundle asks for the node type too
+    pinned = AppArgs.model_validate({"engine": {"tensor_parallel_size": 2}, "verifier": {
+        "ray_actor_options": {"num_gpus": 1, "resources": {"target_node": 0.01}}}}).verifier_options()
+    assert pinned["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0, "target_node": 0.01}] * 2
 
 
 @pytest.mark.parametrize("args,match", [
