@@ -1,4 +1,4 @@
-"""The `rayspec` command: fetch-model, generate, plan, train, bench offline, bench serve."""
+"""The `rayspec` command: fetch-model, generate, plan, kuberay, train, bench offline, bench serve."""
 
 from __future__ import annotations
 
@@ -97,6 +97,22 @@ def cmd_plan(args) -> int:
         print("\n(GB = 10^9 bytes, MB = 10^6; kv_cache_memory_gb is read as GiB = 2^30 bytes, as the engine does)")
     fits = [app.fits(gpu_memory) for app in apps if gpu_memory is not None and any(d.on_gpu for d in app.deployments)]
     return 0 if all(fits) else 1
+
+
+def cmd_kuberay(args) -> int:
+    from deployments.kuberay import render
+
+    try:
+        text = render(args.config, image=args.image, name=args.name, source=args.source, ref=args.ref)
+    except (ValueError, OSError) as err:  # a bad config, or one that needs what no pod holds: say which
+        print(f"rayspec kuberay: {err}", file=sys.stderr)
+        return 2
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -207,6 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--app", default=None, help="only the application of this name")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of text")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("kuberay", help="a KubeRay RayService manifest for a serve config",
+                       description="Write a RayService (ray.io/v1): the serve config as serveConfigV2, an "
+                                   "autoscaled Ray cluster with a CPU head that takes no work and worker groups "
+                                   "for the resources the config's deployments ask for (target_node, draft_node, "
+                                   "GPUs, CPUs). See deployments/kuberay/README.md.")
+    p.add_argument("config", help="a serve config (configs/*.yaml), e.g. configs/cluster_eagle3.yaml")
+    p.add_argument("--image", default=None,
+                   help="container image (default: rayproject/ray:<ray version>-py311-gpu; rayspec is then "
+                        "installed at pod start from --source)")
+    p.add_argument("--source", default="", help="git URL of this repository, cloned and installed at pod start "
+                                               "where the image lacks rayspec")
+    p.add_argument("--ref", default="", help="branch, tag or commit of --source (default: its default branch)")
+    p.add_argument("--name", default="rayspec", help="the RayService's name (Kubernetes DNS label)")
+    p.add_argument("--output", default=None, help="write here instead of stdout")
+    p.set_defaults(func=cmd_kuberay)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="in-process: rayspec baseline vs method vs HF transformers")

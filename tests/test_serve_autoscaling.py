@@ -22,8 +22,9 @@ def autoscaled(tiny_model_dir):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = tiny_args(tiny_model_dir, verifier={
         "max_ongoing_requests": 8,
+        # look_back_period_s past Serve's metrics_interval_s (10 s): Serve warns below it, and will refuse
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                               "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 2},
+                               "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 12},
         "ray_actor_options": {"num_cpus": 0.5}})
     serve.run(build_app(args), name="rayspec", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
