@@ -1,0 +1,240 @@
+"""Node autoscaling for real, on one machine: Ray's autoscaler with its fake multi-node provider
+(`RAY_FAKE_CLUSTER=1`: every node it launches is a real local raylet with the resources of its node
+type, logical GPUs included), a CPU-only head and two worker node types, `min_workers: 0`:
+`target_gpu` (GPU + `target_node`) and `draft_gpu` (GPU + `draft_node`), the node-type convention
+of configs/cluster.yaml (deployments/README.md, "Node types").
+
+- deploying a disaggregated app launches one node of each type; the verifier lands on the target
+  node, the proposer on the draft node; greedy output over HTTP equals target-only decoding;
+- streamed load scales the verifier 1 -> 2 and a second target node appears, the proposer stays;
+- when the load stops the verifier scales back and the idle node is removed;
+- a target node lost under streamed load: every stream completes (failover) with the target-only
+  text, and the autoscaler starts a node in its place.
+
+Its own Ray instance: `ray start --head` with the autoscaling config on port 6379 (the fake provider
+connects its nodes there), and `ray stop --force` at the end, which stops every Ray process on the
+machine: no other module's cluster is up at that point (each shuts its own down).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import ray
+import ray.serve as serve
+
+from serve_utils import free_port, tiny_args, wait_for
+from deployments.app import build_app
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.engine import LLMEngine
+from rayspec.sampling import SamplingParams
+
+RAY = str(Path(sys.executable).with_name("ray"))
+NODE_TYPES = {
+    "target_gpu": {"resources": {"CPU": 2, "GPU": 1, "target_node": 1}, "node_config": {},
+                   "min_workers": 0, "max_workers": 2},
+    "draft_gpu": {"resources": {"CPU": 2, "GPU": 1, "draft_node": 1}, "node_config": {},
+                  "min_workers": 0, "max_workers": 1},
+}
+PROMPTS = ["one two three four five one two three four five one two", "The quick brown fox jumps over"]
+TIMINGS: dict[str, float] = {}
+
+
+def _autoscaling_config() -> dict:
+    """The cluster config Ray's fake multi-node provider reads (written here: the wheel does not ship
+    Ray's example file). Idle nodes go after 6 s."""
+    return {
+        "cluster_name": "rayspec-fake", "max_workers": 4, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.1,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True},
+        "head_node_type": "ray.head.default",
+        "available_node_types": {"ray.head.default": {"resources": {"CPU": 3}, "node_config": {}, "max_workers": 0},
+                                 **NODE_TYPES},
+        "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [], "rsync_exclude": [],
+        "rsync_filter": [], "file_mounts_sync_continuously": False, "initialization_commands": [],
+        "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+        "head_start_ray_commands": [], "worker_start_ray_commands": [],
+    }
+
+
+def _app_args(model_dir) -> dict:
+    return tiny_args(
+        model_dir, topology="disaggregated",
+        verifier={"max_ongoing_requests": 8,
+                  "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                         "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 12},
+                  "ray_actor_options": {"num_cpus": 1, "num_gpus": 1, "resources": {"target_node": 0.01}}},
+        proposer={"num_replicas": 1,
+                  "ray_actor_options": {"num_cpus": 1, "num_gpus": 1, "resources": {"draft_node": 0.01}}})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("autoscaler") / "cluster.json"
+    config.write_text(json.dumps(_autoscaling_config()))
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    subprocess.run([RAY, "start", "--head", "--port=6379", "--num-cpus=3", "--num-gpus=0",
+                    "--include-dashboard=false", f"--autoscaling-config={config}",
+                    # a lost node is declared dead after ~3 s instead of ~15
+                    '--system-config={"health_check_period_ms":1000,"health_check_failure_threshold":3}'], env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=120)
+    try:
+        ray.init(address="auto", log_to_driver=False)  # the head just started here
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            subprocess.run([RAY, "stop", "--force"], stdout=subprocess.DEVNULL, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, kv_cache_memory_gb=0.25,
+                                    speculative=SpeculativeConfig(method="none")))
+
+    def texts(max_tokens: int) -> list[str]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.text for o in engine.generate(PROMPTS, params)]
+
+    return texts
+
+
+def _nodes(kind: str) -> list[str]:
+    """Alive nodes carrying the `kind` resource (target_node / draft_node)."""
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and kind in n["Resources"]]
+
+
+def _replica_nodes(deployment: str) -> list[str]:
+    """Nodes of the deployment's live replica actors (from the GCS: no dashboard here)."""
+    actors = ray._private.state.actors().values()
+    return [a["Address"]["NodeID"] for a in actors
+            if a["State"] == "ALIVE" and a.get("ActorClassName") == f"ServeReplica:rayspec:{deployment}"]
+
+
+def _running(deployment: str) -> int:
+    return serve.status().applications["rayspec"].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def _complete(url: str, prompt: str, max_tokens: int) -> str:
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _stream(url: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True}
+    text = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text.append(event["choices"][0]["text"])
+    return "".join(text)
+
+
+def test_deploy_launches_a_node_of_each_type(cluster, tiny_model_dir, reference):
+    assert _nodes("target_node") == [] and _nodes("draft_node") == []
+    started = time.monotonic()
+    serve.run(build_app(_app_args(tiny_model_dir)), name="rayspec", route_prefix="/")
+    TIMINGS["deploy_to_serving_s"] = time.monotonic() - started
+    targets, drafts = _nodes("target_node"), _nodes("draft_node")
+    assert len(targets) == 1 and len(drafts) == 1
+    assert _replica_nodes("Verifier") == targets
+    assert _replica_nodes("Proposer") == drafts
+    assert [_complete(cluster, p, 24) for p in PROMPTS] == reference(24)
+    print(f"demand to serving on new nodes: {TIMINGS['deploy_to_serving_s']:.1f} s")
+
+
+def test_load_adds_a_target_node_and_removing_it_gives_it_back(cluster, reference):
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                _stream(cluster, "load load load", 300, temperature=0.9)
+            except Exception as err:  # noqa: BLE001
+                failures.append(repr(err))
+                return
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(4)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: (_running("Verifier") == 2 and len(_nodes("target_node")) == 2) or failures,
+                 timeout=120, interval=0.5)
+        assert not failures, failures
+        TIMINGS["scale_up_to_serving_s"] = time.monotonic() - started
+        assert len(_nodes("target_node")) == 2 and len(set(_replica_nodes("Verifier"))) == 2
+        assert _running("Proposer") == 1 and len(_nodes("draft_node")) == 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures
+    print(f"load to a second verifier serving on a new node: {TIMINGS['scale_up_to_serving_s']:.1f} s")
+    started = time.monotonic()
+    wait_for(lambda: _running("Verifier") == 1 and len(_nodes("target_node")) == 1, timeout=90, interval=0.5)
+    print(f"idle to the node given back: {time.monotonic() - started:.1f} s")
+    assert _nodes("target_node") == _replica_nodes("Verifier")
+
+
+def _kill_node(node_id: str) -> int:
+    """Kill every process of one fake node (its raylet and workers), as a lost machine would go."""
+    killed = 0
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id:
+                proc.send_signal(signal.SIGKILL)
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return killed
+
+
+def test_a_lost_target_node_is_replaced_and_streams_complete(cluster, reference):
+    (victim,) = _nodes("target_node")
+    expected = reference(160)
+    out: dict[int, str] = {}
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = _stream(cluster, PROMPTS[i], 160)
+        except Exception as err:  # noqa: BLE001
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # the streams are under way on the victim's verifier
+    assert _kill_node(victim) > 0
+    started = time.monotonic()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+    wait_for(lambda: _running("Verifier") >= 1 and _nodes("target_node") and victim not in _nodes("target_node"),
+             timeout=120, interval=0.5)
+    print(f"node lost to a verifier serving on its replacement: {time.monotonic() - started:.1f} s")
+    assert [_complete(cluster, p, 24) for p in PROMPTS] == reference(24)
