@@ -1,4 +1,6 @@
-"""Application builder (Ray Serve LLM style): `import_path: deployments.app:build_app`, `args: {...}`.
+"""Application builders: `import_path: deployments.app:build_app` with our `args: {...}` (AppArgs; vLLM's
+names taken too), or `deployments.app:build_llm_app` with Ray Serve LLM's (`llm_configs: [LLMConfig]`,
+what `ray.serve.llm:build_openai_app` takes; deployments/dialects.py).
 
 colocated:      OpenAIIngress -> Verifier (engine + in-process proposer)
 disaggregated:  OpenAIIngress -> Verifier (engine + RemoteProposer) -> Proposer
@@ -21,6 +23,7 @@ from pydantic import SecretStr
 from ray.serve import Application
 
 from deployments.config import AppArgs, load_app_args, resolve_api_key
+from deployments.dialects import translate_llm_app_args
 from deployments.ingress import OpenAIIngress
 from deployments.proposer import Proposer
 from deployments.verifier import Verifier
@@ -38,3 +41,10 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     verifier = Verifier.options(**cfg.verifier_options()).bind(plain, proposer, channel_secret)
     api_key = resolve_api_key(cfg.api_key)  # the ingress alone checks it
     return OpenAIIngress.options(**cfg.ingress_options()).bind(plain, verifier, api_key)
+
+
+def build_llm_app(args: dict | None = None) -> Application:
+    """Ray Serve LLM's builder args (`llm_configs: [{model_loading_config, engine_kwargs,
+    deployment_config, accelerator_type, ...}]`, one model) served by rayspec: the same app as
+    build_app, so a Ray Serve LLM config changes only its import_path."""
+    return build_app(translate_llm_app_args(args))

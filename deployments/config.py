@@ -230,6 +230,17 @@ class AppArgs(_Strict):
     # client to wait, in its Retry-After header. The bounds themselves are each deployment's
     # max_ongoing_requests / max_queued_requests and engine.max_num_waiting (deployments/README.md).
     retry_after_s: float = Field(1.0, ge=0)
+    # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.tool_parsers);
+    # None: found from the markers in the model's chat template
+    tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_dialect(cls, data: Any) -> Any:
+        """vLLM's names onto ours: `speculative_config`, engine keys at the top level (deployments/dialects.py)."""
+        from deployments.dialects import translate_vllm_args
+
+        return translate_vllm_args(data)
 
     @field_validator("api_key")
     @classmethod

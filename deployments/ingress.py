@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP ingress (FastAPI) in front of the verifier deployment.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats.
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /health, GET /v1/stats.
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
 With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but /health wants
 `Authorization: Bearer <key>` (deployments.api_key); handle calls come over Ray, which has no keys.
@@ -25,11 +26,13 @@ from deployments.api_key import RequireApiKey, key_digest
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args, resolve_api_key
 from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
-from deployments.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, ToolCallStream,
-                                         chat_logprobs, completion_logprobs, finish_reason, new_id, now, sum_usage,
-                                         tool_call_message)
+from deployments.openai_protocol import (AutoToolCallStream, ChatCompletionRequest, CompletionRequest,
+                                         DetokenizeRequest, OpenAIError, TokenizeRequest, ToolCallStream,
+                                         auto_tool_message, chat_logprobs, completion_logprobs, finish_reason, new_id,
+                                         now, sum_usage, tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
+from rayspec.tool_parsers import ToolCallParser, get_parser
 
 logger = logging.getLogger("rayspec.serve")
 app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")
@@ -135,6 +138,7 @@ class OpenAIIngress:
         # (e.g. set through the runtime_env's env_vars). Only its digest is kept.
         self._api_key_digest = key_digest(resolve_api_key(api_key))
         self.model_name = self.cfg.model_name
+        self._model_info: dict | None = None  # the verifier's model_info, asked once (tool parser, max_model_len)
         self.verifier = verifier
         self.failovers = FailoverCounts()  # requests that outlived a lost verifier replica
         self.admission = AdmissionState(self.cfg.ingress_max_ongoing, self.cfg.retry_after_s)
@@ -223,13 +227,28 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest):
         return await self._respond(body, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        """vLLM's: a prompt's (or chat messages') token ids, their count and max_model_len."""
+        self._check_model(body.model)
+        request = body.to_verifier(self.cfg.engine.max_model_len)
+        return await self._call_method("tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        """vLLM's: token ids -> {"prompt": their text}."""
+        self._check_model(body.model)
+        body.check(self.cfg.engine.max_model_len)
+        return await self._call_method("detokenize", body.tokens)
+
     async def _respond(self, body, chat: bool):
         self._check_model(body.model)
         requests = expand(self._to_generate(body), body.n)  # choice c: prompt c // n
         constraint = body.constraint_field()
-        if body.stream:
-            return await self._stream_response(requests, body, chat, constraint)
         tool_mode = body.tool_call() if chat else None  # validated by _to_generate above
+        parser = await self._tool_parser() if tool_mode is not None and tool_mode.auto else None
+        if body.stream:
+            return await self._stream_response(requests, body, chat, constraint, parser)
         resps = await gather_or_cancel(self._call(r, constraint) for r in requests)
         if (not chat and body.prompt_only):
             resps = [_without_output(r) for r in resps]
@@ -241,7 +260,9 @@ class OpenAIIngress:
             if chat:
                 logprobs = chat_logprobs(resp.logprobs) if resp.logprobs is not None else None
                 message = {"role": "assistant", "content": resp.text}
-                if tool_mode is not None:
+                if parser is not None:
+                    message, reason = auto_tool_message(resp.text, parser, resp.finish_reason)
+                elif tool_mode is not None:
                     message, reason = tool_call_message(resp.text, tool_mode, resp.finish_reason)
                 choices.append({"index": c, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
@@ -253,7 +274,8 @@ class OpenAIIngress:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+        """The served name, or the model itself (its hub id or path) answer."""
+        if model not in (self.model_name, self.cfg.model):
             raise OpenAIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                               status_code=404, type="not_found_error", param="model", code="model_not_found")
 
@@ -280,6 +302,40 @@ class OpenAIIngress:
             self.admission.num_backpressured += 1
         return mapped
 
+    async def _verifier_info(self) -> dict:
+        if self._model_info is None:
+            try:
+                self._model_info = await call_with_failover(lambda: self.verifier.model_info.remote(), self.failovers)
+            except Exception as err:  # noqa: BLE001
+                mapped = self._mapped(err)
+                if mapped is None:
+                    raise
+                raise mapped from None
+        return self._model_info
+
+    async def _tool_parser(self) -> ToolCallParser:
+        """tool_choice "auto": the app's tool_call_parser, else the one the chat template's markers name."""
+        name = self.cfg.tool_call_parser or (await self._verifier_info()).get("tool_call_parser")
+        if name is None:
+            raise OpenAIError("tool_choice 'auto' (the default when tools are given) reads calls out of the model's "
+                              "text, and this model's chat template has a call format none of the parsers knows: "
+                              "set the app arg tool_call_parser (llama3_json, hermes, mistral), or send tool_choice "
+                              "'required' or a named function (the output is then constrained to a valid call)",
+                              param="tool_choice")
+        return get_parser(name)
+
+    async def _call_method(self, method: str, *args):
+        """A verifier method other than generation (tokenize, detokenize), errors mapped."""
+        try:
+            result = await call_with_failover(lambda: getattr(self.verifier, method).remote(*args), self.failovers)
+        except Exception as err:  # noqa: BLE001
+            mapped = self._mapped(err)
+            if mapped is None:
+                raise
+            raise mapped from None
+        self.verifier_answered = True
+        return result
+
     async def _call(self, request: GenerateRequest, constraint: str | None = None) -> GenerateResponse:
         try:
             response = await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
@@ -292,7 +348,7 @@ class OpenAIIngress:
         return response
 
     async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool,
-                               constraint: str | None = None):
+                               constraint: str | None = None, parser: ToolCallParser | None = None):
         try:  # wait for every choice's first chunk so that request errors still become a 400
             streams, firsts = await open_streams(self.verifier, requests, self.failovers)
         except Exception as err:  # noqa: BLE001
@@ -301,29 +357,45 @@ class OpenAIIngress:
                 raise
             raise mapped from None
         self.verifier_answered = True
-        return StreamingResponse(self._sse_events(streams, firsts, body, chat), media_type="text/event-stream")
+        return StreamingResponse(self._sse_events(streams, firsts, body, chat, parser),
+                                 media_type="text/event-stream")
 
-    async def _sse_events(self, streams, firsts, body, chat: bool) -> AsyncIterator[str]:
+    async def _sse_events(self, streams, firsts, body, chat: bool,
+                          parser: ToolCallParser | None = None) -> AsyncIterator[str]:
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = body.include_usage
+        include_usage, continuous = body.include_usage, body.continuous_usage
+        last: list[GenerateChunk | None] = [None] * len(streams)
+
+        def so_far() -> dict:  # continuous_usage_stats: prompts (once each) and the tokens made so far
+            n = body.n
+            return sum_usage([(f.num_prompt_tokens if f is not None and c % n == 0 else 0,
+                               *((lc.num_output_tokens, lc.num_draft_tokens, lc.num_accepted_tokens)
+                                 if (lc := last[c]) is not None else (0, 0, 0)))
+                              for c, f in enumerate(firsts)])
 
         def event(choice: dict | None, usage_block=None) -> str:
             data = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                     "choices": [choice] if choice is not None else []}
-            if include_usage:
+            if continuous and choice is not None:
+                data["usage"] = so_far()
+            elif include_usage or continuous:
                 data["usage"] = usage_block
             return _sse(data)
 
         tool_mode = body.tool_call() if chat else None
-        tool_streams = [ToolCallStream(tool_mode) for _ in streams] if tool_mode is not None else None
-        last: list[GenerateChunk | None] = [None] * len(streams)
+        tool_streams = None
+        if parser is not None:
+            tool_streams = [AutoToolCallStream(parser) for _ in streams]
+        elif tool_mode is not None:
+            tool_streams = [ToolCallStream(tool_mode) for _ in streams]
         text_offset = [0] * len(streams)  # completions logprobs: where each choice's next token starts
         chunks = merged(streams, firsts)
         try:
             if chat:
                 for c in range(len(streams)):
-                    content = None if tool_streams is not None else ""  # OpenAI: null ahead of tool calls
+                    # OpenAI: null ahead of tool calls ("auto": text may come first)
+                    content = None if tool_streams is not None and parser is None else ""
                     yield event({"index": c, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                                  "finish_reason": None})
             async for c, chunk in chunks:

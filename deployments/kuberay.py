@@ -37,8 +37,8 @@ from typing import Any
 import yaml
 
 from deployments.config import REPO_ROOT, AppArgs
+from deployments.dialects import APP_IMPORT_PATHS, app_args_of
 
-APP_IMPORT_PATH = "deployments.app:build_app"
 NODE_TYPE_GROUPS = {"target_node": "target", "draft_node": "draft"}  # custom resource -> worker group
 MIN_CPUS = {"gpu": 4, "cpu": 2}  # per pod: room for tokenization, Ray's workers, the engine's threads
 MEMORY_PER_CPU_GIB = {"gpu": 8, "cpu": 4}
@@ -137,10 +137,10 @@ class WorkerGroup:
 def read_config(path: str | Path) -> tuple[dict, list[AppArgs]]:
     """The serve config as written, and the AppArgs of its rayspec applications."""
     doc = yaml.safe_load(Path(path).read_text()) or {}
-    apps = [a for a in doc.get("applications") or [] if a.get("import_path") == APP_IMPORT_PATH]
+    apps = [a for a in doc.get("applications") or [] if a.get("import_path") in APP_IMPORT_PATHS]
     if not apps:
-        raise ValueError(f"{path} has no rayspec application (import_path {APP_IMPORT_PATH})")
-    return doc, [AppArgs.model_validate(a.get("args") or {}) for a in apps]
+        raise ValueError(f"{path} has no rayspec application (import_path one of {list(APP_IMPORT_PATHS)})")
+    return doc, [AppArgs.model_validate(app_args_of(a)) for a in apps]
 
 
 def deployment_units(cfg: AppArgs) -> list[Unit]:

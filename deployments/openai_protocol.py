@@ -15,6 +15,7 @@ from deployments.protocol import GenerateRequest
 from rayspec.structured import StructuredOutput
 from rayspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from rayspec.sampling import MAX_SEED
+from rayspec.tool_parsers import ToolCallParser, ToolCallStreamParser
 from rayspec.tools import call_schema, parse_calls
 
 
@@ -69,6 +70,38 @@ class OpenAIError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one output constraint, mapped onto the same StructuredOutput as
+    response_format and the guided_* fields. Unknown keys are a 400 (nothing is silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, as guided_grammar
+    json_object: bool | None = None
+
+    def constraint(self) -> StructuredOutput:
+        given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            names = ", ".join("json" if k == "json_schema" else k for k in given) or "none"
+            raise OpenAIError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object: "
+                              f"true; got {names}", param="structured_outputs")
+        kind = given[0]
+        if kind == "json_object":
+            return StructuredOutput.json_schema({"type": "object"})
+        if kind == "json_schema":
+            return StructuredOutput.json_schema(self.json_schema)
+        if kind == "choice":
+            _at_most(len(self.choice), LIMITS.max_guided_choices, "structured_outputs.choice options",
+                     "structured_outputs")
+            return StructuredOutput.choice(self.choice)
+        return StructuredOutput(kind, getattr(self, kind))
 
 
 class _Common(BaseModel):
@@ -99,6 +132,7 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # Lark
+    structured_outputs: StructuredOutputs | None = None  # vLLM's current field (one of the above)
     num_speculative_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
 
@@ -180,6 +214,8 @@ class _Common(BaseModel):
             asked.append(("guided_choice", StructuredOutput.choice(self.guided_choice)))
         if self.guided_grammar is not None:
             asked.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs.constraint()))
         asked += self._tool_constraint()
         if len(asked) > 1:
             raise OpenAIError(f"give one output constraint, not {', '.join(name for name, _ in asked)}",
@@ -206,8 +242,8 @@ class _Common(BaseModel):
         fmt = self.response_format
         if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
             return "response_format"
-        return next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                     if getattr(self, name) is not None), None)
+        return next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                       "structured_outputs") if getattr(self, name) is not None), None)
 
     def _tool_constraint(self) -> list[tuple[str, StructuredOutput]]:
         return []
@@ -228,6 +264,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
@@ -288,6 +328,34 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+def chat_template_messages(chat: list[ChatMessage]) -> tuple[list[dict], int]:
+    """The messages as the chat template takes them (validated: a 400 otherwise), and their
+    characters (contents and earlier tool calls)."""
+    messages = []
+    chars = 0
+    for i, m in enumerate(chat):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise OpenAIError("only text content parts are supported", param=f"messages[{i}].content")
+            content = "".join(str(part.get("text", "")) for part in content)
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        extra = m.model_extra or {}
+        if m.role == "assistant" and extra.get("tool_calls"):
+            calls = extra["tool_calls"]
+            if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                    and "name" in c["function"] for c in calls)):
+                raise OpenAIError("tool_calls entries need function.name and function.arguments",
+                                  param=f"messages[{i}].tool_calls")
+            message["tool_calls"] = calls
+            chars += len(json.dumps(calls))
+        if m.role == "tool":
+            message.update({k: extra[k] for k in ("tool_call_id", "name") if k in extra})
+        chars += len(message["content"])
+        messages.append(message)
+    return messages, chars
+
+
 class FunctionDefinition(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
@@ -302,16 +370,12 @@ class ToolDefinition(BaseModel):
 
 @dataclass(frozen=True)
 class ToolCallMode:
-    """What a request's output must be: `name`'s arguments, or (name None) a list of calls to any tool."""
+    """What a request's output must be: `name`'s arguments, or (name None) a list of calls to any tool;
+    auto: whatever the model writes, calls read out of it by a tool-call parser (rayspec.tool_parsers)."""
 
     name: str | None
     parallel: bool
-
-
-AUTO_TOOLS = ("tool_choice 'auto' (the default when tools are given) needs a tool-call parser for the model's "
-              "own call format, which rayspec does not have; send tool_choice 'required' or "
-              "{\"type\": \"function\", \"function\": {\"name\": ...}} (the output is then constrained to a valid "
-              "call), or 'none'")
+    auto: bool = False
 
 
 class ChatCompletionRequest(_Common):
@@ -334,7 +398,7 @@ class ChatCompletionRequest(_Common):
         if not self.tools:
             raise OpenAIError("tool_choice needs tools", param="tool_choice")
         if choice == "auto":
-            raise OpenAIError(AUTO_TOOLS, param="tool_choice")
+            return ToolCallMode(None, self.parallel_tool_calls, auto=True)
         if choice == "required":
             return ToolCallMode(None, self.parallel_tool_calls)
         name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
@@ -346,7 +410,8 @@ class ChatCompletionRequest(_Common):
         return ToolCallMode(name, False)
 
     def constraint_field(self) -> str | None:
-        if self.tool_call() is not None:
+        mode = self.tool_call()
+        if mode is not None and not mode.auto:
             return "tools"  # the constraint is made from the tools' parameter schemas
         return super().constraint_field()
 
@@ -355,7 +420,7 @@ class ChatCompletionRequest(_Common):
 
     def _tool_constraint(self) -> list[tuple[str, StructuredOutput]]:
         mode = self.tool_call()
-        if mode is None:
+        if mode is None or mode.auto:  # auto: generation is not constrained
             return []
         return [("tool_choice", StructuredOutput.json_schema(call_schema(self._tool_functions(), mode.name,
                                                                           mode.parallel)))]
@@ -382,28 +447,7 @@ class ChatCompletionRequest(_Common):
         self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = []
-        chars = 0  # what reaches the chat template: contents, earlier tool calls, tools
-        for i, m in enumerate(self.messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise OpenAIError("only text content parts are supported", param=f"messages[{i}].content")
-                content = "".join(str(part.get("text", "")) for part in content)
-            message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-            extra = m.model_extra or {}
-            if m.role == "assistant" and extra.get("tool_calls"):
-                calls = extra["tool_calls"]
-                if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                        and "name" in c["function"] for c in calls)):
-                    raise OpenAIError("tool_calls entries need function.name and function.arguments",
-                                      param=f"messages[{i}].tool_calls")
-                message["tool_calls"] = calls
-                chars += len(json.dumps(calls))
-            if m.role == "tool":
-                message.update({k: extra[k] for k in ("tool_call_id", "name") if k in extra})
-            chars += len(message["content"])
-            messages.append(message)
+        messages, chars = chat_template_messages(self.messages)  # chars: what reaches the chat template
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         tools = self._tool_functions() if self.tool_call() is not None else None  # 'none': the model is not told
         chars += len(json.dumps(tools)) if tools else 0
@@ -458,6 +502,82 @@ class ToolCallStream:
             return {"content": message["content"]}, reason
         calls = parse_calls(self.text, None)
         return {"tool_calls": [_call_entry(i, n, a) for i, (n, a) in enumerate(calls)]}, reason
+
+
+def auto_tool_message(text: str, parser: ToolCallParser, reason: str | None) -> tuple[dict, str | None]:
+    """The assistant message and finish_reason of an output made under tool_choice "auto": the calls
+    the parser finds in it (content: the text before them, or null), else the text as it is."""
+    parsed = parser.parse(text)
+    if not parsed.calls:
+        return {"role": "assistant", "content": text}, finish_reason(reason)
+    return ({"role": "assistant", "content": parsed.content,
+             "tool_calls": [{k: v for k, v in _call_entry(i, n, a).items() if k != "index"}
+                            for i, (n, a) in enumerate(parsed.calls)]}, "tool_calls")
+
+
+class AutoToolCallStream:
+    """One streamed choice under tool_choice "auto" (the ToolCallStream interface): content deltas
+    while no call can be starting, the calls (whole, each with its id) once the output ends."""
+
+    def __init__(self, parser: ToolCallParser):
+        self.stream = ToolCallStreamParser(parser)
+
+    def delta(self, delta_text: str, finished: bool, reason: str | None) -> tuple[dict, str | None]:
+        content, calls = self.stream.feed(delta_text, finished)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [_call_entry(i, n, a) for i, (n, a) in enumerate(calls)]
+        if not finished:
+            return delta, None
+        return delta, "tool_calls" if calls else finish_reason(reason)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="allow")  # as the other routes: unknown fields are ignored
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # a prompt's (BOS); a chat template writes its own
+    tools: list[ToolDefinition] | None = None
+
+    def to_verifier(self, max_model_len: int) -> dict:
+        """What the verifier's `tokenize` takes, validated (a 400 otherwise)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError("give exactly one of prompt or messages", param="prompt")
+        limit = LIMITS.prompt_chars_per_token * max_model_len
+        if self.prompt is not None:
+            if not self.prompt:
+                raise OpenAIError("the prompt is empty", param="prompt")
+            if len(self.prompt) > limit:
+                raise OpenAIError(f"the prompt has {len(self.prompt)} characters; at most {limit} are allowed "
+                                  f"({LIMITS.prompt_chars_per_token} per token of max_model_len {max_model_len})",
+                                  param="prompt")
+            return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens}
+        if not self.messages:
+            raise OpenAIError("messages is empty", param="messages")
+        _at_most(len(self.messages), LIMITS.max_messages, "messages", "messages")
+        messages, chars = chat_template_messages(self.messages)
+        tools = [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or ()] or None
+        _at_most(len(tools or ()), LIMITS.max_tools, "tools", "tools")
+        chars += len(json.dumps(tools)) if tools else 0
+        if chars > limit:
+            raise OpenAIError(f"the messages (contents, tool calls and tools) have {chars} characters; at most "
+                              f"{limit} are allowed", param="messages")
+        return {"messages": messages, "tools": tools, "add_generation_prompt": self.add_generation_prompt}
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    tokens: list[int]
+
+    def check(self, max_model_len: int) -> None:
+        if not self.tokens:
+            raise OpenAIError("tokens is empty", param="tokens")
+        _at_most(len(self.tokens), LIMITS.prompt_chars_per_token * max_model_len, "tokens", "tokens")
 
 
 def completion_logprobs(entries: list[TokenLogprob | None], text_offset: int = 0) -> dict:

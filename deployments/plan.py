@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from deployments.config import AppArgs, load_app_args
+from deployments.dialects import APP_IMPORT_PATHS, app_args_of
 from rayspec import loader
 from rayspec.memory import (GB, DraftShape, ModelShape, ProcessPlan, as_shape, causal_lm_weights, engine_plan,
                             generic_weights, proposer_plan)
 from rayspec.model import ModelArgs
 
-APP_IMPORT_PATH = "deployments.app:build_app"
 _UNITS = {"": GB, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": GB, "gb": GB, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
@@ -46,13 +46,13 @@ def read_serve_config(path: str | Path, app: str | None = None) -> list[tuple[st
     import yaml
 
     doc = yaml.safe_load(Path(path).read_text()) or {}
-    apps = [a for a in doc.get("applications") or [] if a.get("import_path") == APP_IMPORT_PATH]
+    apps = [a for a in doc.get("applications") or [] if a.get("import_path") in APP_IMPORT_PATHS]
     if app is not None:
         apps = [a for a in apps if a.get("name") == app]
     if not apps:
-        raise ValueError(f"{path} has no rayspec application (import_path {APP_IMPORT_PATH})"
+        raise ValueError(f"{path} has no rayspec application (import_path one of {list(APP_IMPORT_PATHS)})"
                          + (f" named {app!r}" if app else ""))
-    return [(a.get("name", "default"), a.get("args") or {}) for a in apps]
+    return [(a.get("name", "default"), app_args_of(a)) for a in apps]
 
 
 # ---- model shapes from config files ------------------------------------------------------------

@@ -21,7 +21,7 @@ logger = logging.getLogger("ray.serve")
 from deployments.config import load_app_args, replica_device
 from deployments.engine_loop import EngineLoop
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
-from rayspec.engine import LLMEngine, RequestOutput
+from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
 
 
 CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
@@ -266,6 +266,44 @@ class Verifier:
         return self.get_stats()
 
     def model_info(self) -> dict:
+        from rayspec.tool_parsers import parser_for_template
+
+        tokenizer = self.loop.engine.tokenizer
         return {"model": self.cfg.model, "served_model_name": self.cfg.model_name,
                 "max_model_len": self.loop.snapshot["max_model_len"],
-                "method": self.cfg.speculative.method, "topology": self.cfg.topology}
+                "method": self.cfg.speculative.method, "topology": self.cfg.topology,
+                # the call format of the model's chat template (tool_choice "auto"; None: not known)
+                "tool_call_parser": parser_for_template(getattr(tokenizer, "chat_template", None))}
+
+    # ---- /tokenize, /detokenize (on the engine's thread, where the tokenizer is used) ----------
+    async def tokenize(self, request: dict) -> dict:
+        """{"prompt", "add_special_tokens"} or {"messages", "tools", "add_generation_prompt"} (the
+        ingress validated them) -> {"count", "max_model_len", "tokens"}."""
+
+        def run(engine: LLMEngine) -> list[int]:
+            if engine.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer")
+            if request.get("messages") is not None:
+                try:
+                    return engine.encode_chat(request["messages"], request.get("tools"),
+                                              add_generation_prompt=request.get("add_generation_prompt", True))
+                except InvalidRequestError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - e.g. the chat template refused the messages
+                    raise InvalidRequestError(f"the chat template failed: {err}") from None
+            return engine.tokenizer.encode(request["prompt"], add_special_tokens=request.get("add_special_tokens", True))
+
+        tokens = await asyncio.to_thread(self.loop.call, run)
+        return {"count": len(tokens), "max_model_len": self.loop.snapshot["max_model_len"], "tokens": tokens}
+
+    async def detokenize(self, tokens: list[int]) -> dict:
+        def run(engine: LLMEngine) -> str:
+            if engine.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer")
+            vocab = engine.model.args.vocab_size
+            bad = next((t for t in tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"token ids must be in [0, {vocab}); got {bad}")
+            return engine.tokenizer.decode(tokens)
+
+        return {"prompt": await asyncio.to_thread(self.loop.call, run)}

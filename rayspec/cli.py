@@ -1,4 +1,4 @@
-"""The `rayspec` command: fetch-model, generate, plan, kuberay, train, bench offline, bench serve."""
+"""The `rayspec` command: fetch-model, generate, serve, plan, kuberay, train, bench offline, bench serve."""
 
 from __future__ import annotations
 
@@ -77,6 +77,101 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - start
     print(f"\n\n[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tok/s; {json.dumps(engine.stats.as_dict())}]",
           file=sys.stderr)
+    return 0
+
+
+SERVE_ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "dtype", "tensor_parallel_size")
+
+
+def serve_config(args) -> tuple:
+    """`rayspec serve`'s arguments -> (AppArgs, host, port): the --config file's app args (a serve
+    config's first application, either builder, or a flat mapping of args as vLLM's --config file),
+    then MODEL and the flags over them. Ray and the deployments are imported here, not with the CLI."""
+    import yaml
+
+    from deployments.config import AppArgs
+    from deployments.dialects import APP_IMPORT_PATHS, app_args_of
+
+    host = port = None
+    app_args: dict = {}
+    if args.config:
+        doc = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{args.config}: not a mapping")
+        if "applications" in doc:
+            apps = doc["applications"] or []
+            found = app_args_of(apps[0]) if apps else None
+            if found is None:
+                raise ValueError(f"{args.config}: its first application is not a rayspec app "
+                                 f"(import_path one of {list(APP_IMPORT_PATHS)})")
+            app_args = dict(found)
+            http = doc.get("http_options") or {}
+            host, port = http.get("host"), http.get("port")
+        else:  # the args themselves; vLLM's --config spells its flags' names with dashes too
+            app_args = {k.replace("-", "_"): v for k, v in doc.items()}
+            host, port = app_args.pop("host", None), app_args.pop("port", None)
+    if args.model:
+        if args.model != app_args.get("model"):
+            app_args.pop("served_model_name", None)  # the config's name was its own model's
+        app_args["model"] = args.model
+    if args.served_model_name:
+        app_args["served_model_name"] = args.served_model_name
+    if args.speculative_config is not None:
+        app_args.pop("speculative", None)
+        app_args["speculative_config"] = args.speculative_config  # JSON text: AppArgs reads it
+    for key in SERVE_ENGINE_FLAGS:
+        value = getattr(args, key)
+        if value is not None:
+            engine = dict(app_args.get("engine") or {})
+            app_args.pop(key, None)  # given at the top level (vLLM's way) in the config: the flag wins
+            engine[key] = value
+            app_args["engine"] = engine
+    if args.api_key:
+        app_args["api_key"] = args.api_key
+    cfg = AppArgs.model_validate(app_args)
+    return cfg, args.host or host or "0.0.0.0", int(args.port or port or 8000)
+
+
+def cmd_serve(args) -> int:
+    import signal
+
+    from pydantic import ValidationError
+
+    try:
+        cfg, host, port = serve_config(args)
+    except (ValueError, OSError, ValidationError) as err:
+        print(f"rayspec serve: {err}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    local = not args.address
+    init = {"address": args.address or "local", "include_dashboard": False}
+    if local and args.num_cpus is not None:
+        init["num_cpus"] = args.num_cpus
+    ray.init(**init)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(cfg), name=args.app_name, route_prefix="/")
+        print(f"rayspec serve: {cfg.model_name} ({cfg.model}, {cfg.speculative.method}) on "
+              f"http://{host}:{port}/v1; Ctrl-C stops", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if local:
+            serve.shutdown()
+            ray.shutdown()
+        else:  # a cluster we joined: take our app away, leave the rest
+            serve.delete(args.app_name)
     return 0
 
 
@@ -166,10 +261,14 @@ def cmd_bench_offline(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from rayspec.bench.serve import format_result, parse_concurrency, run_serve_benchmark, write_plot
+    from rayspec.bench.serve import (endpoint_models, format_result, parse_concurrency, run_serve_benchmark,
+                                     write_plot)
 
     try:
         concurrency = parse_concurrency(args.concurrency)
+        models = endpoint_models(args.model, len(args.endpoint))
+        if not (args.request_rate > 0 and args.burstiness > 0):
+            raise ValueError("--request-rate and --burstiness must be > 0 (--request-rate inf: closed loop)")
     except ValueError as err:
         print(f"rayspec bench serve: {err}", file=sys.stderr)
         return 2
@@ -177,19 +276,20 @@ def cmd_bench_serve(args) -> int:
         print(f"rayspec bench serve: {len(args.label)} --label for {len(args.endpoint)} --endpoint", file=sys.stderr)
         return 2
     result = run_serve_benchmark(
-        endpoints=args.endpoint, labels=args.label, model=args.model, prompts_file=args.prompts,
+        endpoints=args.endpoint, labels=args.label, model=models, prompts_file=args.prompts,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, concurrency=concurrency,
         temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup, timeout=args.timeout,
         log=lambda msg: print(msg, file=sys.stderr, flush=True), rounds=args.rounds, waves=args.waves,
-        extra_body=json.loads(args.extra_body) if args.extra_body else None, api_key=args.api_key)
+        extra_body=json.loads(args.extra_body) if args.extra_body else None, api_key=args.api_key,
+        request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
         write_plot(result, args.plot)
-    failed = sum(r["num_errors"] for r in result["results"])
-    return 1 if failed and not any(r["num_completed"] for r in result["results"]) else 0
+    failed = sum(r["failed"] for r in result["results"])
+    return 1 if failed and not any(r["completed"] for r in result["results"]) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +311,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regex", default=None, help="constrain the output to this regex")
     p.add_argument("--choice", action="append", default=None, help="constrain the output to one of these (repeat)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a model behind OpenAI routes on a local Ray (as `vllm serve`)",
+                       description="Build the Serve app (deployments.app:build_app) and run it on an embedded "
+                                   "local Ray (or --address's cluster) until Ctrl-C. --config takes a serve config "
+                                   "(its first application's args, either builder) or a flat mapping of app args; "
+                                   "MODEL and the flags override it.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="hub id, directory, .gguf or smollm2-135m-instruct (default: the config's, else that)")
+    p.add_argument("--config", default=None, help="a serve config YAML (configs/*.yaml) or a YAML of app args")
+    p.add_argument("--speculative-config", default=None,
+                   help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    p.add_argument("--served-model-name", default=None, help="the name clients send (default: MODEL)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=None)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` (or $RAYSPEC_API_KEY)")
+    p.add_argument("--host", default=None, help="default: the config's http_options, else 0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="default: the config's http_options, else 8000")
+    p.add_argument("--address", default=None, help="a running Ray cluster to join instead of starting a local one")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--app-name", default="rayspec")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="memory per deployment and per GPU of a serve config, from config files alone",
                        description="Weights, KV cache, proposer weights and cache, peak forward activations (an "
@@ -300,11 +423,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", action="append", required=True,
                    help="base URL, e.g. http://localhost:8000 (repeat to compare endpoints side by side)")
     p.add_argument("--label", action="append", default=None, help="name for each --endpoint, in order (repeat)")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="served model name")
+    p.add_argument("--model", action="append", default=None,
+                   help="served model name (default smollm2-135m-instruct): once for every endpoint, or once "
+                        "per --endpoint in order (a peer server serving the model under another name)")
     p.add_argument("--prompts", required=True, help="Spec-Bench JSONL file (turns[0] is the user message)")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated sweep of requests in flight")
+    p.add_argument("--concurrency", default="1,2,4,8",
+                   help="comma-separated sweep of requests in flight (with --request-rate: the cap on them, "
+                        "vLLM's --max-concurrency)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, arriving as a Poisson process (gamma with --burstiness), as vLLM's "
+                        "bench serve; inf (default): closed loop, the next request as soon as one finishes")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="shape of the gamma-distributed gaps between arrivals (1: Poisson; lower: burstier)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to always decode max-tokens")
     p.add_argument("--extra-body", default=None,
@@ -320,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send at least this many x concurrency requests per level (prompts repeated), so a "
                         "level runs at its concurrency instead of draining (0: each prompt once)")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--plot", default=None, help="PNG: output tok/s and mean TPOT vs concurrency")
+    p.add_argument("--plot", default=None, help="PNG: output tok/s, mean TTFT, mean TPOT and acceptance rate vs "
+                                                 "concurrency")
     p.set_defaults(func=cmd_bench_serve)
     return parser
 

@@ -144,7 +144,8 @@ class LLMEngine:
         return self.runner.cache.num_slots
 
     # ---- requests ----------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """The chat template's prompt; `tools` (function definitions, rayspec.tools) go to the
         template, or into the system message where the template has no place for them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -157,7 +158,7 @@ class LLMEngine:
                 messages, tools = inline_tools(messages, tools or []), None
         text = self.tokenizer.apply_chat_template(
             messages, tools=[{"type": "function", "function": t} for t in tools] if tools else None,
-            add_generation_prompt=True, tokenize=False)
+            add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode(self, prompt: str) -> list[int]:

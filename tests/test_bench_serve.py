@@ -18,6 +18,11 @@ from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine import LLMEngine  # noqa: E402
 from rayspec.sampling import SamplingParams  # noqa: E402
 
+VLLM_FIELDS = ["completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+               "output_throughput", "total_token_throughput", "duration", "max_concurrency", "request_rate",
+               "burstiness"] + [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el")
+                                for stat in ("mean", "median", "std", "p99")]
+
 # prompts whose greedy chat answers (tiny random model) repeat within 32 tokens: n-gram drafts get accepted
 PROMPTS = ["Say hello hello hello", "la la la"]
 MAX_TOKENS = 32
@@ -61,7 +66,7 @@ def _summed(counts: list[dict]) -> dict:
 def _check_acceptance(r: dict, want: dict) -> None:
     """A level's usage-reported and /v1/stats-reported counts: exactly its requests' drafts."""
     assert want["num_accepted_tokens"] > 0  # speculation paid on these prompts: the counts are not all 0
-    assert r["output_tokens"] == want["output_tokens"]
+    assert r["total_output_tokens"] == want["output_tokens"]
     ua = r["usage_acceptance"]
     assert ua["accepted_tokens"] == want["num_accepted_tokens"]
     assert ua["rejected_tokens"] == want["num_draft_tokens"] - want["num_accepted_tokens"]
@@ -94,18 +99,21 @@ def test_bench_serve_cli(server, reference, tmp_path, capsys):
     assert [(r["label"], r["concurrency"]) for r in result["results"]] == [
         ("A", 1), ("B", 1), ("dead", 1), ("A", 2), ("B", 2), ("dead", 2)]
     for r in result["results"]:
-        assert r["num_requests"] == 2
+        assert r["num_requests"] == 2 and r["model_id"] == "tiny" and r["request_rate"] == "inf"
         if r["label"] == "dead":
-            assert r["num_errors"] == 2 and r["num_completed"] == 0 and r["errors"]
-            assert r["output_throughput"] == 0 and r["ttft_ms"]["mean"] is None and r["server_stats"] is None
+            assert r["failed"] == 2 and r["completed"] == 0 and r["errors"]
+            assert r["output_throughput"] == 0 and r["mean_ttft_ms"] is None and r["server_stats"] is None
             continue
-        assert r["num_errors"] == 0 and r["num_completed"] == 2
+        assert set(VLLM_FIELDS) <= set(r)  # vLLM's bench serve names, flat
+        assert r["failed"] == 0 and r["completed"] == 2
         assert r["output_throughput"] > 0 and r["request_throughput"] > 0
-        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):  # every answer has many tokens: all are timed
-            s = r[key]
-            assert set(s) == {"mean", "p50", "p90", "p99"}
-            assert 0 < s["p50"] <= s["p90"] <= s["p99"] and s["mean"] > 0
-        assert r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
+        assert r["total_input_tokens"] > 0  # from usage.prompt_tokens
+        assert r["total_token_throughput"] == pytest.approx(
+            (r["total_input_tokens"] + r["total_output_tokens"]) / r["duration"])
+        for name in ("ttft", "tpot", "itl", "e2el"):  # every answer has many tokens: all are timed
+            assert 0 < r[f"median_{name}_ms"] <= r[f"p90_{name}_ms"] <= r[f"p99_{name}_ms"]
+            assert r[f"mean_{name}_ms"] > 0 and r[f"std_{name}_ms"] >= 0
+        assert r["p99_ttft_ms"] <= r["p99_e2el_ms"]
         _check_acceptance(r, want)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 5000
 
@@ -124,9 +132,9 @@ def test_bench_serve_rounds_sum_tokens_and_time(server, reference, tmp_path):
     assert [m.split("]")[0] for m in order] == ["[A", "[B", "[B", "[A", "[A", "[B"]  # turns, order rotating
     assert result["config"]["rounds"] == 3
     for r in result["results"]:
-        assert r["num_rounds"] == 3 and r["num_requests"] == 3 and r["num_completed"] == 3
+        assert r["num_rounds"] == 3 and r["num_requests"] == 3 and r["completed"] == 3
         assert len(r["round_output_throughput"]) == 3
-        assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+        assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / r["duration"])
         assert min(r["round_output_throughput"]) <= r["output_throughput"] <= max(r["round_output_throughput"])
         _check_acceptance(r, want)  # three rounds' counts
 
@@ -146,7 +154,7 @@ def test_bench_serve_waves_keep_a_level_at_its_concurrency(server, tmp_path):
     assert result["config"]["waves"] == 2
     one, three = result["results"]
     assert one["num_requests"] == 2 and three["num_requests"] == 6
-    assert three["num_completed"] == 6
+    assert three["completed"] == 6
     assert 0 < one["mean_in_flight"] <= 1.0 + 1e-6
     assert 1.0 < three["mean_in_flight"] <= 3.0 + 1e-6  # three at a time for most of the level
 
@@ -162,6 +170,69 @@ def test_bench_serve_extra_body(server, tmp_path):
                      "--max-tokens", "9", "--concurrency", "1", "--warmup", "0", "--output-json", str(out_json),
                      "--ignore-eos", *extra]) == 0
         result = json.loads(out_json.read_text())
-        tokens[name] = result["results"][0]["output_tokens"]
+        tokens[name] = result["results"][0]["total_output_tokens"]
     assert result["config"]["extra_body"] == {"guided_choice": ["yes"]}
     assert tokens["plain"] == 9 and tokens["choice"] < 9
+
+
+def test_bench_serve_model_per_endpoint(server, tmp_path):
+    """--model once per --endpoint, in order: each endpoint is sent its own name (here the second
+    one is unknown to the server, so only its requests fail); one --model applies to all."""
+    from rayspec.bench.serve import endpoint_models
+
+    assert endpoint_models(["a"], 3) == ["a", "a", "a"] and endpoint_models("a", 2) == ["a", "a"]
+    assert endpoint_models(["a", "b"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="2 --model for 3 --endpoint"):
+        endpoint_models(["a", "b"], 3)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 0, "turns": ["Say hello twice."]}) + "\n")
+    out_json = tmp_path / "res.json"
+    assert main(["bench", "serve", "--endpoint", server, "--endpoint", server + "/v1", "--label", "ours",
+                 "--label", "peer", "--model", "tiny", "--model", "not-served", "--prompts", str(prompts),
+                 "--max-tokens", "4", "--concurrency", "1", "--warmup", "0", "--output-json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert result["config"]["models"] == ["tiny", "not-served"]
+    ours, peer = result["results"]
+    assert (ours["model_id"], ours["completed"], ours["failed"]) == ("tiny", 1, 0)
+    assert (peer["model_id"], peer["completed"], peer["failed"]) == ("not-served", 0, 1)
+    assert "404" in peer["errors"][0]
+    assert main(["bench", "serve", "--endpoint", server, "--endpoint", server, "--model", "a", "--model", "b",
+                 "--model", "c", "--prompts", str(prompts)]) == 2
+
+
+def test_arrival_times_poisson_and_burstiness():
+    """vLLM's arrival process: the first request at 0, gaps gamma(shape=burstiness, mean=1/rate);
+    burstiness 1 is Poisson (exponential gaps, CV 1), lower is burstier; inf sends all at once."""
+    import numpy as np
+
+    from rayspec.bench.serve import arrival_times
+
+    assert arrival_times(4, float("inf")) == [0.0] * 4
+    times = arrival_times(4000, 5.0, 1.0, seed=1)
+    gaps = np.diff(times)
+    assert times[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.2, rel=0.05) and gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.08)
+    bursty = np.diff(arrival_times(4000, 5.0, 0.25, seed=1))
+    assert bursty.mean() == pytest.approx(0.2, rel=0.1) and bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)
+    assert arrival_times(5, 3.0, 1.0, seed=7) == arrival_times(5, 3.0, 1.0, seed=7)  # seeded
+
+
+def test_bench_serve_request_rate(server, tmp_path):
+    """--request-rate R: requests are sent at their arrival times (capped by the level's concurrency),
+    the same times for every endpoint; a level lasts at least until its last arrival."""
+    from rayspec.bench.serve import arrival_times, level_seed
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "turns": [t]}) for i, t in enumerate(PROMPTS)) + "\n")
+    out_json = tmp_path / "res.json"
+    assert main(["bench", "serve", "--endpoint", server, "--model", "tiny", "--prompts", str(prompts),
+                 "--max-tokens", "4", "--concurrency", "2", "--warmup", "0", "--waves", "2",
+                 "--request-rate", "4", "--burstiness", "0.5", "--seed", "3", "--output-json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert (result["config"]["request_rate"], result["config"]["burstiness"]) == (4.0, 0.5)
+    (r,) = result["results"]
+    assert (r["request_rate"], r["burstiness"], r["max_concurrency"]) == (4.0, 0.5, 2)
+    assert r["num_requests"] == 4 and r["completed"] == 4
+    last_arrival = arrival_times(4, 4.0, 0.5, level_seed(3, 0, 2))[-1]
+    assert last_arrival > 0.1 and r["duration"] >= last_arrival
+    assert main(["bench", "serve", "--endpoint", server, "--prompts", str(prompts), "--request-rate", "0"]) == 2

@@ -24,6 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 from conftest import make_tiny_model_dir
 from deployments import kuberay
 from deployments.config import AppArgs
+from deployments.dialects import app_args_of
 from rayspec.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,7 +245,7 @@ def test_every_config_gets_groups_that_hold_it(path):
     types = node_types(manifest)
     assert types.pop("headgroup")["resources"]["CPU"] == 0
     doc = yaml.safe_load(path.read_text())
-    demands = [d for app in doc["applications"] for d in demands_of_args(AppArgs.model_validate(app["args"]))]
+    demands = [d for app in doc["applications"] for d in demands_of_args(AppArgs.model_validate(app_args_of(app)))]
     pack(demands, types)
 
 
@@ -342,7 +343,7 @@ def test_autoscaling_configs_look_back_past_metrics_interval():
 
     for path in SERVE_CONFIGS:
         for app in yaml.safe_load(path.read_text())["applications"]:
-            cfg = AppArgs.model_validate(app["args"])
+            cfg = AppArgs.model_validate(app_args_of(app))
             for opts in (cfg.ingress_options(), cfg.verifier_options(), cfg.proposer_options()):
                 if "autoscaling_config" in opts:  # as the app hands it to Serve
                     parsed = AutoscalingConfig(**opts["autoscaling_config"])

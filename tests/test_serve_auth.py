@@ -114,7 +114,7 @@ def test_bench_serve_sends_the_key(server, tmp_path, monkeypatch, capsys):
     assert "401" in json.dumps(json.loads(out.read_text())["results"][0]["errors"])
     assert main(common + ["--api-key", KEY]) == 0
     result = json.loads(out.read_text())
-    assert result["results"][0]["num_completed"] == 1 and KEY not in out.read_text()
+    assert result["results"][0]["completed"] == 1 and KEY not in out.read_text()
     monkeypatch.setenv("RAYSPEC_API_KEY", KEY)
     assert main(common) == 0
     capsys.readouterr()

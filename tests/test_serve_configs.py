@@ -13,24 +13,28 @@ from pydantic import ValidationError  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.config import REPO_ROOT, AppArgs  # noqa: E402
+from deployments.dialects import app_args_of  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SERVE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "cluster.yaml")
 
 
 def app_args(path: Path) -> dict:
+    """Our app args of a config's one application: as written for build_app, translated from Ray Serve
+    LLM's shape for build_llm_app (configs/ray_serve_llm_style.yaml)."""
     doc = yaml.safe_load(path.read_text())
     (app,) = doc["applications"]
-    assert app["import_path"] == "deployments.app:build_app"
+    assert app["import_path"] in ("deployments.app:build_app", "deployments.app:build_llm_app")
     assert app["name"] == "rayspec" and app["route_prefix"] == "/"
-    return app["args"]
+    return app_args_of(app)
 
 
 def test_expected_configs_exist():
     names = {p.name for p in CONFIGS.glob("*.yaml")}
     assert {"default.yaml", "baseline.yaml", "draft_model.yaml", "disaggregated.yaml", "fractional_gpu.yaml",
             "autoscaling.yaml", "llama3_eagle3.yaml", "eagle3.yaml", "eagle3_disaggregated.yaml",
-            "cluster.yaml", "llama70b_draft8b_tp4.yaml", "qwen3_eagle3.yaml"} <= names
+            "cluster.yaml", "llama70b_draft8b_tp4.yaml", "qwen3_eagle3.yaml", "vllm_style.yaml",
+            "ray_serve_llm_style.yaml"} <= names
 
 
 def test_big_target_configs():
