@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from deployments.autoscaling import proposer_autoscaling_config
+from deployments.vllm_names import translate_vllm_args
 from rayspec.config import EngineConfig, SpeculativeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -237,10 +238,9 @@ class AppArgs(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _vllm_dialect(cls, data: Any) -> Any:
-        """vLLM's names onto ours: `speculative_config`, engine keys at the top level (deployments/dialects.py)."""
-        from deployments.dialects import translate_vllm_args
-
-        return translate_vllm_args(data)
+        """vLLM's names onto ours: `speculative_config`, engine keys at the top level (deployments/vllm_names.py)."""
+        return translate_vllm_args(data, app_fields=set(cls.model_fields), engine_fields=set(EngineArgs.model_fields),
+                                   spec_fields=set(SpeculativeArgs.model_fields))
 
     @field_validator("api_key")
     @classmethod

@@ -84,7 +84,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None, tokenizer=None,
                  proposer: Proposer | None = None, rank_launcher=None):
         """rank_launcher: starts the other ranks when config.tensor_parallel_size > 1
-        (rayspec.parallel.RankLauncher; deployments.tensor_parallel has Ray's)."""
+        (rayspec.tp_ranks.RankLauncher; deployments.tensor_parallel has Ray's)."""
         from rayspec import loader
 
         self.config = config
@@ -94,7 +94,7 @@ class LLMEngine:
         self.ranks = None  # the other tensor-parallel ranks (a launcher's handle)
         if model is None:
             if config.tensor_parallel_size > 1:
-                from rayspec.parallel import start_tensor_parallel
+                from rayspec.tp_ranks import start_tensor_parallel
 
                 model, tokenizer, self.ranks = start_tensor_parallel(config, rank_launcher)
             else:

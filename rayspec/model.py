@@ -570,7 +570,7 @@ class CausalLM(Float32Rotary):
         super().__init__()
         self.args = args
         self.tp = tp
-        # which of the followers' models this shard is (rayspec.parallel.serve_commands): in load order
+        # which of the followers' models this shard is (rayspec.tp_ranks.serve_commands): in load order
         self.model_id = 0
         if tp.size > 1:
             self.model_id, tp.num_models = tp.num_models, tp.num_models + 1

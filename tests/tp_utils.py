@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.multiprocessing as mp
 
-from rayspec.parallel import RankLauncher, run_rank
+from rayspec.tp_ranks import RankLauncher, run_rank
 
 
 class _Processes:

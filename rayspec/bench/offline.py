@@ -104,7 +104,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
     `tp1_greedy_match`, `tp_vs_tp1`, step times."""
     from rayspec import loader
-    from rayspec.parallel import start_tensor_parallel
+    from rayspec.tp_ranks import start_tensor_parallel
 
     ranks = None
     if tensor_parallel_size > 1:
