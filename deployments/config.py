@@ -199,6 +199,7 @@ class DeploymentArgs(_Strict):
 
 
 INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
+REPIN_INTERVAL_S = 60.0  # a verifier's re-pin period when the proposer pool autoscales
 INGRESS_RESERVE = 32  # Serve's max_ongoing_requests for the ingress: its admission gate + this
 
 
@@ -222,8 +223,9 @@ class AppArgs(_Strict):
     proposer_channel_max_frame_mib: int = Field(256, ge=1, le=1 << 16)
     # disaggregated: a verifier replica pins itself to one proposer replica (its draft state lives
     # there) and pins again, letting Serve's router choose, this often: so verifiers spread over a
-    # proposer pool that grew. A re-pin that lands elsewhere costs one resend of the features. None: never.
-    proposer_repin_interval_s: float | None = Field(60.0, gt=0)
+    # proposer pool that grew. A re-pin that lands elsewhere costs one resend of the sequences'
+    # features (EAGLE). None: every REPIN_INTERVAL_S when the proposer pool autoscales, else never.
+    proposer_repin_interval_s: float | None = Field(None, gt=0)
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
     api_key: SecretStr | None = None
@@ -316,6 +318,13 @@ class AppArgs(_Strict):
         if "autoscaling_config" in opts:  # its own signal: busy drafting, not ongoing calls
             opts["autoscaling_config"] = proposer_autoscaling_config(opts["autoscaling_config"])
         return opts
+
+    @property
+    def repin_interval_s(self) -> float | None:
+        """How often a verifier re-pins to a proposer replica (RemoteProposer); see proposer_repin_interval_s."""
+        if self.proposer_repin_interval_s is not None:
+            return self.proposer_repin_interval_s
+        return REPIN_INTERVAL_S if self.proposer.autoscaling_config is not None else None
 
     def proposer_num_slots(self) -> int:
         """Draft-model KV slots in one proposer replica: every verifier replica's sequences may land there."""

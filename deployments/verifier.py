@@ -101,7 +101,7 @@ class Verifier:
                                           timeout_s=cfg.proposer_call_timeout_s,
                                           direct=cfg.proposer_transport == "direct", channel_secret=channel_secret,
                                           max_frame_bytes=cfg.proposer_channel_max_frame_mib << 20,
-                                          repin_interval_s=cfg.proposer_repin_interval_s)
+                                          repin_interval_s=cfg.repin_interval_s)
             launcher = None
             if engine_config.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
                 from deployments.tensor_parallel import RayRankLauncher

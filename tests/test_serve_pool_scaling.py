@@ -76,6 +76,13 @@ def test_busy_policy_asks_for_what_keeps_replicas_at_target():
     assert config["policy"]["policy_kwargs"] == {"target_busy": 0.5} and "target_busy" not in config
     with pytest.raises(ValueError, match="target_busy"):
         proposer_autoscaling_config({"target_busy": 0.5, "policy": {"policy_function": "x:y"}})
+    # verifiers re-pin (spreading over a grown pool) by default only where the pool autoscales
+    from deployments.config import load_app_args
+
+    base = {"topology": "disaggregated", "speculative": {"method": "ngram"}}
+    assert load_app_args(base).repin_interval_s is None
+    assert load_app_args({**base, "proposer": {"autoscaling_config": {"max_replicas": 2}}}).repin_interval_s == 60.0
+    assert load_app_args({**base, "proposer_repin_interval_s": 5}).repin_interval_s == 5
 
 
 # ---- two pools, two bottlenecks ------------------------------------------------------------------
