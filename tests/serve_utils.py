@@ -41,3 +41,20 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(interval)
+
+
+def target_only_texts(model_dir, prompts: list[str]):
+    """max_tokens -> the greedy texts of `prompts` from a target-only engine in this process (what a
+    served app must reproduce over HTTP)."""
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.engine import LLMEngine
+    from rayspec.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_memory_gb=0.25,
+                                    speculative=SpeculativeConfig(method="none")))
+
+    def texts(max_tokens: int) -> list[str]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.text for o in engine.generate(prompts, params)]
+
+    return texts

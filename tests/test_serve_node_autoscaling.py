@@ -33,11 +33,8 @@ import pytest
 import ray
 import ray.serve as serve
 
-from serve_utils import free_port, tiny_args, wait_for
+from serve_utils import free_port, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
-from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
 
 RAY = str(Path(sys.executable).with_name("ray"))
 NODE_TYPES = {
@@ -103,14 +100,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, kv_cache_memory_gb=0.25,
-                                    speculative=SpeculativeConfig(method="none")))
-
-    def texts(max_tokens: int) -> list[str]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return [o.text for o in engine.generate(PROMPTS, params)]
-
-    return texts
+    return target_only_texts(tiny_model_dir, PROMPTS)
 
 
 def _nodes(kind: str) -> list[str]:

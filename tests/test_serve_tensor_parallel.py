@@ -15,12 +15,9 @@ import ray
 import ray.serve as serve
 from ray.cluster_utils import Cluster
 
-from serve_utils import free_port, tiny_args, wait_for
+from serve_utils import free_port, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.tensor_parallel import rank_actor_name
-from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
 
 PROMPTS = ["one two three four five one two three four five one two", "The quick brown fox jumps over"]
 DEADLINE_S = 240
@@ -53,14 +50,7 @@ def apps(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, kv_cache_memory_gb=0.25,
-                                    speculative=SpeculativeConfig(method="none")))
-
-    def texts(max_tokens: int) -> list[str]:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return [o.text for o in engine.generate(PROMPTS, params)]
-
-    return texts
+    return target_only_texts(tiny_model_dir, PROMPTS)
 
 
 def _replica(app: str):
