@@ -211,16 +211,23 @@ def cmd_kuberay(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from rayspec.eagle.train import TrainConfig, run
+    from rayspec.eagle.pipeline import check_output, run
+    from rayspec.eagle.train import TrainConfig
 
     cfg = TrainConfig(kind=args.kind, target=args.target, prompts=tuple(args.prompts), work_dir=args.work_dir,
-                      output=args.output, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                      output=args.output, overwrite=args.overwrite, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
                       draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, answers_only=args.answers_only,
                       init_head=args.init_head, warmup_steps=args.warmup_steps, grad_accum=args.grad_accum,
                       num_workers=args.num_workers, num_threads=args.num_threads, device=args.device,
                       target_dtype=args.target_dtype)
+    try:
+        cfg = check_output(cfg)
+    except FileExistsError as err:
+        print(f"rayspec train: {err}", file=sys.stderr)
+        return 2
+    print(f"rayspec train: the head goes to {cfg.output}", file=sys.stderr)
     print(run(cfg))
     return 0
 
@@ -388,7 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--prompts", nargs="+", required=True,
                        help="JSONL prompt files (Spec-Bench `turns` or GSM8K-style `question`); FILE:N takes N at random")
         t.add_argument("--work-dir", required=True, help="answers, features, checkpoints (resumable)")
-        t.add_argument("--output", required=True, help="where the head is written")
+        t.add_argument("--output", default=None,
+                       help=f"where the head is written (default: a new runs/{kind}-YYYYmmdd-HHMMSS); "
+                            "an existing non-empty directory is refused unless --overwrite")
+        t.add_argument("--overwrite", action="store_true", help="write the head into a non-empty --output")
         t.add_argument("--max-prompts", type=int, default=None)
         t.add_argument("--max-new-tokens", type=int, default=192)
         t.add_argument("--draft-vocab-size", type=int, default=4096)

@@ -8,6 +8,7 @@ accepted are trained here for a few seconds on the target's own greedy outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -762,11 +763,40 @@ def test_ttt_steps_equal_inference_drafting(target_dir, target, train_data, kind
         runner.free("s")
 
 
+def test_training_writes_to_a_new_directory_by_default(tmp_path, monkeypatch):
+    """No --output: a new runs/<kind>-<time> directory, never one that exists; an --output holding files
+    (the shipped head, say) is refused unless --overwrite; an empty or missing one is taken."""
+    from rayspec.cli import build_parser, cmd_train
+    from rayspec.eagle.pipeline import check_output, new_output_dir
+    from rayspec.eagle.train import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    first = new_output_dir("eagle3")
+    assert first.parent == Path("runs") and first.name.startswith("eagle3-20")
+    first.mkdir(parents=True)
+    assert new_output_dir("eagle3") != first  # a run started in the same second gets its own
+    chosen = check_output(TrainConfig(kind="eagle", prompts=("p.jsonl",)))
+    assert Path(chosen.output).parent == Path("runs") and Path(chosen.output).name.startswith("eagle-")
+    head = tmp_path / "head"
+    assert check_output(TrainConfig(output=str(head))).output == str(head)  # missing: fine
+    head.mkdir()
+    assert check_output(TrainConfig(output=str(head))).output == str(head)  # empty: fine
+    (head / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        check_output(TrainConfig(output=str(head)))
+    assert check_output(TrainConfig(output=str(head), overwrite=True)).output == str(head)
+    args = build_parser().parse_args(["train", "eagle3", "--prompts", "p.jsonl", "--work-dir", "w",
+                                      "--output", str(head)])
+    assert args.overwrite is False and cmd_train(args) == 2  # refused before loading anything
+    assert build_parser().parse_args(["train", "eagle3", "--prompts", "p.jsonl", "--work-dir", "w"]).output is None
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_train_run_end_to_end(tiny_model_dir, tmp_path, kind):
     """`rayspec train` on the 2-layer tiny model (it has a chat template): answers, features, training,
     a head in the published layout that the engine serves losslessly; a second run resumes everything."""
-    from rayspec.eagle.train import TrainConfig, run
+    from rayspec.eagle.pipeline import run
+    from rayspec.eagle.train import TrainConfig
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(6))
@@ -786,7 +816,9 @@ def test_train_run_end_to_end(tiny_model_dir, tmp_path, kind):
     steps = [json.loads(line)["step"] for line in (work / f"history-{kind}.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
     first = read_state_dict(out)
-    run(cfg)  # every stage is found done: the same head again
+    with pytest.raises(FileExistsError, match="--overwrite"):  # a head is there: never replaced by accident
+        run(cfg)
+    run(dataclasses.replace(cfg, overwrite=True))  # every stage is found done: the same head again
     again = read_state_dict(out)
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
@@ -803,7 +835,8 @@ def test_train_run_end_to_end(tiny_model_dir, tmp_path, kind):
 def test_train_with_a_bfloat16_target(tiny_model_dir, tmp_path, kind):
     """The CUDA default (bfloat16 target, float32 head), run on the CPU: the head trains on the target's
     bfloat16 embedding (and, for EAGLE-1, its LM head), shards are float16 on the CPU, the head is float32."""
-    from rayspec.eagle.train import TrainConfig, _load_target, prepare_data, train_head
+    from rayspec.eagle.pipeline import prepare_data
+    from rayspec.eagle.train import TrainConfig, _load_target, train_head
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
@@ -828,7 +861,8 @@ def test_train_further_from_a_head_with_more_prompts(tiny_model_dir, tmp_path):
     from the head's weights and keeps its draft vocabulary, and the result serves losslessly."""
     import shutil
 
-    from rayspec.eagle.train import TrainConfig, run
+    from rayspec.eagle.pipeline import run
+    from rayspec.eagle.train import TrainConfig
 
     first = tmp_path / "first.jsonl"
     first.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
@@ -876,7 +910,8 @@ def test_growing_the_draft_vocabulary_keeps_trained_rows(tiny_model_dir, tmp_pat
     import shutil
 
     from rayspec.eagle.checkpoint import read_eagle_head
-    from rayspec.eagle.train import TrainConfig, grow_draft_vocab, run
+    from rayspec.eagle.pipeline import run
+    from rayspec.eagle.train import TrainConfig, grow_draft_vocab
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
@@ -952,7 +987,8 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    from rayspec.eagle.train import TrainConfig, run
+    from rayspec.eagle.pipeline import run
+    from rayspec.eagle.train import TrainConfig
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}, then {i} words."]}) + "\n"

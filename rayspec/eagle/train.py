@@ -7,7 +7,9 @@ and attends, like at inference, to true-feature keys up to s-1 positions back pl
 drafted keys, so the head learns to draft several tokens ahead from its own predictions.
 
 Everything lands in --work-dir (answers, feature shards, checkpoints: resumable at every
-stage); the head is written to --output in the published EAGLE layout.
+stage); the head is written to --output in the published EAGLE layout. This module is the
+single-process trainer (stage 3 and its pieces); `pipeline.run` chains the stages and hands
+them to `train_ray` (which builds on this module) when there are several workers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from tqdm import tqdm
 
 from rayspec.eagle.checkpoint import new_eagle_config, read_eagle_head, save_eagle_head
 from rayspec.eagle.head import Eagle3Head, EagleHead, attach_target, build_head
-from rayspec.malloc import keep_freed_memory
 
 
 @dataclass
@@ -36,7 +37,8 @@ class TrainConfig:
     target: str = "smollm2-135m-instruct"
     prompts: tuple[str, ...] = ()
     work_dir: str = "eagle-work"
-    output: str = "eagle-head"
+    output: str | None = None  # None: a new runs/<kind>-<timestamp> (pipeline.new_output_dir)
+    overwrite: bool = False  # write into a non-empty output directory (pipeline.run refuses otherwise)
     max_prompts: int | None = None
     max_new_tokens: int = 192
     draft_vocab_size: int = 4096  # eagle3: most frequent target choices in the data
@@ -53,7 +55,7 @@ class TrainConfig:
     num_threads: int | None = None
     init_head: str | None = None  # start from this head (its weights and draft vocabulary), not from scratch
     grad_accum: int = 1  # batches per worker per optimizer step
-    num_workers: int = 1  # > 1: data-parallel training on that many Ray Train workers (rayspec.eagle.train_ray)
+    num_workers: int = 1  # > 1: data-parallel on that many Ray Train workers (train_ray, via pipeline.run)
     device: str | None = None  # "cpu" or "cuda"; None: CUDA where the process (or Ray cluster) has a GPU, else CPU
     target_dtype: str | None = None  # the target's, for answers and features; None: bfloat16 on CUDA, float32 on CPU
 
@@ -186,23 +188,7 @@ def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
     return total / max(weight_sum, 1e-9), accs
 
 
-# ---- the run ---------------------------------------------------------------------------
-def run(cfg: TrainConfig) -> Path:
-    """All three stages. Answers and features come from this process; training runs here, or on
-    `cfg.num_workers` Ray Train workers (data-parallel) when that is more than 1."""
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    keep_freed_memory()
-    target, tokenizer = _load_target(cfg)
-    examples = prepare_data(cfg, target, tokenizer)
-    if cfg.num_workers > 1:
-        from rayspec.eagle.train_ray import train_on_ray  # Ray only here: the core runs without it
-
-        del examples, target
-        return train_on_ray(cfg)
-    return train_head(cfg, target, examples)
-
-
+# ---- the target and the head's config ------------------------------------------------
 def _load_target(cfg: TrainConfig):
     from rayspec.loader import load_model
 
@@ -260,20 +246,6 @@ def grow_draft_vocab(head: Eagle3Head, target, counts: Counter, size: int) -> Ea
     return grown
 
 
-def _read_prompts(cfg: TrainConfig) -> list[str]:
-    from rayspec.eagle.data import read_prompt_file
-
-    prompts: list[str] = []
-    for spec in cfg.prompts:  # "file.jsonl" or "file.jsonl:N" (N prompts drawn at random from it)
-        path, _, count = spec.rpartition(":") if spec.rpartition(":")[2].isdigit() else (spec, "", "")
-        rows = read_prompt_file(path)
-        if count:
-            random.Random(cfg.seed).shuffle(rows)
-            rows = rows[: int(count)]
-        prompts += rows
-    return prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
-
-
 def answer_engine(target, tokenizer, target_name: str):
     """The engine that writes the answers: plain target decoding, 16 sequences batched."""
     from rayspec.config import EngineConfig, SpeculativeConfig
@@ -281,60 +253,6 @@ def answer_engine(target, tokenizer, target_name: str):
 
     return LLMEngine(EngineConfig(model=target_name, speculative=SpeculativeConfig(method="none"),
                                   max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)
-
-
-def prepare_data(cfg: TrainConfig, target, tokenizer) -> list[dict]:
-    """Stages 1 and 2 (resumable): the target's answers, then its features; -> the examples.
-    With num_workers > 1 both run on that many Ray actors, each holding a copy of the target."""
-    from rayspec.eagle.data import extract_features, generate_answers, read_answers, unanswered
-
-    work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    _, tcfg = _head_config(cfg, target)
-    aux_layers = tcfg.aux_layers or (target.args.num_layers - 1,)
-    pool = None
-
-    def target_pool():  # started only when there is work for it
-        nonlocal pool
-        if pool is None:
-            from rayspec.eagle.train_ray import TargetPool  # Ray only here: the core runs without it
-
-            pool = TargetPool(cfg, aux_layers)
-        return pool
-
-    # 1. answers
-    answers = work / "answers.jsonl"
-    todo = unanswered(_read_prompts(cfg), answers)
-    if cfg.num_workers > 1 and todo:
-        target_pool().answer(todo, answers)
-    elif todo:
-        generate_answers(answer_engine(target, tokenizer, cfg.target), _read_prompts(cfg), answers,
-                         cfg.max_new_tokens)
-
-    # 2. features
-    feat_dir = work / f"features-{cfg.kind}"
-    feat_dir.mkdir(exist_ok=True)
-    rows = read_answers(answers)
-    shards = sorted(feat_dir.glob("features-*.pt"))
-    examples = load_examples(shards, cfg.kind)  # shards follow answers.jsonl row by row
-
-    def same(e, r):
-        return torch.equal(e["ids"], torch.tensor((r["prompt_ids"] + r["output_ids"])[: len(e["ids"])]))
-
-    if len(examples) > len(rows) or (examples and not same(examples[-1], rows[len(examples) - 1])):
-        raise RuntimeError(f"{feat_dir} does not match {answers} row by row; delete the features to redo them")
-    if len(examples) < len(rows):  # new answers (or a fresh work dir): extract only what is missing
-        if cfg.num_workers > 1:
-            new = target_pool().extract(rows[len(examples):], feat_dir, first_shard=len(shards))
-        else:
-            new = extract_features(target, rows[len(examples):], feat_dir, aux_layers, first_shard=len(shards))
-        examples += load_examples(new, cfg.kind)
-    if pool is not None:
-        pool.close()
-    for e, r in zip(examples, rows):
-        e["prompt_len"] = len(r["prompt_ids"])
-    return examples
 
 
 def load_prepared(cfg: TrainConfig) -> list[dict]:
