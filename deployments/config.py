@@ -198,7 +198,22 @@ class DeploymentArgs(_Strict):
         return [dict(bundle) for _ in range(size)]
 
 
+class PrefixRoutingArgs(_Strict):
+    """Prefix-aware routing across verifier replicas (deployments/prefix_router.py): a request goes
+    to the replica sent the longest prefix of its prompt before, unless that one is much busier."""
+
+    enabled: bool | None = None  # None: on where the verifier may run more than one replica
+    # how many more ongoing requests than the least busy replica the prefix's replica may hold and
+    # still get the request; None: half of engine.max_num_seqs (at least 1)
+    imbalance_threshold: int | None = Field(None, ge=0)
+    # below this share of the prompt matched, no replica is preferred (power of two choices)
+    min_match_ratio: float = Field(0.1, ge=0, le=1)
+    block_size: int = Field(64, ge=1)  # prompt units (characters, or ids of a token prompt) per hashed block
+    max_entries: int = Field(200_000, ge=1)  # (block, replica) entries the router keeps, LRU evicted
+
+
 INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
+PREFIX_ROUTER = "deployments.prefix_router.PrefixAwareRouter"
 REPIN_INTERVAL_S = 60.0  # a verifier's re-pin period when the proposer pool autoscales
 INGRESS_RESERVE = 32  # Serve's max_ongoing_requests for the ingress: its admission gate + this
 
@@ -212,6 +227,7 @@ class AppArgs(_Strict):
     ingress: DeploymentArgs = Field(default_factory=DeploymentArgs)
     verifier: DeploymentArgs = Field(default_factory=DeploymentArgs)
     proposer: DeploymentArgs = Field(default_factory=DeploymentArgs)
+    prefix_routing: PrefixRoutingArgs = Field(default_factory=PrefixRoutingArgs)
     # disaggregated: how long a verifier step waits on its proposer call before stepping without
     # drafts (then it leaves the proposer alone for 1 s, doubling to 60 s while calls keep failing)
     proposer_call_timeout_s: float = Field(30.0, gt=0)
@@ -305,11 +321,27 @@ class AppArgs(_Strict):
                                      # prompts x n of them: sized for bursts, not for waiting
                                      default_max_queued=max(256, 4 * self.verifier_max_ongoing),
                                      retry_after_s=self.retry_after_s)
+        if self.prefix_routing_enabled:
+            opts["request_router_config"] = self.request_router_config()
         size = self.engine.tensor_parallel_size
         if size > 1 or self.verifier.placement_group_bundles is not None:
             opts["placement_group_bundles"] = self.verifier.rank_bundles(size, default_cpus=1)
             opts["placement_group_strategy"] = self.verifier.placement_group_strategy
         return opts
+
+    @property
+    def prefix_routing_enabled(self) -> bool:
+        enabled = self.prefix_routing.enabled
+        return self.verifier.max_replicas > 1 if enabled is None else enabled
+
+    def request_router_config(self) -> dict[str, Any]:
+        """The verifier's Serve request_router_config with prefix routing (PrefixAwareRouter's kwargs)."""
+        routing = self.prefix_routing
+        threshold = routing.imbalance_threshold
+        return {"request_router_class": PREFIX_ROUTER, "request_router_kwargs": {
+            "imbalance_threshold": max(1, self.engine.max_num_seqs // 2) if threshold is None else threshold,
+            "min_match_ratio": routing.min_match_ratio, "block_size": routing.block_size,
+            "max_entries": routing.max_entries}}
 
     def proposer_options(self) -> dict[str, Any]:
         # every verifier replica has at most one propose call in flight (plus one release flush)
