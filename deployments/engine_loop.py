@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rayspec.engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
+from rayspec.metrics import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("rayspec.serve")
 
@@ -24,8 +25,12 @@ Deliver = Callable[[Any], None]  # gets RequestOutput items, or an Exception tha
 @dataclass
 class _Stream:
     deliver: Deliver
-    submitted: float
+    submitted: float  # arrival, for TTFT, queue time and e2e latency
+    num_tokens: int = 0  # output tokens already counted (a resumed request starts with some)
+    scheduled: bool = False  # left the engine's waiting queue (its queue time is observed)
+    num_prompt_tokens: int | None = None  # set (and counted) at its first output, when its prefill is done
     first_token: float | None = None
+    last_token: float | None = None  # when it last got tokens: the inter-token latency's start
 
 
 @dataclass
@@ -46,7 +51,7 @@ class EngineLoop:
         from (`err.fatal`: a tensor-parallel rank died); the loop stops either way (not alive)."""
         self._factory = engine_factory
         self._on_fatal = on_fatal
-        self.metrics = metrics
+        self.metrics = metrics  # observe_iteration(IterationStats) once per step, update(snapshot) after it
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -159,8 +164,11 @@ class EngineLoop:
                 self._fail_all(err)
                 continue
             now = time.perf_counter()
+            stats = IterationStats()
+            self._observe_scheduled(engine, started, stats)
             for out in outputs:
-                self._dispatch(out, now)
+                self._dispatch(out, now, stats)
+            self._observe(stats)
             self._update_snapshot()
 
     def _drain(self, block: bool) -> None:
@@ -191,38 +199,37 @@ class EngineLoop:
             except Exception as err:  # noqa: BLE001 - e.g. a chat template error: the request's fault
                 cmd.deliver(InvalidRequestError(f"{type(err).__name__}: {err}"))
                 return
-            self._streams[cmd.request_id] = _Stream(cmd.deliver, cmd.submitted)
+            self._streams[cmd.request_id] = _Stream(cmd.deliver, cmd.submitted, num_tokens=len(cmd.resume[0]))
             return
         kind, arg = cmd
         if kind == "abort":
-            if self._streams.pop(arg, None) is not None and engine.abort_request(arg):
+            stream = self._streams.pop(arg, None)
+            if stream is not None and engine.abort_request(arg):
                 self.num_aborted += 1
+                self._observe(IterationStats(finished=[self._finished(stream, "abort", time.perf_counter())]))
         elif kind == "call":
             arg(engine)
         elif kind == "stop":
             self._stop.set()
 
-    def _dispatch(self, out: RequestOutput, now: float) -> None:
+    def _dispatch(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
         if out.error is not None:  # the engine failed this request alone (it went on with the others)
             del self._streams[out.request_id]
             self.num_failed += 1
+            stats.finished.append(self._finished(stream, "error", now))
             try:
                 stream.deliver(RuntimeError(f"the engine failed this request: {out.error}"))
             except Exception:  # noqa: BLE001 - the caller is gone
                 pass
             return
-        if stream.first_token is None and out.token_ids:
-            stream.first_token = now
-            if self.metrics is not None:
-                self.metrics.observe_ttft(now - stream.submitted)
+        self._count(stream, out, now, stats)
         if out.finished:
             del self._streams[out.request_id]
             self.num_finished += 1
-            if self.metrics is not None and stream.first_token is not None and out.num_output_tokens > 1:
-                self.metrics.observe_tpot((now - stream.first_token) / (out.num_output_tokens - 1))
+            stats.finished.append(self._finished(stream, out.finish_reason or "stop", now))
         try:
             stream.deliver(out)
         except Exception:  # noqa: BLE001 - the caller's event loop is gone: drop the request
@@ -230,8 +237,59 @@ class EngineLoop:
                 self._streams.pop(out.request_id, None)
                 if self.engine.abort_request(out.request_id):
                     self.num_aborted += 1
+                    stats.finished.append(self._finished(stream, "abort", now))
+
+    # ---- request metrics (vLLM's set: rayspec.metrics.IterationStats) -------------------------
+    def _observe_scheduled(self, engine, started: float, stats: IterationStats) -> None:
+        """Queue time of the requests this step took out of the waiting queue (admission happens
+        at the step's start, so the step's start time is when they were scheduled)."""
+        pending = [(rid, s) for rid, s in self._streams.items() if not s.scheduled]
+        if not pending:
+            return
+        waiting = {seq.request_id for seq in getattr(engine, "waiting", ())}
+        for rid, stream in pending:
+            if rid not in waiting:
+                stream.scheduled = True
+                stats.queue_times.append(max(0.0, started - stream.submitted))
+
+    @staticmethod
+    def _count(stream: _Stream, out: RequestOutput, now: float, stats: IterationStats) -> None:
+        if stream.num_prompt_tokens is None:  # the first output comes when the prompt's prefill is done
+            stream.num_prompt_tokens = out.num_prompt_tokens
+            stats.num_prompt_tokens += out.num_prompt_tokens
+            stats.num_prefix_cache_queries += out.num_prompt_tokens
+            stats.num_prefix_cache_hits += getattr(out, "num_cached_tokens", 0) or 0
+        new = out.num_output_tokens - stream.num_tokens
+        if new <= 0:
+            return
+        stream.num_tokens = out.num_output_tokens
+        stats.num_generation_tokens += new
+        if stream.first_token is None:
+            stream.first_token = now
+            stats.time_to_first_tokens.append(now - stream.submitted)
+        else:
+            stats.inter_token_latencies.append(now - stream.last_token)
+        stream.last_token = now
+
+    @staticmethod
+    def _finished(stream: _Stream, reason: str, now: float) -> FinishedRequestStats:
+        tpot = None
+        if stream.first_token is not None and stream.num_tokens > 1:
+            tpot = (stream.last_token - stream.first_token) / (stream.num_tokens - 1)
+        return FinishedRequestStats(reason, now - stream.submitted, stream.num_prompt_tokens or 0, stream.num_tokens,
+                                    tpot)
+
+    def _observe(self, stats: IterationStats) -> None:
+        if self.metrics is None or not stats:
+            return
+        try:
+            self.metrics.observe_iteration(stats)
+        except Exception:  # noqa: BLE001 - metrics are best effort, serving goes on
+            logger.exception("metrics observation failed")
 
     def _fail_all(self, err: Exception) -> None:
+        now = time.perf_counter()
+        self._observe(IterationStats(finished=[self._finished(s, "error", now) for s in self._streams.values()]))
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
             try:
@@ -248,6 +306,7 @@ class EngineLoop:
             "device": str(engine.device),
             "num_slots": engine.num_slots,
             "num_free_slots": engine.runner.num_free_slots,  # KV slots no sequence holds
+            "kv_cache_usage": round(kv_cache_usage(engine), 6),
             "max_model_len": engine.max_model_len,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "cpu_kernels": getattr(getattr(engine.model, "cpu_kernels", None), "variant", None),
@@ -271,4 +330,18 @@ class EngineLoop:
             self.snapshot["proposer_skipped_steps"] = remote.num_skipped_steps
             self.snapshot["proposer_repins"] = getattr(remote, "num_repins", 0)
         if self.metrics is not None:
-            self.metrics.update(self.snapshot)
+            try:
+                self.metrics.update(self.snapshot)
+            except Exception:  # noqa: BLE001 - metrics are best effort
+                logger.exception("metrics update failed")
+
+
+def kv_cache_usage(engine) -> float:
+    """Fraction of the KV cache in use, 0..1: the runner's own measure (blocks in use) where it has
+    one, else the share of sequence slots held."""
+    runner = engine.runner
+    usage = getattr(runner, "kv_cache_usage", None)
+    if usage is not None:
+        return float(usage() if callable(usage) else usage)
+    num_slots = getattr(runner, "num_slots", None) or engine.num_slots
+    return (num_slots - runner.num_free_slots) / num_slots if num_slots else 0.0

@@ -1,4 +1,5 @@
-"""Speculative-decoding counters, named like vLLM's."""
+"""Engine statistics named like vLLM's: speculative-decoding counters, and what a step did to its
+requests (the serving layer turns both into Prometheus metrics: deployments/metrics.py)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,34 @@ class SpecDecodeStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
         }
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop", "length", "abort", "error"
+    e2e_latency: float  # arrival to the last output, seconds
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    mean_time_per_output_token: float | None = None  # after the first token; None below two tokens
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did to its requests, as the serving loop saw them (vLLM's name).
+
+    The loop fills one per step from the step's outputs and hands it to its metrics sink in one
+    call, so metrics cost a call per step plus one observation per request that moved, never one
+    per token. Latencies are in seconds, from the loop's clock (a request arrives when it is
+    submitted to the loop)."""
+    num_prompt_tokens: int = 0  # prompts whose prefill finished this step
+    num_generation_tokens: int = 0  # tokens emitted this step
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up (those of num_prompt_tokens)
+    num_prefix_cache_hits: int = 0  # of them, tokens whose KV came from the prefix cache
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per request that got tokens after its first
+    queue_times: list[float] = field(default_factory=list)  # arrival to first scheduled
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.num_prompt_tokens or self.num_generation_tokens or self.time_to_first_tokens
+                    or self.inter_token_latencies or self.queue_times or self.finished)
