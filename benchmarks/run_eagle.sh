@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Offline benchmark of the EAGLE issue: SmolLM2-135M with the trained EAGLE-3 head in heads/,
-# greedy, concurrency 1, 128 new tokens, 10 prompts of each shared set.
-# Usage (inside .venv, on a quiet machine): benchmarks/run_eagle.sh [shared-prompts-dir]
+# greedy, concurrency 1, 128 new tokens, 10 prompts of each bundled set (rayspec/data/prompts).
+# Usage (inside .venv, on a quiet machine): benchmarks/run_eagle.sh [prompts-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPTS=${1:-../shared/data/prompts}
+PROMPTS=${1:-rayspec/data/prompts}  # the bundled evaluation sets
 OUT=benchmarks/results
 HEAD=${HEAD:-heads/smollm2-135m-eagle3}
 K=${K:-8}; TOPK=${TOPK:-2}; STEPS=${STEPS:-4}; STOP=${STOP:-0.2}; LOOKUP=${LOOKUP:-5}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Offline benchmark of the issue: SmolLM2-135M, greedy, 128 new tokens, 10 prompts of each set.
-# Usage (inside .venv, on a quiet machine): benchmarks/run_offline.sh [shared-prompts-dir]
+# Usage (inside .venv, on a quiet machine): benchmarks/run_offline.sh [prompts-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPTS=${1:-../shared/data/prompts}
+PROMPTS=${1:-rayspec/data/prompts}  # the bundled evaluation sets
 OUT=benchmarks/results
 mkdir -p "$OUT"
 for set in mt_bench humaneval gsm8k; do

@@ -10,10 +10,10 @@
 #      sending at least WAVES x concurrency requests (the N prompts repeated) so that c8 is
 #      measured at 8 in flight, not mostly draining;
 #   3. the offline run again; then benchmarks/serve_ratios.py prints the ratios.
-# Usage (inside .venv, on a quiet machine): benchmarks/run_serve.sh [shared-prompts-dir]
+# Usage (inside .venv, on a quiet machine): benchmarks/run_serve.sh [prompts-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPTS=${1:-../shared/data/prompts}/mt_bench.jsonl
+PROMPTS=${1:-rayspec/data/prompts}/mt_bench.jsonl  # default: the bundled set
 OUT=${OUT:-benchmarks/results}
 TAG=${TAG:-serve_mt_bench}
 N=${N:-10}; ROUNDS=${ROUNDS:-3}; CONC=${CONC:-1,2,4,8}; WAVES=${WAVES:-4}

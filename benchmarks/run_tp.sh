@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 [ -f "$SHAPED/config.json" ] || .venv/bin/python benchmarks/make_tp_shaped.py "$SHAPED"
 run() {  # model tp method name
   .venv/bin/rayspec bench offline --model "$1" --tensor-parallel-size "$2" --method "$3" --num-speculative-tokens 4 \
-    --prompts ../shared/data/prompts/mt_bench.jsonl --num-prompts "$N" --max-tokens "$T" --no-hf --num-threads 1 \
+    --prompts mt_bench --num-prompts "$N" --max-tokens "$T" --no-hf --num-threads 1 \
     --output-json "$OUT/$4.json"
 }
 run "$SHAPED" 2 none shaped_tp2_none

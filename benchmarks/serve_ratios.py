@@ -20,7 +20,7 @@ def main(serve_path: str, offline_paths: list[str]) -> None:
     groups: dict[int, list[dict]] = defaultdict(list)
     for p in offline_paths:
         o = json.loads(Path(p).read_text())
-        groups[o.get("torch_threads")].append(o)
+        groups[o.get("environment", o).get("torch_threads")].append(o)  # flat in JSONs before "environment"
     tput = {(r["label"], r["concurrency"]): r["output_throughput"] for r in serve["results"]}
     levels = sorted({c for _, c in tput})
     labels = serve["config"]["labels"]

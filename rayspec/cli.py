@@ -268,6 +268,8 @@ def cmd_bench_offline(args) -> int:
 
 
 def cmd_bench_serve(args) -> int:
+    from tqdm import tqdm
+
     from rayspec.bench.serve import (endpoint_models, format_result, parse_concurrency, run_serve_benchmark,
                                      write_plot)
 
@@ -286,7 +288,7 @@ def cmd_bench_serve(args) -> int:
         endpoints=args.endpoint, labels=args.label, model=models, prompts_file=args.prompts,
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, concurrency=concurrency,
         temperature=args.temperature, ignore_eos=args.ignore_eos, warmup=args.warmup, timeout=args.timeout,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True), rounds=args.rounds, waves=args.waves,
+        log=lambda msg: tqdm.write(msg, file=sys.stderr), rounds=args.rounds, waves=args.waves,
         extra_body=json.loads(args.extra_body) if args.extra_body else None, api_key=args.api_key,
         request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
     print(format_result(result))
@@ -373,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="in-process: rayspec baseline vs method vs HF transformers")
     _add_engine_args(p)
-    p.add_argument("--prompts", required=True, help="Spec-Bench JSONL file")
+    p.add_argument("--prompts", required=True,
+                   help="a bundled evaluation set (mt_bench, humaneval, gsm8k) or a Spec-Bench JSONL file")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
@@ -436,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", default=None,
                    help="served model name (default smollm2-135m-instruct): once for every endpoint, or once "
                         "per --endpoint in order (a peer server serving the model under another name)")
-    p.add_argument("--prompts", required=True, help="Spec-Bench JSONL file (turns[0] is the user message)")
+    p.add_argument("--prompts", required=True,
+                   help="a bundled evaluation set (mt_bench, humaneval, gsm8k) or a Spec-Bench JSONL file "
+                        "(turns[0] is the user message)")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,2,4,8",

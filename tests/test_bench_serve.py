@@ -79,7 +79,8 @@ def _check_acceptance(r: dict, want: dict) -> None:
     assert ss["mean_acceptance_length"] == pytest.approx(1 + want["num_accepted_tokens"] / want["num_drafts"])
 
 
-def test_bench_serve_cli(server, reference, tmp_path, capsys):
+def test_bench_serve_cli(server, reference, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "turns": [t]}) for i, t in enumerate(PROMPTS)) + "\n")
     want = _summed([reference(p) for p in PROMPTS])
@@ -90,10 +91,15 @@ def test_bench_serve_cli(server, reference, tmp_path, capsys):
                "--num-prompts", "2", "--max-tokens", str(MAX_TOKENS), "--concurrency", "1,2", "--warmup", "1",
                "--timeout", "60", "--output-json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert "tok/s" in table and "error [dead @ 1]" in table
+    assert "12/12" in captured.err  # the progress bar: 3 endpoints x (2 + 2) requests, on stderr
 
     result = json.loads(out_json.read_text())
+    env = result["environment"]  # the machine and versions the figures depend on
+    assert env["cpu_model"] and env["python"] and env["torch"] and env["transformers"] and env["ray"]
+    assert env["rayspec"] and "gpu_model" in env
     assert result["config"]["concurrency"] == [1, 2] and result["config"]["labels"] == ["A", "B", "dead"]
     # interleaved: A@1, B@1, dead@1, A@2, B@2, dead@2
     assert [(r["label"], r["concurrency"]) for r in result["results"]] == [

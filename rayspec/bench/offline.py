@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rayspec.bench.environment import environment
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
+from rayspec.progress import progress_bar
 from rayspec.sampling import SamplingParams
 
 
@@ -55,32 +57,6 @@ def _run_hf(model, prompt_ids: list[int], max_tokens: int, run: SystemRun, eos_i
     new = out[0, len(prompt_ids):].tolist()
     run.tokens += len(new)
     run.outputs.append(new)
-
-
-def environment() -> dict:
-    """What a figure depends on: the CPU (model name and the matmul features that matter), the
-    library versions, the threads."""
-    import platform
-    import subprocess
-
-    cpu, flags = platform.processor(), set()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                cpu = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    versions = {"torch": torch.__version__}
-    for name in ("transformers", "ray"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = None
-    return {"cpu_model": cpu, "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "cpu_count": __import__("os").cpu_count(), **versions, "torch_threads": torch.get_num_threads()}
 
 
 def _load_hf(model_dir, num_layers: int | None = None):
@@ -160,9 +136,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     runs = {name: SystemRun() for name in ("baseline", "method", "hf", "hf_assisted", "baseline_c1", "tp1")}
     batches = [prompt_ids[i:i + concurrency] for i in range(0, len(prompt_ids), concurrency)]
     spec_stats_before = speculative.stats.as_dict()
-    for i, batch in enumerate(batches):
-        if progress:
-            print(f"  batch {i + 1}/{len(batches)}", flush=True)
+    bar = progress_bar(enabled=progress, total=len(prompt_ids), desc=f"bench offline {method}", unit="prompt")
+    for batch in batches:
         _run_engine(baseline, batch, max_tokens, runs["baseline"])
         _run_engine(speculative, batch, max_tokens, runs["method"])
         if tp1 is not None:
@@ -174,6 +149,10 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
             _run_hf(hf_model, batch[0], max_tokens, runs["hf"], eos)
             if method != "none":
                 _run_hf(hf_model, batch[0], max_tokens, runs["hf_assisted"], eos, **hf_kwargs)
+        bar.update(len(batch))
+        if runs["baseline"].throughput:
+            bar.set_postfix(speedup=f"{runs['method'].throughput / runs['baseline'].throughput:.2f}x")
+    bar.close()
     stats = speculative.stats
     drafts = stats.num_drafts - spec_stats_before["num_drafts"]
     draft_tokens = stats.num_draft_tokens - spec_stats_before["num_draft_tokens"]
@@ -227,7 +206,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "tp1_greedy_match": (base.outputs == tp1_run.outputs and meth.outputs == tp1_run.outputs
                              if tp1 is not None else None),
         "cpu_kernels": target.cpu_kernels.describe() if getattr(target, "cpu_kernels", None) else None,
-        **environment(),
+        "environment": environment(),
     }
 
 
@@ -235,7 +214,9 @@ def format_result(result: dict) -> str:
     keys = ["method", "prompts", "concurrency", "output_throughput", "baseline_output_throughput", "speedup",
             "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
-            "spec_decode_acceptance_rate", "greedy_match", "baseline_vs_hf", "method_vs_hf_assisted", "cpu_model",
+            "spec_decode_acceptance_rate", "greedy_match", "baseline_vs_hf", "method_vs_hf_assisted",
             "tensor_parallel_size", "dtype", "baseline_step_ms", "tp1_step_ms", "tp_vs_tp1", "tp1_greedy_match",
             "cpu_kernels"]
-    return json.dumps({k: result[k] for k in keys}, indent=2)
+    env = result["environment"]
+    return json.dumps({**{k: result[k] for k in keys}, "cpu_model": env["cpu_model"], "gpu_model": env["gpu_model"]},
+                      indent=2)

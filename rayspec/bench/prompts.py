@@ -1,12 +1,36 @@
-"""Spec-Bench style prompt files: one JSON object per line, `turns[0]` is the user message."""
+"""Spec-Bench style prompt files: one JSON object per line, `turns[0]` is the user message.
+
+Three evaluation sets ship with the package (rayspec/data/prompts/, sources and licenses in its
+NOTICE.md): `mt_bench`, `humaneval`, `gsm8k`, 80 prompts each. `--prompts mt_bench` names one;
+any other value is a path to a JSONL file of your own.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+PROMPT_SETS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 
-def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[str]:
+
+def prompt_sets() -> list[str]:
+    """Names of the bundled evaluation sets."""
+    return sorted(p.stem for p in PROMPT_SETS_DIR.glob("*.jsonl"))
+
+
+def prompts_path(name_or_path: str | Path) -> Path:
+    """A file that exists, else the bundled set of that name (`mt_bench` or `mt_bench.jsonl`)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = PROMPT_SETS_DIR / f"{path.name.removesuffix('.jsonl')}.jsonl"
+    if path.parent == Path(".") and bundled.is_file():
+        return bundled
+    raise FileNotFoundError(f"{name_or_path}: no such file, and not a bundled prompt set ({', '.join(prompt_sets())})")
+
+
+def load_prompts(name_or_path: str | Path, num_prompts: int | None = None) -> list[str]:
+    path = prompts_path(name_or_path)
     prompts = []
     with open(path) as f:
         for line in f:

@@ -41,12 +41,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import numpy as np
 
+from rayspec.bench.environment import environment
 from rayspec.bench.prompts import load_prompts
+from rayspec.progress import progress_bar
 
 STATS_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -195,7 +197,7 @@ def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: in
 async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: list[str], concurrency: int,
                     max_tokens: int, temperature: float, ignore_eos: bool = False,
                     extra_body: dict | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, on_request_done: Callable[[RequestResult], None] | None = None) -> dict:
     """Send all prompts keeping exactly `concurrency` requests in flight (request_rate inf), or as
     arrivals at request_rate with at most `concurrency` in flight; return the raw round."""
     stats_before = await fetch_stats(client, url)
@@ -204,6 +206,8 @@ async def run_level(client: httpx.AsyncClient, url: str, model: str, prompts: li
     async def send(prompt: str) -> None:
         results.append(await send_request(client, url, model, prompt, max_tokens, temperature, ignore_eos,
                                           extra_body))
+        if on_request_done is not None:
+            on_request_done(results[-1])
 
     start = time.perf_counter()
     if math.isinf(request_rate):  # closed loop: a worker per slot takes the next prompt
@@ -307,13 +311,25 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                                     ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0,
                                     log=print, rounds: int = 1, waves: int = 0,
                                     extra_body: dict | None = None, api_key: str | None = None,
-                                    request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> dict:
+                                    request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0,
+                                    progress: bool = True) -> dict:
     urls = [base_url(e) for e in endpoints]
     limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, headers=headers)
                for _ in urls]
     results: list[dict] = []
+    total = len(urls) * rounds * sum(len(level_prompts(prompts, c, waves)) for c in concurrencies)
+    bar = progress_bar(enabled=progress, total=total, desc="bench serve", unit="req")
+    failed = 0
+
+    def request_done(r: RequestResult) -> None:
+        nonlocal failed
+        failed += not r.ok
+        bar.update(1)
+        if failed:
+            bar.set_postfix(failed=failed)
+
     try:
         for client, url, label, model in zip(clients, urls, labels, models):
             for prompt in prompts[:warmup]:
@@ -329,10 +345,11 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                 turn = i % len(urls)
                 order = list(zip(clients, urls, labels, models))
                 for client, url, label, model in order[turn:] + order[:turn]:
+                    bar.set_description(f"bench serve {label} c{c}")
                     # the same arrival times for every endpoint of a level's round
                     rnd = await run_level(client, url, model, level_prompts(prompts, c, waves), c, max_tokens,
                                           temperature, ignore_eos, extra_body, request_rate, burstiness,
-                                          seed=level_seed(seed, i, c))
+                                          seed=level_seed(seed, i, c), on_request_done=request_done)
                     done[label].append(rnd)
                     tokens = sum(r.completion_tokens for r in rnd["results"] if r.ok)
                     log(f"[{label}] concurrency {c} round {i + 1}/{rounds}: "
@@ -343,6 +360,7 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                 results.append({"label": label, "endpoint": url, "model_id": model,
                                 **level_metrics(c, done[label], request_rate, burstiness)})
     finally:
+        bar.close()
         for client in clients:
             await client.aclose()
     return {"config": {"endpoints": urls, "labels": labels, "models": models,
@@ -351,6 +369,7 @@ async def run_serve_benchmark_async(endpoints: list[str], labels: list[str], mod
                        "request_rate": rate_json(request_rate), "burstiness": burstiness, "seed": seed,
                        "ignore_eos": ignore_eos, "warmup": warmup, "rounds": rounds, "waves": waves,
                        "extra_body": extra_body or {}},
+            "environment": environment(),  # of the machine running this client (the servers' may differ)
             "results": results}
 
 
@@ -361,9 +380,9 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None,
                         ignore_eos: bool = False, warmup: int = 1, timeout: float = 600.0, log=print,
                         rounds: int = 1, waves: int = 0, extra_body: dict | None = None,
                         api_key: str | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
-                        seed: int = 0) -> dict:
+                        seed: int = 0, progress: bool = True) -> dict:
     """api_key None: $RAYSPEC_API_KEY, else $OPENAI_API_KEY, else none sent. model: one name for
-    every endpoint, or a list, one per endpoint in order."""
+    every endpoint, or a list, one per endpoint in order. progress: a bar of requests on stderr."""
     if not endpoints:
         raise ValueError("give at least one --endpoint")
     if labels and len(labels) != len(endpoints):
@@ -381,7 +400,7 @@ def run_serve_benchmark(endpoints: list[str], labels: list[str] | None = None,
     return asyncio.run(run_serve_benchmark_async(endpoints, labels, models, prompts, concurrencies, max_tokens,
                                                  temperature, ignore_eos, warmup, timeout, log, rounds, waves,
                                                  extra_body, resolve_api_key(api_key), request_rate, burstiness,
-                                                 seed))
+                                                 seed, progress))
 
 
 def endpoint_models(model: str | list[str] | tuple[str, ...] | None, num_endpoints: int) -> list[str]:
