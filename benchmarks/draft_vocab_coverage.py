@@ -31,7 +31,7 @@ def draft_vocabulary(head_dir: str) -> torch.Tensor | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("heads", nargs="+")
-    ap.add_argument("--prompts-dir", default="../shared/data/prompts")
+    ap.add_argument("--prompts-dir", default=None, help="default: the bundled sets")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
@@ -39,7 +39,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", max_model_len=2048, max_num_seqs=8))
     result = {}
     for name in SETS:
-        texts = load_prompts(Path(args.prompts_dir, f"{name}.jsonl"), args.num_prompts)
+        texts = load_prompts(Path(args.prompts_dir, f"{name}.jsonl") if args.prompts_dir else name, args.num_prompts)
         prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
         tokens = torch.tensor([t for o in outs for t in o.token_ids])  # [T]

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from rayspec import loader
+from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.metrics import SpecDecodeStats
@@ -32,9 +33,8 @@ def main(head: str, num_prompts: int, max_tokens: int) -> None:
         results = {}
         for name in SETS:
             engine.stats = SpecDecodeStats()
-            lines = open(f"../shared/data/prompts/{name}.jsonl").read().splitlines()[:num_prompts]
-            for line in lines:
-                ids = engine.encode_chat([{"role": "user", "content": json.loads(line)["turns"][0]}])
+            for prompt in load_prompts(name, num_prompts):  # a bundled set
+                ids = engine.encode_chat([{"role": "user", "content": prompt}])
                 engine.generate([ids], greedy)
             s = engine.stats.as_dict()
             results[name] = {"acceptance_length": round(s["mean_acceptance_length"], 2),

@@ -45,8 +45,7 @@ def main(head_dir: str, prompt_file: str, num_prompts: int) -> None:
     same = steps = 0
     hits = {1: 0, 2: 0, 4: 0}
     positions = 0
-    path = prompt_file if prompt_file.endswith(".jsonl") else f"../shared/data/prompts/{prompt_file}.jsonl"
-    for prompt in load_prompts(path, num_prompts):
+    for prompt in load_prompts(prompt_file, num_prompts):  # a bundled set's name or a file
         drafted.clear()
         ids = engine.encode_chat([{"role": "user", "content": prompt}])
         out = list(engine.generate([ids], SamplingParams(temperature=0, max_tokens=128))[0].token_ids)

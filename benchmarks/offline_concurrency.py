@@ -17,6 +17,7 @@ import time
 import torch
 
 from rayspec import loader
+from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.metrics import SpecDecodeStats
@@ -47,8 +48,7 @@ def main(concurrency: int, num_prompts: int, rounds: int, sets: list[str], extra
     engines = {name: LLMEngine(EngineConfig(model="smollm2-135m-instruct", speculative=SpeculativeConfig(**c),
                                             max_model_len=2048, max_num_seqs=8), model=model, tokenizer=tokenizer)
                for name, c in configs.items()}
-    prompts = [json.loads(line)["turns"][0] for s in sets
-               for line in open(f"../shared/data/prompts/{s}.jsonl").read().splitlines()[:num_prompts]]
+    prompts = [p for s in sets for p in load_prompts(s, num_prompts)]  # bundled sets
     for engine in engines.values():  # warm-up (oneDNN packing, first-use allocations)
         run(engine, prompts[:concurrency], concurrency)
         engine.stats = SpecDecodeStats()

@@ -24,6 +24,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rayspec.bench.prompts import load_prompts  # noqa: E402
+
 
 def cpu_model() -> str:
     try:
@@ -39,7 +41,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--prompts", default=str(REPO.parent / "shared" / "data" / "prompts" / "mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt_bench", help="a bundled set or a Spec-Bench JSONL")
     parser.add_argument("--json")
     opts = parser.parse_args()
 
@@ -51,7 +53,7 @@ def main() -> None:
     args = yaml.safe_load(open(opts.config))["applications"][0]["args"]
     for role in ("verifier", "proposer"):
         args.get(role, {}).get("ray_actor_options", {}).pop("num_gpus", None)
-    prompts = [json.loads(line)["turns"][0] for line in open(opts.prompts)][: opts.num_prompts]
+    prompts = load_prompts(opts.prompts, opts.num_prompts)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8123})
     serve.run(build_app(args), name="rayspec", route_prefix="/")

@@ -8,10 +8,10 @@ distribution. Both are lossless; this prints how many tokens each accepts per st
 """
 
 import argparse
-import json
 
 import torch
 
+from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.metrics import SpecDecodeStats
@@ -22,10 +22,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--file", default="../shared/data/prompts/humaneval.jsonl")
+    ap.add_argument("--file", default="humaneval", help="a bundled set or a Spec-Bench JSONL")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    prompts = [json.loads(line)["turns"][0] for line in open(args.file)][: args.prompts]
+    prompts = load_prompts(args.file, args.prompts)
     for tree_max_batch in (0, 2):
         spec = SpeculativeConfig(method="eagle3", draft_model="heads/smollm2-135m-eagle3", num_speculative_tokens=8,
                                  eagle_topk=2, num_steps=4, eagle_stop_prob=0.2, eagle_prompt_lookup=5,

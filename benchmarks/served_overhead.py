@@ -20,6 +20,7 @@ import time
 import httpx
 import yaml
 
+from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.sampling import SamplingParams
@@ -81,8 +82,7 @@ def serve_down(proc: subprocess.Popen) -> None:
 
 
 def main(config_path: str, rounds: int, num_prompts: int) -> None:
-    prompts = [json.loads(line)["turns"][0] for line in
-               open("../shared/data/prompts/mt_bench.jsonl").read().splitlines()[:num_prompts]]
+    prompts = load_prompts("mt_bench", num_prompts)
     model = yaml.safe_load(open(config_path))["applications"][0]["args"].get("served_model_name")
     engine = engine_from(config_path)
     in_process(engine, prompts[:1])  # warm-up

@@ -30,6 +30,8 @@ import httpx
 import numpy as np
 import psutil
 
+from rayspec.bench.prompts import load_prompts
+
 ROLES = (("Verifier", "verifier"), ("OpenAIIngress", "ingress"), ("Proposer", "proposer"),
          ("ProxyActor", "proxy"), ("ServeController", "controller"))
 
@@ -55,16 +57,6 @@ def ray_memory_mib() -> dict[str, float]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
             continue
     return {k: round(v, 1) for k, v in sorted(totals.items())}
-
-
-def load_prompts(path: Path, n: int) -> list[str]:
-    prompts = []
-    with open(path) as f:
-        for line in f:
-            prompts.append(json.loads(line)["turns"][0])
-            if len(prompts) == n:
-                break
-    return prompts
 
 
 class Soak:
@@ -127,7 +119,7 @@ class Soak:
 
 
 async def soak(args) -> dict:
-    prompts = load_prompts(Path(args.prompts), args.num_prompts)
+    prompts = load_prompts(args.prompts, args.num_prompts)
     runner = Soak(args.url.rstrip("/"), args.model, prompts, args.max_tokens, args.timeout)
     windows = []
     start = time.monotonic()
@@ -164,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/prompts/mt_bench.jsonl"))
+    parser.add_argument("--prompts", default="mt_bench", help="a bundled set or a Spec-Bench JSONL")
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=8)

@@ -61,7 +61,7 @@ def main(threads: int, sets: list[str], n: int, names: list[str], max_tokens: in
         engine.eos_token_ids |= eos
         engines[name] = engine
     for s in sets:
-        texts = load_prompts(f"../shared/data/prompts/{s}.jsonl", n)
+        texts = load_prompts(s, n)  # a bundled set
         ids = [engines["none"].encode_chat([{"role": "user", "content": t}]) for t in texts]
         for engine in engines.values():  # warm-up
             _run_engine(engine, ids[:1], 8, SystemRun())
