@@ -448,58 +448,111 @@ def test_engine_stats(server, client, local_engine):
 
 
 def _metric_values(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of the series `name` in a Prometheus text scrape."""
     out = []
     for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             labels, value = line.rsplit(" ", 1)
-            out.append((labels, float(value)))
+            out.append((labels[len(name):], float(value)))
     return out
 
 
 def test_prometheus_metrics(server, client):
+    """One greedy request moves the exported metrics (deployments/README.md, "Metrics") by exactly
+    its own counts: tokens as in its usage, drafts and acceptances as the engine's own stats, one
+    observation in each per-request histogram."""
+    import re
+    import time
+
+    from deployments.metrics import METRICS, scraped_names
+
     def scrape() -> str:
         try:
             return httpx.get(server["metrics_url"], timeout=30).text
         except httpx.HTTPError:
             return ""
 
-    def total(text: str, name: str) -> float:
-        return sum(v for _, v in _metric_values(text, name))
+    def total(text: str, series: str, label: str = "") -> float:
+        return sum(v for labels, v in _metric_values(text, series) if label in labels)
 
-    # the counters are exported about every second: wait until three scrapes agree (the earlier
+    def counts(text: str) -> dict:
+        names = ["ray_rayspec_prompt_tokens_total", "ray_rayspec_generation_tokens_total",
+                 "ray_rayspec_prefix_cache_queries_total", "ray_rayspec_request_success_total",
+                 "ray_rayspec_spec_decode_num_drafts_total", "ray_rayspec_spec_decode_num_draft_tokens_total",
+                 "ray_rayspec_spec_decode_num_accepted_tokens_total",
+                 "ray_rayspec_spec_decode_num_accepted_tokens_per_pos_total",
+                 "ray_rayspec_time_to_first_token_seconds_count", "ray_rayspec_inter_token_latency_seconds_count",
+                 "ray_rayspec_e2e_request_latency_seconds_count", "ray_rayspec_request_queue_time_seconds_count",
+                 "ray_rayspec_request_time_per_output_token_seconds_count",
+                 "ray_rayspec_request_prompt_tokens_count", "ray_rayspec_request_generation_tokens_count"]
+        found = {name: total(text, name) for name in names}
+        found["length"] = total(text, "ray_rayspec_request_success_total", 'finished_reason="length"')
+        for name in ("request_prompt_tokens", "request_generation_tokens"):  # bucket upper bound -> count
+            for labels, value in _metric_values(text, f"ray_rayspec_{name}_bucket"):
+                le = float(re.search(r'le="([^"]+)"', labels).group(1))
+                found[(name, le)] = found.get((name, le), 0.0) + value
+        return found
+
+    # the metrics are exported about every second: wait until three scrapes agree (the earlier
     # tests' counts are all out) before this test's request
-    import time
-
-    counts, deadline = [], time.monotonic() + 60
-    while len(counts) < 3 or len(set(counts[-3:])) > 1:
-        assert time.monotonic() < deadline, counts
-        text = scrape()
-        counts.append((total(text, "ray_spec_decode_num_draft_tokens"),
-                       total(text, "ray_spec_decode_num_accepted_tokens_total")))
+    seen, deadline = [], time.monotonic() + 60
+    while len(seen) < 3 or any(c != seen[-1] for c in seen[-3:]):
+        assert time.monotonic() < deadline, seen[-3:]
+        seen.append(counts(scrape()))
         time.sleep(1.0)
-    drafted0, accepted0 = counts[-1]
+    before, stats_before = seen[-1], verifier_stats()
     resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    stats_after = verifier_stats()
     details = resp.usage.completion_tokens_details
-    drafted = details.accepted_prediction_tokens + details.rejected_prediction_tokens
-    assert details.accepted_prediction_tokens > 0
+    assert details.accepted_prediction_tokens > 0 and resp.choices[0].finish_reason == "length"
 
-    def exported():
+    def moved():
         text = scrape()
-        names = ["ray_spec_decode_num_drafts", "ray_spec_decode_num_draft_tokens",
-                 "ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_accepted_tokens_per_pos",
-                 "ray_time_to_first_token_seconds_bucket", "ray_time_per_output_token_seconds_bucket",
-                 "ray_num_requests_running", "ray_num_requests_waiting"]
-        if not all(_metric_values(text, n) for n in names):
-            return None
-        moved = total(text, "ray_spec_decode_num_draft_tokens") >= drafted0 + drafted
-        return text if moved else None
+        now = counts(text)
+        done = now["ray_rayspec_request_success_total"] > before["ray_rayspec_request_success_total"]
+        return (text, now) if done and now["ray_rayspec_generation_tokens_total"] >= \
+            before["ray_rayspec_generation_tokens_total"] + resp.usage.completion_tokens else None
 
-    text = wait_for(exported, timeout=60, interval=1.0)
-    # this request's drafts, and no others: nothing else ran meanwhile
-    assert total(text, "ray_spec_decode_num_draft_tokens") == drafted0 + drafted
-    assert total(text, "ray_spec_decode_num_accepted_tokens_total") == accepted0 + details.accepted_prediction_tokens
-    assert any('position="0"' in labels for labels, _ in _metric_values(text, "ray_spec_decode_num_accepted_tokens_per_pos"))
-    assert all('model_name="tiny"' in labels for labels, _ in _metric_values(text, "ray_num_requests_running"))
+    text, after = wait_for(moved, timeout=60, interval=1.0)
+    time.sleep(2.0)  # a second export: nothing of this request comes late
+    text = scrape()
+    after = counts(text)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    usage = resp.usage
+    assert delta["ray_rayspec_prompt_tokens_total"] == usage.prompt_tokens
+    assert delta["ray_rayspec_prefix_cache_queries_total"] == usage.prompt_tokens
+    assert delta["ray_rayspec_generation_tokens_total"] == usage.completion_tokens
+    # Ray's exporter rebuilds a histogram's _sum from bucket midpoints: the buckets are exact
+    for name, tokens in (("request_prompt_tokens", usage.prompt_tokens),
+                         ("request_generation_tokens", usage.completion_tokens)):
+        bounds = sorted(le for key, le in (k for k in delta if isinstance(k, tuple)) if key == name)
+        assert bounds, name
+        assert all(delta[(name, le)] == (1 if le >= tokens else 0) for le in bounds), name
+    assert delta["ray_rayspec_request_success_total"] == delta["length"] == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert delta[f"ray_rayspec_{name}_count"] == 1, name
+    # one inter-token latency per step after the first that gave the request tokens
+    assert 1 <= delta["ray_rayspec_inter_token_latency_seconds_count"] <= usage.completion_tokens - 1
+    # the acceptance counters equal the engine's own (and this request's usage details)
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert delta[f"ray_rayspec_spec_decode_{key}_total"] == stats_after[key] - stats_before[key], key
+    assert delta["ray_rayspec_spec_decode_num_accepted_tokens_total"] == details.accepted_prediction_tokens
+    assert delta["ray_rayspec_spec_decode_num_draft_tokens_total"] == \
+        details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    assert delta["ray_rayspec_spec_decode_num_accepted_tokens_per_pos_total"] == details.accepted_prediction_tokens
+    assert any('position="0"' in labels
+               for labels, _ in _metric_values(text, "ray_rayspec_spec_decode_num_accepted_tokens_per_pos_total"))
+    # every name is exported (a counter from its first increment: no prefix cache hits here yet)
+    for name in METRICS:
+        if name != "prefix_cache_hits":
+            assert all(_metric_values(text, series) for series in scraped_names(name)), name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        samples = _metric_values(text, f"ray_rayspec_{name}")
+        assert samples and all('model_name="tiny"' in labels for labels, _ in samples), name
+        assert all('deployment="Verifier"' in labels for labels, _ in samples), name
+    assert all(0.0 <= v <= 1.0 for _, v in _metric_values(text, "ray_rayspec_kv_cache_usage_perc"))
+    assert not _metric_values(text, "ray_spec_decode_num_drafts_total")  # the old, unprefixed names are gone
 
 
 # ---- logprobs, n, batched prompts ---------------------------------------------------------------
