@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from deployments.autoscaling import proposer_autoscaling_config
 from deployments.vllm_names import translate_vllm_args
+from rayspec.assets import assets_root
 from rayspec.config import EngineConfig, SpeculativeConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +22,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def resolve_local_path(spec: str | None) -> str | None:
     """A relative model/head path that exists from the working directory or, failing that, from the
-    repo root -> an absolute path (replicas may run elsewhere); anything else (hub ids, the
-    default model's name, absolute paths, paths that do not exist) is returned as it is."""
+    repo root (an installed wheel's copy of configs/ and heads/: rayspec.assets) -> an absolute path
+    (replicas may run elsewhere); anything else (hub ids, the default model's name, absolute paths,
+    paths that do not exist) is returned as it is."""
     from rayspec.loader import DEFAULT_MODEL
 
     if not spec or spec in (DEFAULT_MODEL, "default"):
@@ -30,7 +32,7 @@ def resolve_local_path(spec: str | None) -> str | None:
     path = Path(spec).expanduser()
     if path.is_absolute():
         return spec
-    for base in (Path.cwd(), REPO_ROOT):
+    for base in (Path.cwd(), assets_root()):
         if (base / path).exists():
             return str((base / path).resolve())
     return spec

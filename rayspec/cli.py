@@ -91,11 +91,12 @@ def serve_config(args) -> tuple:
 
     from deployments.config import AppArgs
     from deployments.dialects import APP_IMPORT_PATHS, app_args_of
+    from rayspec.assets import config_path
 
     host = port = None
     app_args: dict = {}
     if args.config:
-        doc = yaml.safe_load(Path(args.config).read_text()) or {}
+        doc = yaml.safe_load(config_path(args.config).read_text()) or {}
         if not isinstance(doc, dict):
             raise ValueError(f"{args.config}: not a mapping")
         if "applications" in doc:
@@ -172,6 +173,13 @@ def cmd_serve(args) -> int:
             ray.shutdown()
         else:  # a cluster we joined: take our app away, leave the rest
             serve.delete(args.app_name)
+    return 0
+
+
+def cmd_configs_dir(args) -> int:
+    from rayspec.assets import configs_dir
+
+    print(configs_dir())
     return 0
 
 
@@ -328,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "MODEL and the flags override it.")
     p.add_argument("model", nargs="?", default=None,
                    help="hub id, directory, .gguf or smollm2-135m-instruct (default: the config's, else that)")
-    p.add_argument("--config", default=None, help="a serve config YAML (configs/*.yaml) or a YAML of app args")
+    p.add_argument("--config", default=None,
+                   help="a serve config YAML (configs/*.yaml; a shipped one by name too: `--config default`, "
+                        "from any directory) or a YAML of app args")
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     p.add_argument("--served-model-name", default=None, help="the name clients send (default: MODEL)")
@@ -343,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--app-name", default="rayspec")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("configs-dir", help="print the directory of the shipped serve configs (configs/*.yaml)",
+                       description="The checkout's configs/, or the installed wheel's copy: "
+                                   'serve run "$(rayspec configs-dir)/default.yaml" from any directory.')
+    p.set_defaults(func=cmd_configs_dir)
 
     p = sub.add_parser("plan", help="memory per deployment and per GPU of a serve config, from config files alone",
                        description="Weights, KV cache, proposer weights and cache, peak forward activations (an "
