@@ -4,7 +4,7 @@
 An instruction-tuned model, given its chat template up to the start of a user turn and
 nothing else, samples a user message like the ones it was aligned on (the "Magpie" idea).
 Those are open-ended assistant requests, the kind the templated prompts of
-`make_train_prompts.py` cover worst, and they come from the target's own idea of a user,
+`make_train_prompts.py` (rayspec/eagle/prompt_pools.py) cover worst, and they come from the target's own idea of a user,
 so no outside dataset is needed.
 
     python scripts/make_self_prompts.py --count 1500        # -> data/train/self_prompts.jsonl
@@ -13,7 +13,7 @@ Each request is sampled with its own seed (temperature 1, top-p 0.95): the file 
 reproducible with the same torch build. Kept: messages that ended on their own (not cut by
 the token cap), 4-150 words, plain text (almost all ASCII), not a repeat, at most
 `--max-per-opening` sharing their first four words, and no 8-word sequence in common with
-an evaluation prompt (`../shared/data/prompts/*.jsonl`, the same check as
+an evaluation prompt (the bundled sets in rayspec/data/prompts/, the same check as
 `make_train_prompts.py`; here an overlapping prompt is dropped, not fatal).
 """
 
@@ -30,18 +30,8 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from make_train_prompts import EVAL_DIR, shingles  # noqa: E402
-
-
-def eval_shingles() -> set[str]:
-    out: set[str] = set()
-    for f in sorted(EVAL_DIR.glob("*.jsonl")) if EVAL_DIR.is_dir() else []:
-        for line in f.read_text().splitlines():
-            for turn in json.loads(line)["turns"]:
-                out |= shingles(turn)
-    return out
+from rayspec.eagle.prompt_pools import eval_shingles, shingles  # noqa: E402
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -56,7 +46,7 @@ class Filter:
         self.seen: set[str] = set()
         self.openings: Counter = Counter()
         self.max_per_opening = max_per_opening
-        self.eval = eval_shingles()
+        self.eval = set(eval_shingles())
         self.dropped: Counter = Counter()
 
     def keep(self, text: str, finish_reason: str) -> bool:
