@@ -283,7 +283,8 @@ class OpenAIIngress:
     def _usage(results, n: int) -> dict:
         """results: per choice, the response or its last chunk; a prompt's tokens count once."""
         return sum_usage([(r.num_prompt_tokens if c % n == 0 else 0, r.num_output_tokens, r.num_draft_tokens,
-                           r.num_accepted_tokens) for c, r in enumerate(results)])
+                           r.num_accepted_tokens, r.num_cached_tokens if c % n == 0 else 0)
+                          for c, r in enumerate(results)])
 
     def _to_generate(self, body) -> list[GenerateRequest]:
         """The body's verifier requests (one per prompt), validated: limits (LIMITS), values, output
@@ -371,7 +372,8 @@ class OpenAIIngress:
             n = body.n
             return sum_usage([(f.num_prompt_tokens if f is not None and c % n == 0 else 0,
                                *((lc.num_output_tokens, lc.num_draft_tokens, lc.num_accepted_tokens)
-                                 if (lc := last[c]) is not None else (0, 0, 0)))
+                                 if (lc := last[c]) is not None else (0, 0, 0)),
+                               f.num_cached_tokens if f is not None and c % n == 0 else 0)
                               for c, f in enumerate(firsts)])
 
         def event(choice: dict | None, usage_block=None) -> str:

@@ -616,13 +616,15 @@ def finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "length" else "stop"
 
 
-def sum_usage(parts: list[tuple[int, int, int, int]]) -> dict:
-    """Usage over choices: parts of (prompt counted once per prompt, output, drafts, accepted)."""
+def sum_usage(parts: list[tuple[int, ...]]) -> dict:
+    """Usage over choices: parts of (prompt counted once per prompt, output, drafts, accepted[, prompt
+    tokens found in the prefix cache, counted once per prompt])."""
     return usage(*(sum(col) for col in zip(*parts)))
 
 
-def usage(num_prompt: int, num_output: int, num_draft: int, num_accepted: int) -> dict:
+def usage(num_prompt: int, num_output: int, num_draft: int, num_accepted: int, num_cached: int = 0) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": num_cached},
             "completion_tokens_details": {"accepted_prediction_tokens": num_accepted,
                                           "rejected_prediction_tokens": num_draft - num_accepted}}
 

@@ -339,10 +339,11 @@ def format_app(app: AppPlan, gpu_memory: int | None) -> str:
                 share = f" (its {tenant.share:g} of {fmt_bytes(gpu_memory)})" if tenant.share < 1 else ""
                 out.append(f"{indent}per {'GPU' if d.follower is not None else 'replica'}: "
                            f"{_verdict(q.peak, budget)}{share}")
-        if p.kv is not None and p.kv.num_slots < cfg.engine.max_num_seqs:
-            per_slot = p.kv.bytes_per_slot * p.tp_size
-            out.append(f"  note: kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB holds {p.kv.num_slots} slots "
-                       f"of {fmt_bytes(per_slot)}, fewer than max_num_seqs {cfg.engine.max_num_seqs}")
+        if p.kv is not None and p.kv.sequences_of(p.kv.capacity) < cfg.engine.max_num_seqs:
+            out.append(f"  note: kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB holds "
+                       f"{p.kv.sequences_of(p.kv.capacity)} sequences of max_model_len at once, fewer than "
+                       f"max_num_seqs {cfg.engine.max_num_seqs} (shorter ones share its {p.kv.num_blocks:,} blocks; "
+                       f"the youngest is preempted when they run out)")
     if gpu_memory is not None and any(d.on_gpu for d in app.deployments):
         worst = app.worst_gpu()
         need = sum(c * t.process.peak for t, c in worst)

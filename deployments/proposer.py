@@ -167,5 +167,6 @@ class Proposer:
                 "channel_rejected": self._channel.num_rejected if self._channel else 0,
                 # draft KV slots (draft models, EAGLE heads): those held by sequences of live verifiers,
                 # or of a lost one's until they are the stalest when a slot is needed
-                **({"num_slots": runner.cache.num_slots, "num_free_slots": runner.num_free_slots}
+                **({"num_slots": runner.num_slots, "num_free_slots": runner.num_free_slots,
+                    "kv_cache_usage": runner.kv_cache_usage()}
                    if (runner := getattr(self.proposer, "runner", None)) is not None else {})}

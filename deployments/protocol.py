@@ -82,6 +82,7 @@ class GenerateChunk(BaseModel):
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     logprobs: list[TokenLogprob] | None = None  # one per delta token, with logprobs requested
     # in the first chunk only: with prompt_logprobs / echo_prompt
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -97,6 +98,7 @@ class GenerateResponse(BaseModel):
     num_output_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     logprobs: list[TokenLogprob | None] | None = None  # one per token, with logprobs requested
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_text: str | None = None  # with echo_prompt

@@ -229,7 +229,8 @@ class Verifier:
                                 logprobs=out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None,
                                 finished=out.finished, finish_reason=out.finish_reason,
                                 num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                                num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens)
+                                num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens,
+                                num_cached_tokens=out.num_cached_tokens)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         if isinstance(request, dict):
@@ -247,6 +248,7 @@ class Verifier:
                                 finish_reason=last.finish_reason,
                                 num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
                                 num_draft_tokens=last.num_draft_tokens, num_accepted_tokens=last.num_accepted_tokens,
+                                num_cached_tokens=last.num_cached_tokens,
                                 time_to_first_token_s=first, latency_s=time.perf_counter() - start)
 
     # ---- introspection ----------------------------------------------------------------------

@@ -75,6 +75,11 @@ class EngineConfig:
     # tensor parallelism (vLLM's name): the target's layers split over this many ranks (processes,
     # one device each); rank 0 runs the engine, the others only forwards (rayspec.parallel)
     tensor_parallel_size: int = 1
+    # the paged KV cache: positions per block; kv_cache_memory_gb is a pool of such blocks
+    block_size: int = 16
+    # automatic prefix caching (vLLM's name): full blocks of verified tokens are kept (LRU) and shared
+    # by later requests whose prompts start with the same tokens
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -91,6 +96,8 @@ class EngineConfig:
                              f"({self.tensor_parallel_size}), not {draft_tp}")
         if draft_tp not in (None, 1) and self.speculative.method != "draft_model":
             raise ValueError("draft_tensor_parallel_size > 1 applies to method draft_model only")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1 (or None: no chunked prefill)")
 
@@ -108,3 +115,9 @@ class ProposerContext:
     # a catch-up forward (a whole prompt, the first time a sequence is drafted) goes in chunks of at
     # most this many tokens, as the target's prefill does (EngineConfig.max_num_batched_tokens)
     max_num_batched_tokens: int | None = None
+    # the target's paged KV pool (usable blocks; None: the proposer sizes its own for num_slots whole
+    # sequences) and its block size: a proposer's cache is paged alike (rayspec.runner.proposer_num_blocks)
+    num_blocks: int | None = None
+    block_size: int = 16
+    # share cached prefix blocks of verified tokens between sequences (the target's setting)
+    enable_prefix_caching: bool = False

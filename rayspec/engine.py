@@ -1,7 +1,9 @@
 """LLMEngine: continuous batching with speculative decoding.
 
 One `step()`:
-  1. admit waiting requests while KV slots are free; prefill prompts in chunks within the
+  1. reserve KV blocks for the running requests' verification (preempting the youngest when the
+     block pool runs out), admit waiting requests while their prompts' blocks are free (a cached
+     prefix shared); prefill prompts in chunks within the
      step's prompt-token budget (`max_num_batched_tokens`; prompts cut at fixed places): a long
      prompt takes several steps, interleaved with the running requests' decoding, and samples
      its first token with its last chunk;
@@ -30,7 +32,7 @@ from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_row
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
-from rayspec.model import CausalLM, KVCache
+from rayspec.model import CausalLM
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import (verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents,
                                verify_tree_sampled)
@@ -74,6 +76,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: one per prompt token (the first has logprob None)
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": what failed (the engine went on with the others)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's cached_tokens)
 
     @property
     def num_output_tokens(self) -> int:
@@ -112,13 +115,19 @@ class LLMEngine:
         spec = config.speculative
         self.max_k = spec.num_speculative_tokens
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
-        num_slots = self._num_slots(model, spec, in_process=getattr(proposer, "in_process", True))
-        self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1)
+        self.kv_plan = self._kv_plan(model, spec, in_process=getattr(proposer, "in_process", True))
+        num_slots, num_blocks = self.kv_plan.num_slots, self.kv_plan.num_blocks
         context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model,
-                                  max_num_batched_tokens=config.max_num_batched_tokens)
+                                  max_num_batched_tokens=config.max_num_batched_tokens, num_blocks=num_blocks,
+                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
+        # a cached prefix is not computed again, so it has no target features: with an EAGLE head
+        # (which drafts from them) the target's prefix caching stays off
+        self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
+                                  block_size=config.block_size,
+                                  enable_prefix_caching=config.enable_prefix_caching and self.feature_layers is None)
         self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.disable_by_batch_size = spec.disable_by_batch_size
@@ -130,18 +139,29 @@ class LLMEngine:
         self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
         self._committing = False  # _decode past the point where sequences take tokens
         self.num_steps = 0
+        self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
 
-    def _num_slots(self, model: CausalLM, spec, in_process: bool = True) -> int:
+    def _kv_plan(self, model: CausalLM, spec, in_process: bool = True):
         """in_process: the proposer (a draft model's cache) shares this process's KV budget; a
         disaggregated one (deployments.remote_proposer) keeps its cache in its own deployment."""
         from rayspec.memory import kv_cache_plan  # the one sizing function (`rayspec plan` reports it too)
 
         return kv_cache_plan(model.args, self.dtype, self.max_model_len, self.max_k, self.config.max_num_seqs,
-                             self.config.kv_cache_memory_gb, spec.method if in_process else "none").num_slots
+                             self.config.kv_cache_memory_gb, spec.method if in_process else "none",
+                             self.config.block_size)
 
     @property
     def num_slots(self) -> int:
-        return self.runner.cache.num_slots
+        """The most sequences running at once (max_num_seqs); their tokens share num_blocks blocks."""
+        return self.runner.num_slots
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of the target's KV blocks held by sequences, 0..1."""
+        return self.runner.kv_cache_usage()
 
     # ---- requests ----------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
@@ -202,6 +222,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})")
+        pool = self.runner.num_blocks * self.runner.block_size
+        if len(prompt_ids) + max_tokens + self.max_k > pool:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) + {self.max_k} draft positions "
+                f"exceed the whole KV cache ({pool} tokens, kv_cache_memory_gb {self.config.kv_cache_memory_gb:g})")
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
         if params.stop and detok is None:
@@ -276,7 +301,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         self.num_steps += 1
-        decoding = [s for s in self.running if s.prefilled]
+        decoding = self._reserve([s for s in self.running if s.prefilled])
         self._admit()
         chunks = self._prefill_chunks([s for s in self.running if not s.prefilled])
         touched: list[Sequence] = []
@@ -284,6 +309,8 @@ class LLMEngine:
             touched += self._prefill(chunks)
         if decoding:
             self._guarded(self._decode_batch, decoding, touched)
+        for seq in self.running:  # their verified full blocks may serve later prompts (prefix caching)
+            self.runner.commit(seq.request_id, seq.token_ids)
         outputs = [self._output(s) for s in touched]
         for seq in touched:
             if seq.finished:
@@ -291,11 +318,56 @@ class LLMEngine:
         return outputs
 
     def _admit(self) -> None:
+        """Running sequences take waiting ones while max_num_seqs allows and the KV blocks of the
+        prompt (its cached prefix shared) are free, with one block to spare per running sequence:
+        admitting one only to preempt it at the next verification would waste its prefill."""
+        blocks = self.runner.blocks
         while self.waiting and self.runner.num_free_slots > 0:
-            seq = self.waiting.popleft()
-            self.runner.allocate(seq.request_id)
+            seq = self.waiting[0]
+            # prompt logprobs need every prompt row computed: no cached prefix for those
+            reuse = seq.params.prompt_logprobs is None or bool(seq.output_token_ids)
+            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None)
+            need = blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
+            if need + len(self.running) > self.runner.num_free_blocks:
+                self.runner.free(seq.request_id)
+                break
+            self.runner.grow(seq.request_id, len(seq.token_ids))
+            self.waiting.popleft()
+            if seq.num_cached_tokens is None:  # (a preempted one reports its first admission's)
+                seq.num_cached_tokens = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
+
+    def _reserve(self, seqs: list[Sequence]) -> list[Sequence]:
+        """KV blocks for this step's verification of every sequence in seqs (its tokens and up to
+        max_k drafts), oldest first; when the pool runs out, the youngest running sequence is
+        preempted (see _preempt). Returns those of seqs still running."""
+        cap = self.runner.capacity
+        for seq in seqs:
+            if seq.status is not Status.RUNNING:
+                continue
+            while not self.runner.grow(seq.request_id, min(len(seq.token_ids) + self.max_k, cap)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+        return [s for s in seqs if s.status is Status.RUNNING]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV cache and put it first in line, its tokens kept: admitted
+        again, it is prefilled over prompt and output (its verified blocks likely still cached) and
+        goes on where it stopped, as a resumed request does."""
+        logger.info("KV cache full: request %s preempted (%d tokens), to be recomputed", seq.request_id,
+                    len(seq.token_ids))
+        self.running.remove(seq)
+        self.runner.commit(seq.request_id, seq.token_ids)
+        self.runner.free(seq.request_id)
+        self.proposer.release(seq.request_id)
+        seq.prefilled, seq.status = False, Status.WAITING
+        seq.features, seq.features_start = [], 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
     def _prefill_chunks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to prefill this step), in admission order, at most
@@ -571,7 +643,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None, prompt_logprobs=seq.prompt_logprobs,
-            error=seq.error)
+            error=seq.error, num_cached_tokens=seq.num_cached_tokens or 0)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

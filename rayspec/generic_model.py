@@ -83,17 +83,9 @@ def rayspec_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise RuntimeError("the rayspec attention runs only inside GenericCausalLM.forward (no cache given)")
     cache, batch = step.cache, step.batch
     layer = module.layer_idx
-    cache_k, cache_v = cache.k[layer], cache.v[layer]  # [slots, kv_heads, capacity, D]
-    rows = batch.slots[:, None]
-    where = batch.positions if batch.cache_positions is None else batch.cache_positions  # [B, Q]
-    cache_k[rows, :, where] = key.transpose(1, 2).to(cache_k.dtype)
-    cache_v[rows, :, where] = value.transpose(1, 2).to(cache_v.dtype)
-    if batch.slot_range is not None:
-        lo, hi = batch.slot_range
-        keys, values = cache_k[lo:hi, :, : batch.kv_len], cache_v[lo:hi, :, : batch.kv_len]
-    else:
-        keys = cache_k.index_select(0, batch.slots)[:, :, : batch.kv_len]
-        values = cache_v.index_select(0, batch.slots)[:, :, : batch.kv_len]
+    cache_k, cache_v = cache.k[layer], cache.v[layer]  # [rows, kv_heads, D]: the layer's block pool
+    batch.write_kv(cache_k, cache_v, key, value)
+    keys, values = batch.read_kv(cache_k, cache_v)  # [B, kv_heads, kv_len, D]
     mask = step.mask_for(sliding_window, query.dtype)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if softcap is not None or s_aux is not None:
@@ -196,12 +188,12 @@ class GenericCausalLM(nn.Module):
         scalings); a wrapper doing something else would make every token wrong. So the wrapper's own
         logits of a 2-token probe (same attention, same cache) must match ours."""
         device = self.lm_head.weight.device
-        cache = KVCache(self.args, num_slots=1, capacity=2, dtype=self.compute_dtype, device=device)
+        cache = KVCache(self.args, num_blocks=1, block_size=2, dtype=self.compute_dtype, device=device)
         ids = torch.tensor([[1, 2]], device=device) % self.args.vocab_size  # [1, 2]
         visible = torch.ones(2, 2, dtype=torch.bool, device=device).tril()
         mask = torch.zeros(1, 1, 2, 2, dtype=self.compute_dtype, device=device).masked_fill_(~visible, float("-inf"))
-        batch = ForwardBatch(slots=torch.zeros(1, dtype=torch.long, device=device),
-                             positions=torch.arange(2, device=device)[None], kv_len=2, mask=mask, slot_range=(0, 1))
+        rows = torch.arange(2, device=device)[None]  # [1, 2]: block 0's rows
+        batch = ForwardBatch(write_index=rows, read_index=rows, positions=rows, kv_len=2, mask=mask)
         ours = self.logits(self(ids, cache, batch))  # [1, 2, vocab]
         theirs = hf_model(input_ids=ids, position_ids=batch.positions, use_cache=False,
                           **{_STEP_KWARG: _Step(cache, batch)}).logits.float()

@@ -10,7 +10,8 @@ same way and, where its load picks the oneDNN path, adds prepacked copies of the
   1. the target, allocated at its dtype and streamed in from the checkpoint (`loader.empty_model`,
      `loader.load_checkpoint`): the device holds the weights alone, the host one READ_CHUNK_BYTES
      staging buffer besides;
-  2. the target's KV cache: `num_slots` rows of max_model_len + max_k + 1 positions;
+  2. the target's KV cache: a pool of blocks (`kv_cache_plan`), at most what max_num_seqs sequences
+     of max_model_len + max_k + 1 positions fill;
   3. the proposer: a draft LM (loaded like the target) or an EAGLE head (its own weights; it
      shares the target's embedding unless its checkpoint has one) with a KV cache of its own;
   4. per step, the activations of one forward over at most a chunk of tokens.
@@ -37,6 +38,7 @@ from rayspec.eagle.head import EagleConfig
 from rayspec.loader import READ_CHUNK_BYTES
 from rayspec.model import KVCache, ModelArgs
 from rayspec.parallel import TPGroup, splits_vocab
+from rayspec.runner import DEFAULT_BLOCK_SIZE, default_num_blocks, proposer_num_blocks
 
 GB, GiB = 10**9, 2**30
 FLOAT32 = 4  # bytes: rotary frequencies, attention scores, sampled logits
@@ -54,50 +56,61 @@ def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) ->
 
 @dataclass(frozen=True)
 class KVPlan:
-    """A KV cache of `num_slots` rows (one per running sequence) of `capacity` positions."""
+    """A paged KV cache: `num_blocks` blocks of `block_size` positions (one scratch block besides,
+    rayspec.runner), shared by at most `num_slots` running sequences of at most `capacity` positions."""
 
     num_slots: int
-    capacity: int  # positions per slot: max_model_len + the slack drafts write past it
+    capacity: int  # positions one sequence may write: max_model_len + the slack drafts write past it
     bytes_per_token: int  # K and V of every layer at one position
+    num_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def tokens(self) -> int:
-        return self.num_slots * self.capacity
+        return self.num_blocks * self.block_size
 
     @property
-    def bytes_per_slot(self) -> int:
-        return self.bytes_per_token * self.capacity
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
 
     @property
     def bytes(self) -> int:
-        return self.num_slots * self.bytes_per_slot
+        return (self.num_blocks + 1) * self.bytes_per_block  # + the scratch block
+
+    def sequences_of(self, num_tokens: int) -> int:
+        """How many sequences of num_tokens positions each (count the slack drafts write past them in)
+        the pool holds at once, at most num_slots."""
+        per_seq = -(-num_tokens // self.block_size)
+        return min(self.num_slots, self.num_blocks // max(1, per_seq))
 
     def rank_share(self, tp_size: int) -> "KVPlan":
-        """What one of tp_size ranks holds of this cache: the same slots and positions, 1/tp_size of
+        """What one of tp_size ranks holds of this cache: the same blocks and positions, 1/tp_size of
         the KV heads (every rank's share is equal: the heads divide evenly, or the model refuses)."""
         return dataclasses.replace(self, bytes_per_token=self.bytes_per_token // tp_size)
 
 
 def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k: int, max_num_seqs: int,
-                  kv_cache_memory_gb: float, method: str) -> KVPlan:
-    """The target's KV cache as LLMEngine sizes it: as many slots as `kv_cache_memory_gb` (GiB)
-    holds, at most max_num_seqs. A slot holds max_model_len + max_k + 1 positions (a verification
-    writes the pending token and k drafts past the committed ones). `max_model_len` is the
-    engine's: min(EngineConfig.max_model_len, args.max_position_embeddings).
+                  kv_cache_memory_gb: float, method: str, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPlan:
+    """The target's KV cache as LLMEngine sizes it: as many blocks as `kv_cache_memory_gb` (GiB)
+    holds (the scratch block included), at most what max_num_seqs sequences of max_model_len +
+    max_k + 1 positions (a verification writes the pending token and k drafts past the committed
+    ones) can fill. `max_model_len` is the engine's: min(EngineConfig.max_model_len,
+    args.max_position_embeddings).
 
     With method draft_model the budget also pays for the draft's own cache, counted as large as
-    the target's (a draft is usually smaller, so this undercounts the slots the budget could
+    the target's (a draft is usually smaller, so this undercounts the blocks the budget could
     hold; `proposer_cache_plan` gives the draft cache's real size)."""
     capacity = max_model_len + max_k + 1
     per_token = KVCache.bytes_per_token(args, dtype)
     budget_per_token = 2 * per_token if method == "draft_model" else per_token
-    per_slot = budget_per_token * capacity
-    num_slots = min(max_num_seqs, int(kv_cache_memory_gb * GiB // per_slot))
-    if num_slots < 1:
+    per_block = budget_per_token * block_size
+    num_blocks = min(default_num_blocks(max_num_seqs, capacity, block_size),
+                     int(kv_cache_memory_gb * GiB // per_block) - 1)
+    if num_blocks * block_size < max_k + 2:
         raise ValueError(
-            f"kv_cache_memory_gb={kv_cache_memory_gb} cannot hold one sequence of "
-            f"max_model_len={max_model_len} ({per_slot / 2**20:.0f} MiB); raise it or lower max_model_len")
-    return KVPlan(num_slots, capacity, per_token)
+            f"kv_cache_memory_gb={kv_cache_memory_gb} cannot hold one token and its drafts "
+            f"({max_k + 2} positions of {budget_per_token:,} B, in blocks of {block_size}); raise it")
+    return KVPlan(max_num_seqs, capacity, per_token, num_blocks, block_size)
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -284,12 +297,17 @@ def proposer_slack(spec: SpeculativeConfig, draft: DraftShape) -> int:
 
 
 def proposer_cache_plan(spec: SpeculativeConfig, draft: DraftShape, dtype: torch.dtype, max_model_len: int,
-                        num_slots: int) -> KVPlan | None:
-    """The proposer's own KV cache (a draft LM's layers, an EAGLE head's), None for proposers without."""
+                        num_slots: int, target_blocks: int | None = None,
+                        block_size: int = DEFAULT_BLOCK_SIZE) -> KVPlan | None:
+    """The proposer's own KV cache (a draft LM's layers, an EAGLE head's), None for proposers without:
+    the target's pool (target_blocks; None: a proposer deployment's, sized for num_slots whole
+    sequences) plus its slack per sequence (rayspec.runner.proposer_num_blocks)."""
     args = draft.args
     if args is None:
         return None
-    return KVPlan(num_slots, max_model_len + proposer_slack(spec, draft), KVCache.bytes_per_token(args, dtype))
+    slack = proposer_slack(spec, draft)
+    return KVPlan(num_slots, max_model_len + slack, KVCache.bytes_per_token(args, dtype),
+                  proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size), block_size)
 
 
 # ---- activations --------------------------------------------------------------------------
@@ -433,7 +451,8 @@ def fmt_gb(n: float) -> str:
 
 
 def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape, dtype: torch.dtype,
-                  max_model_len: int, num_slots: int) -> tuple[Weights, int]:
+                  max_model_len: int, num_slots: int, target_blocks: int | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[Weights, int]:
     """Add the proposer's weights and cache to `plan`; returns its weights and what loading it
     holds beyond them for a while."""
     weights = draft.weights(dtype)
@@ -452,11 +471,11 @@ def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape,
         transient = 0 if draft.head_has_embedding else a.vocab_size * a.hidden_size * dtype.itemsize
     else:
         return NO_WEIGHTS, 0
-    cache = proposer_cache_plan(spec, draft, dtype, max_model_len, num_slots)
+    cache = proposer_cache_plan(spec, draft, dtype, max_model_len, num_slots, target_blocks, block_size)
     plan.draft_kv = cache
     plan.items.append(PlanItem(f"{'draft' if draft.model is not None else draft.head.kind + ' head'} KV cache",
-                               cache.bytes, f"{cache.num_slots} slots x {cache.capacity:,} positions x "
-                                            f"{cache.bytes_per_token:,} B"))
+                               cache.bytes, f"{cache.num_blocks:,} blocks (+1 scratch) x {cache.block_size} "
+                                            f"positions x {cache.bytes_per_token:,} B"))
     return weights, transient
 
 
@@ -484,8 +503,9 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = min(config.max_model_len, target.max_position_embeddings)
     total_kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
-                             config.kv_cache_memory_gb,  # the slots: every rank has them all
-                             spec.method if proposer_in_process else "none")  # a remote draft: its own budget
+                             config.kv_cache_memory_gb,  # the blocks: every rank has them all
+                             spec.method if proposer_in_process else "none",  # a remote draft: its own budget
+                             config.block_size)
     kv = total_kv.rank_share(tp_size)
     plan = ProcessPlan("engine", device, dtype, kv=kv, rank=rank, tp_size=tp_size)
     weights = shape.weights(dtype, tp_size)
@@ -499,8 +519,10 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
                                + (", generic path" if shape.generic is not None else "")))
     share = f" (1/{tp_size} of {fmt_gb(total_kv.bytes)}: its KV heads)" if tp_size > 1 else ""
     plan.items.append(PlanItem("target KV cache", kv.bytes,
-                               f"{kv.num_slots} slots x {kv.capacity:,} positions (max_model_len {max_model_len:,} "
-                               f"+ {kv.capacity - max_model_len} slack) x {kv.bytes_per_token:,} B{share}"))
+                               f"{kv.num_blocks:,} blocks (+1 scratch) x {kv.block_size} positions x "
+                               f"{kv.bytes_per_token:,} B{share}; {kv.sequences_of(kv.capacity)} sequences of "
+                               f"max_model_len {max_model_len:,} + {kv.capacity - max_model_len} slack at once, "
+                               f"more when shorter"))
     in_process = proposer_in_process and rank == 0
     draft_weights, io, transient = NO_WEIGHTS, NO_WEIGHTS, 0
     draft_dtype = resolve_dtype(spec.draft_dtype or dtype, device)
@@ -510,7 +532,8 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
         plan.items.append(PlanItem("target embedding + LM head", io.bytes,
                                    f"{io.num_params:,} params, {_dtype_name(dtype)}, whole, for the head"))
     if in_process:
-        draft_weights, transient = _add_proposer(plan, spec, draft, draft_dtype, max_model_len, kv.num_slots)
+        draft_weights, transient = _add_proposer(plan, spec, draft, draft_dtype, max_model_len, kv.num_slots,
+                                                 kv.num_blocks, kv.block_size)
     _cpu_copies(plan, weights, io, draft_weights)
 
     tokens = forward_tokens(config, max_model_len, kv.num_slots)
@@ -568,7 +591,8 @@ def proposer_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: 
         io = target_io_weights(target, dtype)
         plan.items.append(PlanItem("target embedding + LM head", io.bytes,
                                    f"{io.num_params:,} params, {_dtype_name(dtype)} (no decoder layers)"))
-    weights, transient = _add_proposer(plan, spec, draft, draft_dtype, config.max_model_len, num_slots)
+    weights, transient = _add_proposer(plan, spec, draft, draft_dtype, config.max_model_len, num_slots,
+                                       block_size=config.block_size)
     _cpu_copies(plan, io, weights)
     if plan.draft_kv is not None:
         tokens = config.max_num_batched_tokens or config.max_model_len * num_slots

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayspec import cpu_kernels
-from rayspec.parallel import (NO_TP, OP_COPY_SLOT, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE, TPGroup,
+from rayspec.parallel import (NO_TP, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE, TPGroup,
                               VocabParallelEmbedding, column_parallel, row_parallel, send_forward)
 
 logger = logging.getLogger(__name__)
@@ -133,19 +133,21 @@ class ModelArgs:
 
 
 class KVCache:
-    """Per-layer key/value storage, one row ("slot") per running sequence.
+    """Per-layer key/value storage in fixed-size blocks (the paged cache; rayspec.block_manager says
+    which blocks a sequence holds).
 
-    k, v: [num_layers, num_slots, num_kv_heads, capacity, head_dim]
-    With tensor parallelism each rank holds its own KV heads (num_kv_heads / size); rank 0's cache
-    (`tp` set) tells the other ranks to do each of its copies on theirs.
+    k, v: [num_layers, num_blocks * block_size, num_kv_heads, head_dim]: block b is rows
+    b * block_size .. (b + 1) * block_size - 1; a forward reads and writes rows by index
+    (ForwardBatch.write_index / read_index). With tensor parallelism each rank holds its own KV heads
+    (num_kv_heads / size); rank 0's cache (`tp` set) tells the other ranks to do each of its copies.
     """
 
-    def __init__(self, args: ModelArgs, num_slots: int, capacity: int, dtype, device, tp: TPGroup = NO_TP):
-        shape = (args.num_layers, num_slots, args.num_kv_heads // tp.size, capacity, args.head_dim)
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype, device, tp: TPGroup = NO_TP):
+        shape = (args.num_layers, num_blocks * block_size, args.num_kv_heads // tp.size, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
-        self.capacity = capacity
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.tp = tp
         self.cache_id = 0  # with tp: which of the followers' caches mirrors this one (CausalLM.new_cache)
 
@@ -154,32 +156,28 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize
 
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cache rows src -> dst ([n] long each, rows of the whole pool), every layer."""
         if self.tp.is_driver:
-            self.tp.send(OP_COPY_SLOT, [src, dst, length, self.cache_id])
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-    def move_rows(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy cache rows src -> dst (positions, [n] long each) of one slot, every layer."""
-        if self.tp.is_driver:
-            self.tp.send(OP_MOVE_ROWS, [slot, src.shape[0], self.cache_id], [src, dst])
+            self.tp.send(OP_MOVE_ROWS, [src.shape[0], self.cache_id], [src, dst])
         for cache in (self.k, self.v):
-            rows = cache[:, slot]  # [layers, kv_heads, capacity, head_dim] view: one copy for all layers
-            rows[:, :, dst] = rows[:, :, src]
+            cache[:, dst] = cache[:, src]  # one copy for all layers
 
 
 @dataclass
 class ForwardBatch:
     """Where a forward reads and writes the cache.
 
-    slots:     [B] long, cache row of each sequence
+    write_index: [B, Q] long, the cache row (of the whole block pool, KVCache) each query token's
+               key/value is written to (padding tokens: a scratch block's rows)
+    read_index: [B, kv_len] long, the cache row holding each row's key at positions 0..kv_len-1
+               (its block table spelled out; positions past a row's blocks: scratch rows, masked)
     positions: [B, Q] long, absolute position of each query token (padding continues past the end)
     kv_len:    keys 0..kv_len-1 are attended (max over rows of start + Q)
     mask:      [B, 1, Q, kv_len] additive float or None (None: one query per row that sees everything)
-    slot_range: (first, last+1) when `slots` is contiguous and ascending, so reads are views
-    cache_positions: [B, Q] long, where each token's key/value is written; None: `positions`
-               (tree queries differ: siblings share a rope position but need their own cache rows)
+    cache_positions: [B, Q] long, the position in its sequence each token's key/value is written at;
+               None: `positions` (tree queries differ: siblings share a rope position but need their
+               own cache rows)
     real_rows: [N] long, the flat indices (row * Q + column) of the real tokens when rows are
                padded; None: every one of the B x Q tokens is real. Projections and MLPs run on
                the N real tokens only (a padded row costs as much as a real one on CPU); only
@@ -192,16 +190,26 @@ class ForwardBatch:
                window is exactly those keys) or where the model has no sliding-window layers
     """
 
-    slots: torch.Tensor
+    write_index: torch.Tensor
+    read_index: torch.Tensor
     positions: torch.Tensor
     kv_len: int
     mask: torch.Tensor | None
-    slot_range: tuple[int, int] | None
     cache_positions: torch.Tensor | None = None
     real_rows: torch.Tensor | None = None
     packed_output: bool = False
     sliding_start: int = 0
     sliding_mask: torch.Tensor | None = None
+
+    def write_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, kv_heads, Q, head_dim] into one layer's cache [rows, kv_heads, head_dim]: one
+        index_put each."""
+        cache_k[self.write_index] = k.transpose(1, 2).to(cache_k.dtype)
+        cache_v[self.write_index] = v.transpose(1, 2).to(cache_v.dtype)
+
+    def read_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values through the block tables: [B, kv_heads, kv_len, head_dim] each."""
+        return cache_k[self.read_index].transpose(1, 2), cache_v[self.read_index].transpose(1, 2)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -396,7 +404,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
         # x: [N, H] real tokens (batch.pack); cos/sin: [B, 1, Q, head_dim];
-        # cache_k/v: [slots, kv_heads, capacity, head_dim] -> [N, H]
+        # cache_k/v: [rows, kv_heads, head_dim] (one layer's block pool) -> [N, H]
         B, Q = batch.shape
         fused = self.qkv(x) if self.qkv is not None else None
         q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
@@ -409,17 +417,8 @@ class Attention(nn.Module):
         v = v.reshape(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        # Write this step's keys/values at their positions: [B, Q, kv_heads, head_dim] targets.
-        rows = batch.slots[:, None]
-        where = batch.positions if batch.cache_positions is None else batch.cache_positions
-        cache_k[rows, :, where] = k.transpose(1, 2)
-        cache_v[rows, :, where] = v.transpose(1, 2)
-        if batch.slot_range is not None:
-            lo, hi = batch.slot_range
-            keys, values = cache_k[lo:hi, :, : batch.kv_len], cache_v[lo:hi, :, : batch.kv_len]
-        else:
-            keys = cache_k.index_select(0, batch.slots)[:, :, : batch.kv_len]
-            values = cache_v.index_select(0, batch.slots)[:, :, : batch.kv_len]
+        batch.write_kv(cache_k, cache_v, k, v)  # this step's keys/values, then every key through the block tables
+        keys, values = batch.read_kv(cache_k, cache_v)
         mask = batch.mask
         if self.sliding_window is not None:  # only the keys inside some query's window, and its own mask
             if batch.sliding_mask is None and batch.mask is not None:
@@ -644,13 +643,13 @@ class CausalLM(Float32Rotary):
     def compute_dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+    def new_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A KV cache for this model (with tp: this rank's heads; rank 0 has the others make theirs)."""
-        cache = KVCache(self.args, num_slots, capacity, self.compute_dtype, self.model.norm.weight.device, self.tp)
+        cache = KVCache(self.args, num_blocks, block_size, self.compute_dtype, self.model.norm.weight.device, self.tp)
         if self.tp.size > 1:
             cache.cache_id, self.tp.num_caches = self.tp.num_caches, self.tp.num_caches + 1
             if self.tp.is_driver:
-                self.tp.send(OP_NEW_CACHE, [num_slots, capacity, self.model_id])
+                self.tp.send(OP_NEW_CACHE, [num_blocks, block_size, self.model_id])
         return cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 HEADER_LEN = 16
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # see TPGroup.init
-OP_STOP, OP_FORWARD, OP_LOGITS, OP_NEW_CACHE, OP_COPY_SLOT, OP_MOVE_ROWS = range(6)
+OP_STOP, OP_FORWARD, OP_LOGITS, OP_NEW_CACHE, OP_MOVE_ROWS = range(5)
 
 
 class RankFailure(RuntimeError):
@@ -230,11 +230,10 @@ def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int, mod
     """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`) of their
     model `model_id` over their KV cache `cache_id`."""
     B, Q = input_ids.shape
-    lo, hi = batch.slot_range if batch.slot_range is not None else (-1, -1)
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]
     ints = [B, Q, batch.kv_len, int(batch.mask is not None), int(batch.cache_positions is not None), n_real,
-            int(batch.packed_output), lo, hi, cache_id, model_id, batch.sliding_start,
+            int(batch.packed_output), cache_id, model_id, batch.sliding_start,
             -1 if batch.sliding_mask is None else batch.sliding_mask.shape[-1]]
-    tensors = [input_ids, batch.slots, batch.positions]
+    tensors = [input_ids, batch.write_index, batch.read_index, batch.positions]
     tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows, batch.sliding_mask) if m is not None]
     tp.send(OP_FORWARD, ints, tensors)

@@ -1,8 +1,9 @@
-"""ModelRunner: token lists in, logits out, over a slot KV cache with a fixed memory budget.
+"""ModelRunner: token lists in, logits out, over a paged KV cache with a fixed memory budget.
 
-Both the verifier (target) and the draft-model proposer use it, each with its own cache.
-Slots stay packed (0..n-1): when a sequence leaves, the last slot moves into the hole, so a
-forward over every running sequence reads the cache through views, not copies.
+Both the verifier (target) and the proposers (a draft model, an EAGLE head) use it, each with its
+own cache: a pool of fixed-size blocks (rayspec.block_manager keeps the books, the runner only reads
+block tables into the index tensors of a forward). Block 0 is a scratch block: padding tokens write
+there, and positions past a row's blocks read from it (masked).
 """
 
 from __future__ import annotations
@@ -12,64 +13,139 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rayspec.block_manager import BlockManager
 from rayspec.model import CausalLM, ForwardBatch, KVCache
+
+SCRATCH_BLOCK = 0
+DEFAULT_BLOCK_SIZE = 16
 
 
 class CacheFullError(RuntimeError):
     pass
 
 
+def default_num_blocks(num_slots: int, capacity: int, block_size: int) -> int:
+    """The blocks that hold num_slots sequences of `capacity` positions each (the slot cache's size)."""
+    return num_slots * -(-capacity // block_size)
+
+
+def proposer_num_blocks(target_blocks: int | None, num_slots: int, capacity: int, slack: int,
+                        block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """A proposer's pool beside a target pool of target_blocks: as many blocks plus a sequence's
+    slack (drafts, tree nodes) per slot, at most num_slots whole sequences of `capacity`. None (a
+    proposer deployment serving any verifier): num_slots whole sequences."""
+    whole = default_num_blocks(num_slots, capacity, block_size)
+    return whole if target_blocks is None else min(whole, target_blocks + num_slots * -(-slack // block_size))
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, slack: int):
-        """slack: extra positions past max_model_len, written by speculative/padded queries."""
+    def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, slack: int,
+                 num_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 enable_prefix_caching: bool = False):
+        """num_slots: the most sequences held at once; slack: extra positions past max_model_len,
+        written by speculative/padded queries; num_blocks: the pool's blocks (None: enough for
+        num_slots sequences of max_model_len + slack), one scratch block besides."""
         self.model = model
         param = next(model.parameters())
         # the KV cache and inputs follow the layers' dtype (a head's embedding is the target's)
         self.device, self.dtype = param.device, getattr(model, "compute_dtype", param.dtype)
         self.max_model_len = max_model_len
+        self.capacity = max_model_len + slack  # positions one sequence may write
+        self.num_slots = num_slots
+        self.block_size = block_size
+        if num_blocks is None:
+            num_blocks = default_num_blocks(num_slots, self.capacity, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, first_block=SCRATCH_BLOCK + 1)
         new_cache = getattr(model, "new_cache", None)  # a CausalLM's (tensor-parallel aware)
-        self.cache = (new_cache(num_slots, max_model_len + slack) if new_cache is not None
-                      else KVCache(model.args, num_slots, max_model_len + slack, self.dtype, self.device))
-        self._slot_of: dict[str, int] = {}
-        self._seq_in_slot: list[str] = []
+        self.cache = (new_cache(num_blocks + 1, block_size) if new_cache is not None
+                      else KVCache(model.args, num_blocks + 1, block_size, self.dtype, self.device))
         self._cached_len: dict[str, int] = {}  # tokens whose KV is valid, per sequence
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
 
-    # ---- slots -------------------------------------------------------------------------
+    # ---- sequences and blocks --------------------------------------------------------------------
     @property
     def num_free_slots(self) -> int:
-        return self.cache.num_slots - len(self._seq_in_slot)
+        """Sequences that may still join (max_num_seqs); whether their tokens fit is num_free_blocks'."""
+        return self.num_slots - len(self._cached_len)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.blocks.enable_prefix_caching
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of the pool's blocks held by sequences (cached blocks nobody holds are free)."""
+        return self.blocks.num_used_blocks / self.blocks.num_blocks
 
     def has(self, seq_id: str) -> bool:
-        return seq_id in self._slot_of
+        return seq_id in self._cached_len
 
-    def allocate(self, seq_id: str) -> None:
-        if seq_id in self._slot_of:
-            return
+    def allocate(self, seq_id: str, token_ids: list[int] | None = None) -> int:
+        """Take a place for seq_id; with prefix caching and its token_ids, its cached prefix (full
+        blocks, at least one token left to compute) is found and counts as computed. Returns the
+        cached length it starts with."""
+        if seq_id in self._cached_len:
+            return self._cached_len[seq_id]
         if self.num_free_slots == 0:
             raise CacheFullError("no free KV cache slot")
-        self._slot_of[seq_id] = len(self._seq_in_slot)
-        self._seq_in_slot.append(seq_id)
-        self._cached_len[seq_id] = 0
+        self._cached_len[seq_id] = self.blocks.allocate(seq_id, token_ids)
+        return self._cached_len[seq_id]
 
     def free(self, seq_id: str) -> None:
-        slot = self._slot_of.pop(seq_id, None)
-        if slot is None:
-            return
-        self._cached_len.pop(seq_id)
-        last_id = self._seq_in_slot.pop()
-        if last_id != seq_id:  # move the last sequence into the hole to keep slots packed
-            self.cache.copy_slot(self._slot_of[last_id], slot, self._cached_len[last_id])
-            self._slot_of[last_id] = slot
-            self._seq_in_slot[slot] = last_id
+        if self._cached_len.pop(seq_id, None) is not None:
+            self.blocks.free(seq_id)
+
+    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
+        return self.blocks.can_grow(seq_id, num_tokens)
+
+    def grow(self, seq_id: str, num_tokens: int) -> bool:
+        """Blocks for positions up to num_tokens of seq_id; False (none taken) when the pool lacks them."""
+        if num_tokens > self.capacity:
+            raise CacheFullError(f"sequence {seq_id} exceeds the cache capacity")
+        return self.blocks.grow(seq_id, num_tokens)
 
     def cached_len(self, seq_id: str) -> int:
         return self._cached_len[seq_id]
 
     def set_cached_len(self, seq_id: str, n: int) -> None:
-        """Keep the first n cached tokens; later positions are garbage, overwritten next time."""
+        """Keep the first n cached tokens; later positions are garbage, overwritten next time (whole
+        blocks past them go back to the pool)."""
+        if n > len(self.blocks.tables[seq_id]) * self.block_size:
+            raise ValueError(f"sequence {seq_id} has no KV cached up to {n}")
         self._cached_len[seq_id] = n
+        self._copy_blocks(self.blocks.shrink(seq_id, n))
+
+    def commit(self, seq_id: str, token_ids: list[int]) -> None:
+        """token_ids are seq_id's verified tokens: its full blocks among the cached ones may be shared
+        (prefix caching; never a block holding draft or tree rows past them)."""
+        if self.blocks.enable_prefix_caching and seq_id in self._cached_len:
+            self.blocks.commit(seq_id, token_ids, self._cached_len[seq_id])
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            bs = self.block_size
+            src = torch.tensor([b * bs + r for b, _ in copies for r in range(bs)], device=self.device)
+            dst = torch.tensor([b * bs + r for _, b in copies for r in range(bs)], device=self.device)
+            self.cache.move_rows(src, dst)
+
+    def _rows(self, seq_ids: list[str], kv_len: int) -> torch.Tensor:
+        """[B, kv_len] long: the cache row of each row's positions 0..kv_len-1 (past its blocks: scratch)."""
+        bs = self.block_size
+        nb = -(-kv_len // bs)
+        table = np.full((len(seq_ids), nb), SCRATCH_BLOCK, dtype=np.int64)
+        for b, s in enumerate(seq_ids):
+            blocks = self.blocks.tables[s][:nb]
+            table[b, : len(blocks)] = blocks
+        rows = (table[:, :, None] * bs + np.arange(bs)).reshape(len(seq_ids), nb * bs)[:, :kv_len]
+        return torch.from_numpy(rows).to(self.device)
 
     # ---- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -82,7 +158,7 @@ class ModelRunner:
         groups, rest = [], list(range(len(seq_ids)))
         while rest:
             q = max(lengths[i] for i in rest)
-            fits = [i for i in rest if self._cached_len[seq_ids[i]] + q <= self.cache.capacity]
+            fits = [i for i in rest if self._cached_len[seq_ids[i]] + q <= self.capacity]
             fits = fits or [max(rest, key=lambda i: lengths[i])]
             groups.append(fits)
             rest = [i for i in rest if i not in fits]
@@ -120,13 +196,14 @@ class ModelRunner:
         starts = [self._cached_len[s] for s in seq_ids]
         dev = self.device
         if trees is None:
-            ends = [start + Q for start in starts]  # padding included: it is written too
+            ends = [start + Q for start in starts]  # padding included: it is written too (past a row's blocks: scratch)
+            real_ends = [start + n for start, n in zip(starts, lengths)]
         else:
             ends = [start + max(len(t.parents), t.first + Q) for start, t in zip(starts, trees)]
-        for s, end in zip(seq_ids, ends):
-            if end > self.cache.capacity:
-                raise CacheFullError(f"sequence {s} exceeds the cache capacity")
-        slots_list = [self._slot_of[s] for s in seq_ids]
+            real_ends = [start + max(len(t.parents), t.first + n) for start, t, n in zip(starts, trees, lengths)]
+        for s, end in zip(seq_ids, real_ends):
+            if not self.grow(s, end):
+                raise CacheFullError(f"no free KV block for sequence {s}")
         padded = [t + [0] * (Q - len(t)) for t in token_lists]
         input_ids = torch.tensor(padded, dtype=torch.long, device=dev)
         start_t = torch.tensor(starts, dtype=torch.long, device=dev)
@@ -152,14 +229,14 @@ class ModelRunner:
         real_rows = None
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             real_rows = torch.from_numpy(np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)]))
-        lo = slots_list[0]
-        contiguous = slots_list == list(range(lo, lo + B))
+        read_index = self._rows(seq_ids, kv_len)  # [B, kv_len]
+        write_index = read_index.gather(1, positions if cache_positions is None else cache_positions)  # [B, Q]
         batch = ForwardBatch(
-            slots=torch.tensor(slots_list, dtype=torch.long, device=dev),
+            write_index=write_index,
+            read_index=read_index,
             positions=positions,
             kv_len=kv_len,
             mask=mask,
-            slot_range=(lo, lo + B) if contiguous else None,
             cache_positions=cache_positions,
             real_rows=None if real_rows is None else real_rows.to(dev),
             packed_output=packed,
@@ -176,12 +253,12 @@ class ModelRunner:
         """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path
         order) to follow the prefix contiguously, and extend the cached length over them."""
         start = self._cached_len[seq_id]
-        slot = self._slot_of[seq_id]
         if tree_rows != list(range(len(tree_rows))):
-            src = torch.tensor(tree_rows, dtype=torch.long, device=self.device) + start
-            dst = torch.arange(start, start + len(tree_rows), device=self.device)
-            self.cache.move_rows(slot, src, dst)
-        self._cached_len[seq_id] = start + len(tree_rows)
+            table, bs = self.blocks.tables[seq_id], self.block_size
+            src = [table[p // bs] * bs + p % bs for p in (start + r for r in tree_rows)]
+            dst = [table[p // bs] * bs + p % bs for p in range(start, start + len(tree_rows))]
+            self.cache.move_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+        self.set_cached_len(seq_id, start + len(tree_rows))
 
 
 @dataclass

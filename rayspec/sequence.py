@@ -85,6 +85,8 @@ class Sequence:
     # target's KV cache and the first token is sampled; until then each step prefills a chunk
     prefilled: bool = False
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
+    num_preemptions: int = 0  # times its KV cache was freed to make room (recomputed when admitted again)
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):

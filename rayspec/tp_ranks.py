@@ -13,24 +13,24 @@ import torch.distributed as dist
 
 from rayspec import loader
 from rayspec.model import ForwardBatch
-from rayspec.parallel import (IDLE_TIMEOUT_S, OP_COPY_SLOT, OP_FORWARD, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE,
+from rayspec.parallel import (IDLE_TIMEOUT_S, OP_FORWARD, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE,
                               OP_STOP, RankFailure, TPGroup)
 
 
 def receive_forward(tp: TPGroup, header: list[int], dtype: torch.dtype):
     """A follower: the inputs of the forward rank 0 announced -> (input_ids, ForwardBatch)."""
-    _, B, Q, kv_len, has_mask, has_cache_pos, n_real, packed, lo, hi = header[:10]
+    _, B, Q, kv_len, has_mask, has_cache_pos, n_real, packed = header[:8]
     long = torch.long
-    input_ids, slots, positions = tp.receive((B, Q), long), tp.receive((B,), long), tp.receive((B, Q), long)
+    input_ids, write_index = tp.receive((B, Q), long), tp.receive((B, Q), long)
+    read_index, positions = tp.receive((B, kv_len), long), tp.receive((B, Q), long)
     mask = tp.receive((B, 1, Q, kv_len), dtype) if has_mask else None
     cache_positions = tp.receive((B, Q), long) if has_cache_pos else None
     real_rows = tp.receive((n_real,), long) if n_real >= 0 else None
-    sliding_start, sliding_keys = header[12:14]
+    sliding_start, sliding_keys = header[10:12]
     sliding_mask = tp.receive((B, 1, Q, sliding_keys), dtype) if sliding_keys >= 0 else None
-    batch = ForwardBatch(slots=slots, positions=positions, kv_len=kv_len, mask=mask,
-                         slot_range=(lo, hi) if lo >= 0 else None, cache_positions=cache_positions,
-                         real_rows=real_rows, packed_output=bool(packed), sliding_start=sliding_start,
-                         sliding_mask=sliding_mask)
+    batch = ForwardBatch(write_index=write_index, read_index=read_index, positions=positions, kv_len=kv_len,
+                         mask=mask, cache_positions=cache_positions, real_rows=real_rows,
+                         packed_output=bool(packed), sliding_start=sliding_start, sliding_mask=sliding_mask)
     return input_ids, batch
 
 
@@ -46,19 +46,17 @@ def serve_commands(models: list, tp: TPGroup) -> int:
             return count
         count += 1
         if op == OP_FORWARD:
-            model = models[header[11]]
+            model = models[header[9]]
             input_ids, batch = receive_forward(tp, header, model.compute_dtype)
-            model(input_ids, caches[header[10]], batch)
+            model(input_ids, caches[header[8]], batch)
         elif op == OP_LOGITS:
             model = models[header[3]]
             model.logits(tp.receive((header[1], header[2]), model.compute_dtype))
         elif op == OP_NEW_CACHE:
             caches.append(models[header[3]].new_cache(header[1], header[2]))
-        elif op == OP_COPY_SLOT:
-            caches[header[4]].copy_slot(*header[1:4])
         elif op == OP_MOVE_ROWS:
-            slot, n, cache_id = header[1:4]
-            caches[cache_id].move_rows(slot, tp.receive((n,), torch.long), tp.receive((n,), torch.long))
+            n, cache_id = header[1:3]
+            caches[cache_id].move_rows(tp.receive((n,), torch.long), tp.receive((n,), torch.long))
         else:
             raise RankFailure(f"unknown tensor-parallel command {op}")
 

@@ -87,8 +87,8 @@ def test_every_kernel_computes_the_same_model(tiny_model_dir, monkeypatch):
             cache = KVCache(model.args, 1, 16, torch.float32, torch.device("cpu"))
             ids = torch.arange(5, 5 + rows)[None]
             mask = additive_mask((torch.arange(rows)[None, :] <= torch.arange(rows)[:, None])[None, None], torch.float32)
-            batch = ForwardBatch(slots=torch.tensor([0]), positions=torch.arange(rows)[None], kv_len=rows, mask=mask,
-                                 slot_range=(0, 1))
+            where = torch.arange(rows)[None]  # block 0's rows
+            batch = ForwardBatch(write_index=where, read_index=where, positions=where, kv_len=rows, mask=mask)
             with torch.inference_mode():
                 outputs[variant, rows] = model.logits(model(ids, cache, batch))
     for (variant, rows), logits in outputs.items():

@@ -141,7 +141,7 @@ def drive(engine: LLMEngine, plan: list[Join], trace: Trace | None = None,
     assert engine.num_running == engine.num_waiting == 0
     assert engine.runner.num_free_slots == engine.num_slots, "target KV slots leaked"
     if hasattr(engine.proposer, "runner"):
-        assert engine.proposer.runner.num_free_slots == engine.proposer.runner.cache.num_slots, "head slots leaked"
+        assert engine.proposer.runner.num_free_slots == engine.proposer.runner.num_slots, "head slots leaked"
     return [done[ids[i]] for i in range(len(plan))]
 
 
@@ -272,7 +272,7 @@ def test_default_yaml_greedy_equals_target_only(smol_engine, smol_requests, targ
     spec = engine.config.speculative
     T, D = spec.tree_max_batch, spec.disable_by_batch_size
     assert spec.eagle_topk > 1 and T >= 1 and D is not None and D > T  # the switches this test crosses
-    assert engine.num_slots >= 8, "the YAML's KV budget no longer holds 8 sequences"
+    assert engine.kv_plan.sequences_of(engine.runner.capacity) >= 8, "the YAML's KV budget no longer holds 8 sequences"
     L = engine.max_model_len
     long_ids = smol_requests["LONG"][0]
     assert len(long_ids) > 1000
@@ -367,8 +367,8 @@ def tiny(tmp_path_factory):
 
 def _head_kv(runner, seq_id: str) -> list[torch.Tensor]:
     """A sequence's committed head-cache keys and values (ModelRunner internals, read only)."""
-    slot, n = runner._slot_of[seq_id], runner.cached_len(seq_id)
-    return [c[:, slot, :, :n] for c in (runner.cache.k, runner.cache.v)]
+    rows = runner._rows([seq_id], runner.cached_len(seq_id))[0]  # its block table, row by row
+    return [c[:, rows] for c in (runner.cache.k, runner.cache.v)]
 
 
 def fresh_head_oracle(engine: LLMEngine, fresh) -> list[tuple[bool, bool]]:

@@ -1057,7 +1057,7 @@ def test_long_prompt_joins_beside_a_sequence_near_its_end(target_dir, target, ra
     done: dict = {}
     head_cache = engine.proposer.runner
     # deep enough that the joiner's padded rows would run past the deep sequence's cache end
-    while not head_cache.has(first) or head_cache.cached_len(first) + len(joiner) <= head_cache.cache.capacity:
+    while not head_cache.has(first) or head_cache.cached_len(first) + len(joiner) <= head_cache.capacity:
         for out in engine.step():
             assert not out.finished
     second = engine.add_request(joiner, params[1])

@@ -91,7 +91,7 @@ def test_kv_budget_of_two_slots_serves_five_requests(tiny_model_dir, tiny, metho
     budget = _two_slot_budget_gb(tiny, MAX_LEN, k, draft=method == "draft_model")
     engine = make_engine(tiny_model_dir, method, k=k, loaded=tiny, max_model_len=MAX_LEN,
                          kv_cache_memory_gb=budget, **spec)
-    assert engine.num_slots == 2
+    assert engine.kv_plan.tokens >= 2 * engine.runner.capacity  # two of max_model_len; short ones share it
     prompts = ["The cat sat on the mat.", "a b c a b c", "Hello", "one two one two", "x"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -102,14 +102,13 @@ def test_kv_budget_of_two_slots_serves_five_requests(tiny_model_dir, tiny, metho
                 done[out.request_id] = out
         most_running = max(most_running, engine.num_running)
         assert engine.num_running + engine.num_waiting + len(done) == len(prompts)
-        assert engine.num_running <= 2
-    assert most_running == 2
+    assert most_running >= 2
     alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), prompts, params)
     assert [done[i].token_ids for i in ids] == alone
 
 
 def test_kv_budget_too_small_for_one_sequence(tiny_model_dir, tiny):
-    with pytest.raises(ValueError, match="cannot hold one sequence"):
+    with pytest.raises(ValueError, match="cannot hold"):
         make_engine(tiny_model_dir, loaded=tiny, max_model_len=MAX_LEN, kv_cache_memory_gb=1e-9)
 
 
@@ -118,7 +117,7 @@ def test_kv_budget_too_small_for_one_sequence(tiny_model_dir, tiny):
 def test_abort_frees_the_slot(tiny_model_dir, tiny, method, spec):
     k = 3
     budget = _two_slot_budget_gb(tiny, MAX_LEN, k, draft=method == "draft_model")
-    engine = make_engine(tiny_model_dir, method, k=k, loaded=tiny, max_model_len=MAX_LEN,
+    engine = make_engine(tiny_model_dir, method, k=k, loaded=tiny, max_model_len=MAX_LEN, max_num_seqs=2,
                          kv_cache_memory_gb=budget, **spec)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = ["a b c a b c", "The cat sat on the mat.", "Hello there"]

@@ -107,18 +107,19 @@ def test_padded_rows_are_not_computed(tiny):
 
 
 @pytest.mark.parametrize("freed", ["a", "b", "c"])
-def test_slot_compaction_keeps_sequences(tiny, freed):
-    """Freeing a sequence moves the last slot into the hole; the others decode on unchanged."""
+def test_freed_blocks_keep_other_sequences(tiny, freed):
+    """Freeing a sequence returns its blocks to the pool; the others decode on unchanged."""
     model = tiny[0]
     runner = ModelRunner(model, 256, num_slots=3, slack=8)
     prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 13]}
     for s in prompts:
         runner.allocate(s)
     runner.forward(list(prompts), list(prompts.values()), last_only=True)
+    held = runner.num_blocks - runner.num_free_blocks
     runner.free(freed)
     assert runner.num_free_slots == 1 and not runner.has(freed)
+    assert runner.num_blocks - runner.num_free_blocks == held - 1  # one block each (prompts under 16 tokens)
     rest = [s for s in prompts if s != freed]
-    assert sorted(runner._slot_of[s] for s in rest) == [0, 1]  # packed
     nxt = {s: [20 + i, 30 + i] for i, s in enumerate(rest)}
     got = runner.forward(rest, [nxt[s] for s in rest], last_only=False)
     for i, s in enumerate(rest):
@@ -181,7 +182,7 @@ def test_engine_cache_after_rejections_equals_recomputation(tiny_model_dir, tiny
     ("draft_model", dict(k=3, draft_num_layers=1)),
 ])
 def test_engine_compaction_when_middle_sequence_leaves(tiny_model_dir, tiny, method, spec):
-    """The middle of three sequences finishes first (its slot is refilled by the last one);
+    """The middle of three sequences finishes first (its blocks go back to the pool);
     the two others still decode exactly as when run alone."""
     engine = make_engine(tiny_model_dir, method, loaded=tiny, **spec)
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -191,11 +192,11 @@ def test_engine_compaction_when_middle_sequence_leaves(tiny_model_dir, tiny, met
            engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
            engine.add_request(prompts[2], long)]
     engine.step()
-    assert [engine.runner._slot_of[i] for i in ids] == [0, 1, 2]
+    assert all(engine.runner.has(i) for i in ids)
     done: dict = {}
     while ids[1] not in done:
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert not engine.runner.has(ids[1]) and engine.runner._slot_of[ids[2]] == 1  # compacted
+    assert not engine.runner.has(ids[1]) and engine.runner.has(ids[2])
     run_to_completion(engine, done)
     assert done[ids[0]].token_ids == alone[0]
     assert done[ids[1]].token_ids == alone[1][:3]

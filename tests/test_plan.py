@@ -68,8 +68,9 @@ def test_target_figures_are_the_engines(smollm2, smol, budget_gb):
     engine = make_engine(smollm2, "ngram", k=5, loaded=smol, max_model_len=MAX_LEN, max_num_seqs=8,
                          kv_cache_memory_gb=budget_gb)
     plan = plan_for(engine)
-    assert plan.kv.num_slots == engine.num_slots == (4 if budget_gb < 1 else 8)
-    assert plan.kv.capacity == engine.runner.cache.capacity
+    assert plan.kv.num_slots == engine.num_slots == 8 and plan.kv.num_blocks == engine.num_blocks
+    assert plan.kv.sequences_of(plan.kv.capacity) == (4 if budget_gb < 1 else 8)  # of max_model_len at once
+    assert plan.kv.capacity == engine.runner.capacity
     assert plan.kv.bytes == cache_bytes(engine.runner)
     weights = causal_lm_weights(engine.model.args, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(engine.model)
@@ -84,7 +85,8 @@ def test_eagle3_head_figures_are_the_engines(smollm2, smol):
     plan = plan_for(engine)
     head = engine.proposer.head
     assert plan.kv.num_slots == engine.num_slots
-    assert plan.draft_kv.capacity == engine.proposer.runner.cache.capacity == MAX_LEN + 4 * 5 + 8 + 2
+    assert plan.draft_kv.capacity == engine.proposer.runner.capacity == MAX_LEN + 4 * 5 + 8 + 2
+    assert plan.draft_kv.num_blocks == engine.proposer.runner.num_blocks
     assert plan.draft_kv.bytes == cache_bytes(engine.proposer.runner)
     weights = eagle_head_weights(head.config, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(head, besides=engine.model)  # embedding shared
@@ -97,8 +99,9 @@ def test_draft_model_figures_are_the_engines(smollm2, smol):
                          kv_cache_memory_gb=0.1, draft_model=smollm2, draft_num_layers=8)
     plan = plan_for(engine)
     draft = engine.proposer.runner
-    assert plan.kv.num_slots == engine.num_slots == 4  # the budget pays for a draft cache as large as the target's
-    assert plan.draft_kv.bytes == cache_bytes(draft) and plan.draft_kv.num_slots == draft.cache.num_slots
+    # the budget pays for a draft cache as large as the target's
+    assert plan.kv.num_blocks == engine.num_blocks and plan.kv.sequences_of(plan.kv.capacity) == 4
+    assert plan.draft_kv.bytes == cache_bytes(draft) and plan.draft_kv.num_blocks == draft.num_blocks
     weights = causal_lm_weights(draft.model.args, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(draft.model)
     assert {i.name: i.bytes for i in plan.items}["draft model weights"] == weights.bytes
@@ -110,7 +113,7 @@ def test_too_small_a_budget_is_refused_alike(smollm2, smol):
         kv_cache_plan(args, torch.float32, MAX_LEN, 4, 8, 1e-4, "ngram")
     with pytest.raises(ValueError) as engine:
         make_engine(smollm2, "ngram", k=4, loaded=smol, max_model_len=MAX_LEN, kv_cache_memory_gb=1e-4)
-    assert str(planned.value) == str(engine.value) and "cannot hold one sequence" in str(engine.value)
+    assert str(planned.value) == str(engine.value) and "cannot hold one token" in str(engine.value)
 
 
 def test_config_dtype_and_chunk_reach_the_plan(smol):
@@ -185,12 +188,15 @@ def test_llama3_eagle3_plan_offline(llama_hub, monkeypatch, capsys):
     assert round(items["target weights"] / GB, 2) == 16.06
     kv = verifier["kv_cache"]
     assert kv["bytes_per_token"] == 32 * 8 * 128 * 2 * 2 == 131072
-    # 16 GiB of 8192 + 9 positions per slot: 15 slots, fewer than max_num_seqs 32
-    assert (kv["num_slots"], kv["capacity"]) == (15, 8192 + 9) and kv["bytes"] == 15 * 8201 * 131072
+    # 16 GiB in blocks of 16 positions (one scratch block): 8,191 blocks, 15 sequences of 8192 + 9
+    # positions at once (513 blocks each), fewer than max_num_seqs 32
+    assert (kv["num_slots"], kv["capacity"], kv["num_blocks"]) == (32, 8192 + 9, 8191) and kv["bytes"] == 16 * GiB
+    assert 8191 // 513 == 15
     # the head: fc 12288 x 4096, one layer with a 2 x 4096-wide attention input, LM head over 32,000
     head = 4096 * 12288 + (8192 * (4096 + 2 * 1024) + 4096 * 4096) + 3 * 4096 * 14336 + 3 * 4096 + 4096 + 32000 * 4096
     assert items["eagle3 head weights"] == 2 * head + 32000 * 8 + 128256 + 64 * 4  # + d2t, t2d, rotary
-    assert verifier["proposer_kv_cache"]["bytes"] == 15 * (8192 + 4 * 5 + 8 + 2) * (1 * 8 * 128 * 2 * 2)
+    # the head's pool: the target's blocks and its 30 slack positions (2 blocks) per sequence, + scratch
+    assert verifier["proposer_kv_cache"]["bytes"] == (8191 + 32 * 2 + 1) * 16 * (1 * 8 * 128 * 2 * 2)
     assert verifier["activations"]["tokens"] == 2048 and verifier["fits"] and app["fits"]
     assert not app["generic"] and verifier["tensor_parallel_size"] == 1 and verifier["followers"] is None
     # loading: the target streams in at its dtype (no float32 copy on the GPU), its KV cache is
@@ -240,8 +246,8 @@ def test_tp_rank_figures_are_the_shards(vocab, tied, bias):
         plan = engine_plan(config, args, "cpu", rank=rank)
         assert {i.name: i.bytes for i in plan.items}["target weights"] == planned.bytes
         # rank 0's new_cache would tell the (absent) other ranks: build its KVCache directly
-        cache = shard.new_cache(plan.kv.num_slots, plan.kv.capacity) if rank else \
-            KVCache(args, plan.kv.num_slots, plan.kv.capacity, torch.bfloat16, "cpu", tp)
+        cache = shard.new_cache(plan.kv.num_blocks + 1, plan.kv.block_size) if rank else \
+            KVCache(args, plan.kv.num_blocks + 1, plan.kv.block_size, torch.bfloat16, "cpu", tp)
         assert plan.kv.bytes == 2 * cache.k.numel() * cache.k.element_size()
         assert plan.kv.num_slots == 4 and plan.tp_size == 2 and plan.rank == rank
     whole = causal_lm_weights(args, torch.bfloat16)
@@ -341,12 +347,14 @@ def test_llama70b_tp4_plan_offline(big_hub, capsys):
         items = {i["name"]: i["bytes"] for i in rank["items"]}
         assert items["target weights"] == 2 * LLAMA70B_RANK_PARAMS + 64 * 4  # + the float32 rotary buffer
         assert round(items["target weights"] / GB, 2) == 35.28
-        # the engine's slots from the 96 GiB budget over the whole model: the draft is disaggregated, so
-        # its cache is not in this budget: 96 GiB // (320 KiB x 8197) = 38, capped by max_num_seqs 32
+        # the engine's blocks from the 96 GiB budget over the whole model: the draft is disaggregated, so
+        # its cache is not in this budget: 96 GiB // (320 KiB x 8197) = 38 sequences, capped by
+        # max_num_seqs 32 (of 513 blocks of 16 each, + the scratch block)
         kv = rank["kv_cache"]
         assert 96 * GiB // (LLAMA70B_KV_PER_TOKEN * 8197) == 38
         assert (kv["num_slots"], kv["capacity"]) == (32, 8197)
-        assert items["target KV cache"] == 32 * 8197 * LLAMA70B_KV_PER_TOKEN // 4  # its 2 of the 8 KV heads
+        assert kv["num_blocks"] == 32 * 513
+        assert items["target KV cache"] == (32 * 513 + 1) * 16 * LLAMA70B_KV_PER_TOKEN // 4  # its 2 of the 8 KV heads
         assert round((items["target weights"] + items["target KV cache"]) / GB, 1) == 56.8
         assert "draft model weights" not in items  # disaggregated: the draft is the proposer's
     # logits of 32 x 5 verified rows over 128,256 tokens: each rank's quarter (bfloat16, then float32),
@@ -382,21 +390,22 @@ def test_qwen3_eagle3_plan_offline(big_hub, capsys):
     assert items["target weights"] - 2 * QWEN3_PARAMS in (64 * 4, 2 * 64 * 4)
     kv = verifier["kv_cache"]
     per_token = 36 * 8 * 128 * 2 * 2  # 144 KiB
-    assert kv["bytes_per_token"] == per_token and kv["num_slots"] == 16 * GiB // (per_token * 8201) == 14
+    assert kv["bytes_per_token"] == per_token and kv["num_blocks"] == 16 * GiB // (per_token * 16) - 1 == 7280
+    assert kv["num_blocks"] // 513 == 14  # sequences of 8192 + 9 positions at once
     # the head: fc over 3 x 4096 features, one layer whose attention reads 2 x 4096, three norms, the
     # final norm, an LM head over the 32,000-token draft vocabulary; + d2t, t2d, rotary buffer
     head = 12288 * 4096 + 8192 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288 + 3 * 4096 + 4096 + 32000 * 4096
     assert items["eagle3 head weights"] == 2 * head + 32000 * 8 + 151936 + 64 * 4
-    assert verifier["proposer_kv_cache"]["bytes"] == 14 * (8192 + 4 * 3 + 8 + 2) * (8 * 128 * 2 * 2)
+    assert verifier["proposer_kv_cache"]["bytes"] == (7280 + kv["num_slots"] * 2 + 1) * 16 * (8 * 128 * 2 * 2)
     resident = sum(items.values())
     acts = verifier["activations"]
     assert verifier["total"] == resident + acts["total"]
     # at 40 GB the upper bound (SDPA's math path: 32 heads x 2048 x 8201 scores) does not fit, by
-    # about half a GB; with a fused attention kernel (no scores held) it fits with 4.6 GB to spare
+    # about 1 GB; with a fused attention kernel (no scores held) it fits with 4 GB to spare
     assert acts["scores"] == 32 * 2048 * 8201 * 9 + 2 * 32 * 8201 * 128 * 4
-    assert verifier["total"] - acts["scores"] < 36 * GB < 40 * GB < verifier["total"] < 41 * GB
+    assert verifier["total"] - acts["scores"] < 36 * GB < 40 * GB < verifier["total"] < 41.5 * GB
     rc, out = run_plan_text(capsys, "qwen3_eagle3.yaml", "40GB")
-    assert rc == 1 and "per replica: does not fit: 40.55 GB of 40.00 GB" in out
+    assert rc == 1 and "per replica: does not fit: 41.05 GB of 40.00 GB" in out
 
 
 def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
@@ -422,7 +431,7 @@ def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
         4096 + 2 * 1024 + 4096) * 4096) // 2 - 128256 * 4096) + 64 * 4  # halves: layers' projections, embedding, head
     assert "eagle3 head weights" in items0 and set(items1) == {"target weights", "target KV cache"}
     # 15 slots as at TP 1; each rank 4 of the 8 KV heads
-    assert items0["target KV cache"] == items1["target KV cache"] == 15 * 8201 * (32 * 4 * 128 * 2 * 2)
+    assert items0["target KV cache"] == items1["target KV cache"] == 16 * GiB // 2  # the whole pool; half the heads
     assert rank0.activations.features > 0 and rank1.activations.features == 0
     # rank 0 loads its shard, allocates its cache, then the whole target I/O and the head (with its
     # placeholder embedding)

@@ -6,7 +6,7 @@ import torch
 
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
-from rayspec.runner import ModelRunner, catch_up_pieces
+from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, catch_up_pieces, proposer_num_blocks
 from rayspec.sampling import logits_to_probs, make_generator
 
 
@@ -38,12 +38,19 @@ class DraftModelProposer(Proposer):
                                  "equal to tensor_parallel_size, topology colocated")
             model, _ = load_model(config.draft_model or context.target_model, device=context.device,
                                   dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers)
-        proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens)
+        proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens,
+                       context.num_blocks, context.block_size, context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
         return proposer
 
-    def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, max_draft_tokens: int):
-        self.runner = ModelRunner(model, max_model_len, num_slots, slack=max_draft_tokens + 1)
+    def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, max_draft_tokens: int,
+                 target_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 enable_prefix_caching: bool = False):
+        """target_blocks: the target's pool (the draft's holds as many plus its slack per sequence)."""
+        slack = max_draft_tokens + 1
+        num_blocks = proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size)
+        self.runner = ModelRunner(model, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
+                                  block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self._fed: dict[str, list[int]] = {}  # tokens whose KV the draft cache holds, per sequence
         self._generators: dict[str, torch.Generator] = {}
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
@@ -55,7 +62,7 @@ class DraftModelProposer(Proposer):
         self._generators.pop(seq_id, None)
         self._last_used.pop(seq_id, None)
 
-    def _allocate(self, seq_id: str, batch: set[str]) -> None:
+    def _allocate(self, seq_id: str, batch: set[str], token_ids: list[int]) -> None:
         """A slot for seq_id; when none is free, the sequence seen longest ago outside this batch is
         dropped (a shared proposer deployment: sequences a lost verifier replica left behind). If it
         comes back, it is prefilled again from its tokens."""
@@ -63,8 +70,8 @@ class DraftModelProposer(Proposer):
             stale = min((s for s in self._last_used if s not in batch), key=self._last_used.get, default=None)
             if stale is not None:
                 self.release(stale)
-        self.runner.allocate(seq_id)
-        self._fed[seq_id] = []
+        cached = self.runner.allocate(seq_id, token_ids)  # (verified tokens: a cached prefix may be shared)
+        self._fed[seq_id] = list(token_ids[:cached])
 
     def _generator(self, req: ProposeRequest) -> torch.Generator:
         if req.seq_id not in self._generators:
@@ -99,11 +106,12 @@ class DraftModelProposer(Proposer):
         tick = next(self._clock)
         for req in active:
             if not self.runner.has(req.seq_id):
-                self._allocate(req.seq_id, batch)
+                self._allocate(req.seq_id, batch, req.token_ids)
             self._last_used[req.seq_id] = tick
             fed = self._fed[req.seq_id]
             keep = min(common_prefix_len(fed, req.token_ids), len(req.token_ids) - 1)
             self.runner.set_cached_len(req.seq_id, keep)
+            self.runner.commit(req.seq_id, req.token_ids)  # the engine's tokens are verified ones
             seq_ids.append(req.seq_id)
             pending.append(req.token_ids[keep:])
             self._fed[req.seq_id] = list(req.token_ids)

@@ -26,7 +26,8 @@ import torch
 from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.runner import ModelRunner, TreeQuery, catch_up_pieces, last_rows
+from rayspec.runner import (DEFAULT_BLOCK_SIZE, ModelRunner, TreeQuery, catch_up_pieces, last_rows,
+                            proposer_num_blocks)
 from rayspec.sampling import logits_to_probs, make_generator
 
 
@@ -82,20 +83,24 @@ class EagleProposer(Proposer):
                                dtype=draft_dtype(config.draft_dtype, context))
         proposer = cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                        topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob,
-                       lookup=(config.eagle_prompt_lookup, config.prompt_lookup_min, config.prompt_lookup_max))
+                       lookup=(config.eagle_prompt_lookup, config.prompt_lookup_min, config.prompt_lookup_max),
+                       target_blocks=context.num_blocks, block_size=context.block_size)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
         return proposer
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
                  topk: int = 1, depth: int | None = None, stop_prob: float = 0.0,
-                 lookup: tuple[int, int, int] = (0, 2, 5)):
+                 lookup: tuple[int, int, int] = (0, 2, 5), target_blocks: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         self.head = head
         self.stop_prob = stop_prob
         self.lookup_tokens, self.lookup_min, self.lookup_max = lookup  # n-gram branch (0: none)
         self.topk = max(1, topk)
         self.depth = depth or max_draft_tokens
         slack = self.topk * self.depth + max_draft_tokens + 2
-        self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack)
+        num_blocks = proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size)
+        self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
+                                  block_size=block_size)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
         self._generators: dict[str, torch.Generator] = {}
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)

@@ -1,0 +1,162 @@
+"""BlockManager: the paged KV cache's bookkeeping (no tensors): a pool of fixed-size blocks, a block
+table per sequence, reference counts, and automatic prefix caching.
+
+A sequence's token at position p lives in block table[p // block_size], row p % block_size. Blocks
+are taken as a sequence grows and given back when it ends or its cached length shrinks past whole
+blocks. With prefix caching, a full block of *verified* tokens is registered under the hash of the
+whole token prefix it ends (a chain: the previous block's hash and this block's tokens), so a later
+sequence with the same prefix starts with those blocks shared (their reference count says by how
+many). A registered block nobody holds stays in an LRU and is evicted only when the free list is
+empty. Blocks holding unverified rows (drafts, tree nodes) are never registered: the caller commits
+only the tokens it has verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
+
+
+def block_hash(prev: bytes, tokens: list[int]) -> bytes:
+    """The hash of a block of tokens after the prefix whose hash is `prev` (b"" for the first).
+    SHA-256: two prefixes sharing a hash would hand one sequence another's keys and values."""
+    return hashlib.sha256(prev + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, first_block: int = 0):
+        """Blocks first_block .. first_block + num_blocks - 1 (ids below first_block are the caller's)."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(first_block, first_block + num_blocks))
+        self._ref = {b: 0 for b in self._free}
+        self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding it
+        self._hash_of: dict[int, bytes] = {}  # registered block -> its prefix hash
+        self._lru: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, oldest first
+        self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its first full blocks
+
+    # ---- counts ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence can take now: free ones and cached ones nobody holds (evictable)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- sequences ------------------------------------------------------------------------------
+    def allocate(self, seq_id: str, token_ids: list[int] | None = None) -> int:
+        """Start a block table for seq_id. With prefix caching and token_ids, it begins with the
+        cached blocks of token_ids' longest cached prefix of full blocks, leaving at least one token
+        to compute (its logits are needed). Returns the number of tokens found cached."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has a block table")
+        table, hashes = [], []
+        if self.enable_prefix_caching and token_ids:
+            bs, prev = self.block_size, b""
+            for i in range((len(token_ids) - 1) // bs):
+                h = block_hash(prev, token_ids[i * bs: (i + 1) * bs])
+                block = self._cached.get(h)
+                if block is None:
+                    break
+                self._hold(block)
+                table.append(block)
+                hashes.append(h)
+                prev = h
+        self.tables[seq_id], self._hashes[seq_id] = table, hashes
+        return len(table) * self.block_size
+
+    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(self.tables[seq_id]) <= self.num_free_blocks
+
+    def grow(self, seq_id: str, num_tokens: int) -> bool:
+        """Make seq_id's table cover num_tokens positions; False (nothing taken) when the pool cannot."""
+        table = self.tables[seq_id]
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            table.append(self._take())
+        return True
+
+    def shrink(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Keep the positions below num_tokens: whole blocks past them go back, registrations past
+        them are dropped from the sequence's chain. The block num_tokens falls inside will be written
+        again: one registered (shared or cached) is replaced by a private copy. Returns those copies
+        as (source block, new block): the caller copies their rows."""
+        table, hashes = self.tables[seq_id], self._hashes[seq_id]
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+        full = num_tokens // self.block_size
+        del hashes[full:]
+        copies = []
+        if full < len(table) and table[full] in self._hash_of:  # a registered block about to be rewritten
+            src = table[full]
+            dst = self._take()
+            table[full] = dst
+            self._release(src)
+            copies.append((src, dst))
+        return copies
+
+    def commit(self, seq_id: str, token_ids: list[int], num_tokens: int) -> None:
+        """The first num_tokens of token_ids are verified and their keys/values written: register the
+        sequence's full blocks among them (prefix caching only)."""
+        if not self.enable_prefix_caching:
+            return
+        table, hashes = self.tables[seq_id], self._hashes[seq_id]
+        bs = self.block_size
+        for i in range(len(hashes), min(num_tokens, len(token_ids), len(table) * bs) // bs):
+            h = block_hash(hashes[-1] if hashes else b"", token_ids[i * bs: (i + 1) * bs])
+            hashes.append(h)
+            block = table[i]
+            if h not in self._cached and block not in self._hash_of:  # else another block holds it already
+                self._cached[h], self._hash_of[block] = block, h
+
+    def free(self, seq_id: str) -> None:
+        """Give back seq_id's blocks (the last first: the tail of a prefix is evicted before its head)."""
+        table = self.tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        for block in reversed(table or []):
+            self._release(block)
+
+    # ---- blocks ---------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        elif self._lru:  # evict the least recently released cached block
+            block, _ = self._lru.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+        else:
+            raise RuntimeError("no free KV block")
+        self._ref[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        if self._ref[block] == 0:
+            self._lru.pop(block)
+        self._ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if block in self._hash_of:
+                self._lru[block] = None
+            else:
+                self._free.append(block)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
