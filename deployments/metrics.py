@@ -76,18 +76,18 @@ class VerifierMetrics:
         from ray.serve import metrics  # Serve's classes add the replica tags
 
         makers = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}
-        self._m = {}
+        self._metrics = {}
         for name, (kind, keys, boundaries, desc) in METRICS.items():
             extra = {"boundaries": boundaries} if kind == "histogram" else {}
             metric = makers[kind](PREFIX + name, description=desc, tag_keys=("model_name",) + keys, **extra)
             metric.set_default_tags({"model_name": model_name})
-            self._m[name] = metric
+            self._metrics[name] = metric
         self._last = dict.fromkeys(_SPEC_KEYS, 0)
         self._last_pos: list[int] = []
 
     def _inc(self, name: str, value: float, tags: dict | None = None) -> None:
         if value > 0:
-            self._m[name].inc(value, tags=tags)
+            self._metrics[name].inc(value, tags=tags)
 
     def observe_iteration(self, stats: IterationStats) -> None:
         self._inc("prompt_tokens", stats.num_prompt_tokens)
@@ -97,16 +97,16 @@ class VerifierMetrics:
         for name, values in (("time_to_first_token_seconds", stats.time_to_first_tokens),
                              ("inter_token_latency_seconds", stats.inter_token_latencies),
                              ("request_queue_time_seconds", stats.queue_times)):
-            histogram = self._m[name]
+            histogram = self._metrics[name]
             for value in values:
                 histogram.observe(value)
         for req in stats.finished:
-            self._m["request_success"].inc(1, tags={"finished_reason": req.finish_reason})
-            self._m["e2e_request_latency_seconds"].observe(req.e2e_latency)
-            self._m["request_prompt_tokens"].observe(req.num_prompt_tokens)
-            self._m["request_generation_tokens"].observe(req.num_generation_tokens)
+            self._metrics["request_success"].inc(1, tags={"finished_reason": req.finish_reason})
+            self._metrics["e2e_request_latency_seconds"].observe(req.e2e_latency)
+            self._metrics["request_prompt_tokens"].observe(req.num_prompt_tokens)
+            self._metrics["request_generation_tokens"].observe(req.num_generation_tokens)
             if req.mean_time_per_output_token is not None:
-                self._m["request_time_per_output_token_seconds"].observe(req.mean_time_per_output_token)
+                self._metrics["request_time_per_output_token_seconds"].observe(req.mean_time_per_output_token)
 
     def update(self, snap: dict) -> None:
         for key in _SPEC_KEYS:
@@ -121,6 +121,6 @@ class VerifierMetrics:
             prev = self._last_pos[pos] if pos < len(self._last_pos) else 0
             self._inc("spec_decode_num_accepted_tokens_per_pos", value - prev, tags={"position": str(pos)})
         self._last_pos = list(per_pos)
-        self._m["num_requests_running"].set(snap["num_running"])
-        self._m["num_requests_waiting"].set(snap["num_waiting"])
-        self._m["kv_cache_usage_perc"].set(snap["kv_cache_usage"])
+        self._metrics["num_requests_running"].set(snap["num_running"])
+        self._metrics["num_requests_waiting"].set(snap["num_waiting"])
+        self._metrics["kv_cache_usage_perc"].set(snap["kv_cache_usage"])
