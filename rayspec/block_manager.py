@@ -14,7 +14,7 @@ only the tokens it has verified.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 
@@ -32,7 +32,9 @@ class BlockManager:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: deque[int] = deque(range(first_block, first_block + num_blocks))
+        # a stack: the block given back last is taken first, so a sequence that returns its slack
+        # blocks after a verification takes the same ones at the next (its blocks stay consecutive)
+        self._free: list[int] = list(range(first_block + num_blocks - 1, first_block - 1, -1))
         self._ref = {b: 0 for b in self._free}
         self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding it
         self._hash_of: dict[int, bytes] = {}  # registered block -> its prefix hash
@@ -136,7 +138,7 @@ class BlockManager:
     # ---- blocks ---------------------------------------------------------------------------------
     def _take(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = self._free.pop()
         elif self._lru:  # evict the least recently released cached block
             block, _ = self._lru.popitem(last=False)
             del self._cached[self._hash_of.pop(block)]

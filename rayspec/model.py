@@ -188,6 +188,8 @@ class ForwardBatch:
     sliding_mask: [B, 1, Q, kv_len - sliding_start] additive float, the mask of sliding-window layers
                over those keys; None where `mask` is None (one query per row, at kv_len - 1, whose
                window is exactly those keys) or where the model has no sliding-window layers
+    read_range: (lo, hi) when B is 1 and read_index is lo..hi-1 (its blocks consecutive in the pool):
+               the keys are read as a view, not gathered
     """
 
     write_index: torch.Tensor
@@ -200,6 +202,7 @@ class ForwardBatch:
     packed_output: bool = False
     sliding_start: int = 0
     sliding_mask: torch.Tensor | None = None
+    read_range: tuple[int, int] | None = None
 
     def write_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, kv_heads, Q, head_dim] into one layer's cache [rows, kv_heads, head_dim]: one
@@ -209,6 +212,9 @@ class ForwardBatch:
 
     def read_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values through the block tables: [B, kv_heads, kv_len, head_dim] each."""
+        if self.read_range is not None:
+            lo, hi = self.read_range
+            return cache_k[lo:hi][None].transpose(1, 2), cache_v[lo:hi][None].transpose(1, 2)
         return cache_k[self.read_index].transpose(1, 2), cache_v[self.read_index].transpose(1, 2)
 
     @property

@@ -233,7 +233,8 @@ def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int, mod
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]
     ints = [B, Q, batch.kv_len, int(batch.mask is not None), int(batch.cache_positions is not None), n_real,
             int(batch.packed_output), cache_id, model_id, batch.sliding_start,
-            -1 if batch.sliding_mask is None else batch.sliding_mask.shape[-1]]
+            -1 if batch.sliding_mask is None else batch.sliding_mask.shape[-1],
+            *(batch.read_range or (-1, -1))]
     tensors = [input_ids, batch.write_index, batch.read_index, batch.positions]
     tensors += [m for m in (batch.mask, batch.cache_positions, batch.real_rows, batch.sliding_mask) if m is not None]
     tp.send(OP_FORWARD, ints, tensors)

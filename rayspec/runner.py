@@ -136,6 +136,10 @@ class ModelRunner:
             dst = torch.tensor([b * bs + r for _, b in copies for r in range(bs)], device=self.device)
             self.cache.move_rows(src, dst)
 
+    def _consecutive(self, seq_id: str, kv_len: int) -> bool:
+        blocks = self.blocks.tables[seq_id][: -(-kv_len // self.block_size)]
+        return len(blocks) * self.block_size >= kv_len and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
     def _rows(self, seq_ids: list[str], kv_len: int) -> torch.Tensor:
         """[B, kv_len] long: the cache row of each row's positions 0..kv_len-1 (past its blocks: scratch)."""
         bs = self.block_size
@@ -230,6 +234,10 @@ class ModelRunner:
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             real_rows = torch.from_numpy(np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)]))
         read_index = self._rows(seq_ids, kv_len)  # [B, kv_len]
+        read_range = None
+        if B == 1 and self._consecutive(seq_ids[0], kv_len):  # its keys are a view of the pool
+            lo = self.blocks.tables[seq_ids[0]][0] * self.block_size
+            read_range = (lo, lo + kv_len)
         write_index = read_index.gather(1, positions if cache_positions is None else cache_positions)  # [B, Q]
         batch = ForwardBatch(
             write_index=write_index,
@@ -242,6 +250,7 @@ class ModelRunner:
             packed_output=packed,
             sliding_start=sliding_start,
             sliding_mask=sliding_mask,
+            read_range=read_range,
         )
         out = self.model(input_ids, self.cache, batch, **model_kwargs)
         if trees is None:

@@ -26,11 +26,12 @@ def receive_forward(tp: TPGroup, header: list[int], dtype: torch.dtype):
     mask = tp.receive((B, 1, Q, kv_len), dtype) if has_mask else None
     cache_positions = tp.receive((B, Q), long) if has_cache_pos else None
     real_rows = tp.receive((n_real,), long) if n_real >= 0 else None
-    sliding_start, sliding_keys = header[10:12]
+    sliding_start, sliding_keys, read_lo, read_hi = header[10:14]
     sliding_mask = tp.receive((B, 1, Q, sliding_keys), dtype) if sliding_keys >= 0 else None
     batch = ForwardBatch(write_index=write_index, read_index=read_index, positions=positions, kv_len=kv_len,
                          mask=mask, cache_positions=cache_positions, real_rows=real_rows,
-                         packed_output=bool(packed), sliding_start=sliding_start, sliding_mask=sliding_mask)
+                         packed_output=bool(packed), sliding_start=sliding_start, sliding_mask=sliding_mask,
+                         read_range=(read_lo, read_hi) if read_lo >= 0 else None)
     return input_ids, batch
 
 
