@@ -103,8 +103,8 @@ def test_wheel_in_fresh_venv_serves_default_config(tmp_path):
 
     elsewhere = tmp_path / "elsewhere"  # no configs/ nor heads/ here, and the checkout is not on the path
     elsewhere.mkdir()
-    located = _run([bin_dir / "python", "-c", "import deployments, rayspec; print(rayspec.__file__, deployments.__file__)"],
-                   120, cwd=elsewhere, env=env)
+    where = "import deployments, rayspec; print(rayspec.__file__, deployments.__file__)"
+    located = _run([bin_dir / "python", "-c", where], 120, cwd=elsewhere, env=env)
     assert str(REPO) not in located and located.count(str(tmp_path / "venv")) == 2, located
     shipped = Path(_run([bin_dir / "rayspec", "configs-dir"], 120, cwd=elsewhere, env=env).strip())
     assert shipped.is_relative_to(tmp_path / "venv") and (shipped / "default.yaml").is_file()
