@@ -5,6 +5,9 @@ what `ray.serve.llm:build_openai_app` takes; deployments/dialects.py).
 colocated:      OpenAIIngress -> Verifier (engine + in-process proposer)
 disaggregated:  OpenAIIngress -> Verifier (engine + RemoteProposer) -> Proposer
 
+With several verifier replicas the ingress's handle routes by prompt prefix (the Verifier's
+request_router_config, AppArgs.prefix_routing: deployments/prefix_router.py).
+
 Python handle API (from a driver connected to the cluster, or from another deployment):
 
     from ray import serve
