@@ -108,11 +108,19 @@ fi
 NUM_GPUS_PER_APP=
 if [ "$DRY_RUN" = 0 ]; then
   # together on one GPU: half each (the KV budget is then the user's to lower, --kv-cache-memory-gb)
-  if [ "$LAYOUT" = together ] && [ "$NUM_GPUS" -lt 2 ]; then NUM_GPUS_PER_APP=0.5; else NUM_GPUS_PER_APP=1; fi
+  if [ "$LAYOUT" = together ] && [ "$NUM_GPUS" -lt 2 ]; then
+    [ -n "$KV_GB" ] || die "--layout together on one GPU holds two engines there: give --kv-cache-memory-gb" \
+      "small enough for both (rayspec plan $CONFIG --gpu-memory <GPU memory> shows one engine's needs)"
+    NUM_GPUS_PER_APP=0.5
+  else
+    NUM_GPUS_PER_APP=1
+  fi
 fi
 
-gpu_used_mib() {  # the most memory in use on any GPU, MiB
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -1
+gpu_used_mib() {  # the most memory in use on any GPU, MiB (0 where nvidia-smi cannot say, e.g. MIG)
+  local used
+  used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2> /dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
+  echo "${used:-0}"
 }
 GPU_USED_AT_START=0
 [ "$DRY_RUN" = 1 ] || GPU_USED_AT_START=$(gpu_used_mib)
