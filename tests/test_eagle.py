@@ -836,14 +836,14 @@ def test_train_with_a_bfloat16_target(tiny_model_dir, tmp_path, kind):
     """The CUDA default (bfloat16 target, float32 head), run on the CPU: the head trains on the target's
     bfloat16 embedding (and, for EAGLE-1, its LM head), shards are float16 on the CPU, the head is float32."""
     from rayspec.eagle.pipeline import prepare_data
-    from rayspec.eagle.train import TrainConfig, _load_target, train_head
+    from rayspec.eagle.train import TrainConfig, load_target, train_head
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Count from {i} to {i + 5}."]}) + "\n" for i in range(4)))
     cfg = TrainConfig(kind=kind, target=str(tiny_model_dir), prompts=(str(prompts),), work_dir=str(tmp_path / "work"),
                       output=str(tmp_path / "head"), max_new_tokens=10, draft_vocab_size=512, epochs=2,
                       warmup_steps=2, batch_tokens=256, num_threads=1, device="cpu", target_dtype="bfloat16")
-    target, tokenizer = _load_target(cfg)
+    target, tokenizer = load_target(cfg)
     assert next(target.parameters()).dtype == torch.bfloat16
     examples = prepare_data(cfg, target, tokenizer)
     shard = torch.load(next((tmp_path / "work" / f"features-{kind}").glob("features-*.pt")), weights_only=True)

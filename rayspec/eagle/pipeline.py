@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rayspec.eagle.train import (TrainConfig, _head_config, _load_target, answer_engine, load_examples,
-                                 train_head)
+from rayspec.eagle.train import TrainConfig, answer_engine, head_config, load_examples, load_target, train_head
 from rayspec.malloc import keep_freed_memory
 
 
@@ -49,7 +48,7 @@ def run(cfg: TrainConfig) -> Path:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     keep_freed_memory()
-    target, tokenizer = _load_target(cfg)
+    target, tokenizer = load_target(cfg)
     examples = prepare_data(cfg, target, tokenizer)
     if cfg.num_workers > 1:
         from rayspec.eagle.train_ray import train_on_ray  # Ray only here: the core runs without it
@@ -81,7 +80,7 @@ def prepare_data(cfg: TrainConfig, target, tokenizer) -> list[dict]:
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     (work / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    _, tcfg = _head_config(cfg, target)
+    _, tcfg = head_config(cfg, target)
     aux_layers = tcfg.aux_layers or (target.args.num_layers - 1,)
     pool = None
 

@@ -189,7 +189,7 @@ def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
 
 
 # ---- the target and the head's config ------------------------------------------------
-def _load_target(cfg: TrainConfig):
+def load_target(cfg: TrainConfig):
     from rayspec.loader import load_model
 
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)  # None: loader defaults
@@ -197,7 +197,7 @@ def _load_target(cfg: TrainConfig):
     return target, tokenizer
 
 
-def _head_config(cfg: TrainConfig, target):
+def head_config(cfg: TrainConfig, target):
     """-> (head to train further or None, its config): the init head's, else a new one."""
     from rayspec.loader import resolve_model_dir
 
@@ -283,7 +283,7 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
 
     # the head: fresh, or the weights (and draft vocabulary) of an existing head to train further
     device = next(target.parameters()).device  # the head trains where the target sits, in float32
-    init, tcfg = _head_config(cfg, target)
+    init, tcfg = head_config(cfg, target)
     torch.manual_seed(cfg.seed)
     head = (init if init is not None else build_head(tcfg)).to(device)
     attach_target(head, target, has_own_embedding=False)

@@ -124,7 +124,7 @@ def _worker_loop(config: dict) -> None:
     import torch.distributed as dist
     from ray import train
 
-    from rayspec.eagle.train import _load_target, load_prepared, train_head
+    from rayspec.eagle.train import load_prepared, load_target, train_head
     from rayspec.malloc import keep_freed_memory
 
     cfg = TrainConfig(**config)
@@ -145,7 +145,7 @@ def _worker_loop(config: dict) -> None:
             offset += g.numel()
         stats.copy_(flat[offset:])
 
-    target, _ = _load_target(cfg)
+    target, _ = load_target(cfg)
     train_head(cfg, target, load_prepared(cfg), rank=rank, world=world, sync=sync)
 
 
