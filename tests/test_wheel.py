@@ -92,6 +92,11 @@ def test_wheel_in_fresh_venv_serves_default_config(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", tmp_path / "dist", source], 300)
     (wheel,) = (tmp_path / "dist").glob("rayspec_serve-*.whl")
     timings["build"] = time.monotonic() - start
+    import zipfile
+    names = set(zipfile.ZipFile(wheel).namelist())  # the package data a user of the wheel reads
+    for name in ("rayspec/data/prompts/mt_bench.jsonl", "rayspec/data/NOTICE.md", "rayspec/data/prompt_pools/chat.json",
+                 "deployments/grafana/rayspec_dashboard.json", "deployments/kuberay/rayservice.yaml"):
+        assert name in names, name
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "VIRTUAL_ENV")}
     venv.create(tmp_path / "venv", with_pip=True)
