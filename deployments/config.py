@@ -116,6 +116,9 @@ class EngineArgs(_Strict):
     # tensor parallelism: the verifier replica reserves one placement group bundle per rank
     # (verifier.placement_group_strategy, STRICT_PACK by default) and starts ranks 1..N-1 there
     tensor_parallel_size: int = Field(1, ge=1)
+    # the paged KV cache: positions per block, and automatic prefix caching (vLLM's names)
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
 
 
 class RayActorOptions(BaseModel):

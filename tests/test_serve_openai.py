@@ -135,6 +135,23 @@ def test_completion_greedy_matches_engine(client, local_engine):
     assert details.accepted_prediction_tokens <= u.completion_tokens - 1
 
 
+def test_prefix_cached_tokens_in_usage(client):
+    """A second request sharing a long prefix reports its cached prompt tokens, as OpenAI does
+    (usage.prompt_tokens_details.cached_tokens): completions, chat, and the streamed usage."""
+    shared = list(range(300, 400))  # 100 tokens: 6 full blocks of 16
+    first = client.completions.create(model="tiny", prompt=shared + [7], max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny", prompt=shared + [8, 9], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 96
+    system = {"role": "system", "content": "You answer briefly. " * 30}
+    chats = [client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": q}],
+                                            max_tokens=2, temperature=0) for q in ("Hi?", "Why?")]
+    assert chats[1].usage.prompt_tokens_details.cached_tokens >= 96
+    chunks = list(client.completions.create(model="tiny", prompt=shared + [10], max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
+
+
 def test_completion_token_ids_and_length(client, local_engine):
     ids = local_engine.encode(PROMPT)
     resp = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0,
