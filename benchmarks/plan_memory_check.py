@@ -76,8 +76,8 @@ def main() -> None:
 
     kv = kv_cache_plan(args, dtype, CONTEXT, 8, 32, 16.0, "eagle3")
     before = torch.cuda.memory_allocated()
-    runner = ModelRunner(target, CONTEXT, kv.num_slots, slack=9)
-    row(f"target KV cache ({kv.num_slots} slots)", kv.bytes, torch.cuda.memory_allocated() - before)
+    runner = ModelRunner(target, CONTEXT, kv.num_slots, slack=9, num_blocks=kv.num_blocks, block_size=kv.block_size)
+    row(f"target KV cache ({kv.num_blocks} blocks of {kv.block_size})", kv.bytes, torch.cuda.memory_allocated() - before)
 
     head_hf = json.loads((DATA / "eagle3-llama3.1-instruct-8b" / "config.json").read_text())
     head_config = eagle_config_from_hf(head_hf, args.num_layers, args.hidden_size)
