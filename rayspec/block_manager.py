@@ -60,16 +60,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- sequences ------------------------------------------------------------------------------
-    def allocate(self, seq_id: str, token_ids: list[int] | None = None) -> int:
+    def allocate(self, seq_id: str, token_ids: list[int] | None = None, max_cached: int | None = None) -> int:
         """Start a block table for seq_id. With prefix caching and token_ids, it begins with the
         cached blocks of token_ids' longest cached prefix of full blocks, leaving at least one token
-        to compute (its logits are needed). Returns the number of tokens found cached."""
+        to compute (its logits are needed), at most max_cached tokens. Returns the number of tokens
+        found cached."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         table, hashes = [], []
         if self.enable_prefix_caching and token_ids:
             bs, prev = self.block_size, b""
-            for i in range((len(token_ids) - 1) // bs):
+            n = (len(token_ids) - 1) // bs
+            for i in range(n if max_cached is None else min(n, max_cached // bs)):
                 h = block_hash(prev, token_ids[i * bs: (i + 1) * bs])
                 block = self._cached.get(h)
                 if block is None:

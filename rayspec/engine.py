@@ -123,11 +123,8 @@ class LLMEngine:
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
-        # a cached prefix is not computed again, so it has no target features: with an EAGLE head
-        # (which drafts from them) the target's prefix caching stays off
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
-                                  block_size=config.block_size,
-                                  enable_prefix_caching=config.enable_prefix_caching and self.feature_layers is None)
+                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.disable_by_batch_size = spec.disable_by_batch_size
@@ -326,11 +323,22 @@ class LLMEngine:
             seq = self.waiting[0]
             # prompt logprobs need every prompt row computed: no cached prefix for those
             reuse = seq.params.prompt_logprobs is None or bool(seq.output_token_ids)
-            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None)
+            limit = None
+            if reuse and self.feature_layers is not None:
+                # a cached prefix has no target features: an EAGLE head must hold its own keys for it
+                prefix = getattr(self.proposer, "cached_prefix", None)
+                limit = prefix(seq.request_id, seq.token_ids) if prefix is not None else None
+                reuse = limit is not None
+            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit)
             need = blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
             if need + len(self.running) > self.runner.num_free_blocks:
                 self.runner.free(seq.request_id)
+                self.proposer.release(seq.request_id)
                 break
+            if limit is not None:
+                self.proposer.trim_prefix(seq.request_id, cached)  # (the target's prefix may be shorter)
+            seq.prefill_start = cached
+            seq.features, seq.features_start = [], cached
             self.runner.grow(seq.request_id, len(seq.token_ids))
             self.waiting.popleft()
             if seq.num_cached_tokens is None:  # (a preempted one reports its first admission's)
@@ -473,8 +481,8 @@ class LLMEngine:
                     seq.prompt_logprobs = (seq.prompt_logprobs if c else []) + prompt_logprobs_rows(
                         self.model, self.tokenizer, seq.prompt_token_ids, hidden[rows], c, seq.params.prompt_logprobs)
                 if features is not None:
-                    if c == 0:
-                        seq.features, seq.features_start = [], 0
+                    if c == seq.prefill_start:
+                        seq.features, seq.features_start = [], c
                     seq.features.append(features[rows].clone())
                 if i not in complete:
                     continue

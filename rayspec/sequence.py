@@ -87,6 +87,7 @@ class Sequence:
     error: str | None = None  # why the engine failed this request (finish_reason "error")
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first admission
     num_preemptions: int = 0  # times its KV cache was freed to make room (recomputed when admitted again)
+    prefill_start: int = 0  # where its prefill started at its last admission (its cached prefix)
     _sent: int = 0  # characters of output_text already handed out by take_new_text
 
     def __post_init__(self):

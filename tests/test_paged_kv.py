@@ -160,8 +160,11 @@ def test_greedy_equals_target_only_with_shared_prefixes(target_dir, target, draf
     assert [done[i].token_ids for i in ids] == reference
     assert run_joining(engine, PROMPTS, GREEDY) == reference
     assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
-    if name != "eagle3-tree":  # (the target's prefix caching is off under an EAGLE head)
-        assert engine.runner.blocks.num_cached_blocks > 0
+    assert engine.runner.blocks.num_cached_blocks > 0
+    again = engine.generate([PROMPTS[0]], GREEDY)[0]  # its whole prompt cached (all but its last block)
+    assert again.token_ids == reference[0] and again.num_cached_tokens == (len(PROMPTS[0]) - 1) // BS * BS
+    if name == "eagle3-tree":  # the head's cache too
+        assert engine.proposer.runner.blocks.num_cached_blocks > 0
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "draft_model", "eagle3-tree"])

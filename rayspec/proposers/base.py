@@ -64,5 +64,17 @@ class Proposer(ABC):
     # None: no target features needed; () the final hidden state; (i, j, ...) the inputs of those layers
     feature_layers: tuple[int, ...] | None = None
 
+    def cached_prefix(self, seq_id: str, token_ids: list[int]) -> int | None:
+        """A proposer drafting from target features (feature_layers) whose own cache can start a new
+        sequence on a cached prefix: take that place now and return how many of token_ids' positions
+        it covers (the target's cached prefix may then reach that far, not further: the head needs
+        the features of every position past its own). None: it cannot (the target computes every
+        prompt token for it)."""
+        return None
+
+    def trim_prefix(self, seq_id: str, num_tokens: int) -> None:
+        """The target's cached prefix of seq_id came out shorter: keep num_tokens of it (after
+        cached_prefix)."""
+
     def release(self, seq_id: str) -> None:
         """Forget a finished or aborted sequence."""

@@ -84,14 +84,15 @@ class EagleProposer(Proposer):
         proposer = cls(head, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                        topk=config.eagle_topk, depth=config.num_steps, stop_prob=config.eagle_stop_prob,
                        lookup=(config.eagle_prompt_lookup, config.prompt_lookup_min, config.prompt_lookup_max),
-                       target_blocks=context.num_blocks, block_size=context.block_size)
+                       target_blocks=context.num_blocks, block_size=context.block_size,
+                       enable_prefix_caching=context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
         return proposer
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
                  topk: int = 1, depth: int | None = None, stop_prob: float = 0.0,
                  lookup: tuple[int, int, int] = (0, 2, 5), target_blocks: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = False):
         self.head = head
         self.stop_prob = stop_prob
         self.lookup_tokens, self.lookup_min, self.lookup_max = lookup  # n-gram branch (0: none)
@@ -100,7 +101,7 @@ class EagleProposer(Proposer):
         slack = self.topk * self.depth + max_draft_tokens + 2
         num_blocks = proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size)
         self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
-                                  block_size=block_size)
+                                  block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
         self._generators: dict[str, torch.Generator] = {}
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
@@ -122,6 +123,31 @@ class EagleProposer(Proposer):
             seed = None if req.seed is None else req.seed + 0x5EED
             self._generators[req.seq_id] = make_generator(seed, self.runner.device)
         return self._generators[req.seq_id]
+
+    # ---- prefix caching ----------------------------------------------------------------
+    # Head position i holds the pair (target feature i, token i + 1), and feature i is a function of
+    # tokens 0..i: so position i's keys and values depend on tokens 0..i + 1 alone. The head's blocks
+    # are hashed over the pairs (token i, token i + 1), one int each (`_pair_tokens`): a chain over
+    # pairs 0..i covers tokens 0..i + 1, the same rule as the target's, one token later.
+    @staticmethod
+    def _pair_tokens(token_ids: list[int]) -> list[int]:
+        return [(a << 32) | b for a, b in zip(token_ids, token_ids[1:])]
+
+    def cached_prefix(self, seq_id: str, token_ids: list[int]) -> int | None:
+        if not self.runner.prefix_caching:
+            return None
+        if self.runner.has(seq_id):
+            self.release(seq_id)
+        if self.runner.num_free_slots == 0:
+            return 0
+        cached = self.runner.allocate(seq_id, self._pair_tokens(token_ids))
+        self._features[seq_id] = []
+        self._last_used[seq_id] = next(self._clock)
+        return cached
+
+    def trim_prefix(self, seq_id: str, num_tokens: int) -> None:
+        if self.runner.has(seq_id) and self.runner.cached_len(seq_id) > num_tokens:
+            self.runner.set_cached_len(seq_id, num_tokens)
 
     # ---- catch-up --------------------------------------------------------------------
     def _allocate(self, seq_id: str) -> None:
@@ -177,8 +203,9 @@ class EagleProposer(Proposer):
             last = self._catch_up(ids, toks, feats)  # [B, H]: predicts the first draft token
             committed = [self.runner.cached_len(s) for s in ids]
             drafts = self._draft(active, last)
-            for s, n in zip(ids, committed):
+            for s, n, req in zip(ids, committed, active):
                 self.runner.set_cached_len(s, n)
+                self.runner.commit(s, self._pair_tokens(req.token_ids))  # positions < n: verified pairs
             by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
 
