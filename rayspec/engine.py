@@ -333,7 +333,8 @@ class LLMEngine:
             need = blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
             if need + len(self.running) > self.runner.num_free_blocks:
                 self.runner.free(seq.request_id)
-                self.proposer.release(seq.request_id)
+                if limit is not None:  # (the head's place, taken by cached_prefix)
+                    self.proposer.release(seq.request_id)
                 break
             if limit is not None:
                 self.proposer.trim_prefix(seq.request_id, cached)  # (the target's prefix may be shorter)
