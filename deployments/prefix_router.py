@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 logger = logging.getLogger("ray.serve")
 
+RESERVATION_TTL_S = 30.0  # a preferred request never routed (cancelled) stops counting after this
 ROUTED_METHODS = ("generate", "generate_stream")  # verifier calls that carry a prompt to prefill
 
 
@@ -157,6 +159,12 @@ class PrefixAwareRouter(RequestRouter):
         self.min_match_ratio = min_match_ratio
         self.block_size = block_size
         self.index = PrefixIndex(max_entries)
+        # requests this router preferred a replica for and has not yet seen routed: request id ->
+        # (replica, when). Counted in that replica's load, so a burst of requests chosen at once
+        # (Serve runs several routing tasks concurrently, each reading the same queue lengths
+        # before any of them is sent) spills past imbalance_threshold instead of all going to
+        # the prefix's replica. Forgotten when routed or completed, or after RESERVATION_TTL_S.
+        self._reserved: dict[str, tuple[ReplicaID, float]] = {}
 
     def _keys(self, pending_request: PendingRequest | None) -> tuple[list[int], int]:
         """(block keys, prompt length in units) of a generation request; ([], 0) for other calls."""
@@ -188,7 +196,18 @@ class PrefixAwareRouter(RequestRouter):
         if max(matched.values()) < max(1, min_matched):  # nothing worth a look at the loads
             return []
         loads = await self._loads(candidates)
-        return [by_id[r] for r in preferred_replicas(matched, loads, self.imbalance_threshold, min_matched)]
+        request_id = pending_request.metadata.internal_request_id
+        now = time.monotonic()
+        self._reserved.pop(request_id, None)  # chosen again (its first choice was full): count it once
+        for rid, (replica, since) in list(self._reserved.items()):
+            if now - since > RESERVATION_TTL_S:
+                del self._reserved[rid]
+            elif replica in loads:
+                loads[replica] += 1
+        preferred = preferred_replicas(matched, loads, self.imbalance_threshold, min_matched)
+        if preferred:
+            self._reserved[request_id] = (min(preferred, key=loads.__getitem__), now)
+        return [by_id[r] for r in preferred]
 
     async def _loads(self, candidates: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Ongoing requests of each candidate with room for one more: from Serve's queue-length cache
@@ -210,9 +229,14 @@ class PrefixAwareRouter(RequestRouter):
         return loads
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)  # Serve's cache counts it now
         keys, _ = self._keys(pending_request)
         if keys:
             self.index.insert(keys, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._reserved.pop(internal_request_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

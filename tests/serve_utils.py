@@ -58,3 +58,17 @@ def target_only_texts(model_dir, prompts: list[str]):
         return [o.text for o in engine.generate(prompts, params)]
 
     return texts
+
+
+def is_error_event(line: str) -> bool:
+    """Whether a server-sent-events line is an error event (a JSON object with an `error` key), not a
+    chunk whose generated text happens to contain the word."""
+    import json
+
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return False
+    try:
+        event = json.loads(line[len("data: "):])
+    except ValueError:
+        return True  # not JSON: not a chunk of ours either
+    return isinstance(event, dict) and "error" in event

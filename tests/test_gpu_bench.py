@@ -38,6 +38,7 @@ def prompts_available() -> bool:
 
 def run_script(args: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """gpu.sh in its own process group; on timeout it gets SIGTERM (its trap stops its servers)."""
+    env = {"PYTHON": sys.executable, **(os.environ if env is None else env)}  # this run's Python, venv or not
     proc = subprocess.Popen(["bash", str(GPU_SH), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from types import SimpleNamespace
 
 import httpx
@@ -119,7 +120,7 @@ def _router(**kwargs) -> PrefixAwareRouter:
 
 def _pending(prompt, method="generate"):
     return SimpleNamespace(args=[GenerateRequest(prompt=prompt)], kwargs={},
-                           metadata=SimpleNamespace(call_method=method))
+                           metadata=SimpleNamespace(call_method=method, internal_request_id=uuid.uuid4().hex))
 
 
 def test_router_prefers_the_replica_it_sent_the_prefix_to():
@@ -128,8 +129,10 @@ def test_router_prefers_the_replica_it_sent_the_prefix_to():
     router.loads = {"a": 0, "b": 0}
     prefix = "shared system prompt, a long one. " * 8
 
-    def choose(pending):
-        return asyncio.run(router.choose_replicas([a, b], pending))
+    def choose(pending):  # a request that is then sent elsewhere and done: its reservation goes
+        ranks = asyncio.run(router.choose_replicas([a, b], pending))
+        router.on_request_completed("a", pending.metadata.internal_request_id)
+        return ranks
 
     first = choose(_pending(prefix + "question 1"))
     assert len(first) == 1 and {r.replica_id for r in first[0]} == {"a", "b"}  # nothing known: two random
@@ -149,6 +152,26 @@ def test_router_prefers_the_replica_it_sent_the_prefix_to():
     assert len(choose(_pending(prefix, method="tokenize"))) == 1
     router.on_request_routed(_pending("another prompt, long enough " * 4, method="tokenize"), "a", None)
     assert router.index.replicas == {"b"}
+
+
+def test_a_burst_chosen_at_once_spills_past_the_threshold():
+    """Serve chooses for several requests before any is sent (the queue lengths it reads do not
+    move in between): the router counts its own preferences until they are routed."""
+    router = _router(imbalance_threshold=2, min_match_ratio=0.5, block_size=8)
+    a, b = (SimpleNamespace(replica_id=r, max_ongoing_requests=16) for r in ("a", "b"))
+    router.loads = {"a": 0, "b": 0}
+    prefix = "shared system prompt, a long one. " * 8
+    router.on_request_routed(_pending(prefix + "warm up"), "b", None)
+    burst = [_pending(prefix + f"question {i}") for i in range(6)]
+    ranks = [asyncio.run(router.choose_replicas([a, b], p)) for p in burst]
+    preferred = [len(r) == 2 and r[0] == [b] for r in ranks]
+    assert preferred == [True, True, True, False, False, False]  # b at 0, 1, 2 reserved; then 3 > 2 above a
+    router.on_request_routed(burst[0], "b", None)  # routed: Serve's queue lengths count it from now
+    router.loads = {"a": 0, "b": 1}
+    assert asyncio.run(router.choose_replicas([a, b], _pending(prefix + "later")))[0] != [b]  # 1 + 2 reserved
+    for p in burst[1:3]:
+        router.on_request_completed("b", p.metadata.internal_request_id)
+    assert asyncio.run(router.choose_replicas([a, b], _pending(prefix + "later")))[0] == [b]
 
 
 def test_router_falls_back_when_the_policy_fails():

@@ -10,7 +10,7 @@ import pytest
 import ray
 import ray.serve as serve
 
-from serve_utils import free_port, tiny_args, wait_for  # noqa: E402
+from serve_utils import free_port, is_error_event, tiny_args, wait_for  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 
@@ -56,7 +56,7 @@ def test_verifier_scales_up_and_down(autoscaled):
                 for line in r.iter_lines():
                     if not line:
                         continue
-                    if '"error"' in line:
+                    if is_error_event(line):
                         failures.append(f"error event: {line[:200]}")
                         return
                     last = line

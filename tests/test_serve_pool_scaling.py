@@ -21,7 +21,7 @@ import ray
 import ray.serve as serve
 
 from conftest import make_tiny_model_dir
-from serve_utils import free_port, tiny_args, wait_for
+from serve_utils import free_port, is_error_event, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.autoscaling import BUSY_METRIC, BusyMeter, ProposerBusyPolicy, proposer_autoscaling_config
 
@@ -144,7 +144,7 @@ class _Load:
                     for line in r.iter_lines():
                         if self.stop.is_set():
                             break
-                        if '"error"' in line:
+                        if is_error_event(line):
                             self.failures.append(line[:200])
                             return
                 self.done += 1
