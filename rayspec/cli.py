@@ -80,7 +80,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
-SERVE_ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "dtype", "tensor_parallel_size")
+def engine_flag_fields() -> list[tuple[str, type, object]]:
+    """(name, type, default) of the engine settings `rayspec serve` takes as flags: every scalar field of
+    rayspec.config.EngineConfig (the one list of them; the serve app's engine args mirror it)."""
+    import dataclasses
+    import typing
+
+    from rayspec.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    fields = []
+    for f in dataclasses.fields(EngineConfig):
+        kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        if len(kinds) == 1 and kinds[0] in (int, float, str, bool) and f.name != "model":
+            fields.append((f.name, kinds[0], f.default))
+    return fields
+
+
+def _add_engine_flags(parser) -> None:
+    group = parser.add_argument_group("engine", "the config's engine settings (engine: in the app args)")
+    for name, kind, default in engine_flag_fields():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"engine.{name} (default: {default})")
+        else:
+            group.add_argument(flag, type=kind, default=None, help=f"engine.{name} (default: {default})")
 
 
 def serve_config(args) -> tuple:
@@ -120,7 +145,7 @@ def serve_config(args) -> tuple:
     if args.speculative_config is not None:
         app_args.pop("speculative", None)
         app_args["speculative_config"] = args.speculative_config  # JSON text: AppArgs reads it
-    for key in SERVE_ENGINE_FLAGS:
+    for key, _, _ in engine_flag_fields():
         value = getattr(args, key)
         if value is not None:
             engine = dict(app_args.get("engine") or {})
@@ -342,10 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None,
                    help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     p.add_argument("--served-model-name", default=None, help="the name clients send (default: MODEL)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=None)
+    _add_engine_flags(p)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` (or $RAYSPEC_API_KEY)")
     p.add_argument("--host", default=None, help="default: the config's http_options, else 0.0.0.0")
     p.add_argument("--port", type=int, default=None, help="default: the config's http_options, else 8000")

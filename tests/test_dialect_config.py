@@ -268,6 +268,23 @@ def test_rayspec_serve_flags_override_the_config(tmp_path):
         parse_serve("m", "--config", str(flat))
 
 
+def test_rayspec_serve_engine_flags_come_from_the_engine_config():
+    """One list of engine settings: every scalar EngineConfig field is a `rayspec serve` flag and a key
+    of the serve app's engine args, and a flag reaches the engine args."""
+    from deployments.config import EngineArgs
+    from rayspec.cli import engine_flag_fields
+
+    names = {name for name, _, _ in engine_flag_fields()}
+    assert {"max_model_len", "max_num_seqs", "kv_cache_memory_gb", "block_size", "enable_prefix_caching",
+            "max_num_batched_tokens", "tensor_parallel_size", "dtype"} <= names
+    assert names <= set(EngineArgs.model_fields), names - set(EngineArgs.model_fields)
+    cfg = parse_serve("m", "--kv-cache-memory-gb", "0.5", "--block-size", "32", "--no-enable-prefix-caching",
+                      "--max-num-batched-tokens", "512")[0]
+    assert (cfg.engine.kv_cache_memory_gb, cfg.engine.block_size, cfg.engine.enable_prefix_caching,
+            cfg.engine.max_num_batched_tokens) == (0.5, 32, False, 512)
+    assert parse_serve("m")[0].engine.enable_prefix_caching is True  # an absent flag leaves the config's
+
+
 def test_rayspec_serve_bad_args_exit_2(tmp_path, capsys):
     from rayspec.cli import main
 
