@@ -59,6 +59,35 @@ def _deployment(options: Any, where: str) -> dict:
     return options
 
 
+# Ray Serve LLM's prefix-affinity router's kwargs -> our prefix_routing keys (deployments.prefix_router)
+PREFIX_ROUTER_KWARGS = {"imbalanced_threshold": "imbalance_threshold", "match_rate_threshold": "min_match_ratio"}
+
+
+def _prefix_routing(router: Any) -> dict:
+    """deployment_config.request_router_config -> our `prefix_routing`: Ray Serve LLM's
+    PrefixCacheAffinityRouter becomes ours (its thresholds translated), Serve's default
+    power-of-two-choices router turns prefix routing off; another router class is refused."""
+    router = _as_object(router, "request_router_config")
+    unknown = set(router) - {"request_router_class", "request_router_kwargs"}
+    if unknown:
+        raise _unknown("request_router_config", unknown, ("request_router_class", "request_router_kwargs"))
+    name = str(router.get("request_router_class") or "").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
+    if name in ("PowerOfTwoChoicesRequestRouter", ""):
+        return {"enabled": False}
+    if name not in ("PrefixCacheAffinityRouter", "PrefixAwareRouter"):
+        raise ValueError(f"request_router_config.request_router_class {router.get('request_router_class')!r}: "
+                         "rayspec routes by prefix (PrefixCacheAffinityRouter) or by load "
+                         "(PowerOfTwoChoicesRequestRouter)")
+    kwargs = _as_object(router.get("request_router_kwargs") or {}, "request_router_kwargs")
+    out = {"enabled": True}
+    for key, value in kwargs.items():
+        ours = PREFIX_ROUTER_KWARGS.get(key, key)
+        if ours not in ("imbalance_threshold", "min_match_ratio", "block_size", "max_entries"):
+            raise _unknown("request_router_kwargs", {key}, set(PREFIX_ROUTER_KWARGS) | {"block_size", "max_entries"})
+        out[ours] = value
+    return out
+
+
 def translate_llm_app_args(args: Any) -> dict:
     """`ray.serve.llm:build_openai_app`-shaped args (one LLMConfig) -> our app args (a dict AppArgs
     validates, in the vLLM dialect for engine_kwargs). rayspec's own AppArgs keys are taken beside
@@ -108,7 +137,11 @@ def translate_llm_app_args(args: Any) -> dict:
     for key, value in engine.items():
         put(key, value)
 
-    verifier = _deployment(cfg.get("deployment_config") or {}, "deployment_config")
+    deployment_config = dict(_as_object(cfg.get("deployment_config") or {}, "deployment_config"))
+    router = deployment_config.pop("request_router_config", None)
+    if router is not None:
+        put("prefix_routing", _prefix_routing(router))
+    verifier = _deployment(deployment_config, "deployment_config")
     actor = dict(verifier.get("ray_actor_options") or {})
     if cfg.get("accelerator_type"):
         # as Ray Serve LLM: a GPU per replica (rank) on a node of that accelerator type

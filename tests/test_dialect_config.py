@@ -166,6 +166,26 @@ def test_llm_configs_details(tmp_path):
     assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}] and opts["placement_group_strategy"] == "PACK"
 
 
+def test_llm_configs_request_router():
+    """Ray Serve LLM's prefix-affinity router (its thresholds renamed) is our prefix routing; Serve's
+    default router turns it off."""
+    def with_router(router):
+        args = copy.deepcopy(LLM_ARGS)
+        args["llm_configs"][0].setdefault("deployment_config", {})["request_router_config"] = router
+        return AppArgs.model_validate(translate_llm_app_args(args))
+
+    cfg = with_router({"request_router_class": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+                       "request_router_kwargs": {"imbalanced_threshold": 3, "match_rate_threshold": 0.2}})
+    kwargs = cfg.verifier_options()["request_router_config"]["request_router_kwargs"]
+    assert cfg.prefix_routing_enabled and (kwargs["imbalance_threshold"], kwargs["min_match_ratio"]) == (3, 0.2)
+    off = with_router({"request_router_class": "ray.serve.request_router.PowerOfTwoChoicesRequestRouter"})
+    assert not off.prefix_routing_enabled and "request_router_config" not in off.verifier_options()
+    with pytest.raises(ValueError, match="PrefixCacheAffinityRouter"):
+        with_router({"request_router_class": "my.Router"})
+    with pytest.raises(ValueError, match="request_router_kwargs"):
+        with_router({"request_router_class": "PrefixCacheAffinityRouter", "request_router_kwargs": {"tree_size": 1}})
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a.update(llm_configs=[]), "one LLMConfig"),
     (lambda a: a["llm_configs"].append(a["llm_configs"][0]), "one LLMConfig"),
