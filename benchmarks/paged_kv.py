@@ -6,6 +6,8 @@
   throughput: MT-bench prompts (chat template) at --concurrency, offline: output tokens per second
   prefix:     two requests sharing a --prefix-tokens prefix, one after the other: each one's time to
               first token and the second's decode speed, prefix caching on and off
+  decode:     single-request decode speed after a --prefix-tokens prefix, prefix caching on (the prefix
+              found cached) against off, one engine each, interleaved --rounds times: the ratio per round
 
 It runs against whichever `rayspec` is first on the path, so the code before paging runs it too
 (PYTHONPATH=<a worktree of the older commit>): there the engine has slots, not blocks.
@@ -29,7 +31,11 @@ from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.sampling import SamplingParams
 
-PROMPTS = Path(os.environ.get("RAYSPEC_PROMPTS", "/work/shared/data/prompts")) / "mt_bench.jsonl"
+try:  # the bundled set; the code before paging has no rayspec.bench.prompts.prompts_path
+    from rayspec.bench.prompts import prompts_path
+    PROMPTS = prompts_path(os.environ.get("RAYSPEC_PROMPTS", "mt_bench"))
+except ImportError:
+    PROMPTS = Path(os.environ["RAYSPEC_PROMPTS"])
 
 
 def build(args, **extra) -> LLMEngine:
@@ -117,9 +123,39 @@ def prefix(args) -> dict:
     return {"prefix_tokens": args.prefix_tokens, **out}
 
 
+def decode(args) -> dict:
+    engines = {"off": build(args, enable_prefix_caching=False), "on": build(args, enable_prefix_caching=True)}
+    base = mt_bench(engines["off"], 80)
+    shared = [t for p in base for t in p][: args.prefix_tokens]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for engine in engines.values():  # warm up; "on" now holds the prefix's blocks in its cache
+        engine.generate([shared + [5]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    rounds = []
+    for r in range(args.rounds):
+        speeds, cached = {}, {}
+        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):  # alternate who goes first
+            engine = engines[name]
+            engine.add_request(shared + [100 + r], params)
+            start = first = None
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if first is None and o.token_ids:
+                        first = time.perf_counter()
+                    cached[name] = getattr(o, "num_cached_tokens", 0)
+            speeds[name] = (args.max_tokens - 1) / (time.perf_counter() - first)
+        rounds.append({"off_tok_per_s": round(speeds["off"], 2), "on_tok_per_s": round(speeds["on"], 2),
+                       "ratio": round(speeds["on"] / speeds["off"], 4), "on_cached_tokens": cached["on"]})
+    ratios = sorted(x["ratio"] for x in rounds)
+    return {"prefix_tokens": args.prefix_tokens, "max_tokens": args.max_tokens, "rounds": rounds,
+            "median_ratio": ratios[len(ratios) // 2],
+            "geomean_ratio": round(float(torch.tensor(ratios).log().mean().exp()), 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["capacity", "throughput", "prefix"])
+    ap.add_argument("mode", choices=["capacity", "throughput", "prefix", "decode"])
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--method", default="none")
     ap.add_argument("--k", type=int, default=0)
@@ -133,7 +169,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1500)
     ap.add_argument("--num-threads", type=int, default=None)
     args = ap.parse_args()
-    result = {"capacity": capacity, "throughput": throughput, "prefix": prefix}[args.mode](args)
+    result = {"capacity": capacity, "throughput": throughput, "prefix": prefix, "decode": decode}[args.mode](args)
     print(json.dumps({"mode": args.mode, "cpu": platform.processor() or platform.machine(),
                       "torch_threads": torch.get_num_threads(), **vars(args), **result}, indent=1))
 
