@@ -93,7 +93,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            table.append(self._take())
+            table.append(self._take(prefer=table[-1] + 1 if table else None))
         return True
 
     def shrink(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]:
@@ -138,7 +138,20 @@ class BlockManager:
             self._release(block)
 
     # ---- blocks ---------------------------------------------------------------------------------
-    def _take(self) -> int:
+    def _take(self, prefer: int | None = None) -> int:
+        """A block for a sequence to write: `prefer` (the one after its last) when nobody holds it, so
+        its blocks stay consecutive and a lone sequence's keys are read as a view of the pool, not
+        gathered (a gather reads and writes the whole context per layer per step: 0.77x decode speed at
+        1,500 tokens of SmolLM2 on a 2-core AMD EPYC). A cached block nobody holds is evicted for it
+        too: after a shared prefix that is the block where an earlier request's own text went on."""
+        if prefer is not None and self._ref.get(prefer, 1) == 0:
+            if prefer in self._lru:
+                del self._lru[prefer]
+                del self._cached[self._hash_of.pop(prefer)]
+            else:
+                self._free.remove(prefer)
+            self._ref[prefer] = 1
+            return prefer
         if self._free:
             block = self._free.pop()
         elif self._lru:  # evict the least recently released cached block
