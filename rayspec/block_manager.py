@@ -38,6 +38,7 @@ class BlockManager:
         self._ref = {b: 0 for b in self._free}
         self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding it
         self._hash_of: dict[int, bytes] = {}  # registered block -> its prefix hash
+        self._parent_of: dict[int, bytes] = {}  # registered block -> the prefix hash it follows (b"": first)
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, oldest first
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its first full blocks
@@ -93,7 +94,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            table.append(self._take(prefer=table[-1] + 1 if table else None))
+            table.append(self._take(prefer=table[-1] + 1 if table else None, after=self._chain_end(seq_id)))
         return True
 
     def shrink(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]:
@@ -129,6 +130,7 @@ class BlockManager:
             block = table[i]
             if h not in self._cached and block not in self._hash_of:  # else another block holds it already
                 self._cached[h], self._hash_of[block] = block, h
+                self._parent_of[block] = hashes[-2] if len(hashes) > 1 else b""
 
     def free(self, seq_id: str) -> None:
         """Give back seq_id's blocks (the last first: the tail of a prefix is evicted before its head)."""
@@ -138,16 +140,34 @@ class BlockManager:
             self._release(block)
 
     # ---- blocks ---------------------------------------------------------------------------------
-    def _take(self, prefer: int | None = None) -> int:
+    def _chain_end(self, seq_id: str) -> bytes | None:
+        """The hash of the prefix seq_id's table ends with when every block of it is a registered full
+        block of its chain (b"" for an empty table), else None."""
+        table, hashes = self.tables[seq_id], self._hashes[seq_id]
+        if len(hashes) != len(table):
+            return None
+        return hashes[-1] if hashes else b""
+
+    def _orphan(self, block: int) -> bool:
+        """A registered block whose prefix's previous block is no longer registered: a lookup walks the
+        chain from its start, so it can never be found again."""
+        parent = self._parent_of.get(block, b"")
+        return parent != b"" and parent not in self._cached
+
+    def _take(self, prefer: int | None = None, after: bytes | None = None) -> int:
         """A block for a sequence to write: `prefer` (the one after its last) when nobody holds it, so
         its blocks stay consecutive and a lone sequence's keys are read as a view of the pool, not
         gathered (a gather reads and writes the whole context per layer per step: 0.77x decode speed at
         1,500 tokens of SmolLM2 on a 2-core AMD EPYC). A cached block nobody holds is evicted for it
-        too: after a shared prefix that is the block where an earlier request's own text went on."""
-        if prefer is not None and self._ref.get(prefer, 1) == 0:
+        only when it continues the same prefix (`after`: the hash the sequence's table ends with), that
+        is another request's own text after a prefix both share, or when no lookup can reach it any more
+        (its parent's registration is gone: `_orphan`); never the head or middle of a live chain."""
+        if prefer is not None and self._ref.get(prefer, 1) == 0 and (
+                prefer not in self._lru or self._parent_of.get(prefer) == after or self._orphan(prefer)):
             if prefer in self._lru:
                 del self._lru[prefer]
                 del self._cached[self._hash_of.pop(prefer)]
+                del self._parent_of[prefer]
             else:
                 self._free.remove(prefer)
             self._ref[prefer] = 1
@@ -157,6 +177,7 @@ class BlockManager:
         elif self._lru:  # evict the least recently released cached block
             block, _ = self._lru.popitem(last=False)
             del self._cached[self._hash_of.pop(block)]
+            self._parent_of.pop(block, None)
         else:
             raise RuntimeError("no free KV block")
         self._ref[block] = 1

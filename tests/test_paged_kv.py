@@ -82,6 +82,31 @@ def test_lru_eviction_only_when_the_free_list_is_empty():
     assert bm.allocate("a2", [1, 2, 3]) == 0 and bm.allocate("b2", [4, 5, 6]) == 2
 
 
+def test_growing_keeps_blocks_consecutive_without_breaking_other_prefixes():
+    """A sequence takes the block after its last where it can (its keys then read as a view): a free
+    one, a cached one that continues its own prefix (another request's text after it), or one no lookup
+    can reach; never the head of another prefix's chain."""
+    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14]  # a: blocks of 2, b after it in the pool
+    for s, toks in (("a", a), ("b", b)):
+        bm.allocate(s, toks)
+        bm.grow(s, len(toks))
+        bm.commit(s, toks, len(toks))
+    table_a, table_b = list(bm.tables["a"]), list(bm.tables["b"])
+    assert table_b[0] == table_a[-1] + 1  # b lies right after a
+    bm.free("a")
+    bm.free("b")
+    # a's first 2 blocks again, then its own text: a's third block (a sibling after the shared prefix)
+    # and its fourth (now unreachable) are taken, so the table is consecutive
+    c = a[:4] + [90, 91, 92, 93, 94]
+    assert bm.allocate("c", c) == 4
+    bm.grow("c", len(c))
+    assert bm.tables["c"][:4] == table_a  # 2 shared, then a's sibling block and its orphaned successor
+    # the next block would be b's head: b's chain stays, c's fifth block comes from elsewhere
+    assert bm.tables["c"][4] != table_b[0]
+    assert bm.allocate("b2", b + [15]) == 4  # b's prefix still found whole
+
+
 def test_shrinking_into_a_shared_block_copies_it():
     bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
     tokens = list(range(1, 10))
