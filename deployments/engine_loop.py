@@ -306,7 +306,7 @@ class EngineLoop:
             "device": str(engine.device),
             "num_slots": engine.num_slots,
             "num_free_slots": engine.runner.num_free_slots,  # KV slots no sequence holds
-            "kv_cache_usage": round(kv_cache_usage(engine), 6),
+            "kv_cache_usage": round(engine.kv_cache_usage(), 6),
             "max_model_len": engine.max_model_len,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "cpu_kernels": getattr(getattr(engine.model, "cpu_kernels", None), "variant", None),
@@ -334,14 +334,3 @@ class EngineLoop:
                 self.metrics.update(self.snapshot)
             except Exception:  # noqa: BLE001 - metrics are best effort
                 logger.exception("metrics update failed")
-
-
-def kv_cache_usage(engine) -> float:
-    """Fraction of the KV cache in use, 0..1: the runner's own measure (blocks in use) where it has
-    one, else the share of sequence slots held."""
-    runner = engine.runner
-    usage = getattr(runner, "kv_cache_usage", None)
-    if usage is not None:
-        return float(usage() if callable(usage) else usage)
-    num_slots = getattr(runner, "num_slots", None) or engine.num_slots
-    return (num_slots - runner.num_free_slots) / num_slots if num_slots else 0.0

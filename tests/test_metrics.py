@@ -112,7 +112,7 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
     delivered outputs', one TTFT, queue time and e2e per request, one inter-token latency per
     later output that carried tokens; an abort counts as finished_reason "abort"; the snapshot's
     KV usage is a fraction."""
-    from deployments.engine_loop import EngineLoop, kv_cache_usage
+    from deployments.engine_loop import EngineLoop
 
     recorder = Recorder()
     loop = EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", k=4, max_num_seqs=2, loaded=loaded),
@@ -166,7 +166,7 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
         def deliver_d(item):
             if not first and not isinstance(item, Exception) and item.num_output_tokens:
                 first.append(item.num_output_tokens)
-                first.append(kv_cache_usage(loop.engine))  # on the loop thread, the request holding KV
+                first.append(loop.engine.kv_cache_usage())  # on the loop thread, the request holding KV
                 loop.abort("d")
 
         loop.submit("d", prompts["a"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), deliver_d)
@@ -177,14 +177,3 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
         assert 0.0 < first[1] <= 1.0
     finally:
         loop.shutdown()
-
-
-def test_kv_cache_usage_prefers_the_runners_own_measure():
-    from types import SimpleNamespace
-
-    from deployments.engine_loop import kv_cache_usage
-
-    slots = SimpleNamespace(runner=SimpleNamespace(num_slots=4, num_free_slots=1), num_slots=4)
-    assert kv_cache_usage(slots) == 0.75
-    paged = SimpleNamespace(runner=SimpleNamespace(kv_cache_usage=lambda: 0.125, num_free_slots=0), num_slots=4)
-    assert kv_cache_usage(paged) == 0.125
