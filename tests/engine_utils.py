@@ -175,3 +175,25 @@ def binomial_interval(p: float, n: int, delta: float = 1e-4) -> tuple[float, flo
         return (lo + hi) / 2
 
     return solve(0.0, p, upper=False), solve(p, 1.0, upper=True)
+
+
+def submit_all(loop, prompts: dict, params: SamplingParams, timeout: float) -> dict[str, list]:
+    """Submit each prompt to an EngineLoop under its request id and wait for all to finish (their last
+    output, or the exception they ended with): every item delivered, per request id."""
+    import threading
+
+    got: dict[str, list] = {}
+    finished = threading.Semaphore(0)
+
+    def deliver_to(rid):
+        def deliver(item):
+            got.setdefault(rid, []).append(item)
+            if isinstance(item, Exception) or item.finished:
+                finished.release()
+        return deliver
+
+    for rid, prompt in prompts.items():
+        loop.submit(rid, prompt, params, deliver_to(rid))
+    for _ in prompts:
+        assert finished.acquire(timeout=timeout)
+    return got

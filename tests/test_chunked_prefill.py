@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model_dir
-from engine_utils import cached_model, make_engine, run_joining, run_to_completion
+from engine_utils import cached_model, make_engine, run_to_completion, submit_all
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
 from rayspec.runner import catch_up_pieces, prefill_groups
@@ -322,7 +322,6 @@ def test_long_prefill_peak_memory_is_one_chunk(smollm2):
 def test_engine_loop_delivers_one_requests_failure_to_that_request_only(target_dir, target):
     """Served: the failed request's stream ends with the engine's error (the ingress's 500), the
     others are delivered in full, and the loop counts it (`num_failed` in /v1/stats)."""
-    import threading
 
     from deployments.engine_loop import EngineLoop
 
@@ -333,21 +332,8 @@ def test_engine_loop_delivers_one_requests_failure_to_that_request_only(target_d
 
     loop = EngineLoop(factory)
     loop.wait_ready(60)
-    got: dict[str, list] = {}
-    finished = threading.Semaphore(0)
-
-    def deliver_to(rid):
-        def deliver(item):
-            got.setdefault(rid, []).append(item)
-            if isinstance(item, Exception) or item.finished:
-                finished.release()
-        return deliver
-
     prompts = {"a": PROMPTS[0], "bad": [7, POISON, 9], "b": PROMPTS[2]}
-    for rid, prompt in prompts.items():
-        loop.submit(rid, prompt, GREEDY, deliver_to(rid))
-    for _ in prompts:
-        assert finished.acquire(timeout=60)
+    got = submit_all(loop, prompts, GREEDY, timeout=60)
     try:
         assert isinstance(got["bad"][-1], RuntimeError) and "out of memory" in str(got["bad"][-1])
         reference = _engine(target_dir, target, "ngram", 64).generate([PROMPTS[0], PROMPTS[2]], GREEDY)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import pytest
 
 from deployments.metrics import METRICS, PREFIX, RAY_PREFIX, exported_series, scraped_names
-from engine_utils import make_engine
+from engine_utils import make_engine, submit_all
 from serve_utils import wait_for
 from rayspec.metrics import IterationStats
 from rayspec.sampling import SamplingParams
@@ -118,24 +117,11 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
     loop = EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", k=4, max_num_seqs=2, loaded=loaded),
                       metrics=recorder)
     loop.wait_ready(60)
-    got: dict[str, list] = {}
-    finished = threading.Semaphore(0)
-
-    def deliver_to(rid):
-        def deliver(item):
-            got.setdefault(rid, []).append(item)
-            if isinstance(item, Exception) or item.finished:
-                finished.release()
-        return deliver
-
     prompts = {"a": "The quick brown fox jumps over the lazy dog. The quick brown fox",
                "b": "one two three one two three one two", "c": "Hello there, how are"}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     try:
-        for rid, prompt in prompts.items():
-            loop.submit(rid, prompt, params, deliver_to(rid))
-        for _ in prompts:
-            assert finished.acquire(timeout=120)
+        got = submit_all(loop, prompts, params, timeout=120)
         final = {rid: outs[-1] for rid, outs in got.items()}
         assert all(out.finish_reason == "length" and out.num_output_tokens == 12 for out in final.values())
         assert recorder.total("num_prompt_tokens") == sum(o.num_prompt_tokens for o in final.values())
