@@ -24,12 +24,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rayspec.adaptive import AdaptiveDraftLength
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
 from rayspec.config import EngineConfig, ProposerContext
+from rayspec.device_io import to_device, to_host
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
@@ -574,42 +576,45 @@ class LLMEngine:
         logits = process_verification_logits(raw, seqs, pending, drafts, starts, lengths)
         offsets = [len(p) - 1 for p in pending]
         width = 1 + max(len(d.tokens) for d in drafts)
-        # the packed index of each draft position plus the bonus position: [B, width]
-        index = torch.tensor([[b + min(o + j, n - 1) for j in range(width)] for b, o, n in zip(starts, offsets, lengths)],
-                             device=self.device)
-        argmax = logits.argmax(-1)  # [N]; gathering [B, width] ids, not [B, width, vocab] logits (2 ms)
-        greedy_emitted = verify_greedy(argmax[index], [d.tokens for d in drafts])
-        if trees is not None:  # greedy trees read each row's target choices as a list
-            flat = argmax.tolist()
-            target_argmax = [flat[b: b + n] for b, n in zip(starts, lengths)]
+        flat = None
+        if any(s.params.greedy for s in seqs):  # one read: the target's choice at every row
+            (flat,) = to_host(logits.argmax(-1))
+            flat = flat.tolist()
         self._committing = True  # from here sequences take their tokens: a failure cannot be retried
+        verdicts: list[tuple[list[int], list[int]]] = []  # (emitted tokens, kept rows) per sequence
         for i, seq in enumerate(seqs):
-            row_logits = logits[starts[i]: starts[i] + lengths[i]]  # [len(inputs[i]), vocab]
-            draft = drafts[i]
-            kv_start = self.runner.cached_len(seq.request_id) - (0 if trees is not None else len(inputs[i]))
+            draft, b, n_rows, o = drafts[i], starts[i], lengths[i], offsets[i]
             if not draft.is_chain:
                 if seq.params.greedy:
-                    emitted, path = verify_tree_greedy(target_argmax[i], len(pending[i]), draft)
+                    emitted, path = verify_tree_greedy(flat[b: b + n_rows], len(pending[i]), draft)
                 else:
-                    emitted, path = verify_tree_sampled(self._row_probs(seq, row_logits), len(pending[i]), draft,
-                                                        seq.generator)
+                    emitted, path = verify_tree_sampled(self._row_probs(seq, logits[b: b + n_rows]),
+                                                        len(pending[i]), draft, seq.generator)
                 rows = list(range(len(pending[i]))) + [len(pending[i]) + j for j in path]
             else:
+                n = len(draft.tokens)  # rows o..o+n: the last pending token, then the drafts
                 if seq.params.greedy:
-                    emitted = greedy_emitted[i]
+                    emitted = verify_greedy([flat[b + o: b + o + n + 1]], [draft.tokens])[0]
                 else:
-                    n = len(draft.tokens)
-                    probs = logits_to_probs(logits[index[i, : n + 1]], seq.params.temperature,
+                    probs = logits_to_probs(logits[b + o: b + o + n + 1], seq.params.temperature,
                                             seq.params.top_k, seq.params.top_p)
                     emitted = verify_sampled(probs, draft.tokens, draft.probs, seq.generator)
                 rows = list(range(len(pending[i]) + len(emitted) - 1))
+            verdicts.append((emitted, rows))
+        if trees is not None:  # the accepted nodes' KV follows each prefix (one copy for the batch)
+            self.runner.keep_paths([(s.request_id, rows) for s, (_, rows) in zip(seqs, verdicts)])
+        else:
+            for s, inp, (_, rows) in zip(seqs, inputs, verdicts):
+                self.runner.set_cached_len(s.request_id, self.runner.cached_len(s.request_id) - len(inp) + len(rows))
+        if features is not None:  # the kept rows' features, gathered in one index_select
+            (index,) = to_device(np.asarray([starts[i] + r for i, (_, rows) in enumerate(verdicts) for r in rows],
+                                            dtype=np.int64), device=features.device)
+            kept = features.index_select(0, index).split([len(rows) for _, rows in verdicts])
+            for seq, part in zip(seqs, kept):
+                seq.features.append(part)
+        for i, seq in enumerate(seqs):
+            draft, (emitted, rows) = drafts[i], verdicts[i]
             num_accepted = len(emitted) - 1
-            if trees is not None:
-                self.runner.keep_path(seq.request_id, rows)
-            else:
-                self.runner.set_cached_len(seq.request_id, kv_start + len(rows))
-            if features is not None:
-                seq.features.append(features[[starts[i] + r for r in rows]])  # indexing copies
             kept = seq.append_tokens(emitted)
             # emitted token j was predicted by row rows[len(pending) - 1 + j] (chain and tree alike)
             if seq.logprobs is not None:

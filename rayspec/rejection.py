@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 
 
-def verify_greedy(target_argmax: torch.Tensor, draft_tokens: list[list[int]]) -> list[list[int]]:
-    """target_argmax: [B, Q] target argmax at each verified position (Q >= 1 + max drafts).
+def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int]]:
+    """target_argmax: [B, Q] target argmax at each verified position (Q >= 1 + len(row's drafts)),
+    host lists (or a tensor, read here).
 
     Returns for each row the emitted tokens: accepted drafts + the bonus/recovered token.
     """
-    rows = target_argmax.tolist()
+    rows = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else target_argmax
     out = []
     for target, drafts in zip(rows, draft_tokens):
         m = 0

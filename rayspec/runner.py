@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rayspec.block_manager import BlockManager
+from rayspec.device_io import to_device
 from rayspec.model import CausalLM, ForwardBatch, KVCache
 
 SCRATCH_BLOCK = 0
@@ -132,24 +133,23 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             bs = self.block_size
-            src = torch.tensor([b * bs + r for b, _ in copies for r in range(bs)], device=self.device)
-            dst = torch.tensor([b * bs + r for _, b in copies for r in range(bs)], device=self.device)
-            self.cache.move_rows(src, dst)
+            src = np.array([b * bs + r for b, _ in copies for r in range(bs)], dtype=np.int64)
+            dst = np.array([b * bs + r for _, b in copies for r in range(bs)], dtype=np.int64)
+            self.cache.move_rows(*to_device(src, dst, device=self.device))
 
     def _consecutive(self, seq_id: str, kv_len: int) -> bool:
         blocks = self.blocks.tables[seq_id][: -(-kv_len // self.block_size)]
         return len(blocks) * self.block_size >= kv_len and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
-    def _rows(self, seq_ids: list[str], kv_len: int) -> torch.Tensor:
-        """[B, kv_len] long: the cache row of each row's positions 0..kv_len-1 (past its blocks: scratch)."""
+    def _rows(self, seq_ids: list[str], kv_len: int) -> np.ndarray:
+        """[B, kv_len] int64: the cache row of each row's positions 0..kv_len-1 (past its blocks: scratch)."""
         bs = self.block_size
         nb = -(-kv_len // bs)
         table = np.full((len(seq_ids), nb), SCRATCH_BLOCK, dtype=np.int64)
         for b, s in enumerate(seq_ids):
             blocks = self.blocks.tables[s][:nb]
             table[b, : len(blocks)] = blocks
-        rows = (table[:, :, None] * bs + np.arange(bs)).reshape(len(seq_ids), nb * bs)[:, :kv_len]
-        return torch.from_numpy(rows).to(self.device)
+        return (table[:, :, None] * bs + np.arange(bs)).reshape(len(seq_ids), nb * bs)[:, :kv_len]
 
     # ---- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,6 +184,8 @@ class ModelRunner:
                        **model_kwargs):
         """Run the model over new tokens; returns (model output, row lengths).
 
+        token_lists: a list of token lists (host), or a [B, Q] long tensor on the device (drafted
+        tokens that never went to the host: every row Q tokens).
         The output is [B, Q, ...] with rows padded at the end (padding meaningless), or with
         `packed` [N, ...]: the real tokens only, row after row (see `packed_offsets`).
 
@@ -193,9 +195,14 @@ class ModelRunner:
         cached_len + depth(j) and sees the prefix plus its own ancestors. The cached length
         does not move; the caller keeps an accepted path with `keep_path`.
         model_kwargs go to the model (aux_layers for a target, features for an EAGLE head).
+
+        Everything the forward needs is built on the host from host data (block tables, lengths,
+        tree shapes) and goes to the device in one non-blocking copy (rayspec.device_io): no read
+        of device data here.
         """
         B = len(seq_ids)
-        lengths = [len(t) for t in token_lists]
+        on_device = isinstance(token_lists, torch.Tensor)
+        lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
         starts = [self._cached_len[s] for s in seq_ids]
         dev = self.device
@@ -203,50 +210,70 @@ class ModelRunner:
             ends = [start + Q for start in starts]  # padding included: it is written too (past a row's blocks: scratch)
             real_ends = [start + n for start, n in zip(starts, lengths)]
         else:
-            ends = [start + max(len(t.parents), t.first + Q) for start, t in zip(starts, trees)]
-            real_ends = [start + max(len(t.parents), t.first + n) for start, t, n in zip(starts, trees, lengths)]
+            ends = [start + max(t.num_nodes, t.first + Q) for start, t in zip(starts, trees)]
+            real_ends = [start + max(t.num_nodes, t.first + n) for start, t, n in zip(starts, trees, lengths)]
         for s, end in zip(seq_ids, real_ends):
             if not self.grow(s, end):
                 raise CacheFullError(f"no free KV block for sequence {s}")
-        padded = [t + [0] * (Q - len(t)) for t in token_lists]
-        input_ids = torch.tensor(padded, dtype=torch.long, device=dev)
-        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
         kv_len = max(ends)
-        cache_positions = None
         args = self.model.args
+        starts_np = np.asarray(starts, dtype=np.int64)
+        host: dict[str, np.ndarray] = {}
+        if not on_device:
+            ids = np.zeros((B, Q), dtype=np.int64)
+            for b, t in enumerate(token_lists):
+                ids[b, : len(t)] = t
+            host["input_ids"] = ids
+        key_pos_np = None
         if trees is None:
-            positions = start_t[:, None] + torch.arange(Q, device=dev)  # [B, Q]
+            positions = starts_np[:, None] + np.arange(Q)  # [B, Q]
+            write_pos = host["positions"] = positions
+        else:
+            positions, write_pos, visible_np, key_pos_np = tree_layout_host(
+                trees, starts, Q, kv_len, with_key_positions=bool(args.sliding_layers))
+            host["positions"], host["cache_positions"], host["visible"] = positions, write_pos, visible_np
+            if key_pos_np is not None:
+                host["key_positions"] = key_pos_np
+        read_np = self._rows(seq_ids, kv_len)  # [B, kv_len]
+        host["read_index"] = read_np
+        host["write_index"] = np.take_along_axis(read_np, write_pos, axis=1)  # [B, Q]
+        if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
+            host["real_rows"] = np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)])
+        t = dict(zip(host, to_device(*host.values(), device=dev)))
+        input_ids = token_lists if on_device else t["input_ids"]
+        positions_t = t["positions"]
+        cache_positions = key_positions = None
+        if trees is None:
             if B == 1 and Q == 1:
-                mask = visible = key_positions = None
+                mask = visible = None
             else:
                 key_positions = torch.arange(kv_len, device=dev)[None]  # [1, kv_len]: cache row j holds position j
-                visible = (key_positions[:, None, :] <= positions[:, :, None])[:, None]  # [B, 1, Q, kv_len]
+                visible = (key_positions[:, None, :] <= positions_t[:, :, None])[:, None]  # [B, 1, Q, kv_len]
                 mask = additive_mask(visible, self.dtype)
         else:
-            positions, cache_positions, visible, key_positions = tree_layout(
-                trees, starts, Q, kv_len, dev, with_key_positions=bool(args.sliding_layers))
+            cache_positions, visible = t["cache_positions"], t["visible"]
+            key_positions = t.get("key_positions")
+            for b, (tree, start) in enumerate(zip(trees, starts)):
+                if tree.sees is not None:  # ancestry known on the device only
+                    n = tree.sees.shape[1]
+                    visible[b, 0, : tree.sees.shape[0], start: start + n] = tree.sees
             mask = additive_mask(visible, self.dtype)
         sliding_start, sliding_mask = 0, None
         if args.sliding_layers:
-            sliding_start, sliding_mask = sliding_window_mask(visible, mask, positions, key_positions,
+            sliding_start, sliding_mask = sliding_window_mask(visible, mask, positions_t, key_positions,
                                                               args.sliding_window, min(starts), kv_len)
-        real_rows = None
-        if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
-            real_rows = torch.from_numpy(np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)]))
-        read_index = self._rows(seq_ids, kv_len)  # [B, kv_len]
         read_range = None
         if B == 1 and self._consecutive(seq_ids[0], kv_len):  # its keys are a view of the pool
             lo = self.blocks.tables[seq_ids[0]][0] * self.block_size
             read_range = (lo, lo + kv_len)
-        write_index = read_index.gather(1, positions if cache_positions is None else cache_positions)  # [B, Q]
         batch = ForwardBatch(
-            write_index=write_index,
-            read_index=read_index,
-            positions=positions,
+            write_index=t["write_index"],
+            read_index=t["read_index"],
+            positions=positions_t,
             kv_len=kv_len,
             mask=mask,
             cache_positions=cache_positions,
-            real_rows=None if real_rows is None else real_rows.to(dev),
+            real_rows=t.get("real_rows"),
             packed_output=packed,
             sliding_start=sliding_start,
             sliding_mask=sliding_mask,
@@ -261,13 +288,22 @@ class ModelRunner:
     def keep_path(self, seq_id: str, tree_rows: list[int]) -> None:
         """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path
         order) to follow the prefix contiguously, and extend the cached length over them."""
-        start = self._cached_len[seq_id]
-        if tree_rows != list(range(len(tree_rows))):
-            table, bs = self.blocks.tables[seq_id], self.block_size
-            src = [table[p // bs] * bs + p % bs for p in (start + r for r in tree_rows)]
-            dst = [table[p // bs] * bs + p % bs for p in range(start, start + len(tree_rows))]
-            self.cache.move_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-        self.set_cached_len(seq_id, start + len(tree_rows))
+        self.keep_paths([(seq_id, tree_rows)])
+
+    def keep_paths(self, paths: list[tuple[str, list[int]]]) -> None:
+        """keep_path for several sequences, their KV moves in one copy."""
+        src, dst = [], []
+        bs = self.block_size
+        for seq_id, tree_rows in paths:
+            if tree_rows != list(range(len(tree_rows))):
+                start, table = self._cached_len[seq_id], self.blocks.tables[seq_id]
+                src += [table[p // bs] * bs + p % bs for p in (start + r for r in tree_rows)]
+                dst += [table[p // bs] * bs + p % bs for p in range(start, start + len(tree_rows))]
+        if src:
+            self.cache.move_rows(*to_device(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
+                                            device=self.device))
+        for seq_id, tree_rows in paths:
+            self.set_cached_len(seq_id, self._cached_len[seq_id] + len(tree_rows))
 
 
 @dataclass
@@ -276,10 +312,19 @@ class TreeQuery:
 
     parents[j]: the node j hangs from (an earlier index), or -1 for the prefix's last token.
     first: this forward computes nodes first..first+len(tokens)-1; earlier ones are cached.
+    Or, for a tree whose shape only the device knows (an EAGLE head growing its draft tree there):
+    depths[j], node j's depth (0: hangs from the prefix), and sees, [computed nodes, nodes so far]
+    bool on the device: which nodes each computed node attends to (its ancestors and itself).
     """
 
-    parents: list[int]
+    parents: list[int] | None
     first: int = 0
+    depths: list[int] | None = None
+    sees: torch.Tensor | None = None
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents) if self.parents is not None else len(self.depths)
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -289,31 +334,43 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device,
-                with_key_positions: bool = False):
+def tree_layout_host(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int,
+                     with_key_positions: bool = False):
     """Rope positions [B, Q], cache rows [B, Q], visibility [B, 1, Q, kv_len] for tree rows, and
     with_key_positions the position of each cache row's key [B, kv_len] (a tree node's: its rope
-    position; a sliding window counts positions, not cache rows), else None."""
+    position; a sliding window counts positions, not cache rows), else None; numpy arrays. For a
+    tree given by `sees`, visibility covers the prefix only: the caller adds the nodes' own."""
     # built in numpy: element writes into torch tensors cost microseconds each, on every draft step
     B = len(trees)
     positions = np.zeros((B, Q), dtype=np.int64)
     cache_positions = np.zeros((B, Q), dtype=np.int64)
     visible = np.zeros((B, 1, Q, kv_len), dtype=bool)
-    key_positions = np.tile(np.arange(kv_len, dtype=np.int64), (B, 1))
+    key_positions = np.tile(np.arange(kv_len, dtype=np.int64), (B, 1)) if with_key_positions else None
     for b, (tree, start) in enumerate(zip(trees, starts)):
-        depths = tree_depths(tree.parents)
-        key_positions[b, start: start + len(depths)] = start + np.asarray(depths, dtype=np.int64)
+        depths = tree.depths if tree.parents is None else tree_depths(tree.parents)
+        n = len(depths)
+        if key_positions is not None:
+            key_positions[b, start: start + n] = start + np.asarray(depths, dtype=np.int64)
         visible[b, 0, :, :start] = True
         for q in range(Q):
-            node = min(tree.first + q, len(tree.parents) - 1)  # padding repeats the last node
+            node = min(tree.first + q, n - 1)  # padding repeats the last node
             positions[b, q] = start + depths[node]
-            cache_positions[b, q] = start + node if tree.first + q < len(tree.parents) else start + tree.first + q
+            cache_positions[b, q] = start + node if tree.first + q < n else start + tree.first + q
+            if tree.parents is None:
+                continue
             a = node
             while a >= 0:
                 visible[b, 0, q, start + a] = True
                 a = tree.parents[a]
-    return (torch.from_numpy(positions).to(device), torch.from_numpy(cache_positions).to(device),
-            torch.from_numpy(visible).to(device), torch.from_numpy(key_positions).to(device) if with_key_positions else None)
+    return positions, cache_positions, visible, key_positions
+
+
+def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device,
+                with_key_positions: bool = False):
+    """tree_layout_host's arrays as tensors on `device` (trees given by parents)."""
+    arrays = [a for a in tree_layout_host(trees, starts, Q, kv_len, with_key_positions) if a is not None]
+    out = to_device(*arrays, device=torch.device(device))
+    return (*out, None) if not with_key_positions else tuple(out)
 
 
 def sliding_window_mask(visible, mask, positions, key_positions, window: int, first_start: int, kv_len: int):
@@ -386,5 +443,9 @@ def packed_offsets(lengths: list[int]) -> list[int]:
 
 def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """[B, Q, H] -> [B, H]: the last real (unpadded) row of each sequence."""
-    idx = torch.tensor([n - 1 for n in lengths], device=hidden.device)
-    return hidden[torch.arange(len(lengths), device=hidden.device), idx]
+    B, Q = hidden.shape[:2]
+    if all(n == Q for n in lengths):
+        return hidden[:, -1]
+    (idx,) = to_device(np.asarray([b * Q + n - 1 for b, n in enumerate(lengths)], dtype=np.int64),
+                       device=hidden.device)
+    return hidden.reshape(B * Q, *hidden.shape[2:]).index_select(0, idx)

@@ -153,13 +153,13 @@ def _eagle_engine(target_dir, target, head_dir, kind, k, topk, depth=None, **kw)
 
 def _spy_keep_path(engine) -> list[list[int]]:
     """Record the tree rows the engine keeps (to see that non-contiguous paths were compacted)."""
-    kept, original = [], engine.runner.keep_path
+    kept, original = [], engine.runner.keep_paths
 
-    def keep_path(seq_id, rows):
-        kept.append(list(rows))
-        return original(seq_id, rows)
+    def keep_paths(paths):
+        kept.extend(list(rows) for _, rows in paths)
+        return original(paths)
 
-    engine.runner.keep_path = keep_path
+    engine.runner.keep_paths = keep_paths
     return kept
 
 
@@ -302,24 +302,33 @@ def test_stop_prob_stays_exact_and_drafts_less(target_dir, target, reference, tr
     calls = counting(engine)
     proposer = engine.proposer
     reach = []
-    original = proposer._worth_growing
+    original = proposer._stopped
 
-    def spy(frontier, nodes, sampled):
-        kept = original(frontier, nodes, sampled)
-        if frontier:
-            reach.append((sum(math.exp(nodes[n].score) for n in frontier), bool(kept)))
-        return kept
+    def spy(scores):
+        stopped = original(scores)
+        reach.extend(zip(scores.exp().sum(-1).tolist(), stopped.tolist()))
+        return stopped
 
-    proposer._worth_growing = spy
+    proposer._stopped = spy
     got = run_batch(engine, PROMPTS, GREEDY)
     assert got == reference
     assert engine.stats.num_drafts > 0 and engine.stats.num_accepted_tokens > 0
-    assert reach and all(kept == (r >= stop) for r, kept in reach)
-    assert any(not kept for _, kept in reach) and any(kept for _, kept in reach)
+    if topk > 1:  # the rule itself (chains apply it to the scores read back with the draft)
+        assert reach and all(stopped == (r < stop) for r, stopped in reach)
+        assert any(stopped for _, stopped in reach) and any(not stopped for _, stopped in reach)
     # per draft, fewer head forwards (a catch-up forward plus one per depth grown)
     assert calls[0] / engine.stats.num_drafts < full_calls[0] / full.stats.num_drafts
     if topk == 1:
         assert engine.stats.num_draft_tokens / engine.stats.num_drafts < full.stats.num_draft_tokens / full.stats.num_drafts
+    # where reads are not free (CUDA) every row grows to its depth and the nodes past a stop are
+    # dropped afterwards: the very same drafts
+    device_path = _eagle_engine(target_dir, target, head_dir, "eagle3", 6, topk, 4, eagle_stop_prob=stop)
+    device_path.proposer.early_exit_reads = False
+    device_calls = counting(device_path)
+    assert run_batch(device_path, PROMPTS, GREEDY) == reference
+    assert (device_path.stats.num_drafts, device_path.stats.num_draft_tokens, device_path.stats.num_accepted_tokens) == (
+        engine.stats.num_drafts, engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens)
+    assert device_calls[0] > calls[0]
 
 
 @pytest.mark.parametrize("head", ["trained", "random"])

@@ -4,6 +4,7 @@ import itertools
 
 import torch
 
+from rayspec.device_io import to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, catch_up_pieces, proposer_num_blocks
@@ -115,22 +116,26 @@ class DraftModelProposer(Proposer):
             seq_ids.append(req.seq_id)
             pending.append(req.token_ids[keep:])
             self._fed[req.seq_id] = list(req.token_ids)
+        # drafted tokens stay on the device until the end: one read (rayspec.device_io) per call
         k = max(r.num_tokens for r in active)
-        tokens: list[list[int]] = [[] for _ in active]
+        sampled = [i for i, r in enumerate(active) if r.temperature > 0]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
+        toks = []
         logits = self._forward_last(seq_ids, pending)  # [B, vocab]
         for step in range(k):
-            next_tokens = logits.argmax(-1).tolist()
-            for i, req in enumerate(active):
-                if req.temperature > 0:
-                    p = logits_to_probs(logits[i:i + 1], req.temperature, req.top_k, req.top_p)[0]
-                    next_tokens[i] = int(torch.multinomial(p, 1, generator=self._generator(req)))
-                    probs[i].append(p)
-                tokens[i].append(next_tokens[i])
+            choice = logits.argmax(-1)  # [B]
+            for i in sampled:
+                req = active[i]
+                p = logits_to_probs(logits[i:i + 1], req.temperature, req.top_k, req.top_p)[0]
+                choice[i:i + 1] = torch.multinomial(p, 1, generator=self._generator(req))
+                probs[i].append(p)
+            toks.append(choice)
             if step + 1 < k:
-                logits = self.runner.forward(seq_ids, [[t] for t in next_tokens], last_only=True)
-                for i, req in enumerate(active):
-                    self._fed[req.seq_id].append(next_tokens[i])
+                logits = self.runner.forward(seq_ids, choice[:, None], last_only=True)
+        (drafted,) = to_host(torch.stack(toks, 1))  # [B, k]
+        tokens = drafted.tolist()
+        for i, req in enumerate(active):
+            self._fed[req.seq_id] += tokens[i][: k - 1]  # the draft cache holds all but the last
         by_id = {}
         for i, req in enumerate(active):
             n = req.num_tokens

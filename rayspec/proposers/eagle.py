@@ -23,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+from rayspec.device_io import to_device, to_host
 from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
@@ -106,6 +107,8 @@ class EagleProposer(Proposer):
         self._generators: dict[str, torch.Generator] = {}
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
         self._clock = itertools.count()
+        # the stop rule's early exit reads the device after each depth: only where that is free
+        self.early_exit_reads = self.runner.device.type == "cpu" and self.stop_prob > 0
 
     # what the engine must hand over: inputs of these target layers, or () for the final hidden state
     @property
@@ -234,55 +237,139 @@ class EagleProposer(Proposer):
         return torch.stack(out)
 
     # ---- drafting --------------------------------------------------------------------
+    # Drafts grow on the device: every depth's choices (top-k children, the best frontier, sampled
+    # tokens) stay there, and one read (rayspec.device_io.to_host) brings the finished trees and
+    # chains to the host, whatever the batch and the depth. On CPU, where a read costs nothing, the
+    # head's stop rule (eagle_stop_prob) also reads whether any row is still worth growing after
+    # each depth and stops early; elsewhere every row grows to its depth, and the nodes past a stop
+    # are dropped on the host (the same drafts, a few head rows more).
     def _draft(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
-        """Grow one tree (or chain) per request, one head forward per depth."""
-        B = len(reqs)
+        """One tree (or chain) per request, one head forward per depth."""
         tree = [r.tree and self.topk > 1 for r in reqs]
-        sampled = [r.temperature > 0 and not tree[i] for i, r in enumerate(reqs)]  # a sampled chain
-        width = [self.topk if tree[i] else 1 for i in range(B)]
-        depth = [min(self.depth, r.num_tokens) if tree[i] else r.num_tokens for i, r in enumerate(reqs)]
-        nodes: list[list[_Node]] = [[] for _ in range(B)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        fed_parents: list[list[int]] = [[] for _ in range(B)]  # head-cache tree of fed nodes
-        logits = self.head.draft_logits(last)  # [B, draft_vocab]
-        frontier = [self._expand(reqs[i], sampled[i], logits[i], -1, 0.0, 1, last[i], width[i], nodes[i], probs[i])
-                    for i in range(B)]
-        frontier = [self._worth_growing(frontier[i], nodes[i], sampled[i]) for i in range(B)]
-        for d in range(2, max(depth) + 1):
-            rows = [i for i in range(B) if d <= depth[i] and frontier[i]]
-            if not rows:
+        out: list[Draft | None] = [None] * len(reqs)
+        for want_tree, grow in ((True, self._draft_trees), (False, self._draft_chains)):
+            idx = [i for i in range(len(reqs)) if tree[i] == want_tree]
+            if idx:
+                rows = last if len(idx) == len(reqs) else last.index_select(
+                    0, to_device(np.asarray(idx, dtype=np.int64), device=last.device)[0])
+                for i, d in zip(idx, grow([reqs[i] for i in idx], rows)):
+                    out[i] = d
+        return out
+
+    def _stopped(self, scores: torch.Tensor) -> torch.Tensor:
+        """[B, w] path scores of each row's frontier -> [B] bool: too little chance to be reached."""
+        return scores.exp().sum(-1) < self.stop_prob
+
+    def _draft_trees(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
+        """EAGLE-2 trees: each depth expands the `topk` best frontier nodes by path score into their
+        `topk` best children; the num_tokens best nodes overall are sent."""
+        B, w, dev = len(reqs), self.topk, last.device
+        depth = [min(self.depth, r.num_tokens) for r in reqs]
+        D = max(depth)
+        ids = [r.seq_id for r in reqs]
+        (row_depth,) = to_device(np.asarray(depth, dtype=np.int64), device=dev)
+        logp = torch.log_softmax(self.head.draft_logits(last), dim=-1)  # [B, Vd]
+        top = torch.topk(logp, w)
+        f_tok = self.head.to_target(top.indices)  # the frontier: [B, w] tokens (target ids)
+        f_score = top.values  # [B, w] path log-probabilities
+        f_node = torch.arange(w, device=dev).expand(B, w)  # their node numbers
+        f_hidden = last[:, None].expand(B, w, last.shape[-1])  # the head output that predicted each
+        toks, scores, parents = [f_tok], [f_score], [torch.full((B, w), -1, dtype=torch.long, device=dev)]
+        stopped = self._stopped(f_score) if self.stop_prob > 0 else torch.zeros(B, dtype=torch.bool, device=dev)
+        sees = torch.zeros(B, (D - 1) * w, (D - 1) * w, dtype=torch.bool, device=dev)  # fed node -> what it sees
+        f_fed_parent = None  # [B, w] the fed slot of each frontier node's parent (None: the prefix)
+        eye = torch.eye(w, dtype=torch.bool, device=dev)
+        num_nodes = w
+        for d in range(2, D + 1):
+            if self.early_exit_reads and bool(to_host(stopped | (row_depth < d))[0].all()):
                 break
-            ids, toks, inputs, trees = [], [], [], []
-            for i in rows:
-                chosen = frontier[i]
-                for n in chosen:
-                    node = nodes[i][n]
-                    parent_fed = nodes[i][node.parent].fed if node.parent >= 0 else -1
-                    node.fed = len(fed_parents[i])
-                    fed_parents[i].append(parent_fed)
-                ids.append(reqs[i].seq_id)
-                toks.append([nodes[i][n].token for n in chosen])
-                inputs.append(torch.stack([nodes[i][n].hidden for n in chosen]))
-                trees.append(TreeQuery(list(fed_parents[i]), first=len(fed_parents[i]) - len(chosen)))
-            q = max(len(t) for t in toks)
-            feats = torch.zeros(len(rows), q, inputs[0].shape[-1], dtype=inputs[0].dtype, device=inputs[0].device)
-            for j, x in enumerate(inputs):
-                feats[j, : len(x)] = x
-            out, _ = self.runner.forward_hidden(ids, toks, trees=trees, features=feats)  # [R, q, H]
-            logits = self.head.draft_logits(out)  # [R, q, draft_vocab]
-            for j, i in enumerate(rows):
-                children = []
-                for c, n in enumerate(frontier[i]):
-                    node = nodes[i][n]
-                    children += self._expand(reqs[i], sampled[i], logits[j, c], n, node.score, d, out[j, c],
-                                             width[i], nodes[i], probs[i])
-                # the next frontier: the best `width` new nodes by path score
-                frontier[i] = sorted(children, key=lambda n: -nodes[i][n].score)[: width[i]]
-                frontier[i] = self._worth_growing(frontier[i], nodes[i], sampled[i])
-        for i in range(B):
-            if tree[i] and self.lookup_tokens:
-                self._add_lookup_branch(reqs[i], nodes[i])
-        return [self._select(nodes[i], probs[i], reqs[i].num_tokens, sampled[i]) for i in range(B)]
+            lo = (d - 2) * w  # the fed slots of this depth's frontier
+            if f_fed_parent is not None:
+                sees[:, lo: lo + w] = sees.gather(1, f_fed_parent[..., None].expand(B, w, sees.shape[2]))
+            sees[:, lo: lo + w, lo: lo + w] = eye
+            depths = [j // w for j in range(lo + w)]
+            trees = [TreeQuery(None, first=lo, depths=depths, sees=sees[b, lo: lo + w, : lo + w]) for b in range(B)]
+            hidden, _ = self.runner.forward_hidden(ids, f_tok, trees=trees, features=f_hidden.contiguous())  # [B, w, H]
+            logp = torch.log_softmax(self.head.draft_logits(hidden), dim=-1)  # [B, w, Vd]
+            top = torch.topk(logp, w)  # children: [B, w, w]
+            c_score = f_score[..., None] + top.values
+            dead = stopped | (row_depth < d)
+            c_score = c_score.masked_fill(dead[:, None, None], float("-inf")).reshape(B, w * w)
+            c_tok = self.head.to_target(top.indices).reshape(B, w * w)
+            toks.append(c_tok)
+            scores.append(c_score)
+            parents.append(f_node[..., None].expand(B, w, w).reshape(B, w * w))
+            best = torch.topk(c_score, w)  # the next frontier: the best w children by path score
+            f_tok, f_score = c_tok.gather(1, best.indices), best.values
+            f_node = num_nodes + best.indices
+            slot = best.indices // w  # which frontier node each one hangs from
+            f_hidden = hidden.gather(1, slot[..., None].expand(B, w, hidden.shape[-1]))
+            f_fed_parent = lo + slot
+            if self.stop_prob > 0:
+                stopped = stopped | self._stopped(f_score)
+            num_nodes += w * w
+        tok_h, score_h, parent_h = to_host(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1))
+        drafts = []
+        for b, req in enumerate(reqs):
+            nodes, number = [], {}
+            node_depth = [1] * w + [d for d in range(2, D + 1) for _ in range(w * w)]
+            for n in range(tok_h.shape[1]):
+                if score_h[b, n] == float("-inf"):
+                    continue
+                number[n] = len(nodes)
+                p = int(parent_h[b, n])
+                nodes.append(_Node(int(tok_h[b, n]), number[p] if p >= 0 else -1, float(score_h[b, n]),
+                                   node_depth[n], None))
+            if self.lookup_tokens:
+                self._add_lookup_branch(req, nodes)
+            drafts.append(self._select(nodes, [], req.num_tokens, False))
+        return drafts
+
+    def _draft_chains(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
+        """A chain per request: the head's top token per depth, or for a sampled request a token
+        sampled from the head's distribution (its probabilities kept for the rejection rule)."""
+        B, dev = len(reqs), last.device
+        K = max(r.num_tokens for r in reqs)
+        ids = [r.seq_id for r in reqs]
+        sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
+        greedy_rows = len(sampled) < B and self.stop_prob > 0  # the stop rule reads greedy path scores
+        V = self.head.args.vocab_size
+        probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        toks, scores = [], []
+        score = torch.zeros(B, device=dev)
+        hidden = last  # [B, H]: predicts the next token
+        for d in range(1, K + 1):
+            if d > 1:
+                if (self.early_exit_reads and greedy_rows and not sampled
+                        and bool(to_host(score.exp() < self.stop_prob)[0].all())):
+                    break
+                out, _ = self.runner.forward_hidden(ids, toks[-1][:, None], features=hidden[:, None])  # [B, 1, H]
+                hidden = out[:, 0]
+            logits = self.head.draft_logits(hidden)  # [B, Vd]
+            logp = torch.log_softmax(logits, dim=-1)
+            choice = logp.argmax(-1)  # [B] draft ids
+            for i in sampled:
+                r = reqs[i]
+                p = logits_to_probs(logits[i: i + 1], r.temperature, r.top_k, r.top_p)[0]  # [Vd]
+                choice[i: i + 1] = torch.multinomial(p, 1, generator=self._generator(r))
+                full = torch.zeros(V, dtype=p.dtype, device=dev)
+                full[self.head.to_target(torch.arange(len(p), device=dev))] = p  # draft -> target ids
+                probs[i].append(full)
+            score = score + logp.gather(1, choice[:, None])[:, 0]
+            toks.append(self.head.to_target(choice))
+            scores.append(score)
+        tok_h, score_h = to_host(torch.stack(toks, 1), torch.stack(scores, 1))
+        drafts = []
+        for i, r in enumerate(reqs):
+            n = min(r.num_tokens, tok_h.shape[1])
+            if i not in sampled and self.stop_prob > 0:  # depth d + 1 only while the path to d is likely enough
+                m = 1
+                while m < n and math.exp(score_h[i, m - 1]) >= self.stop_prob:
+                    m += 1
+                n = m
+            tokens = [int(t) for t in tok_h[i, :n]]
+            drafts.append(Draft(tokens, torch.stack(probs[i][:n]) if i in sampled and n else None))
+        return drafts
 
     def _add_lookup_branch(self, req: ProposeRequest, nodes: list[_Node]) -> None:
         """Graft the n-gram prompt-lookup continuation onto the tree as a sure branch: its nodes
@@ -298,33 +385,6 @@ class EagleProposer(Proposer):
                 match = len(nodes) - 1
             nodes[match].score = 0.0
             parent = match
-
-    def _worth_growing(self, frontier: list[int], nodes: list[_Node], sampled: bool) -> list[int]:
-        """The frontier, or [] when the head itself gives it too little chance to be reached."""
-        if sampled or self.stop_prob <= 0 or not frontier:
-            return frontier
-        reach = sum(math.exp(nodes[n].score) for n in frontier)
-        return frontier if reach >= self.stop_prob else []
-
-    def _expand(self, req, sample, logits, parent, score, depth, hidden, width, nodes, probs) -> list[int]:
-        """Add the children of one node: the top `width` tokens, or one sampled token."""
-        if sample:
-            p = logits_to_probs(logits[None], req.temperature, req.top_k, req.top_p)[0]  # [draft_vocab]
-            d = int(torch.multinomial(p, 1, generator=self._generator(req)))
-            full = torch.zeros(self.head.args.vocab_size, dtype=p.dtype, device=p.device)
-            full[self.head.to_target(torch.arange(len(p), device=p.device))] = p  # draft -> target ids
-            probs.append(full)
-            token = int(self.head.to_target(torch.tensor(d, device=p.device)))
-            nodes.append(_Node(token, parent, 0.0, depth, hidden))
-            return [len(nodes) - 1]
-        logp = torch.log_softmax(logits, dim=-1)
-        top = torch.topk(logp, width)
-        tokens = self.head.to_target(top.indices).tolist()
-        added = []
-        for t, lp in zip(tokens, top.values.tolist()):
-            nodes.append(_Node(t, parent, score + lp, depth, hidden))
-            added.append(len(nodes) - 1)
-        return added
 
     @staticmethod
     def _select(nodes: list[_Node], probs: list[torch.Tensor], budget: int, sampled: bool) -> Draft:
