@@ -80,6 +80,10 @@ class EngineConfig:
     # automatic prefix caching (vLLM's name): full blocks of verified tokens are kept (LRU) and shared
     # by later requests whose prompts start with the same tokens
     enable_prefix_caching: bool = True
+    # the target's decode and verification forwards through torch.compile, shapes padded to buckets
+    # (batch and rows to powers of two, keys to multiples of 64); on CUDA captured in CUDA graphs
+    # (mode "reduce-overhead"). None: on where it measured faster (rayspec.compiled.default_compile)
+    compile: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):

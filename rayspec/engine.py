@@ -30,6 +30,7 @@ import torch
 from rayspec.adaptive import AdaptiveDraftLength
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
+from rayspec.compiled import default_compile
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
 from rayspec.malloc import keep_freed_memory
@@ -125,8 +126,10 @@ class LLMEngine:
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
+        self.compile = config.compile if config.compile is not None else default_compile(self.device)
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
-                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                  compile=self.compile)
         self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.disable_by_batch_size = spec.disable_by_batch_size
@@ -436,15 +439,17 @@ class LLMEngine:
         seq.error = f"{type(err).__name__}: {err}"
         seq.finish("error", flush=False)
 
-    def _target_forward(self, ids, inputs, trees=None, packed=False):
+    def _target_forward(self, ids, inputs, trees=None, packed=False, static=False):
         """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
-        `packed`, [N, H] and [N, F] over the real tokens only (runner.packed_offsets)."""
+        `packed`, [N, H] and [N, F] over the real tokens only (runner.packed_offsets). static: a
+        decode or verification forward (the compiled step's, when it is on)."""
         if self.feature_layers is None:
-            return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed)[0], None
+            return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static)[0], None
         if self.feature_layers == ():
-            hidden = self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed)[0]
+            hidden = self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static)[0]
             return hidden, hidden
-        return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, aux_layers=self.feature_layers)[0]
+        return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static,
+                                          aux_layers=self.feature_layers)[0]
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Prefill the chunks; returns the sequences that finished their prefill (their first token
@@ -569,7 +574,7 @@ class LLMEngine:
         if any(not d.is_chain for d in drafts):
             trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(pending, drafts)]
         # packed: rows of different lengths cost only their real tokens (no padding computed)
-        hidden, features = self._target_forward(ids, inputs, trees, packed=True)  # [N, H], [N, F]
+        hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True)  # [N, H], [N, F]
         raw = self.model.logits(hidden)  # [N, vocab]
         lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]

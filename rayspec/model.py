@@ -306,7 +306,7 @@ class Linear(nn.Linear):
         return "wxt" if rows <= self.FEW_ROWS else "flinear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or torch.compiler.is_compiling():  # (compiled: inductor picks the kernel)
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         n = rows.shape[0]
@@ -354,7 +354,8 @@ class FusedProjection:
         return cls(parts) if usable else None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        if (x.device.type != "cpu" or x.dtype != self.parts[0].weight.dtype or torch.is_grad_enabled()
+        if (x.device.type != "cpu" or torch.compiler.is_compiling() or x.dtype != self.parts[0].weight.dtype
+                or torch.is_grad_enabled()
                 or any(p.weight._version != v for p, v in zip(self.parts, self.versions))):
             return None
         rows = x.reshape(-1, x.shape[-1])

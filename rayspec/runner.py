@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rayspec.block_manager import BlockManager
+from rayspec.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
 from rayspec.device_io import to_device
 from rayspec.model import CausalLM, ForwardBatch, KVCache
 
@@ -42,7 +43,7 @@ def proposer_num_blocks(target_blocks: int | None, num_slots: int, capacity: int
 class ModelRunner:
     def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, slack: int,
                  num_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, compile: bool = False):
         """num_slots: the most sequences held at once; slack: extra positions past max_model_len,
         written by speculative/padded queries; num_blocks: the pool's blocks (None: enough for
         num_slots sequences of max_model_len + slack), one scratch block besides."""
@@ -63,6 +64,10 @@ class ModelRunner:
         self._cached_len: dict[str, int] = {}  # tokens whose KV is valid, per sequence
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
+        # the compiled step (rayspec.compiled): forwards asked for with `static` run through it
+        self.compiled = None
+        if compile and compilable(model):
+            self.compiled = CompiledForward(model, self.device)
 
     # ---- sequences and blocks --------------------------------------------------------------------
     @property
@@ -181,7 +186,7 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, packed: bool = False,
-                       **model_kwargs):
+                       static: bool = False, **model_kwargs):
         """Run the model over new tokens; returns (model output, row lengths).
 
         token_lists: a list of token lists (host), or a [B, Q] long tensor on the device (drafted
@@ -195,6 +200,8 @@ class ModelRunner:
         cached_len + depth(j) and sees the prefix plus its own ancestors. The cached length
         does not move; the caller keeps an accepted path with `keep_path`.
         model_kwargs go to the model (aux_layers for a target, features for an EAGLE head).
+        static: a decode or verification forward, which runs through the compiled step when the
+        runner has one and the padded shape fits its buckets.
 
         Everything the forward needs is built on the host from host data (block tables, lengths,
         tree shapes) and goes to the device in one non-blocking copy (rayspec.device_io): no read
@@ -204,6 +211,8 @@ class ModelRunner:
         on_device = isinstance(token_lists, torch.Tensor)
         lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
+        if static and self.compiled is not None and not on_device and self.compiled.fits(B, Q):
+            return self._forward_static(seq_ids, token_lists, lengths, trees, packed, model_kwargs), lengths
         starts = [self._cached_len[s] for s in seq_ids]
         dev = self.device
         if trees is None:
@@ -284,6 +293,62 @@ class ModelRunner:
             for s, start, n in zip(seq_ids, starts, lengths):
                 self._cached_len[s] = start + n
         return out, lengths
+
+    def _forward_static(self, seq_ids, token_lists, lengths, trees, packed, model_kwargs):
+        """forward_hidden through the compiled step: batch and rows padded to powers of two, keys to
+        a multiple of KV_BUCKET; padding rows read and write the scratch block, padded keys are masked."""
+        B, Q = len(seq_ids), max(lengths)
+        Bp, Qp = bucket(B), bucket(Q)
+        starts = [self._cached_len[s] for s in seq_ids]
+        if trees is None:
+            ends = [start + Qp for start in starts]
+            real_ends = [start + n for start, n in zip(starts, lengths)]
+        else:
+            ends = [start + max(t.num_nodes, t.first + Qp) for start, t in zip(starts, trees)]
+            real_ends = [start + max(t.num_nodes, t.first + n) for start, t, n in zip(starts, trees, lengths)]
+        for s, end in zip(seq_ids, real_ends):
+            if not self.grow(s, end):
+                raise CacheFullError(f"no free KV block for sequence {s}")
+        kv_len = round_up(max(ends), KV_BUCKET)
+        bs = self.block_size
+        ids = np.zeros((Bp, Qp), dtype=np.int64)
+        for b, t in enumerate(token_lists):
+            ids[b, : len(t)] = t
+        read = np.empty((Bp, kv_len), dtype=np.int64)
+        read[:B] = self._rows(seq_ids, kv_len)
+        read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
+        positions = np.tile(np.arange(Qp, dtype=np.int64), (Bp, 1))
+        if trees is None:
+            positions[:B] += np.asarray(starts, dtype=np.int64)[:, None]
+            write_pos = positions
+            visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+        else:
+            tree_pos, cache_pos, tree_visible, _ = tree_layout_host(trees, starts, Qp, kv_len)
+            positions[:B] = tree_pos
+            write_pos = positions.copy()
+            write_pos[:B] = cache_pos
+            visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+            visible[:B] = tree_visible
+        real = np.concatenate([np.arange(n) + b * Qp for b, n in enumerate(lengths)])
+        t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
+            ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
+        if trees is not None:
+            for b, (tree, start) in enumerate(zip(trees, starts)):
+                if tree.sees is not None:
+                    t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
+        batch = ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
+                             mask=additive_mask(t_visible, self.dtype))
+        out = self.compiled(t_ids, self.cache, batch, **model_kwargs)
+
+        def unpad(x):  # [Bp, Qp, ...] -> the real tokens, packed or [B, Q, ...]
+            if packed:
+                return x.reshape(Bp * Qp, *x.shape[2:]).index_select(0, t_real)
+            return x[:B, :Q]
+
+        if trees is None:
+            for s, start, n in zip(seq_ids, starts, lengths):
+                self._cached_len[s] = start + n
+        return tuple(unpad(o) for o in out) if isinstance(out, tuple) else unpad(out)
 
     def keep_path(self, seq_id: str, tree_rows: list[int]) -> None:
         """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path

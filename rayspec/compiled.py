@@ -1,0 +1,80 @@
+"""The compiled step: the target's decode and verification forwards through torch.compile.
+
+A forward's shapes are padded to buckets, so a handful of graphs serve every step: the batch and
+the rows per sequence to powers of two, the keys to a multiple of KV_BUCKET (marked dynamic, so one
+graph per batch x rows bucket covers every context length). Padding rows read and write the
+scratch block; padded keys are masked. On CUDA the graphs are captured in CUDA graphs
+(mode "reduce-overhead": a step replays its kernels in one launch); on CPU inductor's C++ kernels.
+Prefill chunks (any length) and tensor-parallel or sliding-window models stay eager.
+
+Measured (benchmarks/README.md, "Compiled step"): the default (`EngineConfig.compile` None) is
+what measured faster on each device type.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KV_BUCKET = 64
+MAX_ROWS = 64  # a forward of more padded rows than this (batch x rows) runs eager (a prefill's size)
+
+# where the compiled step measured faster than eager (benchmarks/README.md, "Compiled step")
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": False}
+
+
+def default_compile(device: torch.device) -> bool:
+    return COMPILE_BY_DEFAULT.get(device.type, False)
+
+
+def bucket(n: int) -> int:
+    """The next power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def compilable(model) -> bool:
+    """Whether this model's forward may be compiled (one process, no sliding windows)."""
+    tp = getattr(model, "tp", None)
+    return getattr(tp, "size", 1) == 1 and not model.args.sliding_layers
+
+
+class CompiledForward:
+    """model(input_ids, cache, batch, **kw) compiled for padded, bucketed shapes."""
+
+    def __init__(self, model, device: torch.device):
+        import torch._dynamo
+
+        # a graph per batch x rows bucket (and per aux_layers choice): well past the default limit of 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.mode = "reduce-overhead" if device.type == "cuda" else None
+        self.fn = torch.compile(model, dynamic=False, mode=self.mode)
+        self.shapes: set[tuple[int, int]] = set()
+
+    def fits(self, batch_size: int, rows: int) -> bool:
+        return bucket(batch_size) * bucket(rows) <= MAX_ROWS
+
+    def __call__(self, input_ids, cache, batch, **kwargs):
+        if self.mode == "reduce-overhead" and not getattr(cache, "static_address", False):
+            # the cache is written in place by every replay: a fixed address CUDA graphs may keep
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+            cache.static_address = True
+        torch._dynamo.mark_dynamic(batch.read_index, 1)
+        torch._dynamo.mark_dynamic(batch.mask, 3)
+        key = tuple(input_ids.shape)
+        if key not in self.shapes:
+            self.shapes.add(key)
+            logger.info("compiling the step for batch x rows %s", key)
+        out = self.fn(input_ids, cache, batch, **kwargs)
+        if self.mode == "reduce-overhead":  # the graph's output buffers are reused by the next replay
+            out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+        return out
