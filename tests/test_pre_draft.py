@@ -18,11 +18,12 @@ MAX_TOKENS = 24
 def test_rank_verdicts():
     # draft [5, 6]; position 0: 5 (0.6) or 7 (0.3); position 1: 6 (0.5) or 8 (0.4); after: 9 (0.8) or 1 (0.1)
     candidates = [([5, 7], [0.6, 0.3]), ([6, 8], [0.5, 0.4]), ([9, 1], [0.8, 0.1])]
-    # scores: (0, 7) 0.3, (1, 8) 0.24, (2, 9) 0.24, (2, 1) 0.03
-    assert rank_verdicts([5, 6], candidates, 3)[0] == (0, 7)
-    assert set(rank_verdicts([5, 6], candidates, 3)[1:]) == {(1, 8), (2, 9)}
-    assert rank_verdicts([5, 6], candidates, 10)[-1] == (2, 1)
-    assert rank_verdicts([5, 6], candidates[:2], 10) == [(0, 7), (1, 8)]  # no lookahead: no full-accept verdicts
+    # acceptance 0.5: (0, 7) 0.5 * 0.3 / 0.4 = 0.375, (1, 8) 0.25 * 0.4 / 0.5 = 0.2, (2, 9) 0.2, (2, 1) 0.025
+    assert rank_verdicts([5, 6], candidates, 3, 0.5)[0] == (0, 7)
+    assert set(rank_verdicts([5, 6], candidates, 3, 0.5)[1:]) == {(1, 8), (2, 9)}
+    assert rank_verdicts([5, 6], candidates, 10, 0.5)[-1] == (2, 1)
+    assert rank_verdicts([5, 6], candidates, 1, 0.9) == [(2, 9)]  # a good draft: all accepted first
+    assert set(rank_verdicts([5, 6], candidates[:2], 10, 0.9)) == {(1, 8), (0, 7)}  # no lookahead: no full-accept verdicts
 
 
 def _engine(target, draft_model, k, hypotheses, background):

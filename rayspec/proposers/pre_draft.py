@@ -17,13 +17,17 @@ tokens either way. Seeded sampled requests do not reproduce run to run: how many
 sequence's generator makes depends on how far pre-drafting got before each call.
 
 Ranking: q_i is the draft's distribution at draft position i (i = 0..k, k: after the last draft
-token), d_i the draft tokens. The verdict "first j tokens accepted, then bonus x" (x != d_j when
-j < k) is ranked by prod_{i<j} q_i(d_i) * q_j(x), over the draft's top tokens at each position.
+token), d_i the draft tokens, a the per-token acceptance rate measured on the verdicts seen so
+far. The verdict "first j tokens accepted, then bonus x" (x != d_j when j < k) is ranked by
+a^j (1 - a) q_j(x) / (1 - q_j(d_j)) for j < k and a^k q_k(x) for j = k, over the draft's top
+tokens at each position. (The draft's own q_i(d_i) is a poor acceptance estimate: an untrained
+truncated draft is confident and wrong, a good one can be flat and right.)
 
 Threads: the call handler calls `propose`; a background thread calls `pre_draft` after each
 reply. They share the wrapped proposer through one lock, taken per batch of hypotheses; a call
-makes the pre-drafter stop between forwards (the proposer's `should_stop` hook). A hypothesis is
-started only if it is expected to be done before the next call (measured times), so where
+makes the pre-drafter stop between forwards (the proposer's `should_stop` hook). A call whose verdict
+is the batch being drafted waits for that batch. A hypothesis batch is started only while a hit on
+it, waited for, would still come sooner than drafting on the call (measured times), so where
 pre-drafting does not fit (large batches, a slow proposer) drafting falls back to synchronous.
 The wrapped proposer must offer `num_candidates`, `candidates` and `should_stop` (draft_model).
 """
@@ -79,17 +83,17 @@ class PreDraftStats:
                 "miss_draft_seconds": round(self.miss_draft_seconds, 4)}
 
 
-def rank_verdicts(tokens: list[int], candidates: Candidates, limit: int) -> list[Verdict]:
+def rank_verdicts(tokens: list[int], candidates: Candidates, limit: int, accept_rate: float) -> list[Verdict]:
     """The `limit` likeliest verdicts of a draft, best first (see the module docstring)."""
     scored = []
-    reach = 1.0  # prod_{i<j} q_i(d_i)
-    for j, (top, probs) in enumerate(candidates[: len(tokens) + 1]):
+    k = len(tokens)
+    for j, (top, probs) in enumerate(candidates[: k + 1]):
+        reach = accept_rate ** j * ((1 - accept_rate) if j < k else 1.0)  # P(first j accepted, then stop)
+        rest = 1.0 - (dict(zip(top, probs)).get(tokens[j], 0.0) if j < k else 0.0)  # mass left for the bonus
         for x, p in zip(top, probs):
-            if j < len(tokens) and x == tokens[j]:
+            if j < k and x == tokens[j]:
                 continue
-            scored.append((reach * p, j, x))
-        if j < len(tokens):
-            reach *= dict(zip(top, probs)).get(tokens[j], 0.0)
+            scored.append((reach * p / max(rest, 1e-9), j, x))
     scored.sort(key=lambda s: -s[0])
     return [(j, x) for _, j, x in scored[:limit]]
 
@@ -119,19 +123,40 @@ class PreDrafter:
         self._replied_at: float | None = None
         self._interval_s: float | None = None  # reply -> next call, as the verifier paces it
         self._batch_s: dict[int, float] = {}  # one hypothesis batch's drafting time, by batch size
+        self._miss_s: dict[int, float] = {}  # drafting on a call, by the number of sequences drafted
         self._round_gen = -1
+        self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
+        self._in_flight: dict[str, Verdict] = {}  # the hypothesis batch being drafted
+        self._hold = False  # a call waits for the batch in flight: start no other
 
     # ---- the call handler's side -----------------------------------------------------------
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         arrival = self._clock()
         with self._lock:
-            self._generation += 1  # the pre-drafter stops at its next forward
             if self._replied_at is not None:
                 self._interval_s = self._ema(self._interval_s, arrival - self._replied_at)
+            verdicts = [self._verdict(r) for r in requests]
+            for r, v in zip(requests, verdicts):
+                if v is not None:
+                    self._observe(v[0], len(self._sent[r.seq_id].tokens))
+            # a verdict whose pre-draft is being drafted right now: let that batch end (less than
+            # a draft to wait), then stop the round; otherwise stop it at its next forward
+            wait = any(v is not None and self._in_flight.get(r.seq_id) == v and self._lookup(r, v) is None
+                       for r, v in zip(requests, verdicts))
+            self._hold = wait
+            if not wait:
+                self._generation += 1
+        if wait:
+            with self._model_lock:
+                pass
+            with self._lock:
+                self._generation += 1
+                self._hold = False
+        with self._lock:
             drafts: list[Draft | None] = [None] * len(requests)
             misses = []
-            for i, req in enumerate(requests):
-                hit = self._lookup(req)
+            for i, (req, verdict) in enumerate(zip(requests, verdicts)):
+                hit = self._lookup(req, verdict)
                 if hit is not None:
                     drafts[i] = self._answer(req, hit.draft, hit.candidates, True)
                     self.stats.num_hits += 1
@@ -145,7 +170,9 @@ class PreDrafter:
             with self._model_lock:
                 fresh = self.proposer.propose([requests[i] for i in misses])
                 candidates = [list(self.proposer.candidates.get(requests[i].seq_id, [])) for i in misses]
-            self.stats.miss_draft_seconds += self._clock() - started
+            took = self._clock() - started
+            self.stats.miss_draft_seconds += took
+            self._miss_s[len(misses)] = self._ema(self._miss_s.get(len(misses)), took)
             with self._lock:
                 for i, draft, cands in zip(misses, fresh, candidates):
                     drafts[i] = self._answer(requests[i], draft, cands, False)
@@ -155,10 +182,11 @@ class PreDrafter:
             self._replied_at = self._clock()
         return [d if d is not None else Draft([]) for d in drafts]
 
-    def _lookup(self, req: ProposeRequest) -> _PreDraft | None:
+    def _verdict(self, req: ProposeRequest) -> Verdict | None:
+        """The verdict on the last draft sent for req.seq_id that req's token list shows; None when
+        it shows none (a new sequence, other settings, or tokens that are no such verdict)."""
         sent = self._sent.get(req.seq_id)
-        entries = self._cache.get(req.seq_id)
-        if sent is None or not entries or req.num_tokens <= 0:
+        if sent is None or req.num_tokens <= 0:
             return None
         if dataclasses.replace(sent.request, token_ids=req.token_ids, num_tokens=req.num_tokens,
                                features=req.features, features_start=req.features_start) != req:
@@ -167,7 +195,19 @@ class PreDrafter:
         j = len(req.token_ids) - len(context) - 1
         if not 0 <= j <= len(sent.tokens) or req.token_ids[: len(context) + j] != context + sent.tokens[:j]:
             return None
-        hit = entries.get((j, req.token_ids[-1]))
+        return j, req.token_ids[-1]
+
+    def _observe(self, accepted: int, drafted: int) -> None:
+        decay = 0.98
+        self._accepted = decay * self._accepted + accepted
+        self._tried = decay * self._tried + min(accepted + 1, drafted)
+
+    @property
+    def accept_rate(self) -> float:
+        return min(self._accepted / self._tried, 0.99)
+
+    def _lookup(self, req: ProposeRequest, verdict: Verdict | None) -> _PreDraft | None:
+        hit = self._cache.get(req.seq_id, {}).get(verdict) if verdict is not None else None
         return hit if hit is not None and len(hit.draft.tokens) >= req.num_tokens else None
 
     def _answer(self, req: ProposeRequest, draft: Draft, candidates: Candidates, hit: bool) -> Draft:
@@ -210,16 +250,20 @@ class PreDrafter:
                                         num_tokens=1, features=None) for s in lookahead]
         if requests and not self._run(requests, gen, extend):
             return
-        verdicts = {s: rank_verdicts(x.tokens, x.candidates, self.num_hypotheses) for s, x in sent.items()}
+        rate = self.accept_rate
+        verdicts = {s: rank_verdicts(x.tokens, x.candidates, self.num_hypotheses, rate) for s, x in sent.items()}
         for rank in range(self.num_hypotheses):
+            if self._hold:
+                return
             rows = [(s, verdicts[s][rank]) for s in sent if rank < len(verdicts[s])]
             rows = [(s, v) for s, v in rows
                     if len(sent[s].request.token_ids) + v[0] + 1 + sent[s].request.num_tokens <= self.max_model_len]
             if not rows:
                 return
+            # worth starting while a hit on it, waited for, still comes sooner than a miss's draft
             expected = self._batch_s.get(len(rows))
             if (self.budget and expected is not None and self._interval_s is not None
-                    and self._clock() - replied_at + expected > self._interval_s):
+                    and self._clock() - replied_at + expected > self._interval_s + self._miss_s.get(len(rows), 0.0)):
                 self.stats.num_skipped += 1
                 return
             requests = []
@@ -235,7 +279,12 @@ class PreDrafter:
                     self.stats.num_pre_drafts += 1
 
             started = self._clock()
-            if not self._run(requests, gen, store):
+            with self._lock:
+                self._in_flight = dict(rows)
+            ran = self._run(requests, gen, store)
+            with self._lock:
+                self._in_flight = {}
+            if not ran:
                 return
             self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
 
@@ -244,7 +293,7 @@ class PreDrafter:
         call came meanwhile. False: stopped (a call came)."""
         started = self._clock()
         with self._model_lock:
-            if self._stale():
+            if self._stale() or self._hold:
                 return False
             self.proposer.should_stop = self._stale  # only here: a call's own drafting runs to the end
             try:
