@@ -100,6 +100,11 @@ def rank_verdicts(tokens: list[int], candidates: Candidates, limit: int, accept_
 
 class PreDrafter:
     EMA = 0.2  # weight of the newest time measured
+    # a rank is pre-drafted while its measured hit rate is at least this (a miss waits for the
+    # forward in flight, so a rank that rarely hits costs more than it saves); every PROBE-th round
+    # tries it anyway, so a rank that starts to pay is found again
+    MIN_HIT_RATE = 0.1
+    PROBE = 16
 
     def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, num_candidates: int = 2,
                  clock=time.perf_counter, budget: bool = True):
@@ -125,6 +130,8 @@ class PreDrafter:
         self._batch_s: dict[int, float] = {}  # one hypothesis batch's drafting time, by batch size
         self._miss_s: dict[int, float] = {}  # drafting on a call, by the number of sequences drafted
         self._round_gen = -1
+        self._attempts = [0] * num_hypotheses  # pre-drafted batches per rank, hits: stats.hits_by_rank
+        self._rounds = 0
         self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
         self._in_flight: dict[str, Verdict] = {}  # the hypothesis batch being drafted
         self._hold = False  # a call waits for the batch in flight: start no other
@@ -251,10 +258,15 @@ class PreDrafter:
         if requests and not self._run(requests, gen, extend):
             return
         rate = self.accept_rate
+        self._rounds += 1
         verdicts = {s: rank_verdicts(x.tokens, x.candidates, self.num_hypotheses, rate) for s, x in sent.items()}
         for rank in range(self.num_hypotheses):
             if self._hold:
                 return
+            if (self.budget and self._rounds % self.PROBE
+                    and (self.stats.hits_by_rank[rank] + 1) / (self._attempts[rank] + 2) < self.MIN_HIT_RATE):
+                self.stats.num_skipped += 1
+                return  # this rank (and so every later one) rarely hits: drafting on the call is cheaper
             rows = [(s, verdicts[s][rank]) for s in sent if rank < len(verdicts[s])]
             rows = [(s, v) for s, v in rows
                     if len(sent[s].request.token_ids) + v[0] + 1 + sent[s].request.num_tokens <= self.max_model_len]
@@ -281,6 +293,7 @@ class PreDrafter:
             started = self._clock()
             with self._lock:
                 self._in_flight = dict(rows)
+                self._attempts[rank] += len(rows)
             ran = self._run(requests, gen, store)
             with self._lock:
                 self._in_flight = {}
