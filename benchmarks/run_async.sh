@@ -9,8 +9,9 @@ OUT=${OUT:-benchmarks/results}; TAG=${TAG:-async}; N=${N:-1}; CONC=${CONC:-1}; M
 ENDPOINTS=${ENDPOINTS:-sync async}
 mkdir -p "$OUT"
 ray start --head --num-cpus 8 --include-dashboard false > /dev/null
-trap 'serve shutdown -y > /dev/null 2>&1 || true; ray stop > /dev/null 2>&1 || true' EXIT
-serve deploy benchmarks/async_bench.yaml > /dev/null
+serve run --address auto benchmarks/async_bench.yaml > "${TMPDIR:-/tmp}/rayspec_async_serve.log" 2>&1 &
+SERVE_PID=$!
+trap 'kill $SERVE_PID 2> /dev/null || true; ray stop > /dev/null 2>&1 || true' EXIT
 args=()
 for app in $ENDPOINTS; do
   until curl -sf "http://127.0.0.1:8000/$app/v1/models" > /dev/null; do sleep 2; done
