@@ -247,6 +247,11 @@ class AppArgs(_Strict):
     # proposer pool that grew. A re-pin that lands elsewhere costs one resend of the sequences'
     # features (EAGLE). None: every REPIN_INTERVAL_S when the proposer pool autoscales, else never.
     proposer_repin_interval_s: float | None = Field(None, gt=0)
+    # disaggregated: asynchronous drafting. After each answer the proposer pre-drafts the next
+    # step for this many likeliest verdicts per sequence while the target verifies, and answers
+    # from that speculation cache when the verdict matches (rayspec.proposers.pre_draft). 0: off.
+    # draft_model only (an EAGLE head needs the target's features of the accepted tokens).
+    proposer_async_hypotheses: int = Field(0, ge=0, le=64)
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
     api_key: SecretStr | None = None
@@ -282,6 +287,9 @@ class AppArgs(_Strict):
         if self.topology == "disaggregated" and (self.speculative.draft_tensor_parallel_size or 1) > 1:
             raise ValueError("draft_tensor_parallel_size > 1 splits the draft over the verifier's ranks: "
                              "topology must be colocated (a disaggregated proposer runs the draft whole)")
+        if self.proposer_async_hypotheses and (self.topology != "disaggregated"
+                                               or self.speculative.method != "draft_model"):
+            raise ValueError("proposer_async_hypotheses needs topology 'disaggregated' and method 'draft_model'")
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
         return self

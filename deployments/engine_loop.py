@@ -329,6 +329,8 @@ class EngineLoop:
             self.snapshot["proposer_failed_calls"] = remote.num_failed_calls
             self.snapshot["proposer_skipped_steps"] = remote.num_skipped_steps
             self.snapshot["proposer_repins"] = getattr(remote, "num_repins", 0)
+            self.snapshot["speculation_cache_hits"] = getattr(remote, "num_cache_hits", 0)
+            self.snapshot["speculation_cache_misses"] = getattr(remote, "num_cache_misses", 0)
         if self.metrics is not None:
             try:
                 self.metrics.update(self.snapshot)

@@ -46,6 +46,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], list | None, str]] = {
     "spec_decode_num_accepted_tokens": ("counter", (), None, "Draft tokens accepted."),
     "spec_decode_num_accepted_tokens_per_pos": ("counter", ("position",), None,
                                                 "Draft tokens accepted at each draft position (0 = first)."),
+    "speculation_cache_hits": ("counter", (), None,
+                               "Drafts the proposer had ready when the verdict came (pre-drafted during "
+                               "verification; disaggregated, proposer_async_hypotheses > 0)."),
+    "speculation_cache_misses": ("counter", (), None,
+                                 "Drafts the asynchronous proposer drafted on the call (no pre-draft matched the verdict)."),
 }
 
 
@@ -65,6 +70,7 @@ def exported_series() -> set[str]:
 
 
 _SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+_CACHE_KEYS = ("speculation_cache_hits", "speculation_cache_misses")  # disaggregated snapshots only
 
 
 class VerifierMetrics:
@@ -82,7 +88,7 @@ class VerifierMetrics:
             metric = makers[kind](PREFIX + name, description=desc, tag_keys=("model_name",) + keys, **extra)
             metric.set_default_tags({"model_name": model_name})
             self._metrics[name] = metric
-        self._last = dict.fromkeys(_SPEC_KEYS, 0)
+        self._last = dict.fromkeys(_SPEC_KEYS + _CACHE_KEYS, 0)
         self._last_pos: list[int] = []
 
     def _inc(self, name: str, value: float, tags: dict | None = None) -> None:
@@ -114,6 +120,10 @@ class VerifierMetrics:
                 self._last[key] = 0
             self._inc("spec_decode_" + key, snap[key] - self._last[key])
             self._last[key] = snap[key]
+        for key in _CACHE_KEYS:
+            value = snap.get(key, 0)
+            self._inc(key, value - self._last[key])
+            self._last[key] = value
         per_pos = snap["num_accepted_tokens_per_pos"]
         if sum(per_pos) < sum(self._last_pos):
             self._last_pos = []

@@ -40,6 +40,7 @@ from rayspec.config import ProposerContext
 from rayspec.loader import parse_dtype
 from rayspec.malloc import keep_freed_memory
 from rayspec.proposers import Draft, ProposeRequest, build_proposer
+from rayspec.proposers.pre_draft import PreDrafter, PreDraftThread
 
 logger = logging.getLogger("ray.serve")
 
@@ -78,6 +79,13 @@ class Proposer:
         self.num_tree_drafts = 0
         self.propose_seconds = 0.0  # drafting time inside this replica (the rest of a call is transport)
         self.busy = BusyMeter()  # the pool's autoscaling signal (deployments.autoscaling)
+        # asynchronous drafting: pre-drafts while the verifier verifies (rayspec.proposers.pre_draft)
+        self.pre_drafter: PreDrafter | None = None
+        self._pre_draft_thread: PreDraftThread | None = None
+        if self.cfg.proposer_async_hypotheses:
+            self.pre_drafter = PreDrafter(self.proposer, self.cfg.proposer_async_hypotheses,
+                                          self.cfg.engine.max_model_len)
+            self._pre_draft_thread = PreDraftThread(self.pre_drafter)
 
     def feature_layers(self) -> tuple[int, ...] | None:
         """What the verifier's engine must hand over (rayspec.proposers.base.Proposer.feature_layers)."""
@@ -129,12 +137,19 @@ class Proposer:
                 r.features = r.features.to(self.device)
         with self._lock:
             for seq_id in released or ():
-                self.proposer.release(seq_id)
+                if self.pre_drafter is not None:
+                    self.pre_drafter.release(seq_id)
+                else:
+                    self.proposer.release(seq_id)
             if not requests:
                 return []
             started = time.perf_counter()
             with self.busy:
-                drafts = self.proposer.propose(requests)
+                if self.pre_drafter is not None:
+                    drafts = self.pre_drafter.propose(requests)
+                    self._pre_draft_thread.kick()  # pre-drafts the next step while the verifier verifies
+                else:
+                    drafts = self.proposer.propose(requests)
             self.propose_seconds += time.perf_counter() - started
             self.num_calls += 1
             self.num_requests += len(requests)
@@ -161,6 +176,7 @@ class Proposer:
                 "propose_seconds": round(self.propose_seconds, 4), "busy": round(self.busy.fraction(), 4),
                 "num_requests": self.num_requests, "num_tree_drafts": self.num_tree_drafts,
                 "feature_layers": None if layers is None else list(layers),
+                **(self.pre_drafter.stats.as_dict() if self.pre_drafter is not None else {}),
                 # the direct channel: authenticated connections, and those closed (failed handshake,
                 # malformed or oversized frame, too many connections)
                 "channel_connections": self._channel.num_connections if self._channel else 0,

@@ -100,6 +100,8 @@ class RemoteProposer(Proposer):
         self.num_failed_calls = 0  # calls that raised (replica died, timeout): those steps had no drafts
         self.num_skipped_steps = 0  # steps without drafts because a failure was recent
         self._clock, self._backoff_s, self._skip_until = clock, 0.0, float("-inf")
+        self.num_cache_hits = 0  # drafts the proposer had pre-drafted (deployments.proposer, async_hypotheses)
+        self.num_cache_misses = 0  # drafts it drafted on the call while pre-drafting
         self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
         # waits for the proposer replica to be up (it may be loading a large target's embedding)
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
@@ -206,6 +208,10 @@ class RemoteProposer(Proposer):
                     logger.warning("proposer still lacks features of %s; no draft this step", requests[i].seq_id)
                     d = Draft([])
                 drafts[i] = d
+        for d in drafts:
+            if d.pre_drafted is not None:
+                self.num_cache_hits += d.pre_drafted
+                self.num_cache_misses += not d.pre_drafted
         if self.device is not None:
             for d in drafts:
                 if d.probs is not None and d.probs.device != self.device:

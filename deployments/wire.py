@@ -15,7 +15,8 @@ Layout, little-endian (the byte order of every platform Ray runs on; checked at 
 
     request    str seq_id, ints token_ids, u32 num_tokens, f64 temperature, int top_k, f64 top_p,
                opt int seed, opt tensor features, u32 features_start, u8 tree (0 or 1)
-    draft      ints tokens, opt tensor probs, opt ints parents, opt u32 resend_features_from
+    draft      ints tokens, opt tensor probs, opt ints parents, opt u32 resend_features_from,
+               u8 pre_drafted (0 None, 1 False: drafted on the call, 2 True: a speculation-cache hit)
 
     str        u32 byte length, UTF-8
     ints       u32 count, count x i32
@@ -156,6 +157,7 @@ def _write_draft(w: _Writer, d: Draft) -> None:
         w.ints(d.parents)
     if w.flag(d.resend_features_from is not None):
         w.u32(d.resend_features_from)
+    w.u8(0 if d.pre_drafted is None else 1 + int(d.pre_drafted))
 
 
 def encode_call(requests: list[ProposeRequest], released: list[str]) -> bytes:
@@ -302,7 +304,10 @@ def _read_draft(r: _Reader, lim: ReplyLimits) -> Draft:
         if len(parents) != len(tokens) or any(not -1 <= p < j for j, p in enumerate(parents)):
             raise MalformedFrame("parents: one per token, each -1 or an earlier token's index")
     resend = r.u32(lim.max_seq_tokens, "resend_features_from") if r.flag() else None
-    return Draft(tokens, probs, parents, resend)
+    pre_drafted = r.u8()
+    if pre_drafted > 2:
+        raise MalformedFrame("pre_drafted: 0, 1 or 2")
+    return Draft(tokens, probs, parents, resend, None if pre_drafted == 0 else pre_drafted == 2)
 
 
 def decode_call(body, limits: CallLimits) -> tuple[list[ProposeRequest], list[str]]:

@@ -47,8 +47,8 @@ def _requests() -> list[ProposeRequest]:
 def _drafts() -> list[Draft]:
     probs = torch.softmax(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1)), -1)
     return [Draft([5, 6, 7, 8], parents=[-1, 0, 0, 2]),  # a tree
-            Draft([1, 2, 3], probs=probs),  # a sampled chain
-            Draft([]),
+            Draft([1, 2, 3], probs=probs, pre_drafted=True),  # a sampled chain, a speculation-cache hit
+            Draft([], pre_drafted=False),  # drafted on the call by an asynchronous proposer
             Draft([], resend_features_from=17)]
 
 

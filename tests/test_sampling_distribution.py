@@ -203,13 +203,15 @@ E2E_METHODS = [
     ("none", dict(method="none")),
     ("ngram", dict(method="ngram", k=3, prompt_lookup_min=1, prompt_lookup_max=3)),
     ("draft_model", dict(method="draft_model", k=3)),
+    # asynchronous drafting (rayspec.proposers.pre_draft): drafts from the speculation cache
+    ("draft_model-async", dict(method="draft_model", k=3)),
 ]
 
 
 # Plain sampling under ngram and draft_model drafts is checked with more power, on whole
 # continuations, in test_lossless_sampled.py; here the target-only sampler and penalties.
 E2E_CASES = [(name, spec, penalized) for name, spec in E2E_METHODS for penalized in (False, True)
-             if penalized or name == "none"]
+             if penalized or name in ("none", "draft_model-async")]
 
 
 @pytest.mark.parametrize("name,spec,penalized", E2E_CASES,
@@ -224,6 +226,10 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
     if spec["method"] == "draft_model":
         spec["draft_model"] = str(draft_dir)
     engine = make_engine(target_dir, max_model_len=40, max_num_seqs=64, **spec)
+    if name.endswith("-async"):
+        from rayspec.proposers.pre_draft import PreDraftingProposer
+
+        engine.proposer = PreDraftingProposer(engine.proposer, 4, max_model_len=40)  # every hypothesis drafted
     assert engine.tokenizer is None
     # even seeds: the draft model's generator uses seed + 1, so no stream is shared between requests
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=5,
@@ -239,6 +245,9 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
     low, high = binomial_interval(exact_marginals[3], NUM_REQUESTS)
     assert low <= repeats <= high, f"{name}: P(token 3 == token 2) {repeats:.4f}, exact {exact_marginals[3]:.4f}"
     stats = engine.stats
+    if name.endswith("-async"):
+        cache = engine.proposer.pre_drafter.stats
+        assert cache.num_hits > 0, cache.as_dict()  # (5 tokens a request: most calls are a sequence's first)
     if spec["method"] == "none":
         assert stats.num_draft_tokens == 0
     else:

@@ -42,6 +42,9 @@ class Draft:
     # EAGLE: the proposer holds no continuous features for this sequence (it never saw it, or lost
     # it: another replica, a restart, an evicted slot); send them again from this position
     resend_features_from: int | None = None
+    # asynchronous drafting (rayspec.proposers.pre_draft): True when the draft came from the
+    # speculation cache (pre-drafted while the target verified), False when drafted on the call
+    pre_drafted: bool | None = None
 
     @property
     def is_chain(self) -> bool:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 
@@ -56,12 +57,18 @@ class DraftModelProposer(Proposer):
         self._generators: dict[str, torch.Generator] = {}
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
         self._clock = itertools.count()
+        # asynchronous drafting (rayspec.proposers.pre_draft): keep each draft position's top
+        # num_candidates tokens and their draft probabilities, and stop between forwards when asked
+        self.num_candidates = 0
+        self.candidates: dict[str, list[tuple[list[int], list[float]]]] = {}
+        self.should_stop: Callable[[], bool] | None = None
 
     def release(self, seq_id: str) -> None:
         self.runner.free(seq_id)
         self._fed.pop(seq_id, None)
         self._generators.pop(seq_id, None)
         self._last_used.pop(seq_id, None)
+        self.candidates.pop(seq_id, None)
 
     def _allocate(self, seq_id: str, batch: set[str], token_ids: list[int]) -> None:
         """A slot for seq_id; when none is free, the sequence seen longest ago outside this batch is
@@ -122,6 +129,9 @@ class DraftModelProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         toks = []
         logits = self._forward_last(seq_ids, pending)  # [B, vocab]
+        if self.num_candidates:
+            for req in active:
+                self.candidates[req.seq_id] = []
         for step in range(k):
             choice = logits.argmax(-1)  # [B]
             for i in sampled:
@@ -130,14 +140,29 @@ class DraftModelProposer(Proposer):
                 choice[i:i + 1] = torch.multinomial(p, 1, generator=self._generator(req))
                 probs[i].append(p)
             toks.append(choice)
+            if self.num_candidates:  # (asynchronous drafting only: reads the top tokens per position)
+                self._keep_candidates(active, logits, probs, step)
+            if step + 1 < k and self.should_stop is not None and self.should_stop():
+                break  # drafts come back shorter; the cache holds exactly what _fed says
             if step + 1 < k:
                 logits = self.runner.forward(seq_ids, choice[:, None], last_only=True)
         (drafted,) = to_host(torch.stack(toks, 1))  # [B, k]
         tokens = drafted.tolist()
         for i, req in enumerate(active):
-            self._fed[req.seq_id] += tokens[i][: k - 1]  # the draft cache holds all but the last
+            self._fed[req.seq_id] += tokens[i][: len(toks) - 1]  # the draft cache holds all but the last
         by_id = {}
         for i, req in enumerate(active):
             n = req.num_tokens
             by_id[req.seq_id] = Draft(tokens[i][:n], torch.stack(probs[i][:n]) if probs[i] else None)
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
+
+    def _keep_candidates(self, active: list[ProposeRequest], logits: torch.Tensor,
+                         probs: list[list[torch.Tensor]], step: int) -> None:
+        """The top tokens of this draft position, by the distribution each row drew from (greedy
+        rows: the draft's softmax), for ranking the verdicts to pre-draft for."""
+        # logits [B, vocab]
+        dist = torch.softmax(logits.float(), -1)
+        for i, req in enumerate(active):
+            row = probs[i][step] if req.temperature > 0 else dist[i]
+            top = row.topk(self.num_candidates)
+            self.candidates[req.seq_id].append((top.indices.tolist(), top.values.tolist()))

@@ -1,0 +1,383 @@
+"""Asynchronous drafting: draft the next step while the target verifies this one.
+
+After a proposer answers, the verifier spends a whole verification before it calls again, and a
+proposer on its own device sits idle meanwhile. PreDrafter fills that time (as speculative
+speculative decoding does): for each sequence of the last call it ranks the likeliest verdicts
+(how many draft tokens the target accepts, and the bonus token it emits next) by the draft's own
+probabilities, drafts the next step for each in turn, and keeps those drafts in a speculation
+cache keyed by (sequence, accepted count, bonus token). The next call's token list says which
+verdict came true (it is the last context plus the accepted draft tokens plus the bonus token):
+a cached draft answers at once (a hit); otherwise the proposer drafts then (a miss), exactly as a
+synchronous one would.
+
+Lossless: a pre-draft for a context is made exactly as a call's draft for that context would be
+(the same proposer and sampling, its probabilities sent with it), and which one is used depends
+on the verifier's verdict alone, never on the pre-drafts' own draws; greedy drafts are the same
+tokens either way. Seeded sampled requests do not reproduce run to run: how many draws a
+sequence's generator makes depends on how far pre-drafting got before each call.
+
+Ranking: q_i is the draft's distribution at draft position i (i = 0..k, k: after the last draft
+token), d_i the draft tokens, a the per-token acceptance rate measured on the verdicts seen so
+far. The verdict "first j tokens accepted, then bonus x" (x != d_j when j < k) is ranked by
+a^j (1 - a) q_j(x) / (1 - q_j(d_j)) for j < k and a^k q_k(x) for j = k, over the draft's top
+tokens at each position. (The draft's own q_i(d_i) is a poor acceptance estimate: an untrained
+truncated draft is confident and wrong, a good one can be flat and right.)
+
+Threads: the call handler calls `propose`; a background thread calls `pre_draft` after each
+reply. They share the wrapped proposer through one lock, taken per batch of hypotheses; a call
+makes the pre-drafter stop between forwards (the proposer's `should_stop` hook). A call whose verdict
+is the batch being drafted waits for that batch. A hypothesis batch is started only while a hit on
+it, waited for, would still come sooner than drafting on the call (measured times), so where
+pre-drafting does not fit (large batches, a slow proposer) drafting falls back to synchronous.
+The wrapped proposer must offer `num_candidates`, `candidates` and `should_stop` (draft_model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+
+from rayspec.proposers.base import Draft, Proposer, ProposeRequest
+
+Candidates = list[tuple[list[int], list[float]]]  # per draft position: top tokens, their probabilities
+Verdict = tuple[int, int]  # (accepted draft tokens, bonus token)
+
+
+@dataclass
+class _Sent:
+    """A sequence's last answer: the request (its token_ids: the context) and the draft sent."""
+    request: ProposeRequest
+    tokens: list[int]
+    candidates: Candidates  # positions 0..len(tokens); without the last one until a lookahead ran
+
+
+@dataclass
+class _PreDraft:
+    draft: Draft  # one token more than asked: the extra position ranks the next verdicts
+    candidates: Candidates
+    rank: int
+
+
+@dataclass
+class PreDraftStats:
+    num_hits: int = 0
+    num_misses: int = 0
+    hits_by_rank: list[int] = field(default_factory=list)
+    num_pre_drafts: int = 0  # hypotheses drafted to the end
+    num_interrupted: int = 0  # hypothesis batches a call stopped
+    num_skipped: int = 0  # hypothesis batches not started: expected to end after the next call
+    pre_draft_seconds: float = 0.0
+    miss_draft_seconds: float = 0.0  # drafting on calls (misses)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / max(1, self.num_hits + self.num_misses)
+
+    def as_dict(self) -> dict:
+        return {"speculation_cache_hits": self.num_hits, "speculation_cache_misses": self.num_misses,
+                "speculation_cache_hit_rate": round(self.hit_rate, 4), "hits_by_rank": list(self.hits_by_rank),
+                "pre_drafts": self.num_pre_drafts, "pre_drafts_interrupted": self.num_interrupted,
+                "pre_drafts_skipped": self.num_skipped, "pre_draft_seconds": round(self.pre_draft_seconds, 4),
+                "miss_draft_seconds": round(self.miss_draft_seconds, 4)}
+
+
+def rank_verdicts(tokens: list[int], candidates: Candidates, limit: int, accept_rate: float) -> list[Verdict]:
+    """The `limit` likeliest verdicts of a draft, best first (see the module docstring)."""
+    scored = []
+    k = len(tokens)
+    for j, (top, probs) in enumerate(candidates[: k + 1]):
+        reach = accept_rate ** j * ((1 - accept_rate) if j < k else 1.0)  # P(first j accepted, then stop)
+        rest = 1.0 - (dict(zip(top, probs)).get(tokens[j], 0.0) if j < k else 0.0)  # mass left for the bonus
+        for x, p in zip(top, probs):
+            if j < k and x == tokens[j]:
+                continue
+            scored.append((reach * p / max(rest, 1e-9), j, x))
+    scored.sort(key=lambda s: -s[0])
+    return [(j, x) for _, j, x in scored[:limit]]
+
+
+class PreDrafter:
+    EMA = 0.2  # weight of the newest time measured
+    # a rank is pre-drafted while its measured hit rate is at least this (a miss waits for the
+    # forward in flight, so a rank that rarely hits costs more than it saves); every PROBE-th round
+    # tries it anyway, so a rank that starts to pay is found again
+    MIN_HIT_RATE = 0.1
+    PROBE = 16
+
+    def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, num_candidates: int = 2,
+                 clock=time.perf_counter, budget: bool = True):
+        """budget: start a hypothesis batch only when it is expected to end before the next call
+        (False: draft every hypothesis; PreDraftingProposer's inline rounds)."""
+        if not hasattr(proposer, "should_stop"):
+            raise ValueError(f"proposer {proposer.name!r} cannot pre-draft (draft_model can)")
+        self.proposer = proposer
+        self.num_hypotheses = num_hypotheses
+        self.max_model_len = max_model_len
+        self.budget = budget
+        proposer.num_candidates = num_candidates
+        self.stats = PreDraftStats(hits_by_rank=[0] * num_hypotheses)
+        self._clock = clock
+        self._model_lock = threading.Lock()  # the proposer's state is not thread-safe
+        self._lock = threading.Lock()  # the fields below
+        self._generation = 0  # bumped by every call: pre-drafts of an older one are stale
+        self._batch: list[str] = []  # the last call's sequences: what the next round pre-drafts for
+        self._sent: dict[str, _Sent] = {}
+        self._cache: dict[str, dict[Verdict, _PreDraft]] = {}
+        self._replied_at: float | None = None
+        self._interval_s: float | None = None  # reply -> next call, as the verifier paces it
+        self._batch_s: dict[int, float] = {}  # one hypothesis batch's drafting time, by batch size
+        self._miss_s: dict[int, float] = {}  # drafting on a call, by the number of sequences drafted
+        self._round_gen = -1
+        self._attempts = [0] * num_hypotheses  # pre-drafted batches per rank, hits: stats.hits_by_rank
+        self._rounds = 0
+        self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
+        self._in_flight: dict[str, Verdict] = {}  # the hypothesis batch being drafted
+        self._hold = False  # a call waits for the batch in flight: start no other
+
+    # ---- the call handler's side -----------------------------------------------------------
+    def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
+        arrival = self._clock()
+        with self._lock:
+            if self._replied_at is not None:
+                self._interval_s = self._ema(self._interval_s, arrival - self._replied_at)
+            verdicts = [self._verdict(r) for r in requests]
+            for r, v in zip(requests, verdicts):
+                if v is not None:
+                    self._observe(v[0], len(self._sent[r.seq_id].tokens))
+            # a verdict whose pre-draft is being drafted right now: let that batch end (less than
+            # a draft to wait), then stop the round; otherwise stop it at its next forward
+            wait = any(v is not None and self._in_flight.get(r.seq_id) == v and self._lookup(r, v) is None
+                       for r, v in zip(requests, verdicts))
+            self._hold = wait
+            if not wait:
+                self._generation += 1
+        if wait:
+            with self._model_lock:
+                pass
+            with self._lock:
+                self._generation += 1
+                self._hold = False
+        with self._lock:
+            drafts: list[Draft | None] = [None] * len(requests)
+            misses = []
+            for i, (req, verdict) in enumerate(zip(requests, verdicts)):
+                hit = self._lookup(req, verdict)
+                if hit is not None:
+                    drafts[i] = self._answer(req, hit.draft, hit.candidates, True)
+                    self.stats.num_hits += 1
+                    self.stats.hits_by_rank[hit.rank] += 1
+                elif req.num_tokens > 0:
+                    misses.append(i)
+            for req in requests:
+                self._cache.pop(req.seq_id, None)
+        if misses:
+            started = self._clock()
+            with self._model_lock:
+                fresh = self.proposer.propose([requests[i] for i in misses])
+                candidates = [list(self.proposer.candidates.get(requests[i].seq_id, [])) for i in misses]
+            took = self._clock() - started
+            self.stats.miss_draft_seconds += took
+            self._miss_s[len(misses)] = self._ema(self._miss_s.get(len(misses)), took)
+            with self._lock:
+                for i, draft, cands in zip(misses, fresh, candidates):
+                    drafts[i] = self._answer(requests[i], draft, cands, False)
+                    self.stats.num_misses += 1
+        with self._lock:
+            self._batch = [r.seq_id for r in requests if r.num_tokens > 0]
+            self._replied_at = self._clock()
+        return [d if d is not None else Draft([]) for d in drafts]
+
+    def _verdict(self, req: ProposeRequest) -> Verdict | None:
+        """The verdict on the last draft sent for req.seq_id that req's token list shows; None when
+        it shows none (a new sequence, other settings, or tokens that are no such verdict)."""
+        sent = self._sent.get(req.seq_id)
+        if sent is None or req.num_tokens <= 0:
+            return None
+        if dataclasses.replace(sent.request, token_ids=req.token_ids, num_tokens=req.num_tokens,
+                               features=req.features, features_start=req.features_start) != req:
+            return None  # other sampling settings
+        context = sent.request.token_ids
+        j = len(req.token_ids) - len(context) - 1
+        if not 0 <= j <= len(sent.tokens) or req.token_ids[: len(context) + j] != context + sent.tokens[:j]:
+            return None
+        return j, req.token_ids[-1]
+
+    def _observe(self, accepted: int, drafted: int) -> None:
+        decay = 0.98
+        self._accepted = decay * self._accepted + accepted
+        self._tried = decay * self._tried + min(accepted + 1, drafted)
+
+    @property
+    def accept_rate(self) -> float:
+        return min(self._accepted / self._tried, 0.99)
+
+    def _lookup(self, req: ProposeRequest, verdict: Verdict | None) -> _PreDraft | None:
+        hit = self._cache.get(req.seq_id, {}).get(verdict) if verdict is not None else None
+        return hit if hit is not None and len(hit.draft.tokens) >= req.num_tokens else None
+
+    def _answer(self, req: ProposeRequest, draft: Draft, candidates: Candidates, hit: bool) -> Draft:
+        n = min(req.num_tokens, len(draft.tokens))
+        draft = Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n], pre_drafted=hit)
+        # a copy: the engine's token list grows in place
+        self._sent[req.seq_id] = _Sent(dataclasses.replace(req, token_ids=list(req.token_ids)), draft.tokens,
+                                       candidates[: n + 1])
+        return draft
+
+    def release(self, seq_id: str) -> None:
+        with self._lock:
+            self._generation += 1
+            self._sent.pop(seq_id, None)
+            self._cache.pop(seq_id, None)
+        with self._model_lock:
+            self.proposer.release(seq_id)
+
+    # ---- the background thread's side ----------------------------------------------------
+    def _stale(self) -> bool:
+        return self._generation != self._round_gen
+
+    def pre_draft(self) -> None:
+        """One round for the last call's sequences: a lookahead forward where the draft sent lacks
+        its last position's candidates, then the hypotheses rank by rank, each rank one batch."""
+        with self._lock:
+            gen, seqs = self._generation, list(self._batch)
+            sent = {s: self._sent[s] for s in seqs if s in self._sent}
+            replied_at = self._replied_at
+        self._round_gen = gen
+        if not sent or replied_at is None:
+            return
+        lookahead = [s for s, x in sent.items() if len(x.candidates) <= len(x.tokens)]
+
+        def extend(i, draft, cands):  # the position after the draft sent
+            if cands:
+                sent[lookahead[i]].candidates.append(cands[0])
+
+        requests = [dataclasses.replace(sent[s].request, token_ids=sent[s].request.token_ids + sent[s].tokens,
+                                        num_tokens=1, features=None) for s in lookahead]
+        if requests and not self._run(requests, gen, extend):
+            return
+        rate = self.accept_rate
+        self._rounds += 1
+        verdicts = {s: rank_verdicts(x.tokens, x.candidates, self.num_hypotheses, rate) for s, x in sent.items()}
+        for rank in range(self.num_hypotheses):
+            if self._hold:
+                return
+            if (self.budget and self._rounds % self.PROBE
+                    and (self.stats.hits_by_rank[rank] + 1) / (self._attempts[rank] + 2) < self.MIN_HIT_RATE):
+                self.stats.num_skipped += 1
+                return  # this rank (and so every later one) rarely hits: drafting on the call is cheaper
+            rows = [(s, verdicts[s][rank]) for s in sent if rank < len(verdicts[s])]
+            rows = [(s, v) for s, v in rows
+                    if len(sent[s].request.token_ids) + v[0] + 1 + sent[s].request.num_tokens <= self.max_model_len]
+            if not rows:
+                return
+            # worth starting while a hit on it, waited for, still comes sooner than a miss's draft
+            expected = self._batch_s.get(len(rows))
+            if (self.budget and expected is not None and self._interval_s is not None
+                    and self._clock() - replied_at + expected > self._interval_s + self._miss_s.get(len(rows), 0.0)):
+                self.stats.num_skipped += 1
+                return
+            requests = []
+            for s, (j, x) in rows:
+                r = sent[s].request
+                requests.append(dataclasses.replace(r, token_ids=r.token_ids + sent[s].tokens[:j] + [x],
+                                                    num_tokens=r.num_tokens + 1, features=None))
+
+            def store(i, draft, cands, rows=rows, rank=rank):
+                s, verdict = rows[i]
+                if len(draft.tokens) >= requests[i].num_tokens:
+                    self._cache.setdefault(s, {})[verdict] = _PreDraft(draft, cands, rank)
+                    self.stats.num_pre_drafts += 1
+
+            started = self._clock()
+            with self._lock:
+                self._in_flight = dict(rows)
+                self._attempts[rank] += len(rows)
+            ran = self._run(requests, gen, store)
+            with self._lock:
+                self._in_flight = {}
+            if not ran:
+                return
+            self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
+
+    def _run(self, requests: list[ProposeRequest], gen: int, store) -> bool:
+        """Draft one batch under the model lock; store(i, draft, candidates) each result unless a
+        call came meanwhile. False: stopped (a call came)."""
+        started = self._clock()
+        with self._model_lock:
+            if self._stale() or self._hold:
+                return False
+            self.proposer.should_stop = self._stale  # only here: a call's own drafting runs to the end
+            try:
+                drafts = self.proposer.propose(requests)
+            finally:
+                self.proposer.should_stop = None
+            candidates = [list(self.proposer.candidates.get(r.seq_id, [])) for r in requests]
+        self.stats.pre_draft_seconds += self._clock() - started
+        with self._lock:
+            if self._generation != gen:
+                self.stats.num_interrupted += 1
+                return False
+            for i, (draft, cands) in enumerate(zip(drafts, candidates)):
+                store(i, draft, cands)
+        return True
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.EMA) * old + self.EMA * new
+
+
+class PreDraftThread:
+    """Runs a PreDrafter's rounds in a daemon thread: `kick()` after each reply starts one."""
+
+    def __init__(self, pre_drafter: PreDrafter):
+        self.pre_drafter = pre_drafter
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="pre-draft", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            self.pre_drafter.pre_draft()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+
+class PreDraftingProposer(Proposer):
+    """A proposer answering through a PreDrafter, in the engine's process: after each answer a
+    round runs in a background thread (`background`), overlapping the engine's verification, or
+    at once in the caller's thread (every hypothesis drafted, no timing: the hit rates the ranking
+    allows, deterministically; for tests and offline measurements)."""
+
+    name = "pre_draft"
+
+    def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, background: bool = False):
+        self.inner = proposer
+        self.in_process = proposer.in_process
+        self.pre_drafter = PreDrafter(proposer, num_hypotheses, max_model_len, budget=background)
+        self._thread = PreDraftThread(self.pre_drafter) if background else None
+
+    def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
+        drafts = self.pre_drafter.propose(requests)
+        if self._thread is not None:
+            self._thread.kick()
+        else:
+            self.pre_drafter.pre_draft()
+        return drafts
+
+    def release(self, seq_id: str) -> None:
+        self.pre_drafter.release(seq_id)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
