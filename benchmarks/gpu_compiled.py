@@ -170,6 +170,51 @@ def speed(root: Path, which: list[str]) -> None:
             record("speed", {"case": label, "error": repr(err)[:400], "trace": traceback.format_exc()[-1500:]})
 
 
+def set_fused(model, on: bool, saved: dict) -> None:
+    """Turn the fused q/k/v and gate/up matmuls (rayspec.model.fuse_weights) off and on again."""
+    from rayspec.model import MLP, Attention
+
+    for m in model.modules():
+        for attr in ("qkv_fused", "gate_up_fused") if isinstance(m, (Attention, MLP)) else ():
+            if hasattr(m, attr):
+                if on:
+                    setattr(m, attr, saved.get((id(m), attr)))
+                else:
+                    saved[(id(m), attr)] = getattr(m, attr)
+                    setattr(m, attr, None)
+
+
+def fusion(which: list[str]) -> None:
+    """Llama-3.1-8B shapes: eager without and with the fused projections, and compiled (fused) after
+    LLMEngine.warm_up, concurrency 1 and 8."""
+    model = llama8b_shapes()
+    model.pack_for_cpu()  # off the CPU: fuses q/k/v and gate/up (weight views)
+    saved: dict = {}
+    for c in (1, 8):
+        ps = prompts(c, 128256, seed=c)
+        row = {"case": f"llama8b-shapes baseline c={c}"}
+        outs = {}
+        for label, fused, compile in (("eager_unfused", False, False), ("eager_fused", True, False),
+                                      ("compiled_fused", True, True)):
+            set_fused(model, fused, saved)
+            engine = engine_for("llama8b-shapes", (model, None), "none", compile=compile, seqs=8)
+            t0 = time.perf_counter()
+            row[f"warm_up_{label}"] = [list(x) for x in engine.warm_up()]
+            timed(engine, ps, 8)
+            row[f"warm_up_s_{label}"] = round(time.perf_counter() - t0, 1)
+            rates = []
+            for _ in range(3):
+                rate, out, _ = timed(engine, ps, 64)
+                rates.append(rate)
+            row[f"tok_s_{label}"] = round(sorted(rates)[1], 1)
+            outs[label] = out
+            del engine
+        row["fused_over_unfused"] = round(row["tok_s_eager_fused"] / row["tok_s_eager_unfused"], 3)
+        row["compiled_over_eager_fused"] = round(row["tok_s_compiled_fused"] / row["tok_s_eager_fused"], 3)
+        row["equal_fused_unfused"] = sum(a == b for a, b in zip(outs["eager_fused"], outs["eager_unfused"]))
+        record("fusion", row)
+
+
 def main() -> None:
     global OUT
     parser = argparse.ArgumentParser()
@@ -185,7 +230,12 @@ def main() -> None:
                 syncs(Path(tmp))
             except Exception as err:  # noqa: BLE001
                 record("syncs", {"error": repr(err)[:400], "trace": traceback.format_exc()[-1500:]})
-        speed(Path(tmp), [w for w in args.only if w != "syncs"])
+        if "fusion" in args.only:
+            try:
+                fusion(args.only)
+            except Exception as err:  # noqa: BLE001
+                record("fusion", {"error": repr(err)[:400], "trace": traceback.format_exc()[-1500:]})
+        speed(Path(tmp), [w for w in args.only if w not in ("syncs", "fusion")])
     if OUT is not None:
         OUT.write_text(json.dumps(RESULTS, indent=1))
 

@@ -143,6 +143,38 @@ class LLMEngine:
         self.num_steps = 0
         self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
 
+    @torch.inference_mode()  # as step(): grad mode is part of what a compiled graph is guarded on
+    def warm_up(self) -> list[tuple[int, int]]:
+        """With the compiled step: compile (and on CUDA capture) the shapes a step takes most, before
+        the first request: every batch bucket up to max_num_seqs at 1 row (decoding) and at the
+        verification's rows (1 + num_speculative_tokens, bucketed). Other shapes compile when first
+        seen. Returns the (batch, rows) buckets run."""
+        from rayspec.compiled import bucket
+
+        compiled = self.runner.compiled
+        if compiled is None:
+            return []
+        done = []
+        for rows in sorted({1, bucket(1 + self.max_k)}):
+            b = 1
+            while b <= bucket(self.config.max_num_seqs) and compiled.fits(b, rows):
+                ids = [f"__warm_up_{i}" for i in range(min(b, self.runner.num_free_slots))]
+                if len(ids) < b:
+                    break
+                try:
+                    for i in ids:
+                        self.runner.allocate(i)
+                    self._target_forward(ids, [[0] * rows for _ in ids], packed=True, static=True)
+                    done.append((b, rows))
+                finally:
+                    for i in ids:
+                        self.runner.free(i)
+                b *= 2
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("compiled step warmed up for (batch, rows) %s", done)
+        return done
+
     def _kv_plan(self, model: CausalLM, spec, in_process: bool = True):
         """in_process: the proposer (a draft model's cache) shares this process's KV budget; a
         disaggregated one (deployments.remote_proposer) keeps its cache in its own deployment."""

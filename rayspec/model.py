@@ -367,6 +367,26 @@ class FusedProjection:
         return list(out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1))
 
 
+def fuse_weights(parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """Off the CPU: the parts' weights (and biases) become views of one tensor, so one matmul computes
+    them all (q/k/v, gate/up: one kernel launch instead of three or two) with no extra memory; the
+    parts stay Parameters of their own (checkpoints load, TP shards, state_dict unchanged).
+    Returns (weight, bias, sizes), or None where the parts cannot be fused."""
+    w = parts[0].weight
+    if (any(p.weight.dtype != w.dtype or p.weight.device != w.device for p in parts)
+            or len({p.bias is None for p in parts}) != 1 or w.device.type == "meta"):
+        return None
+    sizes = [p.weight.shape[0] for p in parts]
+    weight = torch.cat([p.weight.detach() for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    for i, (p, view) in enumerate(zip(parts, weight.split(sizes))):
+        tied = p.weight
+        p.weight = nn.Parameter(view, requires_grad=tied.requires_grad)
+        if bias is not None:
+            p.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=p.bias.requires_grad)
+    return weight, bias, sizes
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -409,15 +429,22 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.sliding_window = None if layer is None else args.layer_window(layer)
         self.qkv: FusedProjection | None = None  # set by pack_for_cpu
+        self.qkv_fused = None  # (weight, bias, sizes) off the CPU (fuse_weights)
 
     def fuse_for_cpu(self) -> None:
         self.qkv = FusedProjection.build([self.q_proj, self.k_proj, self.v_proj])
+
+    def fuse_for_device(self) -> None:
+        self.qkv_fused = fuse_weights([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
         # x: [N, H] real tokens (batch.pack); cos/sin: [B, 1, Q, head_dim];
         # cache_k/v: [rows, kv_heads, head_dim] (one layer's block pool) -> [N, H]
         B, Q = batch.shape
         fused = self.qkv(x) if self.qkv is not None else None
+        if fused is None and self.qkv_fused is not None and x.device == self.qkv_fused[0].device:
+            weight, bias, sizes = self.qkv_fused
+            fused = F.linear(x, weight, bias).split(sizes, dim=-1)
         q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         if self.q_norm is not None:  # [N, heads * head_dim], normed per head before rope
             q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
@@ -504,12 +531,19 @@ class MLP(nn.Module):
         self.up_proj = column_parallel(Linear(h, local, bias=bias), tp, i, "up_proj")
         self.down_proj = row_parallel(Linear(local, h, bias=bias), tp, i, "down_proj")
         self.gate_up: FusedProjection | None = None  # set by pack_for_cpu
+        self.gate_up_fused = None  # (weight, bias, sizes) off the CPU (fuse_weights)
 
     def fuse_for_cpu(self) -> None:
         self.gate_up = FusedProjection.build([self.gate_proj, self.up_proj])
 
+    def fuse_for_device(self) -> None:
+        self.gate_up_fused = fuse_weights([self.gate_proj, self.up_proj])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up(x) if self.gate_up is not None else None
+        if fused is None and self.gate_up_fused is not None and x.device == self.gate_up_fused[0].device:
+            weight, bias, sizes = self.gate_up_fused
+            fused = F.linear(x, weight, bias).split(sizes, dim=-1)
         gate, up = fused or (self.gate_proj(x), self.up_proj(x))
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
@@ -543,6 +577,7 @@ def _probe_mlp(src: MLP, variant: str) -> MLP:
             lin.pack_for_cpu()
         setattr(probe, name, lin)
     probe.gate_up = None
+    probe.gate_up_fused = None
     if packed:
         probe.fuse_for_cpu()
     return probe
@@ -632,7 +667,12 @@ class CausalLM(Float32Rotary):
         self.cpu_kernels = None
         param = next(self.parameters())
         mlp = next((m for m in self.modules() if isinstance(m, MLP)), None)
-        if param.device.type != "cpu" or mlp is None:
+        if param.device.type != "cpu":  # elsewhere q/k/v and gate/up run as one matmul each too
+            for module in self.modules():
+                if isinstance(module, (Attention, MLP)):
+                    module.fuse_for_device()
+            return self
+        if mlp is None:
             return self
         self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
                                               mlp.gate_proj.weight.dtype)

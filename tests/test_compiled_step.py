@@ -38,3 +38,24 @@ def test_compiled_step_equals_eager(tiny_model_dir, method):
     assert {b for b, _ in shapes} >= {1, 2, 4}, shapes
     if method == "draft_model":  # verification rows (1 + 3 drafts) through the compiled step
         assert any(q == 4 for _, q in shapes) and compiled.stats.num_accepted_tokens > 0
+
+
+def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
+    """LLMEngine.warm_up (the verifier deployment calls it): every batch bucket at 1 row and at the
+    verification's rows is compiled before the first request, which then compiles nothing new;
+    the dummy sequences leave nothing behind."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    engine = _engine(tiny_model_dir, "draft_model", True, draft_model=str(tiny_model_dir))
+    free = (engine.runner.num_free_slots, engine.runner.num_free_blocks)
+    assert engine.warm_up() == [(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)]
+    assert (engine.runner.num_free_slots, engine.runner.num_free_blocks) == free
+    graphs, warmed = counters["stats"]["unique_graphs"], set(engine.runner.compiled.shapes)
+    out = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
+    assert all(len(o.token_ids) == 70 for o in out)  # past a 64-key bucket too: keys are dynamic
+    # only the last steps' shorter drafts (rows 1 + 1, bucket 2) are new, one graph each, no recompiles
+    new = engine.runner.compiled.shapes - warmed
+    assert new <= {(2, 2)}, new
+    assert counters["stats"]["unique_graphs"] == graphs + len(new)
+    assert _engine(tiny_model_dir, "none", False).warm_up() == []

@@ -151,3 +151,32 @@ def test_audit_catches_a_stray_read(smollm2, smollm2_loaded):
     engine.model.logits = leaky
     steps = audit_decode_steps(engine, PROMPTS[:2], GREEDY)
     assert any(any(u.startswith("tolist") for u in unrouted) for _, _, unrouted in steps)
+
+
+def test_projections_fused_off_the_cpu():
+    """Off the CPU q/k/v and gate/up run as one matmul each: their weights become views of one
+    tensor (no extra memory, state_dict unchanged) and the outputs stay the parts' own."""
+    from rayspec.model import Attention, MLP, ModelArgs
+
+    args = ModelArgs(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=True)
+    torch.manual_seed(0)
+    mlp, attn = MLP(args), Attention(args)
+    x = torch.randn(5, 48)
+    want_mlp = mlp(x)
+    want_qkv = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    keys = set(mlp.state_dict()) | {f"a.{k}" for k in attn.state_dict()}
+    mlp.fuse_for_device()  # what CausalLM.pack_for_cpu does on CUDA
+    attn.fuse_for_device()
+    weight, bias, sizes = attn.qkv_fused
+    assert sizes == [48, 24, 24] and bias is not None
+    base = weight.untyped_storage().data_ptr()
+    assert all(p.weight.untyped_storage().data_ptr() == base for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert set(mlp.state_dict()) | {f"a.{k}" for k in attn.state_dict()} == keys
+    torch.testing.assert_close(mlp(x), want_mlp)
+    fused = torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
+    for got, want in zip(fused, want_qkv):
+        torch.testing.assert_close(got, want)
+    with torch.no_grad():  # an in-place update of a part is seen by the fused weight (a view)
+        attn.k_proj.weight.add_(1.0)
+    torch.testing.assert_close(weight[48:72], attn.k_proj.weight)
