@@ -110,7 +110,6 @@ class Verifier:
             engine = LLMEngine(engine_config, proposer=proposer, rank_launcher=launcher)
             if proposer is not None:  # drafts coming back are checked against the target's vocabulary
                 proposer.vocab_size = engine.model.args.vocab_size
-            engine.warm_up()  # the compiled step's usual shapes, before the replica takes requests
             return engine
 
         try:

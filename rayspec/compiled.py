@@ -7,8 +7,8 @@ scratch block; padded keys are masked. On CUDA the graphs are captured in CUDA g
 (mode "reduce-overhead": a step replays its kernels in one launch); on CPU inductor's C++ kernels.
 Prefill chunks (any length) and tensor-parallel or sliding-window models stay eager.
 
-Measured (benchmarks/README.md, "Compiled step"): the default (`EngineConfig.compile` None) is
-what measured faster on each device type.
+The default (`EngineConfig.compile` None): off on CPU; on CUDA the engine times a decode forward
+eager and compiled when it is built and keeps the faster (LLMEngine.warm_up).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 KV_BUCKET = 64
 MAX_ROWS = 64  # a forward of more padded rows than this (batch x rows) runs eager (a prefill's size)
 
-# where the compiled step measured faster than eager (benchmarks/README.md, "Compiled step"):
-# on an H200, 1.03-3.85x in 5 of 6 cases (SmolLM2 shapes baseline c=1/8, EAGLE-3 c=1/8, Llama-3.1-8B
-# shapes c=1; 0.90x for the 8B shapes at c=8), benchmarks/results/gpu_compiled_h200.json. On CPU off:
-# each bucket compiles for 30-300 s with inductor's C++ backend (SmolLM2, 2 cores).
+# where the compiled step may be faster than eager (benchmarks/README.md, "Compiled step"). On an
+# H200 it measured 3.4-3.9x faster for SmolLM2's shapes (launch-bound) and 0.76-0.83x for
+# Llama-3.1-8B's (benchmarks/results/gpu_compiled_h200.json, gpu_fusion_h200.json): so on CUDA the
+# default is decided per engine, by timing a decode forward both ways (LLMEngine.warm_up). On CPU
+# off: inductor's C++ step measured slower for SmolLM2 and each bucket compiles for 30-300 s.
 COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
 
 

@@ -48,9 +48,10 @@ def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
     from torch._dynamo.utils import counters
 
     engine = _engine(tiny_model_dir, "draft_model", True, draft_model=str(tiny_model_dir))
-    free = (engine.runner.num_free_slots, engine.runner.num_free_blocks)
-    assert engine.warm_up() == [(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)]
-    assert (engine.runner.num_free_slots, engine.runner.num_free_blocks) == free
+    assert engine._warmed_up and engine.warm_up() == []  # done when the engine was built, once
+    assert engine.runner.compiled.shapes == {(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)}
+    assert engine.runner.num_free_slots == engine.num_slots
+    assert engine.runner.num_free_blocks == engine.num_blocks  # the dummy sequences left nothing behind
     graphs, warmed = counters["stats"]["unique_graphs"], set(engine.runner.compiled.shapes)
     out = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
     assert all(len(o.token_ids) == 70 for o in out)  # past a 64-key bucket too: keys are dynamic
@@ -59,3 +60,28 @@ def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
     assert new <= {(2, 2)}, new
     assert counters["stats"]["unique_graphs"] == graphs + len(new)
     assert _engine(tiny_model_dir, "none", False).warm_up() == []
+
+
+@pytest.mark.parametrize("compiled_faster", [True, False])
+def test_default_keeps_the_compiled_step_only_where_it_measures_faster(tiny_model_dir, monkeypatch, compiled_faster):
+    """compile left to its default on a device where it may pay (CUDA; here CPU made to take that
+    path): the engine times a decode forward both ways and keeps the faster."""
+    import rayspec.compiled
+
+    monkeypatch.setitem(rayspec.compiled.COMPILE_BY_DEFAULT, "cpu", True)
+    timings = {False: 0.002, True: 0.001 if compiled_faster else 0.003}
+    monkeypatch.setattr(LLMEngine, "_time_decode", lambda self, static, repeats=10: timings[static])
+    engine = _engine(tiny_model_dir, "none", None)
+    assert engine.compile_timings == {"eager_s": 0.002, "compiled_s": timings[True]}
+    assert (engine.runner.compiled is not None) == compiled_faster == engine.compile
+    got = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    want = _engine(tiny_model_dir, "none", False).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                     ignore_eos=True))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_time_decode_measures_both_paths(tiny_model_dir):
+    engine = _engine(tiny_model_dir, "none", True)
+    eager, compiled = engine._time_decode(False, repeats=3), engine._time_decode(True, repeats=3)
+    assert eager > 0 and compiled > 0
+    assert engine.runner.num_free_blocks == engine.num_blocks
