@@ -19,6 +19,11 @@ from rayspec.sampling import SamplingParams
 torch.set_num_threads(int(os.environ.get("RAYSPEC_TEST_THREADS", "1")))
 
 
+# RAYSPEC_TEST_COMPILE=1: every engine these tests build runs the compiled step (a one-off check of
+# the greedy and distribution tests through it; slow on CPU: every shape compiles)
+TEST_COMPILE = True if os.environ.get("RAYSPEC_TEST_COMPILE", "").strip() in ("1", "true") else None
+
+
 def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
                 kv_cache_memory_gb: float = 2.0, measured_costs: bool = False,
@@ -30,6 +35,7 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
     idle one; `measured_costs=True` keeps the wall clock."""
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           kv_cache_memory_gb=kv_cache_memory_gb, max_num_batched_tokens=max_num_batched_tokens,
+                          compile=TEST_COMPILE,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                         adaptive=adaptive, **spec))
     if loaded is None:
