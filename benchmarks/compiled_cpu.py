@@ -31,14 +31,18 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cases", default="none:1,none:8,eagle3:1,eagle3:8", help="method:concurrency, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = loader.load_model("smollm2-135m-instruct")
     head = str(assets_root() / "heads" / "smollm2-135m-eagle3")
     texts = load_prompts("mt_bench")[:8]
     rows = []
-    for method, spec in (("none", {}), ("eagle3", dict(draft_model=head, eagle_topk=2, num_steps=4, eagle_stop_prob=0.2))):
-        for c in (1, 8):
+    specs = {"none": {}, "eagle3": dict(draft_model=head, eagle_topk=2, num_steps=4, eagle_stop_prob=0.2)}
+    for case in args.cases.split(","):
+        method, c = case.split(":")
+        c, spec = int(c), specs[method]
+        if True:
             engines = {}
             for compile in (False, True):
                 cfg = EngineConfig(model="smollm2-135m-instruct", max_model_len=2048, max_num_seqs=8,
@@ -65,6 +69,8 @@ def main() -> None:
                    "outputs_equal": f"{sum(a == b for a, b in zip(outs[False], outs[True]))}/{c}"}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
 
