@@ -23,13 +23,23 @@ a^j (1 - a) q_j(x) / (1 - q_j(d_j)) for j < k and a^k q_k(x) for j = k, over the
 tokens at each position. (The draft's own q_i(d_i) is a poor acceptance estimate: an untrained
 truncated draft is confident and wrong, a good one can be flat and right.)
 
+EAGLE heads (proposers offering `paths`): a head drafts from the target's features, and those of
+the hypothesised accepted tokens exist only once the target verified them. Each draft's best path
+(the chain itself, or a tree's likeliest branch) comes with the head states that predicted its
+tokens; verdicts are read along that path, and a hypothesis (j, x) is drafted with the states of
+path positions 0..j standing in for the missing features (as the head does inside a tree). A
+hit's true features are handed to the head afterwards, off the call's path (`accept_features`;
+the next round's first forward catches up on them). The drafts stay exact; only acceptance may
+be lower than with true features (stats: accepted tokens after hits and after misses).
+
 Threads: the call handler calls `propose`; a background thread calls `pre_draft` after each
 reply. They share the wrapped proposer through one lock, taken per batch of hypotheses; a call
 makes the pre-drafter stop between forwards (the proposer's `should_stop` hook). A call whose verdict
 is the batch being drafted waits for that batch. A hypothesis batch is started only while a hit on
 it, waited for, would still come sooner than drafting on the call (measured times), so where
 pre-drafting does not fit (large batches, a slow proposer) drafting falls back to synchronous.
-The wrapped proposer must offer `num_candidates`, `candidates` and `should_stop` (draft_model).
+The wrapped proposer must offer `num_candidates`, `candidates` and `should_stop` (draft_model,
+eagle3, eagle); EAGLE ones also `paths` and `accept_features`.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 
@@ -49,15 +61,21 @@ Verdict = tuple[int, int]  # (accepted draft tokens, bonus token)
 class _Sent:
     """A sequence's last answer: the request (its token_ids: the context) and the draft sent."""
     request: ProposeRequest
-    tokens: list[int]
+    tokens: list[int]  # the path verdicts are read along: the chain sent, or a tree's best branch
     candidates: Candidates  # positions 0..len(tokens); without the last one until a lookahead ran
+    states: torch.Tensor | None = None  # EAGLE: [len(candidates), H] head states that predicted them
+    hit: bool = False  # answered from the speculation cache
 
 
 @dataclass
 class _PreDraft:
-    draft: Draft  # one token more than asked: the extra position ranks the next verdicts
+    draft: Draft  # draft_model: one token more than asked (the extra position ranks the next verdicts)
     candidates: Candidates
     rank: int
+    token_ids: list[int]  # the hypothesised context it was drafted for
+    num_tokens: int  # asked for
+    path: list[int]
+    states: torch.Tensor | None
 
 
 @dataclass
@@ -70,6 +88,15 @@ class PreDraftStats:
     num_skipped: int = 0  # hypothesis batches not started: expected to end after the next call
     pre_draft_seconds: float = 0.0
     miss_draft_seconds: float = 0.0  # drafting on calls (misses)
+    call_seconds: float = 0.0  # inside propose, all calls
+    hit_call_seconds: float = 0.0  # inside propose, calls answered from the cache alone
+    num_hit_calls: int = 0
+    wait_seconds: float = 0.0  # calls waiting for the proposer (a batch or forward in flight)
+    # acceptance of the drafts sent (accepted draft tokens per verdict), by where they came from
+    accepted_after_hits: int = 0
+    verdicts_after_hits: int = 0
+    accepted_after_misses: int = 0
+    verdicts_after_misses: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -80,7 +107,13 @@ class PreDraftStats:
                 "speculation_cache_hit_rate": round(self.hit_rate, 4), "hits_by_rank": list(self.hits_by_rank),
                 "pre_drafts": self.num_pre_drafts, "pre_drafts_interrupted": self.num_interrupted,
                 "pre_drafts_skipped": self.num_skipped, "pre_draft_seconds": round(self.pre_draft_seconds, 4),
-                "miss_draft_seconds": round(self.miss_draft_seconds, 4)}
+                "miss_draft_seconds": round(self.miss_draft_seconds, 4),
+                "proposer_call_seconds": round(self.call_seconds, 4),
+                "proposer_hit_call_seconds": round(self.hit_call_seconds, 4), "proposer_hit_calls": self.num_hit_calls,
+                "proposer_wait_seconds": round(self.wait_seconds, 4),
+                "accepted_per_hit_draft": round(self.accepted_after_hits / max(1, self.verdicts_after_hits), 4),
+                "accepted_per_miss_draft": round(self.accepted_after_misses / max(1, self.verdicts_after_misses), 4),
+                "verdicts_after_hits": self.verdicts_after_hits, "verdicts_after_misses": self.verdicts_after_misses}
 
 
 def rank_verdicts(tokens: list[int], candidates: Candidates, limit: int, accept_rate: float) -> list[Verdict]:
@@ -113,6 +146,10 @@ class PreDrafter:
         if not hasattr(proposer, "should_stop"):
             raise ValueError(f"proposer {proposer.name!r} cannot pre-draft (draft_model can)")
         self.proposer = proposer
+        # EAGLE: hypotheses drafted from the head's own states (see the module docstring)
+        self.standins = hasattr(proposer, "paths")
+        self.extra = 0 if self.standins else 1  # draft_model drafts one more (ranks the next verdicts)
+        self._pending: dict[str, list[ProposeRequest]] = {}  # hits' true features, not yet handed over
         self.num_hypotheses = num_hypotheses
         self.max_model_len = max_model_len
         self.budget = budget
@@ -146,6 +183,7 @@ class PreDrafter:
             for r, v in zip(requests, verdicts):
                 if v is not None:
                     self._observe(v[0], len(self._sent[r.seq_id].tokens))
+                self._count_accepted(r)
             # a verdict whose pre-draft is being drafted right now: let that batch end (less than
             # a draft to wait), then stop the round; otherwise stop it at its next forward
             wait = any(v is not None and self._in_flight.get(r.seq_id) == v and self._lookup(r, v) is None
@@ -154,8 +192,10 @@ class PreDrafter:
             if not wait:
                 self._generation += 1
         if wait:
+            started = self._clock()
             with self._model_lock:
                 pass
+            self.stats.wait_seconds += self._clock() - started
             with self._lock:
                 self._generation += 1
                 self._hold = False
@@ -165,9 +205,11 @@ class PreDrafter:
             for i, (req, verdict) in enumerate(zip(requests, verdicts)):
                 hit = self._lookup(req, verdict)
                 if hit is not None:
-                    drafts[i] = self._answer(req, hit.draft, hit.candidates, True)
+                    drafts[i] = self._answer(req, hit.draft, hit.candidates, hit.path, hit.states, True)
                     self.stats.num_hits += 1
                     self.stats.hits_by_rank[hit.rank] += 1
+                    if self.standins and req.features is not None:  # the head catches up on them later
+                        self._pending.setdefault(req.seq_id, []).append(req)
                 elif req.num_tokens > 0:
                     misses.append(i)
             for req in requests:
@@ -175,34 +217,77 @@ class PreDrafter:
         if misses:
             started = self._clock()
             with self._model_lock:
+                got_lock = self._clock()
+                self._hand_over_pending()
                 fresh = self.proposer.propose([requests[i] for i in misses])
-                candidates = [list(self.proposer.candidates.get(requests[i].seq_id, [])) for i in misses]
+                answers = [self._drafted(requests[i].seq_id, d) for i, d in zip(misses, fresh)]
             took = self._clock() - started
+            self.stats.wait_seconds += got_lock - started
             self.stats.miss_draft_seconds += took
             self._miss_s[len(misses)] = self._ema(self._miss_s.get(len(misses)), took)
             with self._lock:
-                for i, draft, cands in zip(misses, fresh, candidates):
-                    drafts[i] = self._answer(requests[i], draft, cands, False)
+                for i, (draft, cands, path, states) in zip(misses, answers):
+                    drafts[i] = self._answer(requests[i], draft, cands, path, states, False)
                     self.stats.num_misses += 1
         with self._lock:
             self._batch = [r.seq_id for r in requests if r.num_tokens > 0]
             self._replied_at = self._clock()
+            self.stats.call_seconds += self._replied_at - arrival
+            if not misses and requests:
+                self.stats.num_hit_calls += 1
+                self.stats.hit_call_seconds += self._replied_at - arrival
         return [d if d is not None else Draft([]) for d in drafts]
+
+    def _drafted(self, seq_id: str, draft: Draft):
+        """(draft, candidates, path, states) of the proposer's latest draft for seq_id (model lock held)."""
+        if not draft.tokens:
+            return draft, [], [], None
+        cands = list(self.proposer.candidates.get(seq_id, []))
+        if not self.standins:
+            return draft, cands, draft.tokens, None
+        path, states = self.proposer.paths.get(seq_id, ([], None))
+        return draft, cands, list(path), states
+
+    def _hand_over_pending(self) -> None:
+        """Give the head the true features of the calls answered from the cache (model lock held)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for reqs in pending.values():
+            for req in reqs:
+                self.proposer.accept_features(req)
 
     def _verdict(self, req: ProposeRequest) -> Verdict | None:
         """The verdict on the last draft sent for req.seq_id that req's token list shows; None when
         it shows none (a new sequence, other settings, or tokens that are no such verdict)."""
         sent = self._sent.get(req.seq_id)
-        if sent is None or req.num_tokens <= 0:
+        if sent is None or req.num_tokens <= 0 or not self._same_settings(sent, req):
             return None
-        if dataclasses.replace(sent.request, token_ids=req.token_ids, num_tokens=req.num_tokens,
-                               features=req.features, features_start=req.features_start) != req:
-            return None  # other sampling settings
         context = sent.request.token_ids
         j = len(req.token_ids) - len(context) - 1
         if not 0 <= j <= len(sent.tokens) or req.token_ids[: len(context) + j] != context + sent.tokens[:j]:
             return None
         return j, req.token_ids[-1]
+
+    @staticmethod
+    def _same_settings(sent: _Sent, req: ProposeRequest) -> bool:
+        return dataclasses.replace(sent.request, token_ids=req.token_ids, num_tokens=req.num_tokens,
+                                   features=req.features, features_start=req.features_start) == req
+
+    def _count_accepted(self, req: ProposeRequest) -> None:
+        """Accepted draft tokens of the draft last sent for req.seq_id, by whether it was a hit."""
+        sent = self._sent.get(req.seq_id)
+        if sent is None or not self._same_settings(sent, req):
+            return
+        context = sent.request.token_ids
+        accepted = len(req.token_ids) - len(context) - 1
+        if accepted < 0 or req.token_ids[: len(context)] != context:
+            return
+        if sent.hit:
+            self.stats.accepted_after_hits += accepted
+            self.stats.verdicts_after_hits += 1
+        else:
+            self.stats.accepted_after_misses += accepted
+            self.stats.verdicts_after_misses += 1
 
     def _observe(self, accepted: int, drafted: int) -> None:
         decay = 0.98
@@ -215,14 +300,20 @@ class PreDrafter:
 
     def _lookup(self, req: ProposeRequest, verdict: Verdict | None) -> _PreDraft | None:
         hit = self._cache.get(req.seq_id, {}).get(verdict) if verdict is not None else None
-        return hit if hit is not None and len(hit.draft.tokens) >= req.num_tokens else None
+        ok = hit is not None and hit.num_tokens >= req.num_tokens and hit.token_ids == req.token_ids
+        return hit if ok else None
 
-    def _answer(self, req: ProposeRequest, draft: Draft, candidates: Candidates, hit: bool) -> Draft:
+    def _answer(self, req: ProposeRequest, draft: Draft, candidates: Candidates, path: list[int],
+                states: torch.Tensor | None, hit: bool) -> Draft:
         n = min(req.num_tokens, len(draft.tokens))
-        draft = Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n], pre_drafted=hit)
+        parents = None if draft.parents is None else draft.parents[:n]
+        draft = Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n], parents, pre_drafted=hit)
+        if draft.parents is None:  # a chain: its path is what is left of it
+            path = path[:n]
         # a copy: the engine's token list grows in place
-        self._sent[req.seq_id] = _Sent(dataclasses.replace(req, token_ids=list(req.token_ids)), draft.tokens,
-                                       candidates[: n + 1])
+        self._sent[req.seq_id] = _Sent(dataclasses.replace(req, token_ids=list(req.token_ids), features=None),
+                                       list(path), candidates[: len(path) + 1],
+                                       None if states is None else states[: len(path) + 1], hit)
         return draft
 
     def release(self, seq_id: str) -> None:
@@ -230,6 +321,7 @@ class PreDrafter:
             self._generation += 1
             self._sent.pop(seq_id, None)
             self._cache.pop(seq_id, None)
+            self._pending.pop(seq_id, None)
         with self._model_lock:
             self.proposer.release(seq_id)
 
@@ -247,15 +339,20 @@ class PreDrafter:
         self._round_gen = gen
         if not sent or replied_at is None:
             return
-        lookahead = [s for s, x in sent.items() if len(x.candidates) <= len(x.tokens)]
+        lookahead = [s for s, x in sent.items() if len(x.candidates) <= len(x.tokens)
+                     and (not self.standins or (x.tokens and x.states is not None and len(x.states) >= len(x.tokens)))]
 
-        def extend(i, draft, cands):  # the position after the draft sent
+        def extend(i, draft, cands, path, states):  # the position after the path sent
+            x = sent[lookahead[i]]
             if cands:
-                sent[lookahead[i]].candidates.append(cands[0])
+                x.candidates.append(cands[0])
+                if self.standins and states is not None and len(states):
+                    x.states = torch.cat([x.states[: len(x.tokens)], states[:1]])
 
         requests = [dataclasses.replace(sent[s].request, token_ids=sent[s].request.token_ids + sent[s].tokens,
                                         num_tokens=1, features=None) for s in lookahead]
-        if requests and not self._run(requests, gen, extend):
+        standins = [sent[s].states[: len(sent[s].tokens)] for s in lookahead] if self.standins else None
+        if requests and not self._run(requests, standins, gen, extend):
             return
         rate = self.accept_rate
         self._rounds += 1
@@ -269,7 +366,8 @@ class PreDrafter:
                 return  # this rank (and so every later one) rarely hits: drafting on the call is cheaper
             rows = [(s, verdicts[s][rank]) for s in sent if rank < len(verdicts[s])]
             rows = [(s, v) for s, v in rows
-                    if len(sent[s].request.token_ids) + v[0] + 1 + sent[s].request.num_tokens <= self.max_model_len]
+                    if len(sent[s].request.token_ids) + v[0] + 1 + sent[s].request.num_tokens <= self.max_model_len
+                    and (not self.standins or (sent[s].states is not None and len(sent[s].states) > v[0]))]
             if not rows:
                 return
             # worth starting while a hit on it, waited for, still comes sooner than a miss's draft
@@ -282,45 +380,51 @@ class PreDrafter:
             for s, (j, x) in rows:
                 r = sent[s].request
                 requests.append(dataclasses.replace(r, token_ids=r.token_ids + sent[s].tokens[:j] + [x],
-                                                    num_tokens=r.num_tokens + 1, features=None))
+                                                    num_tokens=r.num_tokens + self.extra, features=None))
+            standins = [sent[s].states[: j + 1] for s, (j, _) in rows] if self.standins else None
 
-            def store(i, draft, cands, rows=rows, rank=rank):
+            def store(i, draft, cands, path, states, rows=rows, rank=rank, requests=requests):
                 s, verdict = rows[i]
-                if len(draft.tokens) >= requests[i].num_tokens:
-                    self._cache.setdefault(s, {})[verdict] = _PreDraft(draft, cands, rank)
+                if draft.tokens and (self.standins or len(draft.tokens) >= requests[i].num_tokens):
+                    self._cache.setdefault(s, {})[verdict] = _PreDraft(
+                        draft, cands, rank, requests[i].token_ids, requests[i].num_tokens, path, states)
                     self.stats.num_pre_drafts += 1
 
             started = self._clock()
             with self._lock:
                 self._in_flight = dict(rows)
                 self._attempts[rank] += len(rows)
-            ran = self._run(requests, gen, store)
+            ran = self._run(requests, standins, gen, store)
             with self._lock:
                 self._in_flight = {}
             if not ran:
                 return
             self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
 
-    def _run(self, requests: list[ProposeRequest], gen: int, store) -> bool:
-        """Draft one batch under the model lock; store(i, draft, candidates) each result unless a
-        call came meanwhile. False: stopped (a call came)."""
+    def _run(self, requests: list[ProposeRequest], standins: list[torch.Tensor] | None, gen: int, store) -> bool:
+        """Draft one batch under the model lock; store(i, draft, candidates, path, states) each
+        result unless a call came meanwhile. False: stopped (a call came)."""
         started = self._clock()
         with self._model_lock:
             if self._stale() or self._hold:
                 return False
+            self._hand_over_pending()
             self.proposer.should_stop = self._stale  # only here: a call's own drafting runs to the end
             try:
-                drafts = self.proposer.propose(requests)
+                if self.standins:
+                    drafts = self.proposer.propose(requests, standins=standins)
+                else:
+                    drafts = self.proposer.propose(requests)
+                answers = [self._drafted(r.seq_id, d) for r, d in zip(requests, drafts)]
             finally:
                 self.proposer.should_stop = None
-            candidates = [list(self.proposer.candidates.get(r.seq_id, [])) for r in requests]
         self.stats.pre_draft_seconds += self._clock() - started
         with self._lock:
             if self._generation != gen:
                 self.stats.num_interrupted += 1
                 return False
-            for i, (draft, cands) in enumerate(zip(drafts, candidates)):
-                store(i, draft, cands)
+            for i, answer in enumerate(answers):
+                store(i, *answer)
         return True
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -364,6 +468,7 @@ class PreDraftingProposer(Proposer):
     def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, background: bool = False):
         self.inner = proposer
         self.in_process = proposer.in_process
+        self.feature_layers = proposer.feature_layers  # EAGLE: the engine hands over the target's features
         self.pre_drafter = PreDrafter(proposer, num_hypotheses, max_model_len, budget=background)
         self._thread = PreDraftThread(self.pre_drafter) if background else None
 
