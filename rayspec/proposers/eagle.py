@@ -332,6 +332,10 @@ class EagleProposer(Proposer):
         eye = torch.eye(w, dtype=torch.bool, device=dev)
         num_nodes = w
         fed_nodes, fed_hidden = [], []  # per depth: the frontier fed [B, w] and its head outputs [B, w, H]
+        c = max(self.num_candidates, 1)
+        if self.num_candidates > 0:  # per state (root, then each fed node): its top c tokens [B, 1, c]
+            ctop = torch.topk(logp, min(c, logp.shape[-1]))
+            cand_tok, cand_logp = [self.head.to_target(ctop.indices)[:, None]], [ctop.values[:, None]]
         for d in range(2, D + 1):
             if self.early_exit_reads and bool(to_host(stopped | (row_depth < d))[0].all()):
                 break
@@ -348,6 +352,10 @@ class EagleProposer(Proposer):
             fed_hidden.append(hidden)
             logp = torch.log_softmax(self.head.draft_logits(hidden), dim=-1)  # [B, w, Vd]
             top = torch.topk(logp, w)  # children: [B, w, w]
+            if self.num_candidates > 0:
+                ctop = torch.topk(logp, min(c, logp.shape[-1]))  # [B, w, c]
+                cand_tok.append(self.head.to_target(ctop.indices))
+                cand_logp.append(ctop.values)
             c_score = f_score[..., None] + top.values
             dead = stopped | (row_depth < d)
             c_score = c_score.masked_fill(dead[:, None, None], float("-inf")).reshape(B, w * w)
@@ -364,11 +372,12 @@ class EagleProposer(Proposer):
             if self.stop_prob > 0:
                 stopped = stopped | self._stopped(f_score)
             num_nodes += w * w
-        record = self.num_candidates > 0 and fed_nodes
-        fed_h = torch.cat(fed_nodes, 1) if record else torch.zeros(B, 0, dtype=torch.long, device=dev)
-        tok_h, score_h, parent_h, fed_h = to_host(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                                                  fed_h)
-        fed_all = torch.cat(fed_hidden, 1) if record else None  # [B, F, H]
+        record = self.num_candidates > 0
+        fed_h = torch.cat(fed_nodes, 1) if record and fed_nodes else torch.zeros(B, 0, dtype=torch.long, device=dev)
+        ctok_h, clogp_h = (torch.cat(cand_tok, 1), torch.cat(cand_logp, 1)) if record else (fed_h, fed_h)
+        tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = to_host(
+            torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), fed_h, ctok_h, clogp_h)
+        fed_all = torch.cat(fed_hidden, 1) if record and fed_hidden else None  # [B, F, H]
         drafts = []
         for b, req in enumerate(reqs):
             nodes, number = [], {}
@@ -386,40 +395,36 @@ class EagleProposer(Proposer):
             drafts.append(self._tree_draft(nodes, keep))
             if self.num_candidates > 0:
                 self._record_tree_path(req.seq_id, keep, number, tok_h[b], score_h[b], parent_h[b], fed_h[b],
-                                       last[b], None if fed_all is None else fed_all[b])
+                                       ctok_h[b], clogp_h[b], last[b], None if fed_all is None else fed_all[b])
         return drafts
 
     def _record_tree_path(self, seq_id, keep: list[int], number: dict[int, int], tok_h, score_h, parent_h, fed_h,
-                          last: torch.Tensor, fed_hidden: torch.Tensor | None) -> None:
+                          ctok_h, clogp_h, last: torch.Tensor, fed_hidden: torch.Tensor | None) -> None:
         """The tree's best path for a pre-drafter (`paths`, `candidates`): from the root, the head's
         likeliest child among the nodes sent, while there is one. Host data: the raw nodes (tok_h,
         score_h, parent_h [N]), number (raw node -> index among the nodes _select chose from), keep
-        (those it chose) and the fed frontier (fed_h [F] raw nodes); device: last [H], fed_hidden [F, H].
-        States: row i predicted path token i (row 0 is `last`), one row more (with the candidates
-        after the path) where the path's last node was fed too."""
+        (those it chose), the fed frontier (fed_h [F] raw nodes), and each state's top tokens and
+        log-probabilities (ctok_h, clogp_h [1 + F, c]: the root's, then each fed node's); device:
+        the states, last [H] and fed_hidden [F, H]. State i predicted path token i (state 0 is
+        `last`); one state more, with the candidates after the path, where its last node was fed."""
         kept = set(keep)
-        sent = {n for n, j in number.items() if j in kept}
         children: dict[int, list[int]] = {}
-        for n in range(len(tok_h)):
-            if score_h[n] != float("-inf"):
+        for n, j in number.items():
+            if j in kept:
                 children.setdefault(int(parent_h[n]), []).append(n)
-        fed_at = {int(n): i for i, n in enumerate(fed_h)}
-        path, rows, cands, node, score = [], [0], [], -1, 0.0
-        while True:
-            kids = sorted(children.get(node, []), key=lambda n: -float(score_h[n]))[: max(self.num_candidates, 1)]
-            cands.append(([int(tok_h[n]) for n in kids], [math.exp(float(score_h[n]) - score) for n in kids]))
-            nxt = max((n for n in children.get(node, []) if n in sent), key=lambda n: float(score_h[n]), default=None)
-            if nxt is None:
-                break
+        fed_at = {int(n): 1 + i for i, n in enumerate(fed_h)}  # raw node -> its state row
+        path, rows, node = [], [0], -1
+        while (nxt := max(children.get(node, []), key=lambda n: float(score_h[n]), default=None)) is not None:
             path.append(int(tok_h[nxt]))
-            node, score = nxt, float(score_h[nxt])
-            if node not in fed_at:  # never fed: no children, no state after it
+            node = nxt
+            if node not in fed_at:  # never fed: no state after it
                 break
-            rows.append(1 + fed_at[node])
+            rows.append(fed_at[node])
         states = last[None] if fed_hidden is None else torch.cat([last[None], fed_hidden])
         (index,) = to_device(np.asarray(rows, dtype=np.int64), device=last.device)
         self.paths[seq_id] = (path, states.index_select(0, index))
-        self.candidates[seq_id] = cands
+        self.candidates[seq_id] = [([int(t) for t in ctok_h[r]], [math.exp(float(x)) for x in clogp_h[r]])
+                                   for r in rows]
 
     def _draft_chains(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
         """A chain per request: the head's top token per depth, or for a sampled request a token

@@ -465,11 +465,12 @@ class PreDraftingProposer(Proposer):
 
     name = "pre_draft"
 
-    def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, background: bool = False):
+    def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, background: bool = False,
+                 num_candidates: int = 2):
         self.inner = proposer
         self.in_process = proposer.in_process
         self.feature_layers = proposer.feature_layers  # EAGLE: the engine hands over the target's features
-        self.pre_drafter = PreDrafter(proposer, num_hypotheses, max_model_len, budget=background)
+        self.pre_drafter = PreDrafter(proposer, num_hypotheses, max_model_len, num_candidates, budget=background)
         self._thread = PreDraftThread(self.pre_drafter) if background else None
 
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
