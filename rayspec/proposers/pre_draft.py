@@ -108,9 +108,9 @@ class PreDraftStats:
                 "pre_drafts": self.num_pre_drafts, "pre_drafts_interrupted": self.num_interrupted,
                 "pre_drafts_skipped": self.num_skipped, "pre_draft_seconds": round(self.pre_draft_seconds, 4),
                 "miss_draft_seconds": round(self.miss_draft_seconds, 4),
-                "proposer_call_seconds": round(self.call_seconds, 4),
-                "proposer_hit_call_seconds": round(self.hit_call_seconds, 4), "proposer_hit_calls": self.num_hit_calls,
-                "proposer_wait_seconds": round(self.wait_seconds, 4),
+                "in_proposer_call_seconds": round(self.call_seconds, 4),
+                "in_proposer_hit_call_seconds": round(self.hit_call_seconds, 4), "hit_calls": self.num_hit_calls,
+                "in_proposer_wait_seconds": round(self.wait_seconds, 4),
                 "accepted_per_hit_draft": round(self.accepted_after_hits / max(1, self.verdicts_after_hits), 4),
                 "accepted_per_miss_draft": round(self.accepted_after_misses / max(1, self.verdicts_after_misses), 4),
                 "verdicts_after_hits": self.verdicts_after_hits, "verdicts_after_misses": self.verdicts_after_misses}
