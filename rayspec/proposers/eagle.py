@@ -332,8 +332,10 @@ class EagleProposer(Proposer):
         eye = torch.eye(w, dtype=torch.bool, device=dev)
         num_nodes = w
         fed_nodes, fed_hidden = [], []  # per depth: the frontier fed [B, w] and its head outputs [B, w, H]
-        c = max(self.num_candidates, 1)
-        if self.num_candidates > 0:  # per state (root, then each fed node): its top c tokens [B, 1, c]
+        # per state (root, then each fed node): its top tokens [B, 1, c]; w more than asked, as the
+        # node's children in the tree are no bonus candidates (the verifier would accept them)
+        c = max(self.num_candidates, 1) + w
+        if self.num_candidates > 0:
             ctop = torch.topk(logp, min(c, logp.shape[-1]))
             cand_tok, cand_logp = [self.head.to_target(ctop.indices)[:, None]], [ctop.values[:, None]]
         for d in range(2, D + 1):
@@ -406,16 +408,19 @@ class EagleProposer(Proposer):
         (those it chose), the fed frontier (fed_h [F] raw nodes), and each state's top tokens and
         log-probabilities (ctok_h, clogp_h [1 + F, c]: the root's, then each fed node's); device:
         the states, last [H] and fed_hidden [F, H]. State i predicted path token i (state 0 is
-        `last`); one state more, with the candidates after the path, where its last node was fed."""
+        `last`); one state more, with the candidates after the path, where its last node was fed.
+        A state's candidates leave out its node's children in the tree: a bonus is never one of them
+        (the verifier would have accepted it; a verdict down another branch is not hypothesised)."""
         kept = set(keep)
         children: dict[int, list[int]] = {}
         for n, j in number.items():
             if j in kept:
                 children.setdefault(int(parent_h[n]), []).append(n)
         fed_at = {int(n): 1 + i for i, n in enumerate(fed_h)}  # raw node -> its state row
-        path, rows, node = [], [0], -1
+        path, path_nodes, rows, node = [], [], [0], -1
         while (nxt := max(children.get(node, []), key=lambda n: float(score_h[n]), default=None)) is not None:
             path.append(int(tok_h[nxt]))
+            path_nodes.append(nxt)
             node = nxt
             if node not in fed_at:  # never fed: no state after it
                 break
@@ -423,8 +428,14 @@ class EagleProposer(Proposer):
         states = last[None] if fed_hidden is None else torch.cat([last[None], fed_hidden])
         (index,) = to_device(np.asarray(rows, dtype=np.int64), device=last.device)
         self.paths[seq_id] = (path, states.index_select(0, index))
-        self.candidates[seq_id] = [([int(t) for t in ctok_h[r]], [math.exp(float(x)) for x in clogp_h[r]])
-                                   for r in rows]
+        ends = [-1] + path_nodes  # the node each state predicts the children of
+        cands = []
+        for r, end in zip(rows, ends):
+            taken = {int(tok_h[n]) for n in children.get(end, [])}
+            top = [(int(t), math.exp(float(x))) for t, x in zip(ctok_h[r], clogp_h[r]) if int(t) not in taken]
+            top = top[: self.num_candidates]
+            cands.append(([t for t, _ in top], [q for _, q in top]))
+        self.candidates[seq_id] = cands
 
     def _draft_chains(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
         """A chain per request: the head's top token per depth, or for a sampled request a token

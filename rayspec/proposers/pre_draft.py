@@ -349,8 +349,9 @@ class PreDrafter:
                 if self.standins and states is not None and len(states):
                     x.states = torch.cat([x.states[: len(x.tokens)], states[:1]])
 
+        # a chain of one: the top tokens after the path, none of them in the tree sent
         requests = [dataclasses.replace(sent[s].request, token_ids=sent[s].request.token_ids + sent[s].tokens,
-                                        num_tokens=1, features=None) for s in lookahead]
+                                        num_tokens=1, features=None, tree=False) for s in lookahead]
         standins = [sent[s].states[: len(sent[s].tokens)] for s in lookahead] if self.standins else None
         if requests and not self._run(requests, standins, gen, extend):
             return
