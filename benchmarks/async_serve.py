@@ -42,6 +42,7 @@ def app_stats(app: str) -> dict:
         p = serve.get_deployment_handle("Proposer", app_name=app).stats.remote().result(timeout_s=30)
         out["proposer"] = p
         out["call_ms_verifier"] = 1e3 * s["proposer_call_seconds"] / max(1, s["proposer_calls"])
+        out["hit_call_ms_verifier"] = 1e3 * s.get("proposer_hit_call_seconds", 0.0) / max(1, s.get("proposer_hit_calls", 0))
         out["call_ms_in_proposer"] = 1e3 * p.get("in_proposer_call_seconds", 0.0) / max(1, p.get("num_calls", 0))
         out["hit_call_ms_in_proposer"] = 1e3 * p.get("in_proposer_hit_call_seconds", 0.0) / max(1, p.get("hit_calls", 0))
         out["miss_draft_ms"] = 1e3 * p.get("miss_draft_seconds", 0.0) / max(1, p.get("speculation_cache_misses", 0))
