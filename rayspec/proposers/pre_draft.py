@@ -133,9 +133,10 @@ def rank_verdicts(tokens: list[int], candidates: Candidates, limit: int, accept_
 
 class PreDrafter:
     EMA = 0.2  # weight of the newest time measured
-    # a rank is pre-drafted while its measured hit rate is at least this (a miss waits for the
-    # forward in flight, so a rank that rarely hits costs more than it saves); every PROBE-th round
-    # tries it anyway, so a rank that starts to pay is found again
+    # a batch that may still run when the next call comes is started while its rank's measured hit
+    # rate is at least this (a miss waits for the forward in flight, so a rank that rarely hits
+    # costs more than it saves); every PROBE-th round tries it anyway, so a rank that starts to pay
+    # is found again. Batches expected to end before the call run whatever their hit rate.
     MIN_HIT_RATE = 0.1
     PROBE = 16
 
@@ -361,22 +362,24 @@ class PreDrafter:
         for rank in range(self.num_hypotheses):
             if self._hold:
                 return
-            if (self.budget and self._rounds % self.PROBE
-                    and (self.stats.hits_by_rank[rank] + 1) / (self._attempts[rank] + 2) < self.MIN_HIT_RATE):
-                self.stats.num_skipped += 1
-                return  # this rank (and so every later one) rarely hits: drafting on the call is cheaper
             rows = [(s, verdicts[s][rank]) for s in sent if rank < len(verdicts[s])]
             rows = [(s, v) for s, v in rows
                     if len(sent[s].request.token_ids) + v[0] + 1 + sent[s].request.num_tokens <= self.max_model_len
                     and (not self.standins or (sent[s].states is not None and len(sent[s].states) > v[0]))]
             if not rows:
                 return
-            # worth starting while a hit on it, waited for, still comes sooner than a miss's draft
             expected = self._batch_s.get(len(rows))
-            if (self.budget and expected is not None and self._interval_s is not None
-                    and self._clock() - replied_at + expected > self._interval_s + self._miss_s.get(len(rows), 0.0)):
+            ends = None if expected is None or self._interval_s is None else self._clock() - replied_at + expected
+            # worth starting while a hit on it, waited for, still comes sooner than a miss's draft
+            if self.budget and ends is not None and ends > self._interval_s + self._miss_s.get(len(rows), 0.0):
                 self.stats.num_skipped += 1
                 return
+            # a batch expected to end before the next call uses idle time; one that may still run
+            # when it comes only while its rank hits often enough
+            if (self.budget and (ends is None or ends > self._interval_s) and self._rounds % self.PROBE
+                    and (self.stats.hits_by_rank[rank] + 1) / (self._attempts[rank] + 2) < self.MIN_HIT_RATE):
+                self.stats.num_skipped += 1
+                continue
             requests = []
             for s, (j, x) in rows:
                 r = sent[s].request
