@@ -16,6 +16,12 @@ on the verifier's verdict alone, never on the pre-drafts' own draws; greedy draf
 tokens either way. Seeded sampled requests do not reproduce run to run: how many draws a
 sequence's generator makes depends on how far pre-drafting got before each call.
 
+Where it pays: pre-drafting runs beside the verifier's forward, and where the two share what
+bounds them (cores, memory bandwidth) it slows the verification. The proposer measures the
+verifier's pace (reply -> next call) after rounds that pre-drafted and after rounds left idle
+(every 16th), and pre-drafts only while the drafting its hits save exceeds that slowdown (with a
+probe round every 16th); otherwise it drafts on the call, as a synchronous proposer.
+
 Ranking: q_i is the draft's distribution at draft position i (i = 0..k, k: after the last draft
 token), d_i the draft tokens, a the per-token acceptance rate measured on the verdicts seen so
 far. The verdict "first j tokens accepted, then bonus x" (x != d_j when j < k) is ranked by
@@ -86,6 +92,8 @@ class PreDraftStats:
     num_pre_drafts: int = 0  # hypotheses drafted to the end
     num_interrupted: int = 0  # hypothesis batches a call stopped
     num_skipped: int = 0  # hypothesis batches not started: expected to end after the next call
+    num_idle_rounds: int = 0  # rounds left idle to measure the verifier's pace without pre-drafting
+    num_paused_rounds: int = 0  # rounds not pre-drafted: it slowed the verifier more than the hits saved
     pre_draft_seconds: float = 0.0
     miss_draft_seconds: float = 0.0  # drafting on calls (misses)
     call_seconds: float = 0.0  # inside propose, all calls
@@ -106,7 +114,8 @@ class PreDraftStats:
         return {"speculation_cache_hits": self.num_hits, "speculation_cache_misses": self.num_misses,
                 "speculation_cache_hit_rate": round(self.hit_rate, 4), "hits_by_rank": list(self.hits_by_rank),
                 "pre_drafts": self.num_pre_drafts, "pre_drafts_interrupted": self.num_interrupted,
-                "pre_drafts_skipped": self.num_skipped, "pre_draft_seconds": round(self.pre_draft_seconds, 4),
+                "pre_drafts_skipped": self.num_skipped, "idle_rounds": self.num_idle_rounds,
+                "paused_rounds": self.num_paused_rounds, "pre_draft_seconds": round(self.pre_draft_seconds, 4),
                 "miss_draft_seconds": round(self.miss_draft_seconds, 4),
                 "in_proposer_call_seconds": round(self.call_seconds, 4),
                 "in_proposer_hit_call_seconds": round(self.hit_call_seconds, 4), "hit_calls": self.num_hit_calls,
@@ -136,7 +145,8 @@ class PreDrafter:
     # a batch that may still run when the next call comes is started while its rank's measured hit
     # rate is at least this (a miss waits for the forward in flight, so a rank that rarely hits
     # costs more than it saves); every PROBE-th round tries it anyway, so a rank that starts to pay
-    # is found again. Batches expected to end before the call run whatever their hit rate.
+    # is found again (the rounds `_pays` probes on). Batches expected to end before the call run
+    # whatever their hit rate.
     MIN_HIT_RATE = 0.1
     PROBE = 16
 
@@ -170,6 +180,14 @@ class PreDrafter:
         self._round_gen = -1
         self._attempts = [0] * num_hypotheses  # pre-drafted batches per rank, hits: stats.hits_by_rank
         self._rounds = 0
+        # does pre-drafting pay here? Pre-drafting runs beside the verifier's forward; where they
+        # share what bounds them (cores, memory bandwidth, a device) it slows the verification.
+        # The interval reply -> next call after rounds that pre-drafted and after rounds that did
+        # not (every PROBE-th round is left idle to measure it), against the drafting the hits save
+        self._interval_busy: float | None = None
+        self._interval_idle: float | None = None
+        self._hit_share: float | None = None  # share of drafts answered from the cache, busy rounds
+        self._round_busy = False  # the last round drafted something
         self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
         self._in_flight: dict[str, Verdict] = {}  # the hypothesis batch being drafted
         self._hold = False  # a call waits for the batch in flight: start no other
@@ -179,7 +197,12 @@ class PreDrafter:
         arrival = self._clock()
         with self._lock:
             if self._replied_at is not None:
-                self._interval_s = self._ema(self._interval_s, arrival - self._replied_at)
+                interval = arrival - self._replied_at
+                self._interval_s = self._ema(self._interval_s, interval)
+                if self._round_busy:
+                    self._interval_busy = self._ema(self._interval_busy, interval)
+                else:
+                    self._interval_idle = self._ema(self._interval_idle, interval)
             verdicts = [self._verdict(r) for r in requests]
             for r, v in zip(requests, verdicts):
                 if v is not None:
@@ -215,6 +238,10 @@ class PreDrafter:
                     misses.append(i)
             for req in requests:
                 self._cache.pop(req.seq_id, None)
+            drafted = [r for r in requests if r.num_tokens > 0]
+            if self._round_busy and drafted:
+                self._hit_share = self._ema(self._hit_share, 1 - len(misses) / len(drafted))
+            self._round_busy = False
         if misses:
             started = self._clock()
             with self._model_lock:
@@ -338,8 +365,9 @@ class PreDrafter:
             sent = {s: self._sent[s] for s in seqs if s in self._sent}
             replied_at = self._replied_at
         self._round_gen = gen
-        if not sent or replied_at is None:
+        if not sent or replied_at is None or not self._pays(len(sent)):
             return
+        self._round_busy = True
         lookahead = [s for s, x in sent.items() if len(x.candidates) <= len(x.tokens)
                      and (not self.standins or (x.tokens and x.states is not None and len(x.states) >= len(x.tokens)))]
 
@@ -357,7 +385,6 @@ class PreDrafter:
         if requests and not self._run(requests, standins, gen, extend):
             return
         rate = self.accept_rate
-        self._rounds += 1
         verdicts = {s: rank_verdicts(x.tokens, x.candidates, self.num_hypotheses, rate) for s, x in sent.items()}
         for rank in range(self.num_hypotheses):
             if self._hold:
@@ -376,7 +403,8 @@ class PreDrafter:
                 return
             # a batch expected to end before the next call uses idle time; one that may still run
             # when it comes only while its rank hits often enough
-            if (self.budget and (ends is None or ends > self._interval_s) and self._rounds % self.PROBE
+            if (self.budget and (ends is None or ends > self._interval_s)
+                    and self._rounds % self.PROBE != self.PROBE // 2
                     and (self.stats.hits_by_rank[rank] + 1) / (self._attempts[rank] + 2) < self.MIN_HIT_RATE):
                 self.stats.num_skipped += 1
                 continue
@@ -404,6 +432,25 @@ class PreDrafter:
             if not ran:
                 return
             self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
+
+    def _pays(self, batch: int) -> bool:
+        """Pre-draft this round? Every PROBE-th round stays idle (measures the verifier's pace
+        without pre-drafting); otherwise pre-draft while the drafting the hits save exceeds what
+        pre-drafting adds to the verifier's pace, and every PROBE-th round anyway (re-measures)."""
+        self._rounds += 1
+        if not self.budget:
+            return True
+        if self._rounds % self.PROBE == 0:
+            self.stats.num_idle_rounds += 1
+            return False
+        if (self._rounds % self.PROBE == self.PROBE // 2 or None in (self._interval_busy, self._interval_idle,
+                                                                    self._hit_share)):
+            return True
+        saved = self._hit_share * self._miss_s.get(batch, max(self._miss_s.values(), default=0.0))
+        if saved > self._interval_busy - self._interval_idle:
+            return True
+        self.stats.num_paused_rounds += 1
+        return False
 
     def _run(self, requests: list[ProposeRequest], standins: list[torch.Tensor] | None, gen: int, store) -> bool:
         """Draft one batch under the model lock; store(i, draft, candidates, path, states) each
