@@ -223,6 +223,7 @@ class PrefixRoutingArgs(_Strict):
 INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
 PREFIX_ROUTER = "deployments.prefix_router.PrefixAwareRouter"
 REPIN_INTERVAL_S = 60.0  # a verifier's re-pin period when the proposer pool autoscales
+ASYNC_METHODS = ("draft_model", "eagle3", "eagle")  # proposers that can pre-draft (rayspec.proposers.pre_draft)
 INGRESS_RESERVE = 32  # Serve's max_ongoing_requests for the ingress: its admission gate + this
 
 
@@ -253,7 +254,8 @@ class AppArgs(_Strict):
     # disaggregated: asynchronous drafting. After each answer the proposer pre-drafts the next
     # step for this many likeliest verdicts per sequence while the target verifies, and answers
     # from that speculation cache when the verdict matches (rayspec.proposers.pre_draft). 0: off.
-    # draft_model only (an EAGLE head needs the target's features of the accepted tokens).
+    # draft_model, eagle3 and eagle (an EAGLE head pre-drafts from its own states in place of the
+    # target's features of the hypothesised accepted tokens).
     proposer_async_hypotheses: int = Field(0, ge=0, le=64)
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
@@ -291,8 +293,9 @@ class AppArgs(_Strict):
             raise ValueError("draft_tensor_parallel_size > 1 splits the draft over the verifier's ranks: "
                              "topology must be colocated (a disaggregated proposer runs the draft whole)")
         if self.proposer_async_hypotheses and (self.topology != "disaggregated"
-                                               or self.speculative.method != "draft_model"):
-            raise ValueError("proposer_async_hypotheses needs topology 'disaggregated' and method 'draft_model'")
+                                               or self.speculative.method not in ASYNC_METHODS):
+            raise ValueError("proposer_async_hypotheses needs topology 'disaggregated' and a method among "
+                             f"{ASYNC_METHODS}")
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
         return self

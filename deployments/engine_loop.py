@@ -331,6 +331,8 @@ class EngineLoop:
             self.snapshot["proposer_repins"] = getattr(remote, "num_repins", 0)
             self.snapshot["speculation_cache_hits"] = getattr(remote, "num_cache_hits", 0)
             self.snapshot["speculation_cache_misses"] = getattr(remote, "num_cache_misses", 0)
+            self.snapshot["proposer_hit_calls"] = getattr(remote, "num_hit_calls", 0)
+            self.snapshot["proposer_hit_call_seconds"] = round(getattr(remote, "hit_call_seconds", 0.0), 4)
         if self.metrics is not None:
             try:
                 self.metrics.update(self.snapshot)

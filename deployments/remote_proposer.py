@@ -103,6 +103,8 @@ class RemoteProposer(Proposer):
         self.num_cache_hits = 0  # drafts the proposer had pre-drafted (deployments.proposer, async_hypotheses)
         self.num_cache_misses = 0  # drafts it drafted on the call while pre-drafting
         self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
+        self.num_hit_calls = 0  # calls answered from the speculation cache alone (no drafting on the call)
+        self.hit_call_seconds = 0.0  # their wall time: the call's own cost (transport, the handler)
         # waits for the proposer replica to be up (it may be loading a large target's embedding)
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
         self.feature_layers: tuple[int, ...] | None = None if layers is None else tuple(layers)
@@ -175,7 +177,11 @@ class RemoteProposer(Proposer):
                 response.cancel()  # a timed-out call must not run later on stale state (no-op once failed)
                 raise
         self.num_calls += 1
-        self.call_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.call_seconds += took
+        if drafts and all(d.pre_drafted for d in drafts):
+            self.num_hit_calls += 1
+            self.hit_call_seconds += took
         return drafts
 
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:

@@ -622,7 +622,9 @@ class LLMEngine:
                                        s.params.top_k, s.params.top_p, s.params.seed,
                                        *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
+            started = time.perf_counter()
             drafts = self.proposer.propose(requests)
+            self.stats.propose_seconds += time.perf_counter() - started
             lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
                 raise RuntimeError(f"the proposer lost the target features of {lost}")

@@ -12,6 +12,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    propose_seconds: float = 0.0  # wall time in the proposer's propose (drafting, or the remote call)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:
@@ -41,6 +42,7 @@ class SpecDecodeStats:
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "propose_seconds": round(self.propose_seconds, 4),
         }
 
 

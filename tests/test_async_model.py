@@ -40,3 +40,10 @@ def test_goal_and_acceptance():
     assert speedup(t) == pytest.approx((2.4 / async_step(t)) / (3.0 / 100))
     with pytest.raises(ValueError):
         StepTimes(draft=1, verify=1, rest=0, hypothesis=1, hit_rates=[0.7, 0.6])
+
+
+def test_call_overhead_and_the_asynchronous_verifier():
+    t = StepTimes(draft=40, verify=50, rest=10, hypothesis=20, hit_rates=[0.5], call=5, miss_draft=30)
+    assert async_step(t) == pytest.approx(0.5 * 60 + 0.5 * (60 + 30) + 5)  # every call pays `call`
+    faster = StepTimes(draft=40, verify=50, rest=10, hypothesis=20, hit_rates=[1.0], verify_async=45)
+    assert async_step(faster) == 45

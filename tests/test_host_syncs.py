@@ -114,6 +114,25 @@ def test_eagle3_tree_step_batch1(smollm2, smollm2_loaded, k, depth):
     assert engine.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("topk,batch", [(2, 1), (1, 8)], ids=["tree", "chains"])
+def test_eagle3_recording_paths_adds_no_read(smollm2, smollm2_loaded, topk, batch):
+    """With a pre-drafter's recording on (num_candidates: each draft's best path, its head states
+    and top candidates, rayspec.proposers.pre_draft), a call still reads the device once."""
+    engine = make_engine(smollm2, "eagle3", k=8, loaded=smollm2_loaded, draft_model=HEAD, eagle_topk=topk,
+                         num_steps=4, eagle_stop_prob=0.2, max_num_seqs=batch, tree_max_batch=1)
+    engine.proposer.early_exit_reads = False
+    engine.proposer.num_candidates = 2
+
+    class Kept(dict):  # what was recorded stays after the sequences finish
+        def pop(self, key, default=None):
+            return self.get(key, default)
+
+    engine.proposer.paths, engine.proposer.candidates = Kept(), Kept()
+    reads = _check(audit_decode_steps(engine, PROMPTS[:batch] if batch > 1 else PROMPTS[:1], GREEDY), batch)
+    assert max(reads) == 2
+    assert engine.proposer.paths and engine.proposer.candidates
+
+
 def test_eagle3_tree_step_cpu_early_exit(smollm2, smollm2_loaded):
     """On CPU the stop rule reads after each depth (free there): at most one read per depth more."""
     engine = make_engine(smollm2, "eagle3", k=8, loaded=smollm2_loaded, draft_model=HEAD, eagle_topk=2,

@@ -86,6 +86,7 @@ from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.data import FeatureExtractor
 from rayspec.eagle.head import attach_target, build_head
 from rayspec.eagle.train import collate, ttt_loss
+from rayspec.proposers.pre_draft import PreDraftingProposer
 from rayspec.proposers.base import Draft, Proposer
 from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.sampling import SamplingParams, logits_to_probs
@@ -100,7 +101,7 @@ WAVE = 256  # requests per engine.generate call (all in one batch)
 _SCALE = max(1.0, float(os.environ.get("RAYSPEC_LOSSLESS_SCALE", "1")))  # up only: the power assertions need these sizes
 N = int(12000 * _SCALE)  # samples per proposer run
 N_BIAS = {"chain": int(12000 * _SCALE), "tree": int(8000 * _SCALE)}  # samples per bias-injection run
-NUM_CHECKS = 9  # chi-square tests that must pass: 7 proposer runs + 2 biased runs against their model
+NUM_CHECKS = 11  # chi-square tests that must pass: 9 proposer runs + 2 biased runs against their model
 ALPHA = 1e-3 / NUM_CHECKS
 
 BOOST = 1.0856  # chain bias: acceptance min(1, BOOST p / q)
@@ -556,6 +557,12 @@ CASES = [
     # the target's own top two tokens as siblings
     ("target-tree", dict(method="target-tree"), {"tree", "point"},
      {"first", "second", "neither", "second, renormalised"}),
+    # asynchronous drafting (rayspec.proposers.pre_draft, every hypothesis drafted): after a first
+    # draft rejected early, the second step's draft comes from the speculation cache, drafted from
+    # the head's own states in place of the target's features
+    ("eagle3-chain-async", dict(method="eagle3"), {"sampled"}, {"chain"}),
+    ("eagle1-tree-async", dict(method="eagle", eagle_topk=2, num_steps=2), {"tree", "point"},
+     {"first", "second", "neither"}),
 ]
 
 
@@ -572,6 +579,9 @@ def test_continuations_follow_the_target(target_dir, loaded, target, exact, draf
         engine = _engine(target_dir, loaded, proposer=TargetTreeProposer(target))
     else:
         engine = _engine(target_dir, loaded, **spec)
+    if name.endswith("-async"):
+        # the bonus is a sample of the target: hypotheses over the head's top 6 tokens at each position
+        engine.proposer = PreDraftingProposer(engine.proposer, 6, max_model_len=64, num_candidates=6)
     seen = _record_shapes(engine)
     endings = _record_sibling_outcomes(monkeypatch)
     samples = sample_continuations(engine, target, N, seed_base=1_000_000 * (index + 1))
@@ -587,6 +597,9 @@ def test_continuations_follow_the_target(target_dir, loaded, target, exact, draf
         assert len(per_pos) == K and min(per_pos) > N / 50 and stats["acceptance_rate"] < 0.9, stats
     else:
         assert min(endings[o] for o in outcomes) > N / 50, endings
+    if name.endswith("-async"):  # drafts from the cache were verified, many times
+        cache = engine.proposer.pre_drafter.stats
+        assert cache.verdicts_after_hits > N / 50, cache.as_dict()
 
 
 # ---- injected biases are caught -------------------------------------------------------------------

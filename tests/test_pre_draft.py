@@ -4,11 +4,13 @@ the target alone whether drafts come from the speculation cache (hits) or are dr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine_utils import cached_model, greedy_reference, make_engine
 from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.proposers.pre_draft import PreDraftingProposer, rank_verdicts
+from rayspec.proposers.pre_draft import PreDrafter, PreDraftingProposer, rank_verdicts
 from rayspec.sampling import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
@@ -66,3 +68,59 @@ def test_smollm2_greedy_matches_target_with_hits(smollm2):
     stats = proposer.pre_drafter.stats
     # an untrained truncated draft rarely guesses the verdict (benchmarks/README.md "draft_model"), but it does
     assert stats.num_hits > 0, stats.as_dict()
+
+
+# ---- EAGLE-3: hypotheses drafted from the head's own states ---------------------------------------
+
+@pytest.fixture(scope="module")
+def eagle_setup(tmp_path_factory):
+    """A tiny 8-layer target, prompts on which it repeats tokens, and a hand-set "repeat this
+    token" EAGLE-3 head over its tokens (tests/test_serve_eagle.py)."""
+    from conftest import make_tiny_model_dir
+    from test_serve_eagle import PROMPTS as EAGLE_PROMPTS
+    from test_serve_eagle import TARGET_LAYERS, copy_head
+
+    from rayspec.eagle.checkpoint import save_eagle_head
+
+    root = tmp_path_factory.mktemp("pre-draft-eagle")
+    target = str(make_tiny_model_dir(root / "target", num_layers=TARGET_LAYERS))
+    tokens = {t for p in EAGLE_PROMPTS for t in greedy_reference(target, p, MAX_TOKENS)}
+    head = save_eagle_head(copy_head(Path(target), sorted(tokens | set(range(3, 67)))), root / "head")
+    return target, str(head), EAGLE_PROMPTS
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+@pytest.mark.parametrize("topk", [1, 4], ids=["chain", "tree"])
+def test_eagle3_greedy_matches_target(eagle_setup, topk, background):
+    target, head, prompts = eagle_setup
+    engine = make_engine(target, "eagle3", k=4, loaded=cached_model(target), draft_model=head, eagle_topk=topk,
+                         num_steps=3, tree_max_batch=8)
+    proposer = PreDraftingProposer(engine.proposer, 4, max_model_len=256, background=background)
+    engine.proposer = proposer
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        outs = engine.generate(prompts, params)
+        alone = [engine.generate([p], params)[0] for p in prompts[:2]]
+    finally:
+        proposer.close()
+    for p, out in zip(prompts, outs):
+        assert list(out.token_ids) == list(greedy_reference(target, p, MAX_TOKENS)), p
+    assert [list(o.token_ids) for o in alone] == [list(o.token_ids) for o in outs[:2]]
+    stats = proposer.pre_drafter.stats
+    if not background:  # every hypothesis drafted: some verdicts were guessed
+        assert stats.num_hits > 0 and stats.verdicts_after_hits > 0, stats.as_dict()
+
+
+def test_pre_drafting_pauses_where_it_slows_the_verifier():
+    """Pre-drafting beside the verifier slowed it by 10 ms a step; hits save 2 ms: only the probe
+    rounds pre-draft (one in 16; another in 16 stays idle to measure the pace without it)."""
+
+    class Stub:
+        name, should_stop = "stub", None
+
+    pre = PreDrafter(Stub(), 2, max_model_len=64)
+    pre._interval_busy, pre._interval_idle, pre._hit_share, pre._miss_s = 0.090, 0.080, 0.15, {1: 0.014}
+    assert [pre._pays(1) for _ in range(32)].count(True) == 2
+    assert pre.stats.num_idle_rounds == 2 and pre.stats.num_paused_rounds == 28
+    pre._hit_share = 0.9  # saves 12.6 ms: every round but the idle probe
+    assert sum(pre._pays(1) for _ in range(16)) == 15

@@ -2,8 +2,10 @@
 over HTTP equal the target alone's, the speculation cache's hits and misses reach /v1/stats, and
 a proposer replica killed mid-stream leaves every stream completing with the same output.
 
-The draft is the target itself (every draft accepted, the bonus its own top token), so the
-verdict is always among the hypotheses and hits are certain whenever a pre-draft finished."""
+Two apps on one Ray cluster: "async", whose draft is the target itself (every draft accepted, the
+bonus its own top token, so the verdict is always among the hypotheses and hits are certain
+whenever a pre-draft finished), and "eagle", EAGLE-3 token trees from a hand-set "repeat this
+token" head (tests/test_serve_eagle.py) pre-drafted from the head's own states."""
 
 from __future__ import annotations
 
@@ -16,12 +18,20 @@ import pytest
 import ray
 import ray.serve as serve
 
+from conftest import make_tiny_model_dir
+from engine_utils import make_engine
 from serve_utils import free_port, target_only_texts, tiny_args, wait_for
+from test_serve_eagle import PROMPTS as EAGLE_PROMPTS
+from test_serve_eagle import TARGET_LAYERS, copy_head
 
 from deployments.app import build_app
+from rayspec.eagle.checkpoint import save_eagle_head
+from rayspec.sampling import SamplingParams
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma", "red green blue yellow"]
 MAX_TOKENS = 160
+EAGLE_MAX_TOKENS = 64
+APPS = ["async", "eagle"]
 
 
 def _args(target) -> dict:
@@ -30,22 +40,44 @@ def _args(target) -> dict:
                                   "adaptive": False})
 
 
+def _eagle_args(target, head) -> dict:
+    return tiny_args(target, topology="disaggregated", proposer_async_hypotheses=3,
+                     speculative={"method": "eagle3", "draft_model": str(head), "num_speculative_tokens": 4,
+                                  "eagle_topk": 2, "num_steps": 3, "adaptive": False, "tree_max_batch": 8})
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
+def eagle_models(tmp_path_factory):
+    """A tiny 8-layer target and the hand-set EAGLE-3 head over its tokens (tests/test_serve_eagle.py)."""
+    root = tmp_path_factory.mktemp("serve-async-eagle")
+    target = make_tiny_model_dir(root / "target", num_layers=TARGET_LAYERS)
+    params = SamplingParams(temperature=0, max_tokens=EAGLE_MAX_TOKENS, ignore_eos=True)
+    outs = make_engine(target, "none", max_model_len=1024).generate(EAGLE_PROMPTS, params)
+    tokens = {t for o in outs for t in o.token_ids}
+    head = save_eagle_head(copy_head(target, sorted(tokens | set(range(3, 67)))), root / "head")
+    return target, head, [o.text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, eagle_models):
+    """app name -> its URL."""
     ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(_args(tiny_model_dir)), name="async", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        serve.run(build_app(_args(tiny_model_dir)), name="async", route_prefix="/async")
+        serve.run(build_app(_eagle_args(*eagle_models[:2])), name="eagle", route_prefix="/eagle")
+        yield {app: f"http://127.0.0.1:{port}/{app}" for app in APPS}
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    return target_only_texts(tiny_model_dir, PROMPTS)
+def references(tiny_model_dir, eagle_models):
+    """app name -> (prompts, max_tokens, the target alone's greedy texts)."""
+    return {"async": (PROMPTS, MAX_TOKENS, target_only_texts(tiny_model_dir, PROMPTS)(MAX_TOKENS)),
+            "eagle": (EAGLE_PROMPTS, EAGLE_MAX_TOKENS, eagle_models[2])}
 
 
 def _stream(url: str, prompt: str, max_tokens: int, progress: list[int], i: int) -> dict:
@@ -68,10 +100,10 @@ def _stream(url: str, prompt: str, max_tokens: int, progress: list[int], i: int)
     return out
 
 
-def _run(url: str, fault=None, after_events: int = 8) -> list[dict]:
-    progress = [0] * len(PROMPTS)
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futures = [pool.submit(_stream, url, p, MAX_TOKENS, progress, i) for i, p in enumerate(PROMPTS)]
+def _run(url: str, prompts: list[str], max_tokens: int, fault=None, after_events: int = 8) -> list[dict]:
+    progress = [0] * len(prompts)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_stream, url, p, max_tokens, progress, i) for i, p in enumerate(prompts)]
         if fault is not None:
             wait_for(lambda: min(progress) >= after_events or all(f.done() for f in futures), timeout=120, interval=0.02)
             assert not any(f.done() for f in futures), "a stream ended before the fault"
@@ -83,33 +115,40 @@ def _stats(url: str) -> dict:
     return httpx.get(url + "/v1/stats", timeout=30).json()
 
 
-def test_greedy_matches_target_and_counts_hits(served, reference):
-    want = reference(MAX_TOKENS)
-    before = _stats(served)
-    for i, prompt in enumerate(PROMPTS[:2]):  # alone: pre-drafting for one sequence
-        r = httpx.post(served + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                         "temperature": 0, "ignore_eos": True}, timeout=180)
+@pytest.mark.parametrize("app", APPS)
+def test_greedy_matches_target_and_counts_hits(served, references, app):
+    url, (prompts, max_tokens, want) = served[app], references[app]
+    before = _stats(url)
+    for i, prompt in enumerate(prompts[:2]):  # alone: pre-drafting for one sequence
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=180)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[i]
-    results = _run(served)  # together: hypotheses batched over the sequences
+    results = _run(url, prompts, max_tokens)  # together: hypotheses batched over the sequences
     assert [r["text"] for r in results] == want and all(r["done"] and r["error"] is None for r in results)
-    stats = _stats(served)
+    stats = _stats(url)
     hits = stats["speculation_cache_hits"] - before.get("speculation_cache_hits", 0)
     misses = stats["speculation_cache_misses"] - before.get("speculation_cache_misses", 0)
-    proposer = serve.get_deployment_handle("Proposer", app_name="async").stats.remote().result(timeout_s=30)
-    assert hits > 0 and misses > 0, json.dumps([stats, proposer])  # each sequence's first call misses
+    proposer = serve.get_deployment_handle("Proposer", app_name=app).stats.remote().result(timeout_s=30)
+    assert misses > 0, json.dumps([stats, proposer])  # each sequence's first call misses
+    if app == "async":  # the target as its own draft: every finished pre-draft is a hit
+        assert hits > 0, json.dumps([stats, proposer])
 
 
-def test_sampled_requests_complete(served):
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 32, "temperature": 0.8, "ignore_eos": True}
-    r = httpx.post(served + "/v1/completions", json=body, timeout=180)
+@pytest.mark.parametrize("app", APPS)
+def test_sampled_requests_complete(served, references, app):
+    body = {"model": "tiny", "prompt": references[app][0][0], "max_tokens": 32, "temperature": 0.8,
+            "ignore_eos": True}
+    r = httpx.post(served[app] + "/v1/completions", json=body, timeout=180)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 32
 
 
-def test_killed_proposer_mid_stream_keeps_outputs(served, reference):
-    want = reference(MAX_TOKENS)
+@pytest.mark.parametrize("app", APPS)
+def test_killed_proposer_mid_stream_keeps_outputs(served, references, app):
+    prompts, max_tokens, want = references[app]
     [proposer] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("SERVE_REPLICA::async#Proposer#")]
-    results = _run(served, lambda: ray.kill(ray.get_actor(proposer, namespace="serve"), no_restart=True))
+                  if a["name"].startswith(f"SERVE_REPLICA::{app}#Proposer#")]
+    results = _run(served[app], prompts, max_tokens,
+                   lambda: ray.kill(ray.get_actor(proposer, namespace="serve"), no_restart=True))
     for i, r in enumerate(results):
         assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
         assert r["text"] == want[i], i

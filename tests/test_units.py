@@ -175,7 +175,7 @@ def test_spec_decode_stats():
     stats.observe(2, 2)
     assert stats.as_dict() == {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 4,
                                "num_accepted_tokens_per_pos": [2, 2, 0, 0],
-                               "acceptance_rate": 4 / 6, "mean_acceptance_length": 3.0}
+                               "acceptance_rate": 4 / 6, "mean_acceptance_length": 3.0, "propose_seconds": 0.0}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is the CPU fast path")

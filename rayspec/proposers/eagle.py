@@ -13,6 +13,14 @@ forward, then drafts:
 - otherwise a chain: the top token per depth (greedy), or for sampled requests a chain
   sampled from the head's distribution, with the probabilities, for the rejection rule.
 Drafted positions are dropped from the head cache afterwards (only committed pairs stay).
+
+Asynchronous drafting (rayspec.proposers.pre_draft): with `num_candidates` set, each draft also
+leaves its best path (the top child at each depth, within the tree sent), the head states that
+predicted each path token and the top candidates at each path position (`paths`, `candidates`).
+A hypothesised verdict (the first j path tokens accepted, then a bonus token) is drafted before
+the target's features of those positions exist: `propose(..., standins=)` feeds the head its own
+states there instead (stand-in features, as inside a draft tree), drafts, and drops those pairs
+again; the true features, when they come, are caught up as usual.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ def draft_dtype(name: str | None, context) -> torch.dtype:
 class EagleProposer(Proposer):
     name = "eagle3"
     kind = "eagle3"
+    should_stop = None  # a pre-drafter's hook: stop between forwards when it returns True
 
     @classmethod
     def create(cls, config, context) -> "EagleProposer":
@@ -109,6 +118,10 @@ class EagleProposer(Proposer):
         self._clock = itertools.count()
         # the stop rule's early exit reads the device after each depth: only where that is free
         self.early_exit_reads = self.runner.device.type == "cpu" and self.stop_prob > 0
+        # asynchronous drafting: > 0 records each draft's best path and its top candidates
+        self.num_candidates = 0
+        self.candidates: dict[str, list[tuple[list[int], list[float]]]] = {}  # path position -> top tokens, probs
+        self.paths: dict[str, tuple[list[int], torch.Tensor]] = {}  # path tokens, [len, H] states predicting them
 
     # what the engine must hand over: inputs of these target layers, or () for the final hidden state
     @property
@@ -120,6 +133,8 @@ class EagleProposer(Proposer):
         self._features.pop(seq_id, None)
         self._generators.pop(seq_id, None)
         self._last_used.pop(seq_id, None)
+        self.candidates.pop(seq_id, None)
+        self.paths.pop(seq_id, None)
 
     def _generator(self, req: ProposeRequest) -> torch.Generator:
         if req.seq_id not in self._generators:
@@ -160,6 +175,11 @@ class EagleProposer(Proposer):
         self.runner.allocate(seq_id)
         self._features[seq_id] = []
 
+    def accept_features(self, req: ProposeRequest) -> bool:
+        """Buffer a request's features without drafting (a pre-drafter answered it from its cache);
+        the next propose catches up on them."""
+        return self._take_features(req)
+
     def _take_features(self, req: ProposeRequest) -> bool:
         """Buffer the request's features; False when they do not continue what this proposer holds."""
         if self.runner.has(req.seq_id) and req.features_start == 0 and req.features is not None:
@@ -183,34 +203,65 @@ class EagleProposer(Proposer):
         return True
 
     @torch.inference_mode()
-    def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
-        missing = {r.seq_id for r in requests if not self._take_features(r)}
+    def propose(self, requests: list[ProposeRequest],
+                standins: list[torch.Tensor | None] | None = None) -> list[Draft]:
+        """standins (pre-drafting): per request [m, H] head states standing in for the target
+        features of its last m positions before the last token (None: none); those pairs are
+        dropped again after the draft. A pre-draft that does not fit the head's state gets no draft
+        (and leaves the state alone)."""
+        if standins is not None:
+            missing = {r.seq_id for r in requests if not self.runner.has(r.seq_id)}
+        else:
+            missing = {r.seq_id for r in requests if not self._take_features(r)}
+        skipped = set()
         # catch up: pairs (features at i, token i+1) for every committed position not yet cached
-        active, feats, toks = [], [], []
-        for req in requests:
+        active, feats, toks, stand = [], [], [], []
+        for i, req in enumerate(requests):
             if req.num_tokens <= 0 or req.seq_id in missing:
                 continue
             f = torch.cat(self._features[req.seq_id]) if self._features[req.seq_id] else None
+            h = standins[i] if standins is not None else None
             start = self.runner.cached_len(req.seq_id)
-            if f is None or start + len(f) != len(req.token_ids) - 1:  # features short of the last token
-                self.release(req.seq_id)
-                missing.add(req.seq_id)
+            n_true, n_stand = (0 if f is None else len(f)), (0 if h is None else len(h))
+            if n_true + n_stand == 0 or start + n_true + n_stand != len(req.token_ids) - 1:
+                if standins is not None:
+                    skipped.add(req.seq_id)
+                else:  # features short of the last token
+                    self.release(req.seq_id)
+                    missing.add(req.seq_id)
                 continue
             active.append(req)
             feats.append(f)
-            toks.append(req.token_ids[start + 1: start + 1 + len(f)])
+            toks.append(req.token_ids[start + 1: start + 1 + n_true])
+            stand.append((h, req.token_ids[start + 1 + n_true: start + 1 + n_true + n_stand]))
             self._features[req.seq_id] = []
         by_id: dict[str, Draft] = {s: Draft([], resend_features_from=0) for s in missing}
+        by_id.update((s, Draft([])) for s in skipped)
         if active:
             ids = [r.seq_id for r in active]
-            last = self._catch_up(ids, toks, feats)  # [B, H]: predicts the first draft token
+            last: list[torch.Tensor | None] = [None] * len(active)
+            true_rows = [i for i, f in enumerate(feats) if f is not None]
+            if true_rows:
+                rows = self._catch_up([ids[i] for i in true_rows], [toks[i] for i in true_rows],
+                                      [feats[i] for i in true_rows])
+                for i, row in zip(true_rows, rows):
+                    last[i] = row
             committed = [self.runner.cached_len(s) for s in ids]
-            drafts = self._draft(active, last)
+            stand_rows = [i for i, (h, _) in enumerate(stand) if h is not None]
+            if stand_rows and not self._stop():
+                rows = self._catch_up([ids[i] for i in stand_rows], [stand[i][1] for i in stand_rows],
+                                      [stand[i][0].to(self.runner.device, self.runner.dtype) for i in stand_rows])
+                for i, row in zip(stand_rows, rows):
+                    last[i] = row
+            drafts = self._draft(active, torch.stack(last)) if not self._stop() else [Draft([])] * len(active)
             for s, n, req in zip(ids, committed, active):
                 self.runner.set_cached_len(s, n)
-                self.runner.commit(s, self._pair_tokens(req.token_ids))  # positions < n: verified pairs
+                self.runner.commit(s, self._pair_tokens(req.token_ids[: n + 1]))  # positions < n: verified pairs
             by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
+
+    def _stop(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
 
     def _catch_up(self, ids: list[str], toks: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
         """The head over every committed position not yet cached; [B, H] the last hidden row of
@@ -280,9 +331,18 @@ class EagleProposer(Proposer):
         f_fed_parent = None  # [B, w] the fed slot of each frontier node's parent (None: the prefix)
         eye = torch.eye(w, dtype=torch.bool, device=dev)
         num_nodes = w
+        fed_nodes, fed_hidden = [], []  # per depth: the frontier fed [B, w] and its head outputs [B, w, H]
+        # per state (root, then each fed node): its top tokens [B, 1, c]; w more than asked, as the
+        # node's children in the tree are no bonus candidates (the verifier would accept them)
+        c = max(self.num_candidates, 1) + w
+        if self.num_candidates > 0:
+            ctop = torch.topk(logp, min(c, logp.shape[-1]))
+            cand_tok, cand_logp = [self.head.to_target(ctop.indices)[:, None]], [ctop.values[:, None]]
         for d in range(2, D + 1):
             if self.early_exit_reads and bool(to_host(stopped | (row_depth < d))[0].all()):
                 break
+            if self._stop():
+                return [Draft([]) for _ in reqs]
             lo = (d - 2) * w  # the fed slots of this depth's frontier
             if f_fed_parent is not None:
                 sees[:, lo: lo + w] = sees.gather(1, f_fed_parent[..., None].expand(B, w, sees.shape[2]))
@@ -290,8 +350,14 @@ class EagleProposer(Proposer):
             depths = [j // w for j in range(lo + w)]
             trees = [TreeQuery(None, first=lo, depths=depths, sees=sees[b, lo: lo + w, : lo + w]) for b in range(B)]
             hidden, _ = self.runner.forward_hidden(ids, f_tok, trees=trees, features=f_hidden.contiguous())  # [B, w, H]
+            fed_nodes.append(f_node)
+            fed_hidden.append(hidden)
             logp = torch.log_softmax(self.head.draft_logits(hidden), dim=-1)  # [B, w, Vd]
             top = torch.topk(logp, w)  # children: [B, w, w]
+            if self.num_candidates > 0:
+                ctop = torch.topk(logp, min(c, logp.shape[-1]))  # [B, w, c]
+                cand_tok.append(self.head.to_target(ctop.indices))
+                cand_logp.append(ctop.values)
             c_score = f_score[..., None] + top.values
             dead = stopped | (row_depth < d)
             c_score = c_score.masked_fill(dead[:, None, None], float("-inf")).reshape(B, w * w)
@@ -308,7 +374,12 @@ class EagleProposer(Proposer):
             if self.stop_prob > 0:
                 stopped = stopped | self._stopped(f_score)
             num_nodes += w * w
-        tok_h, score_h, parent_h = to_host(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1))
+        record = self.num_candidates > 0
+        fed_h = torch.cat(fed_nodes, 1) if record and fed_nodes else torch.zeros(B, 0, dtype=torch.long, device=dev)
+        ctok_h, clogp_h = (torch.cat(cand_tok, 1), torch.cat(cand_logp, 1)) if record else (fed_h, fed_h)
+        tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = to_host(
+            torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), fed_h, ctok_h, clogp_h)
+        fed_all = torch.cat(fed_hidden, 1) if record and fed_hidden else None  # [B, F, H]
         drafts = []
         for b, req in enumerate(reqs):
             nodes, number = [], {}
@@ -322,8 +393,49 @@ class EagleProposer(Proposer):
                                    node_depth[n], None))
             if self.lookup_tokens:
                 self._add_lookup_branch(req, nodes)
-            drafts.append(self._select(nodes, [], req.num_tokens, False))
+            keep = self._keep(nodes, req.num_tokens)
+            drafts.append(self._tree_draft(nodes, keep))
+            if self.num_candidates > 0:
+                self._record_tree_path(req.seq_id, keep, number, tok_h[b], score_h[b], parent_h[b], fed_h[b],
+                                       ctok_h[b], clogp_h[b], last[b], None if fed_all is None else fed_all[b])
         return drafts
+
+    def _record_tree_path(self, seq_id, keep: list[int], number: dict[int, int], tok_h, score_h, parent_h, fed_h,
+                          ctok_h, clogp_h, last: torch.Tensor, fed_hidden: torch.Tensor | None) -> None:
+        """The tree's best path for a pre-drafter (`paths`, `candidates`): from the root, the head's
+        likeliest child among the nodes sent, while there is one. Host data: the raw nodes (tok_h,
+        score_h, parent_h [N]), number (raw node -> index among the nodes _select chose from), keep
+        (those it chose), the fed frontier (fed_h [F] raw nodes), and each state's top tokens and
+        log-probabilities (ctok_h, clogp_h [1 + F, c]: the root's, then each fed node's); device:
+        the states, last [H] and fed_hidden [F, H]. State i predicted path token i (state 0 is
+        `last`); one state more, with the candidates after the path, where its last node was fed.
+        A state's candidates leave out its node's children in the tree: a bonus is never one of them
+        (the verifier would have accepted it; a verdict down another branch is not hypothesised)."""
+        kept = set(keep)
+        children: dict[int, list[int]] = {}
+        for n, j in number.items():
+            if j in kept:
+                children.setdefault(int(parent_h[n]), []).append(n)
+        fed_at = {int(n): 1 + i for i, n in enumerate(fed_h)}  # raw node -> its state row
+        path, path_nodes, rows, node = [], [], [0], -1
+        while (nxt := max(children.get(node, []), key=lambda n: float(score_h[n]), default=None)) is not None:
+            path.append(int(tok_h[nxt]))
+            path_nodes.append(nxt)
+            node = nxt
+            if node not in fed_at:  # never fed: no state after it
+                break
+            rows.append(fed_at[node])
+        states = last[None] if fed_hidden is None else torch.cat([last[None], fed_hidden])
+        (index,) = to_device(np.asarray(rows, dtype=np.int64), device=last.device)
+        self.paths[seq_id] = (path, states.index_select(0, index))
+        ends = [-1] + path_nodes  # the node each state predicts the children of
+        cands = []
+        for r, end in zip(rows, ends):
+            taken = {int(tok_h[n]) for n in children.get(end, [])}
+            top = [(int(t), math.exp(float(x))) for t, x in zip(ctok_h[r], clogp_h[r]) if int(t) not in taken]
+            top = top[: self.num_candidates]
+            cands.append(([t for t, _ in top], [q for _, q in top]))
+        self.candidates[seq_id] = cands
 
     def _draft_chains(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
         """A chain per request: the head's top token per depth, or for a sampled request a token
@@ -338,15 +450,24 @@ class EagleProposer(Proposer):
         toks, scores = [], []
         score = torch.zeros(B, device=dev)
         hidden = last  # [B, H]: predicts the next token
+        c = max(self.num_candidates, 1)
+        states, cand_tok, cand_logp = [], [], []  # per depth, pre-drafting only: [B, H], [B, c], [B, c]
         for d in range(1, K + 1):
             if d > 1:
                 if (self.early_exit_reads and greedy_rows and not sampled
                         and bool(to_host(score.exp() < self.stop_prob)[0].all())):
                     break
+                if self._stop():
+                    return [Draft([]) for _ in reqs]
                 out, _ = self.runner.forward_hidden(ids, toks[-1][:, None], features=hidden[:, None])  # [B, 1, H]
                 hidden = out[:, 0]
             logits = self.head.draft_logits(hidden)  # [B, Vd]
             logp = torch.log_softmax(logits, dim=-1)
+            if self.num_candidates > 0:
+                top = torch.topk(logp, min(c, logp.shape[-1]))
+                states.append(hidden)
+                cand_tok.append(self.head.to_target(top.indices))
+                cand_logp.append(top.values)
             choice = logp.argmax(-1)  # [B] draft ids
             for i in sampled:
                 r = reqs[i]
@@ -358,7 +479,10 @@ class EagleProposer(Proposer):
             score = score + logp.gather(1, choice[:, None])[:, 0]
             toks.append(self.head.to_target(choice))
             scores.append(score)
-        tok_h, score_h = to_host(torch.stack(toks, 1), torch.stack(scores, 1))
+        record = self.num_candidates > 0
+        tok_h, score_h, ctok_h, clogp_h = to_host(torch.stack(toks, 1), torch.stack(scores, 1),
+                                                  torch.stack(cand_tok, 1) if record else score,
+                                                  torch.stack(cand_logp, 1) if record else score)
         drafts = []
         for i, r in enumerate(reqs):
             n = min(r.num_tokens, tok_h.shape[1])
@@ -369,6 +493,10 @@ class EagleProposer(Proposer):
                 n = m
             tokens = [int(t) for t in tok_h[i, :n]]
             drafts.append(Draft(tokens, torch.stack(probs[i][:n]) if i in sampled and n else None))
+            if record:  # the chain is the path; state d predicted token d
+                self.paths[r.seq_id] = (tokens, torch.stack([h[i] for h in states[:n]]))
+                self.candidates[r.seq_id] = [([int(t) for t in ctok_h[i, d]], [math.exp(float(x)) for x in clogp_h[i, d]])
+                                             for d in range(n)]
         return drafts
 
     def _add_lookup_branch(self, req: ProposeRequest, nodes: list[_Node]) -> None:
@@ -391,9 +519,18 @@ class EagleProposer(Proposer):
         if sampled:  # a chain, in order
             n = min(budget, len(nodes))
             return Draft([nd.token for nd in nodes[:n]], torch.stack(probs[:n]) if n else None)
-        # best nodes by path score; shallower first on ties so every kept node's parent is kept
+        return EagleProposer._tree_draft(nodes, EagleProposer._keep(nodes, budget))
+
+    @staticmethod
+    def _keep(nodes: list[_Node], budget: int) -> list[int]:
+        """The budget best nodes by path score; shallower first on ties so every kept node's parent
+        is kept; parents before children."""
         keep = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))[:budget]
-        keep.sort(key=lambda n: (nodes[n].depth, n))  # parents before children
+        keep.sort(key=lambda n: (nodes[n].depth, n))
+        return keep
+
+    @staticmethod
+    def _tree_draft(nodes: list[_Node], keep: list[int]) -> Draft:
         index = {n: j for j, n in enumerate(keep)}
         parents = [index[nodes[n].parent] if nodes[n].parent >= 0 else -1 for n in keep]
         return Draft([nodes[n].token for n in keep], None, parents)
