@@ -28,6 +28,6 @@ for url in "http://127.0.0.1:$PORT_RS/v1/models" "http://127.0.0.1:$PORT_HF/v1/m
 done
 rayspec bench serve --endpoint "http://127.0.0.1:$PORT_RS" --label rayspec-default \
   --endpoint "http://127.0.0.1:$PORT_HF" --label transformers-serve-cb \
-  --model smollm2-135m-instruct --model "$MODEL_DIR" --prompts mt_bench --num-prompts 16 --max-tokens 128 \
+  --model smollm2-135m-instruct --model "$MODEL_DIR" --prompts mt_bench --num-prompts 8 --max-tokens 128 \
   --temperature 0 --concurrency "$LEVELS" --rounds "$ROUNDS" --waves 2 --warmup 2 --timeout 600 \
   --output-json "$OUT/vs_transformers_serve.json"
