@@ -215,16 +215,7 @@ class ModelRunner:
             return self._forward_static(seq_ids, token_lists, lengths, trees, packed, model_kwargs), lengths
         starts = [self._cached_len[s] for s in seq_ids]
         dev = self.device
-        if trees is None:
-            ends = [start + Q for start in starts]  # padding included: it is written too (past a row's blocks: scratch)
-            real_ends = [start + n for start, n in zip(starts, lengths)]
-        else:
-            ends = [start + max(t.num_nodes, t.first + Q) for start, t in zip(starts, trees)]
-            real_ends = [start + max(t.num_nodes, t.first + n) for start, t, n in zip(starts, trees, lengths)]
-        for s, end in zip(seq_ids, real_ends):
-            if not self.grow(s, end):
-                raise CacheFullError(f"no free KV block for sequence {s}")
-        kv_len = max(ends)
+        kv_len = self._grow_for(seq_ids, starts, lengths, Q, trees)
         args = self.model.args
         starts_np = np.asarray(starts, dtype=np.int64)
         host: dict[str, np.ndarray] = {}
@@ -294,22 +285,27 @@ class ModelRunner:
                 self._cached_len[s] = start + n
         return out, lengths
 
+    def _grow_for(self, seq_ids, starts, lengths, Q, trees) -> int:
+        """Blocks for each row's real tokens (rows padded to Q); returns the keys a forward spans
+        (padding included: it is written too, past a row's blocks into scratch)."""
+        if trees is None:
+            ends = [start + Q for start in starts]
+            real_ends = [start + n for start, n in zip(starts, lengths)]
+        else:
+            ends = [start + max(t.num_nodes, t.first + Q) for start, t in zip(starts, trees)]
+            real_ends = [start + max(t.num_nodes, t.first + n) for start, t, n in zip(starts, trees, lengths)]
+        for s, end in zip(seq_ids, real_ends):
+            if not self.grow(s, end):
+                raise CacheFullError(f"no free KV block for sequence {s}")
+        return max(ends)
+
     def _forward_static(self, seq_ids, token_lists, lengths, trees, packed, model_kwargs):
         """forward_hidden through the compiled step: batch and rows padded to powers of two, keys to
         a multiple of KV_BUCKET; padding rows read and write the scratch block, padded keys are masked."""
         B, Q = len(seq_ids), max(lengths)
         Bp, Qp = bucket(B), bucket(Q)
         starts = [self._cached_len[s] for s in seq_ids]
-        if trees is None:
-            ends = [start + Qp for start in starts]
-            real_ends = [start + n for start, n in zip(starts, lengths)]
-        else:
-            ends = [start + max(t.num_nodes, t.first + Qp) for start, t in zip(starts, trees)]
-            real_ends = [start + max(t.num_nodes, t.first + n) for start, t, n in zip(starts, trees, lengths)]
-        for s, end in zip(seq_ids, real_ends):
-            if not self.grow(s, end):
-                raise CacheFullError(f"no free KV block for sequence {s}")
-        kv_len = round_up(max(ends), KV_BUCKET)
+        kv_len = round_up(self._grow_for(seq_ids, starts, lengths, Qp, trees), KV_BUCKET)
         bs = self.block_size
         ids = np.zeros((Bp, Qp), dtype=np.int64)
         for b, t in enumerate(token_lists):
