@@ -62,6 +62,7 @@ class SpeculativeArgs(_Strict):
     draft_model: str | None = None
     draft_num_layers: int | None = Field(None, ge=1)
     draft_dtype: str | None = None
+    draft_quantization: Literal["int8"] | None = None  # draft_model: weight-only int8 draft (vLLM: quantization)
     draft_tensor_parallel_size: int | None = Field(None, ge=1)  # 1 or engine.tensor_parallel_size (colocated)
     # eagle3 / eagle tree drafting (SGLang's names): branching per node (1 = a chain) and tree
     # depth (None: num_speculative_tokens); num_speculative_tokens caps the nodes verified

@@ -12,8 +12,8 @@ from typing import Any
 # vLLM speculative methods -> our proposers ("[ngram]": vLLM's older spelling)
 VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle3": "eagle3", "eagle": "eagle",
                 "draft_model": "draft_model"}
-VLLM_SPEC_RENAMES = {"model": "draft_model"}  # vLLM key -> ours; the other vLLM keys below are ours already
-VLLM_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+VLLM_SPEC_RENAMES = {"model": "draft_model", "quantization": "draft_quantization"}  # vLLM key -> ours; the other vLLM keys below are ours already
+VLLM_SPEC_KEYS = ("method", "model", "quantization", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                   "draft_tensor_parallel_size", "disable_by_batch_size")
 GIB = 1 << 30
 

@@ -16,6 +16,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-adaptive", action="store_true", help="always draft the full length")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--draft-num-layers", type=int, default=None, help="keep only the first N draft layers")
+    p.add_argument("--draft-quantization", default=None, choices=["int8"],
+                   help="draft_model: weight-only int8 draft linears (vLLM: speculative_config quantization)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--eagle-topk", type=int, default=1, help="eagle3/eagle: branching per tree node (1: a chain)")
@@ -59,7 +61,8 @@ def cmd_generate(args) -> int:
 
     spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                              adaptive=not args.no_adaptive, draft_model=args.draft_model,
-                             draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
+                             draft_num_layers=args.draft_num_layers, draft_quantization=args.draft_quantization,
+                             prompt_lookup_min=args.prompt_lookup_min,
                              prompt_lookup_max=args.prompt_lookup_max, eagle_topk=args.eagle_topk,
                              num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
                              eagle_prompt_lookup=args.eagle_prompt_lookup,
@@ -287,8 +290,8 @@ def cmd_bench_offline(args) -> int:
         model=args.model, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
         prompts_file=args.prompts, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         concurrency=args.concurrency, adaptive=not args.no_adaptive, draft_model=args.draft_model,
-        draft_num_layers=args.draft_num_layers, prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
+        draft_num_layers=args.draft_num_layers, draft_quantization=args.draft_quantization,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
         eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
         eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,

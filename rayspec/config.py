@@ -19,6 +19,9 @@ class SpeculativeConfig:
     draft_model: str | None = None  # hub id, directory or .gguf; None: the target's own checkpoint
     draft_num_layers: int | None = None  # keep only the first N layers of the draft checkpoint
     draft_dtype: str | None = None
+    # draft_model: "int8" loads the draft with weight-only int8 linears (rayspec.quantize): a quarter
+    # of float32's bytes per decoded token; the target's own checkpoint so is a cheap, close draft
+    draft_quantization: str | None = None
     # draft_model split over the target's tensor-parallel ranks (vLLM's name): 1 (or None) keeps it
     # whole on rank 0's device; otherwise it must equal EngineConfig.tensor_parallel_size
     draft_tensor_parallel_size: int | None = None
@@ -50,6 +53,12 @@ class SpeculativeConfig:
             raise ValueError("eagle_prompt_lookup must be >= 0")
         if not 0.0 <= self.eagle_stop_prob < 1.0:
             raise ValueError("eagle_stop_prob must be in [0, 1)")
+        if self.draft_quantization is not None:
+            from rayspec.quantize import check_scheme
+
+            check_scheme(self.draft_quantization)
+            if self.method != "draft_model":
+                raise ValueError(f"draft_quantization is for method draft_model (a draft LM), not {self.method!r}")
         if self.method == "none":
             self.num_speculative_tokens = 0
 

@@ -502,10 +502,11 @@ def empty_model(config, device, dtype, tp=None) -> CausalLM:
 
 
 def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torch.float32,
-                model_dir: Path | None = None, tp=None) -> CausalLM:
+                model_dir: Path | None = None, tp=None, quantization: str | None = None) -> CausalLM:
     """A ready model (eval mode, packed for the CPU): weights streamed from the checkpoint in
     `model_dir` (`load_checkpoint`), or copied from `state_dict`, or left uninitialized when
-    neither is given (only the sizes matter: memory checks, tests that fill weights themselves)."""
+    neither is given (only the sizes matter: memory checks, tests that fill weights themselves).
+    quantization: "int8" makes every projection and the LM head weight-only int8 (rayspec.quantize)."""
     from rayspec.parallel import NO_TP, zero_row_biases
 
     model = empty_model(config, device, dtype, tp)
@@ -514,6 +515,13 @@ def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torc
     elif state_dict is not None:
         load_state(model, state_dict)
     zero_row_biases(model, tp or NO_TP)
+    if quantization is not None:
+        from rayspec.quantize import check_scheme, quantize_int8
+
+        check_scheme(quantization)
+        if tp is not None and tp.size > 1:
+            raise ValueError("draft_quantization needs a draft on one device (not split over tensor-parallel ranks)")
+        quantize_int8(model)
     return model.eval().pack_for_cpu()
 
 
@@ -528,9 +536,11 @@ def is_native(config) -> bool:
     return True
 
 
-def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True):
+def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True,
+               quantization: str | None = None):
     """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft).
-    tp: a rayspec.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None)."""
+    tp: a rayspec.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None).
+    quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.quantize)."""
     from transformers import AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -540,10 +550,13 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     if is_native(config):
         if num_layers is not None:
             config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
-        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp)
+        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp, quantization=quantization)
     else:  # transformers' own modeling code over our KV cache (rayspec/generic_model.py)
         from rayspec.generic_model import load_generic_model
 
+        if quantization is not None:
+            raise ValueError(f"draft_quantization needs a natively supported architecture "
+                             f"({sorted(NATIVE_MODEL_TYPES)}); {getattr(config, 'model_type', '?')!r} is not")
         if tp is not None and tp.size > 1:
             raise ValueError(f"tensor parallelism needs a natively supported architecture ({sorted(NATIVE_MODEL_TYPES)}); "
                              f"{getattr(config, 'model_type', '?')!r} runs on the generic path, on one device")

@@ -456,7 +456,13 @@ def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape,
     """Add the proposer's weights and cache to `plan`; returns its weights and what loading it
     holds beyond them for a while."""
     weights = draft.weights(dtype)
-    if draft.model is not None:
+    if draft.model is not None and spec.draft_quantization == "int8":
+        weights = int8_weights(draft.model, weights, dtype)
+        plan.items.append(PlanItem("draft model weights", weights.bytes,
+                                   f"{weights.num_params:,} params, {draft.model.num_layers} layers, int8 linears "
+                                   f"(a scale per output channel), embedding and norms {_dtype_name(dtype)}"))
+        transient = load_bytes(draft.weights(dtype), plan.device) - weights.bytes  # loaded in float, then quantized
+    elif draft.model is not None:
         path = ", generic path" if draft.model_generic is not None else ""
         plan.items.append(PlanItem("draft model weights", weights.bytes,
                                    f"{weights.num_params:,} params, {draft.model.num_layers} layers, "
@@ -477,6 +483,17 @@ def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape,
                                cache.bytes, f"{cache.num_blocks:,} blocks (+1 scratch) x {cache.block_size} "
                                             f"positions x {cache.bytes_per_token:,} B"))
     return weights, transient
+
+
+def int8_weights(args: ModelArgs, weights: Weights, dtype: torch.dtype) -> Weights:
+    """A draft LM with weight-only int8 linears (rayspec.quantize): every Linear one byte per weight
+    plus a float32 scale (and fbgemm's int32 column offset) per output channel; the embedding (which
+    a tied LM head's int8 copy leaves in place), norms and buffers in `dtype`. No oneDNN copies."""
+    linear = weights.linear_bytes // dtype.itemsize  # linear parameters
+    tied_embedding = args.vocab_size * args.hidden_size if args.tie_word_embeddings else 0
+    floats = weights.bytes - weights.linear_bytes + tied_embedding * dtype.itemsize
+    per_channel = 8 * (linear // args.hidden_size)  # about one output channel per hidden_size weights
+    return Weights(weights.num_params, floats + linear + per_channel, 0)
 
 
 def _cpu_copies(plan: ProcessPlan, *weights: Weights) -> None:

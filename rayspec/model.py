@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 from rayspec import cpu_kernels
 from rayspec.parallel import (NO_TP, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE, TPGroup,
                               VocabParallelEmbedding, column_parallel, row_parallel, send_forward)
+
+if TYPE_CHECKING:
+    from rayspec.quantize import Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -291,9 +295,12 @@ class Linear(nn.Linear):
     kernels: "cpu_kernels.CpuKernels | None" = None
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
+    int8: Int8Weight | None = None  # weight-only int8 (rayspec.quantize): replaces the float weight
 
     def pack_for_cpu(self) -> None:
         w = self.weight
+        if self.int8 is not None:
+            return
         if w.device.type == "cpu" and _onednn_linear_available() and _packable(w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
             self._packed_version = w._version
@@ -306,6 +313,8 @@ class Linear(nn.Linear):
         return "wxt" if rows <= self.FEW_ROWS else "flinear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x)
         if x.device.type != "cpu" or torch.compiler.is_compiling():  # (compiled: inductor picks the kernel)
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
@@ -665,6 +674,8 @@ class CausalLM(Float32Rotary):
         fused (used at the row counts that chose oneDNN). No-op elsewhere.
         The choice is kept in `self.cpu_kernels` (None off the CPU)."""
         self.cpu_kernels = None
+        if getattr(self, "quantization", None):  # int8 linears run their own kernels (rayspec.quantize)
+            return self
         param = next(self.parameters())
         mlp = next((m for m in self.modules() if isinstance(m, MLP)), None)
         if param.device.type != "cpu":  # elsewhere q/k/v and gate/up run as one matmul each too

@@ -28,6 +28,8 @@ TINY_METHODS = [
     ("draft-self-1layer", dict(method="draft_model", k=3, draft_num_layers=1), "self"),
     ("draft-other-model", dict(method="draft_model", k=2), "other"),
     ("draft-adaptive", dict(method="draft_model", k=3, adaptive=True, draft_num_layers=1), "self"),
+    # the target itself with weight-only int8 linears (rayspec.quantize): mostly accepted
+    ("draft-self-int8", dict(method="draft_model", k=3, draft_quantization="int8"), "self"),
 ]
 
 

@@ -563,6 +563,8 @@ CASES = [
     ("eagle3-chain-async", dict(method="eagle3"), {"sampled"}, {"chain"}),
     ("eagle1-tree-async", dict(method="eagle", eagle_topk=2, num_steps=2), {"tree", "point"},
      {"first", "second", "neither"}),
+    # a weight-only int8 draft (rayspec.quantize): its probabilities are its own, the rule unchanged
+    ("draft_model-int8", dict(method="draft_model", draft_quantization="int8"), {"sampled"}, {"chain"}),
 ]
 
 

@@ -217,3 +217,19 @@ def test_default_config_served(smollm2):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_async_configs_and_their_colocated_twins():
+    """Issue 20's pairs: the asynchronous app and its synchronous twin run the same engine and
+    speculative settings, one CPU thread each replica; only the topology and pre-drafting differ."""
+    pairs = (("draft_async.yaml", "draft_colocated.yaml"), ("eagle3_async.yaml", "default.yaml"))
+    for async_name, twin_name in pairs:
+        a = AppArgs.model_validate(app_args(CONFIGS / async_name))
+        twin = AppArgs.model_validate(app_args(CONFIGS / twin_name))
+        assert a.topology == "disaggregated" and a.proposer_async_hypotheses > 0
+        assert twin.topology == "colocated"
+        assert a.speculative == twin.speculative, async_name
+        assert a.engine.num_threads == 1
+        assert a.engine.model_dump(exclude={"num_threads"}) == twin.engine.model_dump(exclude={"num_threads"})
+    draft = AppArgs.model_validate(app_args(CONFIGS / "draft_async.yaml")).speculative
+    assert draft.draft_quantization == "int8" and not draft.adaptive and draft.draft_num_layers is None

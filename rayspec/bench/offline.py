@@ -75,7 +75,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                           eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
                           eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
                           progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
-                          device: str = "cpu", rank_launcher=None) -> dict:
+                          device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None) -> dict:
     """tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
     rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
     `tp1_greedy_match`, `tp_vs_tp1`, step times."""
@@ -105,7 +105,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                      on=loader.load_model(model, device=device, dtype=dtype, tokenizer=False)[0])
     spec_cfg = SpeculativeConfig(method=method, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
                                  draft_model=draft_model, draft_num_layers=draft_num_layers,
-                                 prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
+                                 draft_quantization=draft_quantization, prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
                                  eagle_topk=eagle_topk, num_steps=num_steps, eagle_stop_prob=eagle_stop_prob,
                                  eagle_prompt_lookup=eagle_prompt_lookup, disable_by_batch_size=disable_by_batch_size)
     speculative = engine(spec_cfg)
@@ -121,7 +121,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         if method == "ngram":
             hf_kwargs = {"prompt_lookup_num_tokens": num_speculative_tokens,
                          "max_matching_ngram_size": prompt_lookup_max}
-        elif method == "draft_model":
+        elif method == "draft_model":  # (a float assistant even where ours is int8: transformers has no such draft)
             hf_assistant = _load_hf(loader.resolve_model_dir(draft_model or model), draft_num_layers)
             hf_kwargs = {"assistant_model": hf_assistant}
 

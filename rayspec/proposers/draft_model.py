@@ -34,12 +34,15 @@ class DraftModelProposer(Proposer):
         from rayspec.loader import load_model
 
         model = getattr(context.target, "draft_shard", None)  # split over the target's ranks (rayspec.parallel)
+        if model is not None and config.draft_quantization is not None:
+            raise ValueError("draft_quantization needs the draft whole on one device (draft_tensor_parallel_size 1)")
         if model is None:
             if (config.draft_tensor_parallel_size or 1) > 1:
                 raise ValueError("draft_tensor_parallel_size > 1 needs the draft in the target's process group: "
                                  "equal to tensor_parallel_size, topology colocated")
             model, _ = load_model(config.draft_model or context.target_model, device=context.device,
-                                  dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers)
+                                  dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers,
+                                  quantization=config.draft_quantization, tokenizer=False)
         proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                        context.num_blocks, context.block_size, context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
