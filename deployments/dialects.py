@@ -4,7 +4,7 @@ vLLM's (`translate_vllm_args`, run by AppArgs' `mode="before"` validator, so eve
 args takes it: build_app, the replicas, `rayspec plan`, `rayspec kuberay`):
   - `speculative_config` (vLLM's SpeculativeConfig keys) instead of `speculative`: `method`
     (ngram, eagle3, eagle, draft_model; without it, inferred from `model` as vLLM does), `model` (our
-    `draft_model`), and `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max`,
+    `draft_model`), `quantization` (our `draft_quantization`: `int8` only), and `num_speculative_tokens`, `prompt_lookup_min` / `prompt_lookup_max`,
     `draft_tensor_parallel_size`, `disable_by_batch_size`, which are our names already (our other
     speculative keys are taken there too). A JSON string is read as the object (`--speculative-config`).
   - vLLM's engine keys at the top level of the args instead of under `engine` (`max_model_len`,

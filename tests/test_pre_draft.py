@@ -4,11 +4,13 @@ the target alone whether drafts come from the speculation cache (hits) or are dr
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from engine_utils import cached_model, greedy_reference, make_engine
+from rayspec.proposers.base import Draft, ProposeRequest
 from rayspec.proposers.draft_model import DraftModelProposer
 from rayspec.proposers.pre_draft import PreDrafter, PreDraftingProposer, rank_verdicts
 from rayspec.sampling import SamplingParams
@@ -112,15 +114,44 @@ def test_eagle3_greedy_matches_target(eagle_setup, topk, background):
 
 
 def test_pre_drafting_pauses_where_it_slows_the_verifier():
-    """Pre-drafting beside the verifier slowed it by 10 ms a step; hits save 2 ms: only the probe
-    rounds pre-draft (one in 16; another in 16 stays idle to measure the pace without it)."""
+    """The cycle the verifier sees (its pace plus the call) was 10 ms longer after pre-drafting
+    rounds than after idle ones: only the probe rounds pre-draft (one in 16; another in 16 stays
+    idle to measure the cycle without it). Shorter after pre-drafting: every round but the idle one."""
 
     class Stub:
         name, should_stop = "stub", None
 
     pre = PreDrafter(Stub(), 2, max_model_len=64)
-    pre._interval_busy, pre._interval_idle, pre._hit_share, pre._miss_s = 0.090, 0.080, 0.15, {1: 0.014}
+    assert pre._pays(1)  # nothing measured yet: pre-draft, and measure
+    pre._rounds = 0
+    pre._cycle_busy, pre._cycle_idle = 0.100, 0.090
     assert [pre._pays(1) for _ in range(32)].count(True) == 2
     assert pre.stats.num_idle_rounds == 2 and pre.stats.num_paused_rounds == 28
-    pre._hit_share = 0.9  # saves 12.6 ms: every round but the idle probe
+    pre._cycle_busy = 0.080
     assert sum(pre._pays(1) for _ in range(16)) == 15
+
+
+def test_the_cycle_is_measured_by_the_mode_of_the_round_before_the_call():
+    """reply -> next call -> its reply, filed under busy or idle by what the round between did."""
+
+    class Stub:
+        name, should_stop = "stub", None
+        num_candidates, candidates = 0, {}
+
+        def propose(self, requests):
+            return [Draft([7, 8]) for _ in requests]
+
+        def release(self, seq_id):
+            pass
+
+    now = [0.0]
+    pre = PreDrafter(Stub(), 1, max_model_len=64, clock=lambda: now[0])
+    req = ProposeRequest("s", [1, 2, 3], 2)
+    pre.propose([req])  # first call: no cycle yet
+    now[0] += 0.050
+    pre._round_busy = True  # as if the round after that reply pre-drafted
+    pre.propose([dataclasses.replace(req, token_ids=[1, 2, 3, 9])])
+    assert pre._cycle_busy == pytest.approx(0.050) and pre._cycle_idle is None
+    now[0] += 0.070
+    pre.propose([dataclasses.replace(req, token_ids=[1, 2, 3, 9, 9])])  # the round before stayed idle
+    assert pre._cycle_idle == pytest.approx(0.070)

@@ -17,10 +17,12 @@ tokens either way. Seeded sampled requests do not reproduce run to run: how many
 sequence's generator makes depends on how far pre-drafting got before each call.
 
 Where it pays: pre-drafting runs beside the verifier's forward, and where the two share what
-bounds them (cores, memory bandwidth) it slows the verification. The proposer measures the
-verifier's pace (reply -> next call) after rounds that pre-drafted and after rounds left idle
-(every 16th), and pre-drafts only while the drafting its hits save exceeds that slowdown (with a
-probe round every 16th); otherwise it drafts on the call, as a synchronous proposer.
+bounds them (cores, memory bandwidth) it slows the verification; a call that comes while a
+hypothesis is still being drafted waits for a forward (or the batch) in flight. So the proposer
+measures the whole cycle the verifier sees, reply -> next call -> this reply (the verifier's pace
+plus the call), after rounds that pre-drafted and after rounds left idle (every 16th, and every
+paused one), and pre-drafts only while its cycle is the shorter (with a probe round every 16th);
+otherwise it drafts on the call, as a synchronous proposer.
 
 Ranking: q_i is the draft's distribution at draft position i (i = 0..k, k: after the last draft
 token), d_i the draft tokens, a the per-token acceptance rate measured on the verdicts seen so
@@ -184,9 +186,9 @@ class PreDrafter:
         # share what bounds them (cores, memory bandwidth, a device) it slows the verification.
         # The interval reply -> next call after rounds that pre-drafted and after rounds that did
         # not (every PROBE-th round is left idle to measure it), against the drafting the hits save
-        self._interval_busy: float | None = None
-        self._interval_idle: float | None = None
-        self._hit_share: float | None = None  # share of drafts answered from the cache, busy rounds
+        # reply -> next call -> its reply, after busy and after idle rounds: what the verifier waits
+        self._cycle_busy: float | None = None
+        self._cycle_idle: float | None = None
         self._round_busy = False  # the last round drafted something
         self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
         self._in_flight: dict[str, Verdict] = {}  # the hypothesis batch being drafted
@@ -196,13 +198,11 @@ class PreDrafter:
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         arrival = self._clock()
         with self._lock:
+            after_busy = self._round_busy
+            interval = None
             if self._replied_at is not None:
                 interval = arrival - self._replied_at
                 self._interval_s = self._ema(self._interval_s, interval)
-                if self._round_busy:
-                    self._interval_busy = self._ema(self._interval_busy, interval)
-                else:
-                    self._interval_idle = self._ema(self._interval_idle, interval)
             verdicts = [self._verdict(r) for r in requests]
             for r, v in zip(requests, verdicts):
                 if v is not None:
@@ -239,8 +239,6 @@ class PreDrafter:
             for req in requests:
                 self._cache.pop(req.seq_id, None)
             drafted = [r for r in requests if r.num_tokens > 0]
-            if self._round_busy and drafted:
-                self._hit_share = self._ema(self._hit_share, 1 - len(misses) / len(drafted))
             self._round_busy = False
         if misses:
             started = self._clock()
@@ -261,6 +259,12 @@ class PreDrafter:
             self._batch = [r.seq_id for r in requests if r.num_tokens > 0]
             self._replied_at = self._clock()
             self.stats.call_seconds += self._replied_at - arrival
+            if interval is not None and drafted:  # the cycle this round's mode gave the verifier
+                cycle = interval + (self._replied_at - arrival)
+                if after_busy:
+                    self._cycle_busy = self._ema(self._cycle_busy, cycle)
+                else:
+                    self._cycle_idle = self._ema(self._cycle_idle, cycle)
             if not misses and requests:
                 self.stats.num_hit_calls += 1
                 self.stats.hit_call_seconds += self._replied_at - arrival
@@ -434,20 +438,20 @@ class PreDrafter:
             self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
 
     def _pays(self, batch: int) -> bool:
-        """Pre-draft this round? Every PROBE-th round stays idle (measures the verifier's pace
-        without pre-drafting); otherwise pre-draft while the drafting the hits save exceeds what
-        pre-drafting adds to the verifier's pace, and every PROBE-th round anyway (re-measures)."""
+        """Pre-draft this round? Every PROBE-th round stays idle (measures the cycle without
+        pre-drafting); otherwise pre-draft while the cycle after pre-drafting rounds (the
+        verifier's pace plus the call: what hits save, what the slowed verifier and the waits for
+        forwards in flight cost, all in one) is shorter than after idle ones, and every PROBE-th
+        round anyway (re-measures)."""
         self._rounds += 1
         if not self.budget:
             return True
         if self._rounds % self.PROBE == 0:
             self.stats.num_idle_rounds += 1
             return False
-        if (self._rounds % self.PROBE == self.PROBE // 2 or None in (self._interval_busy, self._interval_idle,
-                                                                    self._hit_share)):
+        if self._rounds % self.PROBE == self.PROBE // 2 or None in (self._cycle_busy, self._cycle_idle):
             return True
-        saved = self._hit_share * self._miss_s.get(batch, max(self._miss_s.values(), default=0.0))
-        if saved > self._interval_busy - self._interval_idle:
+        if self._cycle_busy < self._cycle_idle:
             return True
         self.stats.num_paused_rounds += 1
         return False
