@@ -88,19 +88,22 @@ def goal(t: StepTimes, share: float = 0.7) -> float:
 def from_stats(sync: dict, asynchronous: dict) -> StepTimes:
     """StepTimes from two apps' entries of benchmarks/async_serve.py's {tag}_stats.json (ms): the
     synchronous app's step and drafting times and acceptance, the asynchronous app's verifier step
-    (less its proposer call), call overhead (the verifier's call time less the proposer's drafting
-    on misses, per call), hit rates by rank, pre-draft and miss-draft times and acceptance."""
+    (less its proposer call), hit rates by rank, pre-draft time per hypothesis, and the proposer's
+    side of the calls: a miss's wait for the forward in flight (the proposer's waits less those of
+    hit calls, which wait for their batch) and its drafting after it, and the call's own cost
+    outside the proposer (the verifier's call time less the proposer's time in the call)."""
     p = asynchronous["proposer"]
     drafts = max(1, p["speculation_cache_hits"] + p["speculation_cache_misses"])
-    calls = max(1, p["num_calls"])
+    misses = max(1, p["speculation_cache_misses"])
     hypothesis = 1e3 * p["pre_draft_seconds"] / max(1, p["pre_drafts"] + p["pre_drafts_interrupted"])
+    miss_wait = max(0.0, p["in_proposer_wait_seconds"] - p["in_proposer_hit_call_seconds"]) / misses
     return StepTimes(draft=sync["draft_ms"], verify=sync["step_ms"] - sync["draft_ms"], rest=0.0,
-                     hypothesis=hypothesis, forward=hypothesis / 5,
+                     hypothesis=hypothesis, forward=2e3 * miss_wait,  # (a miss waits forward / 2)
                      hit_rates=[h / drafts for h in p["hits_by_rank"]],
                      acceptance_sync=sync["mean_acceptance_length"],
                      acceptance_async=asynchronous["mean_acceptance_length"],
-                     call=asynchronous["call_ms_verifier"] - 1e3 * p["miss_draft_seconds"] / calls,
-                     miss_draft=asynchronous["miss_draft_ms"],
+                     call=max(0.0, asynchronous["call_ms_verifier"] - asynchronous["call_ms_in_proposer"]),
+                     miss_draft=1e3 * p["miss_draft_seconds"] / misses - 1e3 * miss_wait,
                      verify_async=asynchronous["step_ms"] - asynchronous["call_ms_verifier"])
 
 
