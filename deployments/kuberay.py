@@ -147,7 +147,7 @@ def deployment_units(cfg: AppArgs) -> list[Unit]:
     """One Unit per deployment of an application (a placement group spread over nodes: per bundle)."""
     options = [cfg.ingress_options(), cfg.verifier_options()]
     replicas = [cfg.ingress.max_replicas, cfg.verifier.max_replicas]
-    if cfg.topology == "disaggregated":
+    if cfg.topology == "disaggregated" and not cfg.paired:  # paired: a bundle of the verifier's group
         options.append(cfg.proposer_options())
         replicas.append(cfg.proposer.max_replicas)
     units = []
