@@ -20,6 +20,10 @@ routing; `propose` through the Serve handle stays for verifiers that cannot conn
 admits only verifiers holding the application's channel secret (a constructor argument, given by
 deployments.app to the verifier and proposer deployments alone) and checks every call against
 this replica's shapes: the EAGLE feature width, max_num_seqs requests, max_model_len tokens.
+
+ProposerServer is all of this but Serve's part (the multiplexed pin, the autoscaling signal): the
+Proposer deployment is a pool of it, and `proposer_placement: paired` runs one per verifier replica
+as a plain Ray actor in that replica's placement group (deployments.pairing).
 """
 
 from __future__ import annotations

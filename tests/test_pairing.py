@@ -26,6 +26,7 @@ from test_serve_async import _run, _stats
 from deployments.app import build_app
 from deployments.config import AppArgs
 from deployments.kuberay import deployment_units
+from deployments.plan import plan_app
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma"]
 MAX_TOKENS = 96
@@ -72,6 +73,14 @@ def test_paired_with_tensor_parallel_puts_the_proposer_bundle_last(tmp_path):
     assert opts["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 1.0}, {"CPU": 0.5, "GPU": 1.0},
                                                {"CPU": 2.0, "GPU": 1.0, "draft_node": 0.01}]
     assert opts["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_plan_counts_one_proposer_per_verifier_replica(tiny_model_dir):
+    verifier = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1}}
+    app = plan_app("paired.yaml", "paired", _paired_args(tiny_model_dir, verifier=verifier))
+    assert [(d.name, d.replicas, d.num_gpus) for d in app.deployments] == [("Verifier", 2, 1),
+                                                                           ("Proposer (paired)", 2, 1)]
+    assert app.deployments[1].process.draft_kv.num_slots == 4  # its own verifier's max_num_seqs
 
 
 @pytest.mark.parametrize("overrides, message", [
