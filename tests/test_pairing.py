@@ -181,3 +181,17 @@ def test_killed_paired_proposer_mid_stream_keeps_outputs(served, want, reference
     wait_for(drafting_again, timeout=180, interval=0.5)
     second = _placement("pack")["proposer"]
     assert second["num_restarts"] >= 1 and second["node_id"] == first["node_id"], second
+
+
+def test_deleting_the_app_ends_its_proposers(served):
+    proposer = _placement("spread")["proposer"]
+    serve.delete("spread")
+
+    def gone() -> bool:
+        try:
+            ray.get_actor(proposer["name"], namespace=proposer["namespace"])
+        except ValueError:
+            return True
+        return False
+
+    wait_for(gone, timeout=60)
