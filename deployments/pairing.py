@@ -21,6 +21,7 @@ loaded its model, so the engine never waits on a proposer that is starting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import ray
@@ -68,10 +69,8 @@ class _Response:
             raise
 
     def cancel(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already finished or failed
             ray.cancel(self.ref)
-        except Exception:  # noqa: BLE001 - already finished or failed
-            pass
 
 
 class _Method:

@@ -15,10 +15,9 @@ from __future__ import annotations
 import httpx
 import pytest
 import ray
-import ray.serve as serve
 from pydantic import ValidationError
+from ray import serve
 from ray.cluster_utils import Cluster
-
 from serve_utils import free_port, target_only_texts, tiny_args, wait_for
 from test_kuberay import app_deployments
 from test_serve_async import _run, _stats
@@ -133,7 +132,7 @@ def _placement(app: str) -> dict:
 
 
 def test_pairs_land_where_the_strategy_says(served):
-    urls, gpu_nodes = served
+    _, gpu_nodes = served
     for app, strategy in APPS.items():
         assert "Proposer" not in serve.status().applications[app].deployments
         verifier = _placement(app)
