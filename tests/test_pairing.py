@@ -24,7 +24,7 @@ from test_serve_async import _run, _stats
 
 from deployments.app import build_app
 from deployments.config import AppArgs
-from deployments.kuberay import deployment_units
+from deployments.kuberay import deployment_units, worker_groups
 from deployments.plan import plan_app
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma"]
@@ -57,6 +57,16 @@ def test_paired_options_and_no_proposer_deployment(tmp_path):
     # kuberay: no Proposer unit; the replica's pod (spread: each bundle's node) holds a bundle
     units = {u.deployment: u for u in deployment_units(cfg)}
     assert set(units) == {"OpenAIIngress", "Verifier"} and units["Verifier"].count == 2
+
+
+def test_kuberay_gives_a_spread_pair_both_node_types(tmp_path):
+    verifier = {"ray_actor_options": {"num_cpus": 4, "num_gpus": 1, "resources": {"target_node": 0.01}},
+                "placement_group_strategy": "STRICT_SPREAD", "num_replicas": 2}
+    proposer = {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1, "resources": {"draft_node": 0.01}}}
+    cfg = AppArgs.model_validate(_paired_args(tmp_path, verifier=verifier, proposer=proposer))
+    groups = {g.name: g for g in worker_groups([cfg])}
+    assert {(u.deployment, u.count, u.resources["CPU"]) for u in groups["target"].units} == {("Verifier", 2, 4)}
+    assert {(u.deployment, u.count, u.resources["CPU"]) for u in groups["draft"].units} == {("Verifier", 2, 2)}
 
 
 def test_pool_stays_the_default(tmp_path):
