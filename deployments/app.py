@@ -4,6 +4,8 @@ what `ray.serve.llm:build_openai_app` takes; deployments/dialects.py).
 
 colocated:      OpenAIIngress -> Verifier (engine + in-process proposer)
 disaggregated:  OpenAIIngress -> Verifier (engine + RemoteProposer) -> Proposer
+  paired:       OpenAIIngress -> Verifier (engine + RemoteProposer) -> its own proposer actor
+                (no Proposer deployment; deployments/pairing.py)
 
 With several verifier replicas the ingress's handle routes by prompt prefix (the Verifier's
 request_router_config, AppArgs.prefix_routing: deployments/prefix_router.py).
@@ -40,7 +42,8 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         # one per application build, for the verifier <-> proposer direct channel's handshake; only
         # those two deployments get it (SecretStr: a repr or log line shows stars)
         channel_secret = SecretStr(secrets.token_urlsafe(32))
-        proposer = Proposer.options(**cfg.proposer_options()).bind(plain, channel_secret)
+        if not cfg.paired:  # paired: each verifier replica starts its own proposer
+            proposer = Proposer.options(**cfg.proposer_options()).bind(plain, channel_secret)
     verifier = Verifier.options(**cfg.verifier_options()).bind(plain, proposer, channel_secret)
     api_key = resolve_api_key(cfg.api_key)  # the ingress alone checks it
     return OpenAIIngress.options(**cfg.ingress_options()).bind(plain, verifier, api_key)

@@ -190,6 +190,17 @@ class DeploymentArgs(_Strict):
         opts["ray_actor_options"] = actor
         return opts
 
+    def bundle(self, default_cpus: float) -> dict[str, float]:
+        """One placement group bundle holding what one replica of this deployment asks for."""
+        actor = self.ray_actor_options.to_dict()
+        bundle = {"CPU": float(actor.get("num_cpus", default_cpus))}
+        if actor.get("num_gpus"):
+            bundle["GPU"] = float(actor["num_gpus"])
+        # custom resources (the node-type convention: target_node) in the bundle, so it lands on a
+        # node of that type and the replica actor fits its bundle 0
+        bundle.update({k: float(v) for k, v in actor.get("resources", {}).items()})
+        return bundle
+
     def rank_bundles(self, size: int, default_cpus: float) -> list[dict[str, float]]:
         """The placement group bundles of a replica with `size` tensor-parallel ranks."""
         if self.placement_group_bundles is not None:
@@ -197,14 +208,7 @@ class DeploymentArgs(_Strict):
                 raise ValueError(f"placement_group_bundles has {len(self.placement_group_bundles)} bundles; "
                                  f"tensor_parallel_size {size} needs one per rank")
             return [dict(b) for b in self.placement_group_bundles]
-        actor = self.ray_actor_options.to_dict()
-        bundle = {"CPU": float(actor.get("num_cpus", default_cpus))}
-        if actor.get("num_gpus"):
-            bundle["GPU"] = float(actor["num_gpus"])
-        # custom resources (the node-type convention: target_node) in every rank's bundle, so each
-        # rank lands on a node of that type and the replica actor fits its bundle 0
-        bundle.update({k: float(v) for k, v in actor.get("resources", {}).items()})
-        return [dict(bundle) for _ in range(size)]
+        return [self.bundle(default_cpus) for _ in range(size)]
 
 
 class PrefixRoutingArgs(_Strict):
@@ -238,6 +242,13 @@ class AppArgs(_Strict):
     verifier: DeploymentArgs = Field(default_factory=DeploymentArgs)
     proposer: DeploymentArgs = Field(default_factory=DeploymentArgs)
     prefix_routing: PrefixRoutingArgs = Field(default_factory=PrefixRoutingArgs)
+    # disaggregated: where proposers run. "pool": a Proposer deployment of its own, which verifier
+    # replicas pin replicas of (scaled and placed by its own options). "paired": no Proposer
+    # deployment; each verifier replica reserves one more placement group bundle (the proposer's
+    # ray_actor_options) and runs its own proposer actor there (deployments/pairing.py), placed by
+    # verifier.placement_group_strategy: STRICT_PACK the replica's node (another GPU), STRICT_SPREAD
+    # another node.
+    proposer_placement: Literal["pool", "paired"] = "pool"
     # disaggregated: how long a verifier step waits on its proposer call before stepping without
     # drafts (then it leaves the proposer alone for 1 s, doubling to 60 s while calls keep failing)
     proposer_call_timeout_s: float = Field(30.0, gt=0)
@@ -299,7 +310,22 @@ class AppArgs(_Strict):
                              f"{ASYNC_METHODS}")
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
+        if self.paired:
+            if self.topology != "disaggregated":
+                raise ValueError("proposer_placement 'paired' needs topology 'disaggregated' (colocated: the "
+                                 "proposer already runs inside the verifier replica)")
+            pool = [key for key in ("num_replicas", "autoscaling_config", "max_ongoing_requests",
+                                    "max_queued_requests", "placement_group_bundles")
+                    if getattr(self.proposer, key) is not None]
+            if pool or self.proposer_repin_interval_s is not None:
+                raise ValueError(f"proposer_placement 'paired' runs one proposer per verifier replica: "
+                                 f"{pool or ['proposer_repin_interval_s']} apply to a proposer pool only "
+                                 "(the verifier's options scale and place the pairs)")
         return self
+
+    @property
+    def paired(self) -> bool:
+        return self.proposer_placement == "paired"
 
     @property
     def model_name(self) -> str:
@@ -344,8 +370,11 @@ class AppArgs(_Strict):
         if self.prefix_routing_enabled:
             opts["request_router_config"] = self.request_router_config()
         size = self.engine.tensor_parallel_size
-        if size > 1 or self.verifier.placement_group_bundles is not None:
-            opts["placement_group_bundles"] = self.verifier.rank_bundles(size, default_cpus=1)
+        if size > 1 or self.verifier.placement_group_bundles is not None or self.paired:
+            bundles = self.verifier.rank_bundles(size, default_cpus=1)
+            if self.paired:  # the replica's own proposer, after the ranks' bundles: always the last
+                bundles.append(self.proposer.bundle(default_cpus=1))
+            opts["placement_group_bundles"] = bundles
             opts["placement_group_strategy"] = self.verifier.placement_group_strategy
         return opts
 
@@ -379,8 +408,9 @@ class AppArgs(_Strict):
         return REPIN_INTERVAL_S if self.proposer.autoscaling_config is not None else None
 
     def proposer_num_slots(self) -> int:
-        """Draft-model KV slots in one proposer replica: every verifier replica's sequences may land there."""
-        return self.engine.max_num_seqs * self.verifier.max_replicas
+        """Draft-model KV slots in one proposer replica: every verifier replica's sequences may land
+        there (paired: its own verifier's only)."""
+        return self.engine.max_num_seqs * (1 if self.paired else self.verifier.max_replicas)
 
 
 def replica_device(configured: str | None) -> str:

@@ -14,7 +14,8 @@
   MIN_CPUS CPUs, MEMORY_PER_CPU_GIB per CPU) and advertises its node type as `target_node: 1`
   (replicas ask 0.01 of it, a label rather than a capacity). A tensor-parallel verifier replica
   counts as its placement group's bundles together (STRICT_PACK/PACK: one pod) or each bundle
-  alone (SPREAD).
+  alone (SPREAD); so does a verifier replica with a paired proposer (`proposer_placement: paired`),
+  whose proposer's bundle, placed apart, may ask for another node type (`draft_node`).
 - Install step: the image is Ray's own (`rayproject/ray:<ray version>-py311-gpu`, the version of
   pyproject's exact pin of ray, else the installed one) unless `--image` names another. Before
   KubeRay's `ray start`, every Ray container checks that rayspec imports; if not, it clones
@@ -147,7 +148,7 @@ def deployment_units(cfg: AppArgs) -> list[Unit]:
     """One Unit per deployment of an application (a placement group spread over nodes: per bundle)."""
     options = [cfg.ingress_options(), cfg.verifier_options()]
     replicas = [cfg.ingress.max_replicas, cfg.verifier.max_replicas]
-    if cfg.topology == "disaggregated":
+    if cfg.topology == "disaggregated" and not cfg.paired:  # paired: a bundle of the verifier's group
         options.append(cfg.proposer_options())
         replicas.append(cfg.proposer.max_replicas)
     units = []
@@ -168,10 +169,16 @@ def deployment_units(cfg: AppArgs) -> list[Unit]:
             for key, value in own.items():  # the replica actor sits in bundle 0
                 total[key] = max(total.get(key, 0.0), value)
             units.append(Unit(opts["name"], total, n))
-        else:  # each bundle on a node of its own: size pods for the largest
-            keys = {k for b in bundles for k in b} | {k for k, v in own.items() if v > 0}
-            largest = {k: max([float(b.get(k, 0)) for b in bundles] + [own.get(k, 0.0)]) for k in keys}
-            units.append(Unit(opts["name"], largest, n * len(bundles)))
+        else:  # each bundle on a node of its own: a unit per kind of bundle (a paired proposer's
+            # may ask for another node type than the ranks')
+            kinds: dict[tuple, int] = {}
+            for i, bundle in enumerate(bundles):
+                need = {k: float(v) for k, v in bundle.items()}
+                if i == 0:  # the replica actor sits in bundle 0
+                    need.update({k: max(need.get(k, 0.0), v) for k, v in own.items() if v > 0})
+                key = tuple(sorted(need.items()))
+                kinds[key] = kinds.get(key, 0) + n
+            units.extend(Unit(opts["name"], dict(key), count) for key, count in kinds.items())
     return units
 
 

@@ -239,9 +239,11 @@ def plan_app(config: str, name: str, args: dict | AppArgs) -> AppPlan:
         verifier.bundles = cfg.verifier.rank_bundles(tp_size, default_cpus=1)
         verifier.strategy = cfg.verifier.placement_group_strategy
     app.deployments.append(verifier)
-    if not colocated:
+    if not colocated:  # paired: one proposer per verifier replica, in the last bundle of its group
         app.deployments.append(DeploymentPlan(
-            "Proposer", cfg.proposer.max_replicas, cfg.proposer.ray_actor_options.num_gpus,
+            "Proposer (paired)" if cfg.paired else "Proposer",
+            cfg.verifier.max_replicas if cfg.paired else cfg.proposer.max_replicas,
+            cfg.proposer.ray_actor_options.num_gpus,
             proposer_plan(engine, target, device(cfg.proposer), draft, cfg.proposer_num_slots())))
     return app
 

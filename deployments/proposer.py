@@ -20,6 +20,10 @@ routing; `propose` through the Serve handle stays for verifiers that cannot conn
 admits only verifiers holding the application's channel secret (a constructor argument, given by
 deployments.app to the verifier and proposer deployments alone) and checks every call against
 this replica's shapes: the EAGLE feature width, max_num_seqs requests, max_model_len tokens.
+
+ProposerServer is all of this but Serve's part (the multiplexed pin, the autoscaling signal): the
+Proposer deployment is a pool of it, and `proposer_placement: paired` runs one per verifier replica
+as a plain Ray actor in that replica's placement group (deployments.pairing).
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ def feature_width(proposer) -> int | None:
     return proposer.head.config.feature_size
 
 
-@serve.deployment
-class Proposer:
+class ProposerServer:
+    """One proposer and its direct channel, without Serve: the Proposer deployment below and the
+    paired proposer actor (deployments.pairing) are both this."""
+
     def __init__(self, args: dict, channel_secret=None):
         self.cfg = load_app_args(args)
         self.proposer, self.device = make_proposer(self.cfg)
@@ -92,19 +98,8 @@ class Proposer:
         layers = self.proposer.feature_layers
         return None if layers is None else tuple(layers)
 
-    @serve.multiplexed(max_num_models_per_replica=4096)
-    async def _register(self, verifier_tag: str) -> str:
-        """Nothing to load: registering the verifier's tag makes Serve's router send that verifier's
-        later calls here, to the replica holding its sequences' state (see RemoteProposer)."""
-        return verifier_tag
-
     async def pin(self) -> dict:
-        """Registers the caller's tag (its multiplexed model id) on this replica, so the router sends
-        the caller's calls here. propose does not register: see RemoteProposer for why. Returns the
-        address of this replica's direct channel, for the per-step calls."""
-        tag = serve.get_multiplexed_model_id()
-        if tag:
-            await self._register(tag)
+        """The address of this replica's direct channel, for the per-step calls."""
         return {"channel": self._channel_address()}
 
     def _channel_address(self) -> tuple[str, int] | None:
@@ -160,11 +155,6 @@ class Proposer:
                 self.num_tree_drafts += 1
         return drafts
 
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metric: the fraction of the last seconds spent drafting, over
-        the direct channel and Serve alike (deployments.autoscaling.ProposerBusyPolicy reads it)."""
-        return {BUSY_METRIC: self.busy.fraction()}
-
     def stats(self) -> dict:
         layers = self.proposer.feature_layers
         try:
@@ -186,3 +176,28 @@ class Proposer:
                 **({"num_slots": runner.num_slots, "num_free_slots": runner.num_free_slots,
                     "kv_cache_usage": runner.kv_cache_usage()}
                    if (runner := getattr(self.proposer, "runner", None)) is not None else {})}
+
+
+@serve.deployment
+class Proposer(ProposerServer):
+    """The proposer pool (proposer_placement 'pool'): verifier replicas pin replicas of it."""
+
+    @serve.multiplexed(max_num_models_per_replica=4096)
+    async def _register(self, verifier_tag: str) -> str:
+        """Nothing to load: registering the verifier's tag makes Serve's router send that verifier's
+        later calls here, to the replica holding its sequences' state (see RemoteProposer)."""
+        return verifier_tag
+
+    async def pin(self) -> dict:
+        """Registers the caller's tag (its multiplexed model id) on this replica, so the router sends
+        the caller's calls here. propose does not register: see RemoteProposer for why. Returns the
+        address of this replica's direct channel, for the per-step calls."""
+        tag = serve.get_multiplexed_model_id()
+        if tag:
+            await self._register(tag)
+        return await super().pin()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric: the fraction of the last seconds spent drafting, over
+        the direct channel and Serve alike (deployments.autoscaling.ProposerBusyPolicy reads it)."""
+        return {BUSY_METRIC: self.busy.fraction()}

@@ -1,7 +1,8 @@
 """The verifier deployment: one LLMEngine per replica, stepping on a background thread.
 
 colocated: the proposer lives inside the engine (no RPC per step).
-disaggregated: the engine drafts through RemoteProposer -> the Proposer deployment, one call per step.
+disaggregated: the engine drafts through RemoteProposer -> the Proposer deployment, one call per step;
+with proposer_placement 'paired', -> this replica's own proposer actor (deployments.pairing).
 A caller that is cancelled or disconnects aborts its request, which frees its KV slot.
 """
 
@@ -92,6 +93,11 @@ class Verifier:
         engine_config = cfg.engine_config()
         engine_config.device = replica_device(cfg.engine.device)
         tag = _replica_tag()
+        self.paired = None
+        if cfg.paired:  # this replica's own proposer, in the last bundle of its placement group
+            from deployments.pairing import PairedHandle
+
+            self.paired = proposer_handle = PairedHandle(args, channel_secret)
 
         def factory() -> LLMEngine:
             proposer = None
@@ -160,10 +166,18 @@ class Verifier:
         return {"num_running": snap.get("num_running", 0), "num_waiting": snap.get("num_waiting", 0),
                 "topology": self.cfg.topology, "method": self.cfg.speculative.method}
 
+    def placement(self) -> dict:
+        """This replica's node and GPU ids, and its paired proposer's (None: the proposer is a pool's)."""
+        from deployments.pairing import placement
+
+        return {**placement(), "proposer": self.paired.placement() if self.paired is not None else None}
+
     def __del__(self):
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown()
+        if getattr(self, "paired", None) is not None:
+            self.paired.kill()
 
     # ---- generation ------------------------------------------------------------------------
     async def _stream(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -254,8 +268,9 @@ class Verifier:
     # ---- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
         """Engine counters (SpecDecodeStats) and queue sizes as of the last step."""
+        paired = {"paired_proposer_restarts": self.paired.num_restarts} if self.paired is not None else {}
         return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
-                    num_caller_lost=self.num_caller_lost)
+                    num_caller_lost=self.num_caller_lost, **paired)
 
     async def reset_stats(self) -> dict:
         from rayspec.metrics import SpecDecodeStats
