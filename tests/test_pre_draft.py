@@ -155,3 +155,32 @@ def test_the_cycle_is_measured_by_the_mode_of_the_round_before_the_call():
     now[0] += 0.070
     pre.propose([dataclasses.replace(req, token_ids=[1, 2, 3, 9, 9])])  # the round before stayed idle
     assert pre._cycle_idle == pytest.approx(0.070)
+
+
+def test_draft_model_drafts_without_autograd_in_any_thread(tiny_model_dir):
+    """A proposer deployment calls propose from a worker thread, where grad mode is on by default:
+    the draft must not build autograd graphs there (it did: drafting took twice as long in the
+    proposer replica as in the engine, whose step runs under inference_mode)."""
+    import threading
+
+    import torch
+
+    from rayspec import loader
+    from rayspec.proposers.base import ProposeRequest
+
+    model, _ = loader.load_model(str(tiny_model_dir), tokenizer=False)
+    proposer = DraftModelProposer(model, 64, 2, 3)
+    seen = []
+    forward = proposer.runner.forward
+
+    def recording(*args, **kwargs):
+        seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        return forward(*args, **kwargs)
+
+    proposer.runner.forward = recording
+    out = []
+    t = threading.Thread(target=lambda: out.append(proposer.propose([ProposeRequest("s", [5, 6, 7, 8], 3)])))
+    t.start()
+    t.join()
+    assert len(out[0][0].tokens) == 3 and seen
+    assert all(not grad and inference for grad, inference in seen), seen

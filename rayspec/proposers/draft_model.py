@@ -108,6 +108,7 @@ class DraftModelProposer(Proposer):
                         out[i] = row
         return torch.stack(out)
 
+    @torch.inference_mode()  # (an engine step is; a proposer deployment's call thread is not, by itself)
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         active = [r for r in requests if r.num_tokens > 0]
         if not active:
