@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from engine_utils import cached_model, greedy_reference, make_engine
+
+from rayspec.proposers.base import Draft, ProposeRequest
 from rayspec.proposers.draft_model import DraftModelProposer
 from rayspec.proposers.pre_draft import PreDrafter, PreDraftingProposer, rank_verdicts
 from rayspec.sampling import SamplingParams
@@ -119,8 +120,67 @@ def test_pre_drafting_pauses_where_it_slows_the_verifier():
         name, should_stop = "stub", None
 
     pre = PreDrafter(Stub(), 2, max_model_len=64)
-    pre._interval_busy, pre._interval_idle, pre._hit_share, pre._miss_s = 0.090, 0.080, 0.15, {1: 0.014}
+    pre._busy_paces.extend([0.090] * 3)
+    pre._idle_paces.extend([0.080] * 3)
+    pre._hit_share, pre._miss_s = 0.15, {1: 0.014}
     assert [pre._pays(1) for _ in range(32)].count(True) == 2
     assert pre.stats.num_idle_rounds == 2 and pre.stats.num_paused_rounds == 28
     pre._hit_share = 0.9  # saves 12.6 ms: every round but the idle probe
     assert sum(pre._pays(1) for _ in range(16)) == 15
+
+
+class _ChainStub:
+    """A proposer drafting the chain [7, 8] for every request (no candidates: nothing to rank)."""
+    name, should_stop = "stub", None
+
+    def __init__(self):
+        self.candidates = {}
+
+    def propose(self, requests):
+        return [Draft([7, 8]) for _ in requests]
+
+    def release(self, seq_id):
+        pass
+
+
+def test_pace_counts_only_regular_steps():
+    """The verifier's pace is read from the interval reply -> next call only where the next call
+    carries the same sequences with a verdict each: a new request's prefill (or a batch that
+    changed) in between is not a step's pace."""
+    now = [0.0]
+    pre = PreDrafter(_ChainStub(), 2, max_model_len=4096, clock=lambda: now[0])
+    a, b = [1, 2, 3], [4, 5]
+    pre.propose([ProposeRequest("a", a, 2)])
+    now[0] += 0.08
+    a += [7, 9]  # one draft token accepted, then the bonus 9
+    pre.propose([ProposeRequest("a", a, 2)])
+    assert list(pre._idle_paces) == [pytest.approx(0.08)]  # no round ran: an idle pace
+    now[0] += 0.5  # b joins: its prefill ran in between
+    pre.propose([ProposeRequest("a", a + [1], 2), ProposeRequest("b", b, 2)])
+    now[0] += 0.5  # a new request alone
+    pre.propose([ProposeRequest("c", [6, 6], 2)])
+    assert len(pre._idle_paces) == 1
+    now[0] += 0.08
+    pre.propose([ProposeRequest("c", [6, 6, 7, 8, 3], 2)])  # the whole draft accepted, then 3
+    assert len(pre._idle_paces) == 2 and pre._interval_s == pytest.approx(0.08)
+
+
+def test_pace_is_a_median_and_calibrates_by_alternating():
+    class Stub:
+        name, should_stop = "stub", None
+
+    pre = PreDrafter(Stub(), 2, max_model_len=64)
+    pre._hit_share = 0.1
+    # until both paces have PACE_MIN intervals, rounds alternate: busy while idle has as many
+    pattern = []
+    for _ in range(6):
+        pays = pre._pays(1)
+        pattern.append(pays)
+        (pre._busy_paces if pays else pre._idle_paces).append(0.08)
+    assert pattern == [True, False] * 3
+    # one slow step (a long context, the machine) does not move the median
+    pre._busy_paces.clear()
+    pre._busy_paces.extend([0.081, 0.082, 0.5])
+    pre._idle_paces.clear()
+    pre._idle_paces.extend([0.080, 0.080, 0.081])
+    assert pre._interval_busy == pytest.approx(0.082) and pre._interval_idle == pytest.approx(0.080)

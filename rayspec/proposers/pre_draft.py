@@ -19,8 +19,12 @@ sequence's generator makes depends on how far pre-drafting got before each call.
 Where it pays: pre-drafting runs beside the verifier's forward, and where the two share what
 bounds them (cores, memory bandwidth) it slows the verification. The proposer measures the
 verifier's pace (reply -> next call) after rounds that pre-drafted and after rounds left idle
-(every 16th), and pre-drafts only while the drafting its hits save exceeds that slowdown (with a
-probe round every 16th); otherwise it drafts on the call, as a synchronous proposer.
+(every 16th; rounds alternate until each kind has a few), and pre-drafts only while the drafting
+its hits save exceeds that slowdown (with a probe round every 16th); otherwise it drafts on the
+call, as a synchronous proposer. Only regular intervals count (the next call carries the same
+sequences, each with a verdict on its last draft): the gap before a new request's first draft
+spans its prefill and the HTTP round trip, hundreds of ms that would swamp a few ms of slowdown;
+and the paces compared are medians of the last few intervals, so no single slow step decides.
 
 Ranking: q_i is the draft's distribution at draft position i (i = 0..k, k: after the last draft
 token), d_i the draft tokens, a the per-token acceptance rate measured on the verdicts seen so
@@ -51,8 +55,10 @@ eagle3, eagle); EAGLE ones also `paths` and `accept_features`.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -149,6 +155,8 @@ class PreDrafter:
     # whatever their hit rate.
     MIN_HIT_RATE = 0.1
     PROBE = 16
+    PACE_WINDOW = 9  # regular intervals kept per kind (after busy rounds, after idle ones): medians compared
+    PACE_MIN = 3  # rounds alternate busy / idle until each kind has this many
 
     def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, num_candidates: int = 2,
                  clock=time.perf_counter, budget: bool = True):
@@ -184,8 +192,8 @@ class PreDrafter:
         # share what bounds them (cores, memory bandwidth, a device) it slows the verification.
         # The interval reply -> next call after rounds that pre-drafted and after rounds that did
         # not (every PROBE-th round is left idle to measure it), against the drafting the hits save
-        self._interval_busy: float | None = None
-        self._interval_idle: float | None = None
+        self._busy_paces: deque[float] = deque(maxlen=self.PACE_WINDOW)
+        self._idle_paces: deque[float] = deque(maxlen=self.PACE_WINDOW)
         self._hit_share: float | None = None  # share of drafts answered from the cache, busy rounds
         self._round_busy = False  # the last round drafted something
         self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
@@ -196,14 +204,17 @@ class PreDrafter:
     def propose(self, requests: list[ProposeRequest]) -> list[Draft]:
         arrival = self._clock()
         with self._lock:
-            if self._replied_at is not None:
+            verdicts = [self._verdict(r) for r in requests]
+            # the verifier's pace: only from a regular step (the last call's sequences again, each
+            # with a verdict), not across a prefill or a batch that changed
+            drafting = [(r, v) for r, v in zip(requests, verdicts) if r.num_tokens > 0]
+            regular = (self._replied_at is not None and bool(self._batch)
+                       and sorted(r.seq_id for r, _ in drafting) == sorted(self._batch)
+                       and all(v is not None for _, v in drafting))
+            if regular:
                 interval = arrival - self._replied_at
                 self._interval_s = self._ema(self._interval_s, interval)
-                if self._round_busy:
-                    self._interval_busy = self._ema(self._interval_busy, interval)
-                else:
-                    self._interval_idle = self._ema(self._interval_idle, interval)
-            verdicts = [self._verdict(r) for r in requests]
+                (self._busy_paces if self._round_busy else self._idle_paces).append(interval)
             for r, v in zip(requests, verdicts):
                 if v is not None:
                     self._observe(v[0], len(self._sent[r.seq_id].tokens))
@@ -433,18 +444,33 @@ class PreDrafter:
                 return
             self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
 
+    @property
+    def _interval_busy(self) -> float | None:
+        """The verifier's pace after rounds that pre-drafted (median of the last regular ones)."""
+        return statistics.median(self._busy_paces) if len(self._busy_paces) >= self.PACE_MIN else None
+
+    @property
+    def _interval_idle(self) -> float | None:
+        """... and after rounds left idle."""
+        return statistics.median(self._idle_paces) if len(self._idle_paces) >= self.PACE_MIN else None
+
     def _pays(self, batch: int) -> bool:
-        """Pre-draft this round? Every PROBE-th round stays idle (measures the verifier's pace
-        without pre-drafting); otherwise pre-draft while the drafting the hits save exceeds what
-        pre-drafting adds to the verifier's pace, and every PROBE-th round anyway (re-measures)."""
+        """Pre-draft this round? Until both paces are measured, rounds alternate busy and idle;
+        then every PROBE-th round stays idle (measures the verifier's pace without pre-drafting);
+        otherwise pre-draft while the drafting the hits save exceeds what pre-drafting adds to the
+        verifier's pace, and every PROBE-th round anyway (re-measures)."""
         self._rounds += 1
         if not self.budget:
+            return True
+        if None in (self._interval_busy, self._interval_idle, self._hit_share):
+            if self._hit_share is not None and len(self._idle_paces) < len(self._busy_paces):
+                self.stats.num_idle_rounds += 1
+                return False
             return True
         if self._rounds % self.PROBE == 0:
             self.stats.num_idle_rounds += 1
             return False
-        if (self._rounds % self.PROBE == self.PROBE // 2 or None in (self._interval_busy, self._interval_idle,
-                                                                    self._hit_share)):
+        if self._rounds % self.PROBE == self.PROBE // 2:
             return True
         saved = self._hit_share * self._miss_s.get(batch, max(self._miss_s.values(), default=0.0))
         if saved > self._interval_busy - self._interval_idle:
