@@ -57,6 +57,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1")
     p.add_argument("--waves", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds per set, the apps taking turns in a rotating order (sync, async; async, sync; ...)")
     p.add_argument("--sets", default=",".join(SETS))
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="async")
@@ -82,7 +84,7 @@ def main() -> None:
         for name in a.sets.split(","):
             subprocess.run(["rayspec", "bench", "serve", *endpoints, "--prompts", name, "--num-prompts",
                             str(a.num_prompts), "--max-tokens", str(a.max_tokens), "--concurrency", a.concurrency,
-                            "--rounds", "1", "--waves", str(a.waves), "--output-json",
+                            "--rounds", str(a.rounds), "--waves", str(a.waves), "--output-json",
                             f"{a.out}/{a.tag}_{name}.json"], check=True)
         stats = {app: app_stats(app) for app in a.apps}
         Path(f"{a.out}/{a.tag}_stats.json").write_text(json.dumps(stats, indent=1))

@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-
 from engine_utils import cached_model, greedy_reference, make_engine
 from rayspec.proposers.base import Draft, ProposeRequest
 from rayspec.proposers.draft_model import DraftModelProposer
@@ -122,12 +121,11 @@ def test_pre_drafting_pauses_where_it_slows_the_verifier():
         name, should_stop = "stub", None
 
     pre = PreDrafter(Stub(), 2, max_model_len=64)
-    assert pre._pays(1)  # nothing measured yet: pre-draft, and measure
-    pre._rounds = 0
-    pre._cycle_busy, pre._cycle_idle = 0.100, 0.090
+    pre._busy_cycles.extend([0.100] * 3)
+    pre._idle_cycles.extend([0.090] * 3)
     assert [pre._pays(1) for _ in range(32)].count(True) == 2
     assert pre.stats.num_idle_rounds == 2 and pre.stats.num_paused_rounds == 28
-    pre._cycle_busy = 0.080
+    pre._busy_cycles.extend([0.080] * 9)
     assert sum(pre._pays(1) for _ in range(16)) == 15
 
 
@@ -151,10 +149,10 @@ def test_the_cycle_is_measured_by_the_mode_of_the_round_before_the_call():
     now[0] += 0.050
     pre._round_busy = True  # as if the round after that reply pre-drafted
     pre.propose([dataclasses.replace(req, token_ids=[1, 2, 3, 9])])
-    assert pre._cycle_busy == pytest.approx(0.050) and pre._cycle_idle is None
+    assert list(pre._busy_cycles) == [pytest.approx(0.050)] and not pre._idle_cycles
     now[0] += 0.070
     pre.propose([dataclasses.replace(req, token_ids=[1, 2, 3, 9, 9])])  # the round before stayed idle
-    assert pre._cycle_idle == pytest.approx(0.070)
+    assert list(pre._idle_cycles) == [pytest.approx(0.070)]
 
 
 def test_draft_model_drafts_without_autograd_in_any_thread(tiny_model_dir):
@@ -184,3 +182,59 @@ def test_draft_model_drafts_without_autograd_in_any_thread(tiny_model_dir):
     t.join()
     assert len(out[0][0].tokens) == 3 and seen
     assert all(not grad and inference for grad, inference in seen), seen
+
+
+class _ChainStub:
+    """A proposer drafting the chain [7, 8] for every request (no candidates: nothing to rank)."""
+    name, should_stop = "stub", None
+
+    def __init__(self):
+        self.candidates = {}
+
+    def propose(self, requests):
+        return [Draft([7, 8]) for _ in requests]
+
+    def release(self, seq_id):
+        pass
+
+
+def test_pace_counts_only_regular_steps():
+    """The verifier's pace is read from the interval reply -> next call only where the next call
+    carries the same sequences with a verdict each: a new request's prefill (or a batch that
+    changed) in between is not a step's pace."""
+    now = [0.0]
+    pre = PreDrafter(_ChainStub(), 2, max_model_len=4096, clock=lambda: now[0])
+    a, b = [1, 2, 3], [4, 5]
+    pre.propose([ProposeRequest("a", a, 2)])
+    now[0] += 0.08
+    a += [7, 9]  # one draft token accepted, then the bonus 9
+    pre.propose([ProposeRequest("a", a, 2)])
+    assert list(pre._idle_cycles) == [pytest.approx(0.08)]  # no round ran: an idle pace
+    now[0] += 0.5  # b joins: its prefill ran in between
+    pre.propose([ProposeRequest("a", a + [1], 2), ProposeRequest("b", b, 2)])
+    now[0] += 0.5  # a new request alone
+    pre.propose([ProposeRequest("c", [6, 6], 2)])
+    assert len(pre._idle_cycles) == 1
+    now[0] += 0.08
+    pre.propose([ProposeRequest("c", [6, 6, 7, 8, 3], 2)])  # the whole draft accepted, then 3
+    assert len(pre._idle_cycles) == 2 and pre._interval_s == pytest.approx(0.08)
+
+
+def test_pace_is_a_median_and_calibrates_by_alternating():
+    class Stub:
+        name, should_stop = "stub", None
+
+    pre = PreDrafter(Stub(), 2, max_model_len=64)
+    # until both kinds have PACE_MIN cycles, rounds alternate: busy while idle has as many
+    pattern = []
+    for _ in range(6):
+        pays = pre._pays(1)
+        pattern.append(pays)
+        (pre._busy_cycles if pays else pre._idle_cycles).append(0.08)
+    assert pattern == [True, False] * 3
+    # one slow step (a long context, the machine) does not move the median
+    pre._busy_cycles.clear()
+    pre._busy_cycles.extend([0.081, 0.082, 0.5])
+    pre._idle_cycles.clear()
+    pre._idle_cycles.extend([0.080, 0.080, 0.081])
+    assert pre._cycle_busy == pytest.approx(0.082) and pre._cycle_idle == pytest.approx(0.080)

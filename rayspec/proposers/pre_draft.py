@@ -20,9 +20,13 @@ Where it pays: pre-drafting runs beside the verifier's forward, and where the tw
 bounds them (cores, memory bandwidth) it slows the verification; a call that comes while a
 hypothesis is still being drafted waits for a forward (or the batch) in flight. So the proposer
 measures the whole cycle the verifier sees, reply -> next call -> this reply (the verifier's pace
-plus the call), after rounds that pre-drafted and after rounds left idle (every 16th, and every
-paused one), and pre-drafts only while its cycle is the shorter (with a probe round every 16th);
-otherwise it drafts on the call, as a synchronous proposer.
+plus the call), after rounds that pre-drafted and after rounds left idle (every 16th, every paused
+one, and every other round until each kind has a few), and pre-drafts only while its cycle is the
+shorter (with a probe round every 16th); otherwise it drafts on the call, as a synchronous
+proposer. Only regular cycles count (the next call carries the same sequences, each with a verdict
+on its last draft): the gap before a new request's first draft spans its prefill and the HTTP
+round trip, hundreds of ms that would swamp a few ms of difference; and the cycles compared are
+medians of the last few, so no single slow step decides.
 
 Ranking: q_i is the draft's distribution at draft position i (i = 0..k, k: after the last draft
 token), d_i the draft tokens, a the per-token acceptance rate measured on the verdicts seen so
@@ -53,8 +57,10 @@ eagle3, eagle); EAGLE ones also `paths` and `accept_features`.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +157,8 @@ class PreDrafter:
     # whatever their hit rate.
     MIN_HIT_RATE = 0.1
     PROBE = 16
+    PACE_WINDOW = 9  # regular cycles kept per kind (after busy rounds, after idle ones): medians compared
+    PACE_MIN = 3  # rounds alternate busy / idle until each kind has this many
 
     def __init__(self, proposer: Proposer, num_hypotheses: int, max_model_len: int, num_candidates: int = 2,
                  clock=time.perf_counter, budget: bool = True):
@@ -184,11 +192,10 @@ class PreDrafter:
         self._rounds = 0
         # does pre-drafting pay here? Pre-drafting runs beside the verifier's forward; where they
         # share what bounds them (cores, memory bandwidth, a device) it slows the verification.
-        # The interval reply -> next call after rounds that pre-drafted and after rounds that did
-        # not (every PROBE-th round is left idle to measure it), against the drafting the hits save
-        # reply -> next call -> its reply, after busy and after idle rounds: what the verifier waits
-        self._cycle_busy: float | None = None
-        self._cycle_idle: float | None = None
+        # The cycle reply -> next call -> its reply (regular steps only) after rounds that
+        # pre-drafted and after rounds that did not (every PROBE-th round is left idle to measure it)
+        self._busy_cycles: deque[float] = deque(maxlen=self.PACE_WINDOW)
+        self._idle_cycles: deque[float] = deque(maxlen=self.PACE_WINDOW)
         self._round_busy = False  # the last round drafted something
         self._accepted, self._tried = 1.0, 2.0  # decayed counts of draft tokens accepted / verified
         self._in_flight: dict[str, Verdict] = {}  # the hypothesis batch being drafted
@@ -199,11 +206,17 @@ class PreDrafter:
         arrival = self._clock()
         with self._lock:
             after_busy = self._round_busy
+            verdicts = [self._verdict(r) for r in requests]
+            # a cycle counts only from a regular step (the last call's sequences again, each with a
+            # verdict), not across a prefill or a batch that changed
+            drafting = [(r, v) for r, v in zip(requests, verdicts) if r.num_tokens > 0]
+            regular = (self._replied_at is not None and bool(self._batch)
+                       and sorted(r.seq_id for r, _ in drafting) == sorted(self._batch)
+                       and all(v is not None for _, v in drafting))
             interval = None
-            if self._replied_at is not None:
+            if regular:
                 interval = arrival - self._replied_at
                 self._interval_s = self._ema(self._interval_s, interval)
-            verdicts = [self._verdict(r) for r in requests]
             for r, v in zip(requests, verdicts):
                 if v is not None:
                     self._observe(v[0], len(self._sent[r.seq_id].tokens))
@@ -261,10 +274,7 @@ class PreDrafter:
             self.stats.call_seconds += self._replied_at - arrival
             if interval is not None and drafted:  # the cycle this round's mode gave the verifier
                 cycle = interval + (self._replied_at - arrival)
-                if after_busy:
-                    self._cycle_busy = self._ema(self._cycle_busy, cycle)
-                else:
-                    self._cycle_idle = self._ema(self._cycle_idle, cycle)
+                (self._busy_cycles if after_busy else self._idle_cycles).append(cycle)
             if not misses and requests:
                 self.stats.num_hit_calls += 1
                 self.stats.hit_call_seconds += self._replied_at - arrival
@@ -437,19 +447,34 @@ class PreDrafter:
                 return
             self._batch_s[len(rows)] = self._ema(self._batch_s.get(len(rows)), self._clock() - started)
 
+    @property
+    def _cycle_busy(self) -> float | None:
+        """The verifier's cycle after rounds that pre-drafted (median of the last regular ones)."""
+        return statistics.median(self._busy_cycles) if len(self._busy_cycles) >= self.PACE_MIN else None
+
+    @property
+    def _cycle_idle(self) -> float | None:
+        """... and after rounds left idle."""
+        return statistics.median(self._idle_cycles) if len(self._idle_cycles) >= self.PACE_MIN else None
+
     def _pays(self, batch: int) -> bool:
-        """Pre-draft this round? Every PROBE-th round stays idle (measures the cycle without
-        pre-drafting); otherwise pre-draft while the cycle after pre-drafting rounds (the
-        verifier's pace plus the call: what hits save, what the slowed verifier and the waits for
-        forwards in flight cost, all in one) is shorter than after idle ones, and every PROBE-th
-        round anyway (re-measures)."""
+        """Pre-draft this round? Until both cycles are measured, rounds alternate busy and idle;
+        then every PROBE-th round stays idle (measures the cycle without pre-drafting); otherwise
+        pre-draft while the cycle after pre-drafting rounds (the verifier's pace plus the call: what
+        hits save, what the slowed verifier and the waits for forwards in flight cost, all in one)
+        is shorter than after idle ones, and every PROBE-th round anyway (re-measures)."""
         self._rounds += 1
         if not self.budget:
+            return True
+        if None in (self._cycle_busy, self._cycle_idle):  # calibrating: busy and idle rounds by turns
+            if len(self._idle_cycles) < len(self._busy_cycles):
+                self.stats.num_idle_rounds += 1
+                return False
             return True
         if self._rounds % self.PROBE == 0:
             self.stats.num_idle_rounds += 1
             return False
-        if self._rounds % self.PROBE == self.PROBE // 2 or None in (self._cycle_busy, self._cycle_idle):
+        if self._rounds % self.PROBE == self.PROBE // 2:
             return True
         if self._cycle_busy < self._cycle_idle:
             return True
