@@ -93,6 +93,8 @@ class SpeculativeArgs(_Strict):
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if feeds_target_features(self.method) and not self.draft_model:
             raise ValueError(f"method {self.method!r} needs the EAGLE head's location in draft_model")
+        if self.draft_quantization is not None and self.method != "draft_model":
+            raise ValueError(f"draft_quantization is for method draft_model (a draft LM), not {self.method!r}")
         return self
 
     def to_config(self) -> SpeculativeConfig:

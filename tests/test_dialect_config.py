@@ -98,7 +98,11 @@ def test_vllm_dialect_equals_ours():
     ({"speculative_config": {"model": "a", "draft_model": "b", "method": "draft_model"}}, "not both"),
     ({"max_num_seqs": 4, "engine": {"max_num_seqs": 8}}, r"\['max_num_seqs'\] given both"),
     ({"kv_cache_memory_bytes": 2**30, "kv_cache_memory_gb": 1}, "not both"),
-    ({"speculative_config": {"method": "ngram", "quantization": "fp8"}}, r"unknown key\(s\) \['quantization'\]"),
+    ({"speculative_config": {"method": "ngram", "acceptance_method": "typical_acceptance_sampler"}},
+     r"unknown key\(s\) \['acceptance_method'\]"),
+    # vLLM's draft `quantization` is our draft_quantization: int8 only, for a draft_model
+    ({"speculative_config": {"method": "draft_model", "model": "m", "quantization": "fp8"}}, "'int8'"),
+    ({"speculative_config": {"method": "ngram", "quantization": "int8"}}, "draft_quantization is for method draft_model"),
     ({"speculative_config": {"method": "medusa", "model": "x"}}, "method 'medusa' has no rayspec proposer"),
     ({"speculative_config": {"num_speculative_tokens": 3}}, "needs a `method`"),
     ({"speculative_config": "{not json"}, "not JSON"),
