@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +18,6 @@ from torch import nn
 from rayspec import cpu_kernels
 from rayspec.parallel import (NO_TP, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE, TPGroup,
                               VocabParallelEmbedding, column_parallel, row_parallel, send_forward)
-
-if TYPE_CHECKING:
-    from rayspec.quantize import Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +291,7 @@ class Linear(nn.Linear):
     kernels: "cpu_kernels.CpuKernels | None" = None
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
-    int8: Int8Weight | None = None  # weight-only int8 (rayspec.quantize): replaces the float weight
+    int8 = None  # a rayspec.quantize.Int8Weight (weight-only int8): replaces the float weight
 
     def pack_for_cpu(self) -> None:
         w = self.weight
