@@ -161,6 +161,9 @@ def serve_config(args) -> tuple:
     return cfg, args.host or host or "0.0.0.0", int(args.port or port or 8000)
 
 
+SERVE_SHUTDOWN_S = 45  # how long Ctrl-C waits for Serve's own shutdown before the local Ray goes
+
+
 def cmd_serve(args) -> int:
     import signal
 
@@ -197,7 +200,16 @@ def cmd_serve(args) -> int:
         pass
     finally:
         if local:
-            serve.shutdown()
+            # bounded: Serve's graceful shutdown has taken minutes on a loaded 2-core machine; the
+            # local Ray we started goes down with ray.shutdown() whatever Serve's state
+            import threading
+
+            ender = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+            ender.start()
+            ender.join(SERVE_SHUTDOWN_S)
+            if ender.is_alive():
+                print(f"rayspec serve: Serve did not shut down in {SERVE_SHUTDOWN_S} s; stopping the local Ray",
+                      file=sys.stderr, flush=True)
             ray.shutdown()
         else:  # a cluster we joined: take our app away, leave the rest
             serve.delete(args.app_name)
