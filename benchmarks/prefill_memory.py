@@ -44,8 +44,8 @@ def measure(model: str, tokens: int, budget: int | None, num_layers: int | None,
     config = EngineConfig(model=model, max_model_len=max_model_len, max_num_seqs=1, kv_cache_memory_gb=64.0,
                           max_num_batched_tokens=budget, speculative=SpeculativeConfig(method="none"))
     engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1])
-    engine.runner.cache.k.fill_(0)  # resident now: the baseline holds the whole cache
-    engine.runner.cache.v.fill_(0)
+    for pool in engine.runner.cache.tensors():  # resident now: the baseline holds the whole cache
+        pool.fill_(0)
     prompt = [(i * 7919) % (loaded[0].args.vocab_size - 10) + 5 for i in range(tokens)]
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1))
     baseline = peak = _rss()

@@ -69,8 +69,8 @@ class CompiledForward:
     def __call__(self, input_ids, cache, batch, **kwargs):
         if self.mode == "reduce-overhead" and not getattr(cache, "static_address", False):
             # the cache is written in place by every replay: a fixed address CUDA graphs may keep
-            torch._dynamo.mark_static_address(cache.k)
-            torch._dynamo.mark_static_address(cache.v)
+            for pool in cache.tensors():
+                torch._dynamo.mark_static_address(pool)
             cache.static_address = True
         torch._dynamo.mark_dynamic(batch.read_index, 1)
         torch._dynamo.mark_dynamic(batch.mask, 3)

@@ -136,16 +136,22 @@ class KVCache:
     """Per-layer key/value storage in fixed-size blocks (the paged cache; rayspec.block_manager says
     which blocks a sequence holds).
 
-    k, v: [num_layers, num_blocks * block_size, num_kv_heads, head_dim]: block b is rows
-    b * block_size .. (b + 1) * block_size - 1; a forward reads and writes rows by index
-    (ForwardBatch.write_index / read_index). With tensor parallelism each rank holds its own KV heads
-    (num_kv_heads / size); rank 0's cache (`tp` set) tells the other ranks to do each of its copies.
+    k[i], v[i]: layer i's pool, [num_blocks * block_size, num_kv_heads, head_dim] each, a tensor of its
+    own: block b is rows b * block_size .. (b + 1) * block_size - 1; a forward reads and writes rows by
+    index (ForwardBatch.write_index / read_index). With tensor parallelism each rank holds its own KV
+    heads (num_kv_heads / size); rank 0's cache (`tp` set) tells the other ranks to do each of its copies.
+
+    Why a tensor per layer, not one [layers, rows, ...] tensor: under torch.compile a write into a
+    view of a graph input (`pool[i][rows] = k`) is functionalized into a copy of the layer's slice
+    scattered back into the whole pool, every step (a 2-layer step at 8B widths grew 6x from a 16 MB
+    to a 512 MB pool: benchmarks/compiled_pool.py); a write into an input of its own stays in place
+    (tests/test_compiled_kv.py inspects the generated code).
     """
 
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype, device, tp: TPGroup = NO_TP):
-        shape = (args.num_layers, num_blocks * block_size, args.num_kv_heads // tp.size, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_blocks * block_size, args.num_kv_heads // tp.size, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tp = tp
@@ -156,12 +162,25 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * args.num_layers * args.num_kv_heads * args.head_dim * itemsize
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's K and V pools."""
+        return [*self.k, *self.v]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def rows(self, index: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of the given pool rows ([n] long), per layer: K of every layer, then V."""
+        return [t[index] for t in self.tensors()]
+
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy cache rows src -> dst ([n] long each, rows of the whole pool), every layer."""
+        """Copy cache rows src -> dst ([n] long each, rows of the whole pool), every layer (an
+        accepted tree path's rows: a few per sequence)."""
         if self.tp.is_driver:
             self.tp.send(OP_MOVE_ROWS, [src.shape[0], self.cache_id], [src, dst])
-        for cache in (self.k, self.v):
-            cache[:, dst] = cache[:, src]  # one copy for all layers
+        for cache in self.tensors():
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 @dataclass

@@ -368,7 +368,7 @@ def tiny(tmp_path_factory):
 def _head_kv(runner, seq_id: str) -> list[torch.Tensor]:
     """A sequence's committed head-cache keys and values (ModelRunner internals, read only)."""
     rows = runner._rows([seq_id], runner.cached_len(seq_id))[0]  # its block table, row by row
-    return [c[:, rows] for c in (runner.cache.k, runner.cache.v)]
+    return [torch.stack(c)[:, rows] for c in (runner.cache.k, runner.cache.v)]
 
 
 def fresh_head_oracle(engine: LLMEngine, fresh) -> list[tuple[bool, bool]]:

@@ -209,7 +209,7 @@ def test_bfloat16_head_stays_exact(target_dir, target, reference, trained, kind)
     """`draft_dtype` sets the head's precision apart from the target's; the output stays the target's."""
     engine = _eagle_engine(target_dir, target, trained[kind][0], kind, 6, 2, 3, draft_dtype="bfloat16")
     head = engine.proposer.head
-    assert head.compute_dtype == torch.bfloat16 and engine.proposer.runner.cache.k.dtype == torch.bfloat16
+    assert head.compute_dtype == torch.bfloat16 and engine.proposer.runner.cache.k[0].dtype == torch.bfloat16
     assert next(engine.model.parameters()).dtype == torch.float32
     got = run_batch(engine, PROMPTS, GREEDY)
     assert got == reference

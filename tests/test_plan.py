@@ -47,7 +47,7 @@ def held_bytes(module: torch.nn.Module, besides: torch.nn.Module | None = None) 
 
 
 def cache_bytes(runner) -> int:
-    return runner.cache.k.numel() * runner.cache.k.element_size() * 2
+    return runner.cache.nbytes
 
 
 def plan_for(engine) -> object:
@@ -248,7 +248,7 @@ def test_tp_rank_figures_are_the_shards(vocab, tied, bias):
         # rank 0's new_cache would tell the (absent) other ranks: build its KVCache directly
         cache = shard.new_cache(plan.kv.num_blocks + 1, plan.kv.block_size) if rank else \
             KVCache(args, plan.kv.num_blocks + 1, plan.kv.block_size, torch.bfloat16, "cpu", tp)
-        assert plan.kv.bytes == 2 * cache.k.numel() * cache.k.element_size()
+        assert plan.kv.bytes == cache.nbytes
         assert plan.kv.num_slots == 4 and plan.tp_size == 2 and plan.rank == rank
     whole = causal_lm_weights(args, torch.bfloat16)
     embedding = vocab * 64 * (1 if tied else 2)
