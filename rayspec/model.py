@@ -209,6 +209,8 @@ class ForwardBatch:
                window is exactly those keys) or where the model has no sliding-window layers
     read_range: (lo, hi) when B is 1 and read_index is lo..hi-1 (its blocks consecutive in the pool):
                the keys are read as a view, not gathered
+    write_rows: [N] long, write_index of the real tokens (row after row); None: computed from
+               write_index and real_rows when asked for (the runner gives it, built on the host)
     """
 
     write_index: torch.Tensor
@@ -222,6 +224,21 @@ class ForwardBatch:
     sliding_start: int = 0
     sliding_mask: torch.Tensor | None = None
     read_range: tuple[int, int] | None = None
+    write_rows: torch.Tensor | None = None
+
+    def token_write_rows(self) -> torch.Tensor:
+        """[N] long: the cache row of each real token (see write_rows)."""
+        if self.write_rows is not None:
+            return self.write_rows
+        flat = self.write_index.reshape(-1)
+        return flat if self.real_rows is None else flat.index_select(0, self.real_rows)
+
+    def write_tokens_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        rows: torch.Tensor) -> None:
+        """k, v: [N, kv_heads, head_dim], the real tokens' keys/values, into one layer's cache
+        [rows, kv_heads, head_dim] at `rows` ([N], token_write_rows): one in-place index_copy_ each."""
+        cache_k.index_copy_(0, rows, k.to(cache_k.dtype))
+        cache_v.index_copy_(0, rows, v.to(cache_v.dtype))
 
     def write_kv(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, kv_heads, Q, head_dim] into one layer's cache [rows, kv_heads, head_dim]: one
@@ -421,9 +438,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [N, heads, head_dim] with cos / sin_signed [N, 1, head_dim] (CausalLM.rotary):
+    x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = roll(x, head_dim / 2) * sin_signed
+    (sin_signed: sin with its first half negated, exact). Three kernels (q and k of a fused q/k/v
+    projection go through at once), not the five of mul / neg / cat / mul / add per tensor."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -462,24 +482,26 @@ class Attention(nn.Module):
         self.qkv_fused = fuse_weights([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
-        # x: [N, H] real tokens (batch.pack); cos/sin: [B, 1, Q, head_dim];
+        # x: [N, H] real tokens (batch.pack); cos / sin: [N, 1, head_dim] (CausalLM.rotary: sin signed);
         # cache_k/v: [rows, kv_heads, head_dim] (one layer's block pool) -> [N, H]
         B, Q = batch.shape
+        N, hd, nq, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         fused = self.qkv(x) if self.qkv is not None else None
         if fused is None and self.qkv_fused is not None and x.device == self.qkv_fused[0].device:
-            weight, bias, sizes = self.qkv_fused
-            fused = F.linear(x, weight, bias).split(sizes, dim=-1)
-        q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        if self.q_norm is not None:  # [N, heads * head_dim], normed per head before rope
-            q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-            k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
-        q, k, v = batch.unpack(q), batch.unpack(k), batch.unpack(v)  # [B * Q, ...], padding zero
-        q = q.reshape(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.reshape(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.reshape(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        batch.write_kv(cache_k, cache_v, k, v)  # this step's keys/values, then every key through the block tables
+            weight, bias, _ = self.qkv_fused
+            qkv = F.linear(x, weight, bias)  # [N, (heads + 2 kv_heads) * head_dim]
+            q, k, v = qkv.view(N, nq + 2 * nkv, hd).split((nq, nkv, nkv), dim=1)
+            if self.q_norm is None:  # q and k rotated at once: one slice of the fused output
+                qk = apply_rotary(qkv[:, : (nq + nkv) * hd].view(N, nq + nkv, hd), cos, sin)
+                q, k = qk.split((nq, nkv), dim=1)
+            else:
+                q, k = self._rotate(q, k, cos, sin)
+        else:
+            q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+            q, k, v = q.view(N, nq, hd), k.view(N, nkv, hd), v.view(N, nkv, hd)
+            q, k = self._rotate(q, k, cos, sin)
+        # this step's keys/values, then every key through the block tables
+        batch.write_tokens_kv(cache_k, cache_v, k, v, batch.token_write_rows())
         keys, values = batch.read_kv(cache_k, cache_v)
         mask = batch.mask
         if self.sliding_window is not None:  # only the keys inside some query's window, and its own mask
@@ -487,9 +509,16 @@ class Attention(nn.Module):
                 raise ValueError("a sliding-window layer needs ForwardBatch.sliding_mask (ModelRunner builds it)")
             keys, values = keys[:, :, batch.sliding_start:], values[:, :, batch.sliding_start:]
             mask = batch.sliding_mask
+        q = batch.unpack(q.reshape(N, nq * hd)).view(B, Q, nq, hd).transpose(1, 2)  # padding rows zero
         out = attention(q, keys, values, mask)  # [B, heads, Q, head_dim]
-        out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, self.num_heads * self.head_dim))
+        out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, nq * hd))
         return self.tp.all_reduce(out)  # [N, H]: the ranks' partial sums
+
+    def _rotate(self, q, k, cos, sin):
+        """q [N, heads, D], k [N, kv_heads, D] -> rotated (Qwen3: each head RMS-normed first)."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 _MATH_FALLBACK: dict[tuple, bool] = {}  # (dtype, head_dim, device index) -> SDPA's choice was its math path
@@ -661,6 +690,14 @@ class CausalLM(Float32Rotary):
         sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
         return cos, sin
 
+    def rotary(self, batch: ForwardBatch, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin_signed: [N, 1, head_dim] for the batch's real tokens (apply_rotary), once per forward."""
+        positions = batch.pack(batch.positions)  # [N]
+        freqs = positions.float()[:, None] * self.inv_freq  # [N, head_dim/2]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
+
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch,
                 aux_layers: tuple[int, ...] | None = None):
         """input_ids: [B, Q] -> hidden: [B, Q, hidden_size] after the final norm ([N, hidden_size]
@@ -672,7 +709,7 @@ class CausalLM(Float32Rotary):
         if self.tp.is_driver:
             send_forward(self.tp, input_ids, batch, cache.cache_id, self.model_id)
         x = self.model.embed_tokens(batch.pack(input_ids))  # [N, H]
-        cos, sin = self.rope(batch.positions, x.dtype)
+        cos, sin = self.rotary(batch, x.dtype)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if aux_layers is not None and i in aux_layers:

@@ -239,6 +239,7 @@ class ModelRunner:
         host["write_index"] = np.take_along_axis(read_np, write_pos, axis=1)  # [B, Q]
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             host["real_rows"] = np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)])
+            host["write_rows"] = host["write_index"].reshape(-1)[host["real_rows"]]
         t = dict(zip(host, to_device(*host.values(), device=dev)))
         input_ids = token_lists if on_device else t["input_ids"]
         positions_t = t["positions"]
@@ -278,6 +279,7 @@ class ModelRunner:
             sliding_start=sliding_start,
             sliding_mask=sliding_mask,
             read_range=read_range,
+            write_rows=t.get("write_rows"),
         )
         out = self.model(input_ids, self.cache, batch, **model_kwargs)
         if trees is None:

@@ -102,6 +102,7 @@ class EagleHead(Float32Rotary):
         self.attention_scaling = attention_scaling
 
     rope = CausalLM.rope
+    rotary = CausalLM.rotary
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -131,7 +132,7 @@ class Eagle3Head(EagleHead):
         emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
         features = batch.pack(features).to(dtype)
         hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
-        cos, sin = self.rope(batch.positions, dtype)
+        cos, sin = self.rotary(batch, dtype)
         return batch.output(self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,7 @@ class Eagle1Head(EagleHead):
         dtype = self.compute_dtype
         emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
         x = self.fc(torch.cat((emb, batch.pack(features).to(dtype)), dim=-1))
-        cos, sin = self.rope(batch.positions, x.dtype)
+        cos, sin = self.rotary(batch, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
         return batch.output(x)
