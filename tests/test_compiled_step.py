@@ -1,12 +1,15 @@
 """The compiled step (EngineConfig.compile, rayspec.compiled) on CPU: greedy output equal to the
-eager engine's, token for token, for plain decoding and chain verification (drafts accepted, drafts rejected) at batch sizes 1-3
-(padded to the buckets 1, 2, 4) with requests finishing at different steps; and its shapes really
-went through torch.compile. (On CUDA the same code captures CUDA graphs: benchmarks/gpu_compiled.py.)"""
+eager engine's, token for token, for plain decoding, n-gram and draft-model chains (drafts accepted,
+drafts rejected) and EAGLE-3 trees and chains, at batch sizes 1-3 (padded to the buckets 1, 2, 4),
+with requests finishing at different steps, joining mid-decode and starting from prefix-cache hits;
+and its shapes really went through torch.compile. (On CUDA the same code captures CUDA graphs:
+benchmarks/gpu_roofline.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
+from engine_utils import cached_model, run_to_completion
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.sampling import SamplingParams
@@ -14,11 +17,64 @@ from rayspec.sampling import SamplingParams
 PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 7, 7, 12, 30, 31, 32, 33, 5], [100, 4, 64]]
 
 
-def _engine(model_dir, method, compile, **spec) -> LLMEngine:
+def _engine(model_dir, method, compile, loaded=None, **spec) -> LLMEngine:
     config = EngineConfig(model=str(model_dir), max_model_len=128, max_num_seqs=4, kv_cache_memory_gb=0.05,
                           compile=compile,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=3, adaptive=False, **spec))
+    if loaded is not None:
+        return LLMEngine(config, model=loaded[0], tokenizer=loaded[1])
     return LLMEngine(config)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head_dir(tiny_model_dir, tmp_path_factory):
+    import torch
+
+    from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+    from rayspec.eagle.head import attach_target, build_head
+
+    target = cached_model(str(tiny_model_dir))
+    torch.manual_seed(3)
+    head = build_head(new_eagle_config("eagle3", tiny_model_dir, target[0].args.num_layers, target[0].args.hidden_size))
+    attach_target(head, target[0], has_own_embedding=False)
+    return save_eagle_head(head, tmp_path_factory.mktemp("compiled-head") / "head", dtype=torch.float32)
+
+
+# a shared prefix of two KV blocks (16 positions each): the requests that join later start from its cache
+SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26] * 2
+JOINING = [SHARED + [40, 41], SHARED + [50], [9, 8, 7, 6], SHARED + [60, 61, 62]]
+
+
+@pytest.mark.parametrize("method", ["none", "eagle3-tree", "eagle3-chain"])
+def test_compiled_step_equals_eager_joining_with_prefix_hits(tiny_model_dir, eagle3_head_dir, method):
+    """Requests joining mid-decode, two of them on a cached prefix: the compiled engine's greedy output
+    is the eager one's (EAGLE-3: trees verified as one compiled forward at batch 1-2, chains beyond)."""
+    spec = {}
+    if method.startswith("eagle3"):
+        spec = dict(draft_model=str(eagle3_head_dir), eagle_topk=2,
+                    tree_max_batch=2 if method == "eagle3-tree" else 0)
+    loaded = cached_model(str(tiny_model_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs, cached = [], []
+    for compile in (False, True):
+        engine = _engine(tiny_model_dir, method.split("-")[0], compile, loaded=loaded, **spec)
+        assert (engine.runner.compiled is not None) == compile
+        engine.generate([SHARED + [30]], SamplingParams(temperature=0.0, max_tokens=2))  # caches the prefix
+        ids, done = [engine.add_request(JOINING[0], params)], {}
+        for _ in range(2):  # the first request decodes, then the others join
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        ids += [engine.add_request(p, params) for p in JOINING[1:]]
+        run_to_completion(engine, done)
+        outputs.append([done[i].token_ids for i in ids])
+        cached.append([done[i].num_cached_tokens for i in ids])
+        if compile:
+            shapes = engine.runner.compiled.shapes
+            assert shapes, "nothing went through the compiled step"
+            if spec:  # verification (a tree or a chain of drafts) went through it too
+                assert any(rows > 1 for _, rows in shapes), shapes
+    assert outputs[1] == outputs[0]
+    assert all(len(o) == 12 for o in outputs[1])
+    assert cached[1] == cached[0] and cached[1][1] >= 16 and cached[1][3] >= 16, cached  # prefix-cache hits
 
 
 @pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
