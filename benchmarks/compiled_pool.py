@@ -79,6 +79,7 @@ def main() -> None:
     a = parser.parse_args()
     if a.dry_run:
         a.width, a.dtype, a.pools_mb, a.context, a.steps, a.rounds = "tiny", "float32", "1,8", 32, 3, 1
+        a.threads = a.threads or 1
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)

@@ -1,0 +1,351 @@
+"""Our step against the memory roofline, on one GPU, in one process (no network, no Ray, random weights).
+
+Measures, in this order (each section written to the JSON as soon as it is done, so a run cut short
+still leaves its figures):
+1. the GPU's memory bandwidth: a device-to-device copy and a read-only reduction of a 2 GiB buffer
+   (the roofline: the time to read the weights once at that rate);
+2. our decode step for Llama-3.1-8B's shapes (32 layers, hidden 4096, 32 / 8 heads, vocabulary
+   128,256, bfloat16) at batch 1, 8 and 32 at a 1k context, eager and compiled (CUDA graphs): the
+   target forward through `ModelRunner` (as the engine's step runs it: host-built indices, paged
+   cache), the LM head and the greedy choice, per step;
+3. verification of an 8-node EAGLE-3 tree (the pending token and 7 drafts under a tree mask) and of an
+   8-token chain (9 rows), batch 1, compiled, beside the decode step;
+4. an EAGLE-3 head's step (one decoder layer at these widths, a 32k draft vocabulary), compiled;
+5. the peer: transformers' own decode of the same shapes with a static cache, compiled, per token.
+
+It prints one table and writes JSON and a plot (if matplotlib is there). From the measured times it
+states the EAGLE-3 tokens per second they imply at a given acceptance length (--acceptance-length).
+
+    python benchmarks/gpu_roofline.py --json benchmarks/results/gpu_roofline_h100.json
+    python benchmarks/gpu_roofline.py --dry-run      # tiny shapes on CPU (CI): the same code runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rayspec.bench.environment import environment  # noqa: E402
+from rayspec.model import CausalLM, KVCache, ModelArgs  # noqa: E402
+from rayspec.runner import ModelRunner, TreeQuery  # noqa: E402
+
+SHAPES = {  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim, rope theta
+    "llama3.1-8b": (128256, 4096, 14336, 32, 32, 8, 128, 500000.0),
+    "tiny": (512, 64, 128, 2, 4, 2, 16, 10000.0),
+}
+# EAGLE-3's published acceptance length for LLaMA-3.1-8B-Instruct on MT-bench (temperature 0, the
+# paper's dynamic tree), the figure the implied tokens per second use unless told otherwise
+EAGLE3_ACCEPTANCE_LENGTH = 6.1
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 4]  # the pending token, then 7 drafts: top-2 branching, depth 4
+RESULTS: dict = {}
+
+
+class Clock:
+    """Wall time of a device's work: synchronize before and after (CUDA), or plain wall time (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn, iters: int, warmup: int = 5) -> float:
+        """Median seconds per call over 3 rounds of `iters` calls, after `warmup` calls."""
+        for _ in range(warmup):
+            fn()
+        rounds = []
+        for _ in range(3):
+            self.sync()
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            self.sync()
+            rounds.append((time.perf_counter() - t) / iters)
+        return statistics.median(rounds)
+
+
+def record(out: Path | None, section: str, row: dict) -> None:
+    RESULTS.setdefault(section, []).append(row)
+    print(json.dumps({section: row}), flush=True)
+    if out is not None:
+        out.write_text(json.dumps(RESULTS, indent=1))
+
+
+def bandwidth(device, clock: Clock, gib: float) -> dict:
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_s = clock.time(lambda: dst.copy_(src), iters=10)
+    read_s = clock.time(lambda: src.sum(dtype=torch.float32), iters=10)
+    nbytes = src.numel() * 2
+    del src, dst
+    return {"buffer_gib": gib, "copy_gb_s": round(2 * nbytes / copy_s / 1e9, 1),
+            "read_gb_s": round(nbytes / read_s / 1e9, 1)}
+
+
+@torch.inference_mode(False)  # (packing for the CPU keeps the weights' version counters)
+def build_ours(shape: str, device, dtype, num_layers: int | None = None, vocab: int | None = None) -> CausalLM:
+    v, h, i, layers, heads, kv, hd, theta = SHAPES[shape]
+    args = ModelArgs(vocab_size=vocab or v, hidden_size=h, intermediate_size=i, num_layers=num_layers or layers,
+                     num_heads=heads, num_kv_heads=kv, head_dim=hd, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     max_position_embeddings=8192)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    with torch.device("meta"):
+        model = CausalLM(args, inv_freq)
+    model = model.to_empty(device=device).to(dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.inv_freq = inv_freq.to(device)
+    return model.eval().pack_for_cpu()  # off the CPU: q/k/v and gate/up fused
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def runner_with_context(model, batch: int, context: int, compile: bool, extra_rows: int = 16) -> ModelRunner:
+    runner = ModelRunner(model, max_model_len=context + extra_rows + 64, num_slots=batch, slack=0, compile=compile)
+    vocab = model.args.vocab_size
+    for b in range(batch):
+        runner.allocate(f"s{b}")
+        runner.forward_hidden([f"s{b}"], [[(7 * i + b) % (vocab - 3) + 3 for i in range(context)]])
+    return runner
+
+
+def decode_step(runner: ModelRunner, model, batch: int, context: int):
+    ids = [f"s{b}" for b in range(batch)]
+    for s in ids:
+        runner.set_cached_len(s, context)  # every step decodes position `context` again
+
+    def step():
+        for s in ids:
+            runner.set_cached_len(s, context)
+        hidden, _ = runner.forward_hidden(ids, [[5]] * batch, packed=True, static=True)
+        return model.logits(hidden).argmax(-1)
+
+    return step
+
+
+def verify_step(runner: ModelRunner, model, context: int, tree: bool):
+    def step():
+        runner.set_cached_len("s0", context)
+        if tree:
+            toks = [5 + j for j in range(len(TREE_PARENTS))]
+            hidden, _ = runner.forward_hidden(["s0"], [toks], trees=[TreeQuery(parents=list(TREE_PARENTS))],
+                                              packed=True, static=True)
+        else:
+            hidden, _ = runner.forward_hidden(["s0"], [[5 + j for j in range(9)]], packed=True, static=True)
+        return model.logits(hidden).argmax(-1)
+
+    return step
+
+
+def ours(a, device, dtype, clock: Clock, out) -> dict:
+    """Decode at each batch, eager and compiled; verification; returns {name: seconds}."""
+    model = build_ours(a.shape, device, dtype)
+    wbytes = weight_bytes(model)
+    times = {}
+    for compile in ([False, True] if not a.compiled_only else [True]):
+        for batch in a.batches:
+            try:
+                runner = runner_with_context(model, batch, a.context, compile)
+                t = clock.time(decode_step(runner, model, batch, a.context), iters=a.iters)
+                times[(batch, compile)] = t
+                record(out, "decode", {"shape": a.shape, "batch": batch, "compiled": compile, "context": a.context,
+                                       "ms_per_step": round(t * 1e3, 3), "tok_s": round(batch / t, 1),
+                                       "weight_gb": round(wbytes / 1e9, 2)})
+                if batch == 1 and compile:
+                    for tree in (True, False):
+                        tv = clock.time(verify_step(runner, model, a.context, tree), iters=a.iters)
+                        times[("tree" if tree else "chain", compile)] = tv
+                        record(out, "verify", {"shape": a.shape, "what": "8-node tree" if tree else "8-token chain",
+                                               "rows": len(TREE_PARENTS) if tree else 9, "compiled": compile,
+                                               "ms": round(tv * 1e3, 3), "vs_decode": round(tv / t, 3)})
+                del runner
+            except Exception as err:  # noqa: BLE001 (one case failing must not lose the others)
+                record(out, "errors", {"case": f"ours batch {batch} compiled {compile}", "error": repr(err),
+                                       "trace": traceback.format_exc()[-2000:]})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del model
+    return times, wbytes
+
+
+def head_step(a, device, dtype, clock: Clock, out) -> float | None:
+    """One decoder layer at the target's widths with a 32k draft vocabulary: an EAGLE-3 head's draft step."""
+    try:
+        head = build_ours(a.shape, device, dtype, num_layers=1, vocab=min(32000, SHAPES[a.shape][0]))
+        runner = runner_with_context(head, 1, a.context, True)
+        t = clock.time(decode_step(runner, head, 1, a.context), iters=a.iters)
+        record(out, "head", {"shape": a.shape, "what": "1 layer + 32k vocabulary, compiled", "ms": round(t * 1e3, 3)})
+        return t
+    except Exception as err:  # noqa: BLE001
+        record(out, "errors", {"case": "head", "error": repr(err), "trace": traceback.format_exc()[-2000:]})
+        return None
+
+
+def transformers_peer(a, device, dtype, clock: Clock, out) -> float | None:
+    """transformers' static-cache decode, compiled: seconds per token at batch 1 from two generation
+    lengths (the prefill cancels out)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        v, h, i, layers, heads, kv, hd, theta = SHAPES[a.shape]
+        config = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                             max_position_embeddings=8192, rope_theta=theta, tie_word_embeddings=False)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in the compute dtype on the device (no float32 copy)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(default)
+        prompt = torch.randint(3, v, (1, a.context), device=device)
+
+        def gen(n):
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  cache_implementation="static", pad_token_id=0)
+
+        short, long_ = 8, 8 + a.peer_tokens
+        with torch.inference_mode():
+            for n in (short, long_):  # compile and capture
+                gen(n)
+            ts = clock.time(lambda: gen(short), iters=1, warmup=1)
+            tl = clock.time(lambda: gen(long_), iters=1, warmup=0)
+        per_token = (tl - ts) / a.peer_tokens
+        record(out, "peer", {"what": "transformers static cache, compiled", "batch": 1, "context": a.context,
+                             "ms_per_token": round(per_token * 1e3, 3), "tok_s": round(1 / per_token, 1)})
+        del model
+        return per_token
+    except Exception as err:  # noqa: BLE001
+        record(out, "errors", {"case": "transformers peer", "error": repr(err), "trace": traceback.format_exc()[-2000:]})
+        return None
+
+
+def summary(a, bw: dict, times: dict, wbytes: int, head_s, peer_s) -> dict:
+    gbs = max(bw["copy_gb_s"], bw["read_gb_s"]) * 1e9
+    roof = wbytes / gbs
+    s = {"gpu": environment().get("gpu"), "weights_read_ms": round(roof * 1e3, 3), "bandwidth_gb_s": round(gbs / 1e9, 1)}
+    for (what, compiled), t in times.items():
+        if isinstance(what, int):
+            s[f"decode_b{what}_{'compiled' if compiled else 'eager'}_vs_roofline"] = round(t / roof, 3)
+    d1 = times.get((1, True))
+    if d1:
+        for what in ("tree", "chain"):
+            if (what, True) in times:
+                s[f"{what}_vs_decode"] = round(times[(what, True)] / d1, 3)
+        if peer_s:
+            s["ours_vs_transformers_b1"] = round(peer_s / d1, 3)  # > 1: ours faster
+        if ("tree", True) in times and head_s:
+            depth = 4  # TREE_PARENTS' depth: the head drafts that many steps
+            cycle = times[("tree", True)] + depth * head_s
+            s["eagle3_cycle_ms"] = round(cycle * 1e3, 3)
+            s["eagle3_implied_tok_s"] = round(a.acceptance_length / cycle, 1)
+            s["acceptance_length"] = a.acceptance_length
+    return s
+
+
+def plot(path: Path, results: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib absent: no plot")
+        return
+    s = results["summary"]
+    labels, values = [], []
+    for row in results.get("decode", []):
+        labels.append(f"b{row['batch']} {'comp' if row['compiled'] else 'eager'}")
+        values.append(row["ms_per_step"])
+    for row in results.get("verify", []):
+        labels.append(row["what"])
+        values.append(row["ms"])
+    for row in results.get("peer", []):
+        labels.append("HF static")
+        values.append(row["ms_per_token"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(labels, values, color="tab:blue")
+    ax.axhline(s["weights_read_ms"], color="tab:red", linestyle="--", label=f"weights read ({s['weights_read_ms']} ms)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"{results['args']['shape']} on {s.get('gpu') or 'CPU'}")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="llama3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--peer-tokens", type=int, default=64)
+    parser.add_argument("--bandwidth-gib", type=float, default=2.0)
+    parser.add_argument("--acceptance-length", type=float, default=EAGLE3_ACCEPTANCE_LENGTH)
+    parser.add_argument("--compiled-only", action="store_true", help="skip the eager decode runs")
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, few iterations (CI)")
+    a = parser.parse_args()
+    if a.dry_run:
+        a.shape, a.batches, a.context, a.iters, a.peer_tokens, a.bandwidth_gib = "tiny", "1,2", 48, 2, 4, 0.01
+    a.batches = [int(b) for b in str(a.batches).split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # two threads beside any other busy process stall at OpenMP's barriers
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(a.json) if a.json else None
+    RESULTS["args"] = {k: v for k, v in vars(a).items()}
+    RESULTS["environment"] = environment()
+    clock = Clock(device)
+    started = time.perf_counter()
+    bw = bandwidth(device, clock, a.bandwidth_gib)
+    record(out, "bandwidth", bw)
+    with torch.inference_mode():
+        times, wbytes = ours(a, device, dtype, clock, out)
+        head_s = head_step(a, device, dtype, clock, out)
+    peer_s = None if a.no_peer else transformers_peer(a, device, dtype, clock, out)
+    RESULTS["summary"] = summary(a, bw, times, wbytes, head_s, peer_s)
+    RESULTS["summary"]["wall_s"] = round(time.perf_counter() - started, 1)
+    if out is not None:
+        out.write_text(json.dumps(RESULTS, indent=1))
+    print("\n" + f"{'case':<34} {'ms':>10} {'x weights read':>15}")
+    roof_ms = RESULTS["summary"]["weights_read_ms"]
+    for row in RESULTS.get("decode", []):
+        name = f"decode b={row['batch']} {'compiled' if row['compiled'] else 'eager'}"
+        print(f"{name:<34} {row['ms_per_step']:>10} {row['ms_per_step'] / roof_ms:>15.2f}")
+    for row in RESULTS.get("verify", []):
+        print(f"{row['what'] + ' (b=1, compiled)':<34} {row['ms']:>10} {row['ms'] / roof_ms:>15.2f}")
+    for row in RESULTS.get("head", []):
+        print(f"{'EAGLE-3 head step':<34} {row['ms']:>10} {row['ms'] / roof_ms:>15.2f}")
+    for row in RESULTS.get("peer", []):
+        print(f"{'transformers static, compiled':<34} {row['ms_per_token']:>10} {row['ms_per_token'] / roof_ms:>15.2f}")
+    print(json.dumps(RESULTS["summary"], indent=1))
+    if RESULTS.get("errors"):
+        print(f"{len(RESULTS['errors'])} case(s) failed: see 'errors' in the JSON")
+    if out is not None or a.plot:
+        plot(Path(a.plot) if a.plot else out.with_suffix(".png"), RESULTS)
+    if a.dry_run and RESULTS.get("errors"):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

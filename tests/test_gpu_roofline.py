@@ -1,0 +1,47 @@
+"""The prepared GPU scripts of the roofline issue run unchanged on CPU (their --dry-run, tiny shapes):
+benchmarks/gpu_roofline.py (bandwidth, our decode eager and compiled, tree and chain verification,
+an EAGLE-3 head step, transformers' static-cache compiled decode; JSON, table, plot) and
+benchmarks/compiled_pool.py (the compiled step's time against the pool's size)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_gpu_roofline_dry_run(tmp_path):
+    out = tmp_path / "roofline.json"
+    proc = _run("gpu_roofline.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert not results.get("errors"), results.get("errors")
+    assert results["bandwidth"][0]["copy_gb_s"] > 0
+    decode = {(r["batch"], r["compiled"]) for r in results["decode"]}
+    assert decode == {(1, False), (2, False), (1, True), (2, True)}
+    assert {r["what"] for r in results["verify"]} == {"8-node tree", "8-token chain"}
+    assert results["head"] and results["peer"][0]["ms_per_token"] > 0
+    summary = results["summary"]
+    for key in ("weights_read_ms", "decode_b1_compiled_vs_roofline", "tree_vs_decode", "chain_vs_decode",
+                "ours_vs_transformers_b1", "eagle3_implied_tok_s"):
+        assert summary[key] > 0, key
+    assert "decode b=1 compiled" in proc.stdout  # the table
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_compiled_pool_dry_run(tmp_path):
+    out = tmp_path / "pool.json"
+    _run("compiled_pool.py", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["compiled"]) for r in rows} == {False, True} and len({r["pool_mb"] for r in rows}) == 2
+    assert all(r["ms_per_step_median"] > 0 for r in rows)
