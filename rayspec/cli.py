@@ -100,9 +100,11 @@ def engine_flag_fields() -> list[tuple[str, type, object]]:
     return fields
 
 
-def _add_engine_flags(parser) -> None:
+def _add_engine_flags(parser, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine", "the config's engine settings (engine: in the app args)")
     for name, kind, default in engine_flag_fields():
+        if name in skip:
+            continue
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
@@ -307,12 +309,23 @@ def cmd_bench_offline(args) -> int:
         eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
         eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
-        rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None)
+        rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None,
+        engine_overrides=bench_engine_overrides(args))
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+# engine flags `bench offline` takes as its own options (their defaults differ from the engine's)
+BENCH_OWN_FLAGS = ("device", "dtype", "tensor_parallel_size", "num_threads")
+
+
+def bench_engine_overrides(args) -> dict:
+    """The engine flags given on `bench offline`'s command line (as `rayspec serve` takes them)."""
+    return {name: getattr(args, name) for name, _, _ in engine_flag_fields()
+            if name not in BENCH_OWN_FLAGS and getattr(args, name, None) is not None}
 
 
 def cmd_bench_serve(args) -> int:
@@ -440,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "target-only engine runs beside it for tp1_greedy_match and tp_vs_tp1")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: float32 on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    _add_engine_flags(p, skip=BENCH_OWN_FLAGS)  # --compile, --kv-cache-memory-gb, --max-model-len, ...
     p.set_defaults(func=cmd_bench_offline)
 
     p = sub.add_parser("train", help="train a draft head by self-distillation").add_subparsers(

@@ -63,3 +63,19 @@ def test_bundled_prompt_sets(tmp_path):
         load_prompts("no_such_set")
     with pytest.raises(FileNotFoundError):
         load_prompts(tmp_path / "missing" / "mt_bench.jsonl")  # a path is never swapped for a bundled set
+
+
+def test_bench_offline_takes_the_engine_flags(tiny_model_dir, tmp_path):
+    """`bench offline` takes the engine settings `rayspec serve` takes (--compile, --kv-cache-memory-gb,
+    --max-model-len, ...), applies them to every engine it builds and records them."""
+    from rayspec.cli import bench_engine_overrides, build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--prompts", "x", "--compile", "--kv-cache-memory-gb", "0.25",
+                                      "--max-model-len", "300", "--no-enable-prefix-caching"])
+    assert bench_engine_overrides(args) == {"compile": True, "kv_cache_memory_gb": 0.25, "max_model_len": 300,
+                                            "enable_prefix_caching": False}
+    prompts = _prompts_file(tmp_path / "prompts.jsonl")
+    result = _bench(tiny_model_dir, prompts, tmp_path / "flags.json", "--max-model-len", "200",
+                    "--kv-cache-memory-gb", "0.125")
+    assert result["engine"]["max_model_len"] == 200 and result["engine"]["kv_cache_memory_gb"] == 0.125
+    assert result["greedy_match"] is True

@@ -75,8 +75,11 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                           eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
                           eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
                           progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
-                          device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None) -> dict:
-    """tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
+                          device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None,
+                          engine_overrides: dict | None = None) -> dict:
+    """engine_overrides: EngineConfig fields for every engine (compile, kv_cache_memory_gb,
+    max_model_len, ...: the flags `rayspec serve` takes).
+    tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
     rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
     `tp1_greedy_match`, `tp_vs_tp1`, step times."""
     from rayspec import loader
@@ -92,7 +95,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     eos = loader.generation_eos_ids(model) | {tokenizer.eos_token_id}
 
     def engine(spec: SpeculativeConfig, on=None) -> LLMEngine:
-        config = EngineConfig(model=model, speculative=spec, device=device, dtype=dtype, max_num_seqs=max(concurrency, 1))
+        settings = {"max_num_seqs": max(concurrency, 1), **(engine_overrides or {})}
+        config = EngineConfig(model=model, speculative=spec, device=device, dtype=dtype, **settings)
         on = on if on is not None else target
         eng = LLMEngine(config, model=on, tokenizer=tokenizer)
         eng.eos_token_ids |= eos
@@ -176,6 +180,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "num_prompts": len(prompt_ids),
         "max_tokens": max_tokens,
         "concurrency": concurrency,
+        "engine": {"compile": speculative.compile, "max_model_len": speculative.config.max_model_len,
+                   "kv_cache_memory_gb": speculative.config.kv_cache_memory_gb, **(engine_overrides or {})},
         "total_output_tokens": meth.tokens,
         "output_throughput": meth.throughput,
         "baseline_output_throughput": base.throughput,
