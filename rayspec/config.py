@@ -134,3 +134,5 @@ class ProposerContext:
     block_size: int = 16
     # share cached prefix blocks of verified tokens between sequences (the target's setting)
     enable_prefix_caching: bool = False
+    # run the proposer's decode-shaped forwards through the compiled step (the target's setting)
+    compile: bool = False

@@ -120,13 +120,14 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
         self.kv_plan = self._kv_plan(model, spec, in_process=getattr(proposer, "in_process", True))
         num_slots, num_blocks = self.kv_plan.num_slots, self.kv_plan.num_blocks
+        self.compile = config.compile if config.compile is not None else default_compile(self.device)
         context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model,
                                   max_num_batched_tokens=config.max_num_batched_tokens, num_blocks=num_blocks,
-                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                  compile=self.compile)
         self.proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
-        self.compile = config.compile if config.compile is not None else default_compile(self.device)
         self._warmed_up = False
         self.compile_timings: dict[str, float] | None = None  # the default's measurement (warm_up)
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
@@ -169,6 +170,9 @@ class LLMEngine:
                 logger.info("compiled step off: a decode forward took %.2f ms compiled, %.2f ms eager",
                             compiled_s * 1e3, eager_s * 1e3)
                 self.runner.compiled, self.compile = None, False
+                proposer_runner = getattr(self.proposer, "runner", None)  # the proposer follows the target
+                if proposer_runner is not None:
+                    proposer_runner.set_compile(False)
                 return []
         done = []
         for rows in sorted({1, bucket(1 + self.max_k)}):

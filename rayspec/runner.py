@@ -66,8 +66,15 @@ class ModelRunner:
         self.max_chunk_tokens: int | None = None
         # the compiled step (rayspec.compiled): forwards asked for with `static` run through it
         self.compiled = None
-        if compile and compilable(model):
-            self.compiled = CompiledForward(model, self.device)
+        self.set_compile(compile)
+
+    def set_compile(self, on: bool) -> None:
+        """Run static forwards (decode, verification, a proposer's drafting steps) through the compiled
+        step, or not. A no-op where the model cannot be compiled (rayspec.compiled.compilable)."""
+        if not on:
+            self.compiled = None
+        elif self.compiled is None and compilable(self.model):
+            self.compiled = CompiledForward(self.model, self.device)
 
     # ---- sequences and blocks --------------------------------------------------------------------
     @property
@@ -173,14 +180,15 @@ class ModelRunner:
             rest = [i for i in rest if i not in fits]
         return groups
 
-    def forward(self, seq_ids: list[str], token_lists: list[list[int]], last_only: bool) -> torch.Tensor:
+    def forward(self, seq_ids: list[str], token_lists: list[list[int]], last_only: bool,
+                static: bool = False) -> torch.Tensor:
         """Append token_lists[i] to sequence i's cache and return logits.
 
         Returns [B, vocab] (last real token of each row) if last_only, else [B, Q, vocab]
         with Q = max row length (rows padded at the end; padded logits are meaningless).
         The caller decides afterwards how many of the new tokens stay (`set_cached_len`).
         """
-        hidden, lengths = self.forward_hidden(seq_ids, token_lists)
+        hidden, lengths = self.forward_hidden(seq_ids, token_lists, static=static)
         if last_only:
             hidden = last_rows(hidden, lengths)
         return self.model.logits(hidden)
@@ -211,7 +219,7 @@ class ModelRunner:
         on_device = isinstance(token_lists, torch.Tensor)
         lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
-        if static and self.compiled is not None and not on_device and self.compiled.fits(B, Q):
+        if static and self.compiled is not None and self.compiled.fits(B, Q):
             return self._forward_static(seq_ids, token_lists, lengths, trees, packed, model_kwargs), lengths
         starts = [self._cached_len[s] for s in seq_ids]
         dev = self.device
@@ -309,8 +317,9 @@ class ModelRunner:
         starts = [self._cached_len[s] for s in seq_ids]
         kv_len = round_up(self._grow_for(seq_ids, starts, lengths, Qp, trees), KV_BUCKET)
         bs = self.block_size
-        ids = np.zeros((Bp, Qp), dtype=np.int64)
-        for b, t in enumerate(token_lists):
+        on_device = isinstance(token_lists, torch.Tensor)  # [B, Q] drafted on the device: padded there
+        ids = np.zeros((Bp, Qp) if not on_device else (0, 0), dtype=np.int64)
+        for b, t in enumerate([] if on_device else token_lists):
             ids[b, : len(t)] = t
         read = np.empty((Bp, kv_len), dtype=np.int64)
         read[:B] = self._rows(seq_ids, kv_len)
@@ -330,12 +339,17 @@ class ModelRunner:
         real = np.concatenate([np.arange(n) + b * Qp for b, n in enumerate(lengths)])
         t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
             ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
+        if on_device:
+            t_ids = _pad_rows(token_lists, Bp, Qp)
         if trees is not None:
             for b, (tree, start) in enumerate(zip(trees, starts)):
                 if tree.sees is not None:
                     t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
         batch = ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
                              mask=additive_mask(t_visible, self.dtype))
+        # tensor arguments per token (an EAGLE head's features, [B, Q, F]) padded as the tokens are
+        model_kwargs = {k: _pad_rows(v, Bp, Qp) if isinstance(v, torch.Tensor) and v.dim() >= 2
+                        and tuple(v.shape[:2]) == (B, Q) else v for k, v in model_kwargs.items()}
         out = self.compiled(t_ids, self.cache, batch, **model_kwargs)
 
         def unpad(x):  # [Bp, Qp, ...] -> the real tokens, packed or [B, Q, ...]
@@ -492,6 +506,15 @@ def prefill_groups(lengths: list[int], overhead_tokens: int, max_padded_tokens: 
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+def _pad_rows(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[B, Q, ...] -> [rows, cols, ...], zero past B and Q (on x's device; x itself when it fits)."""
+    if tuple(x.shape[:2]) == (rows, cols):
+        return x
+    out = x.new_zeros(rows, cols, *x.shape[2:])
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
 
 
 def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:

@@ -70,8 +70,9 @@ def test_compiled_step_equals_eager_joining_with_prefix_hits(tiny_model_dir, eag
         if compile:
             shapes = engine.runner.compiled.shapes
             assert shapes, "nothing went through the compiled step"
-            if spec:  # verification (a tree or a chain of drafts) went through it too
+            if spec:  # verification (a tree or a chain of drafts) went through it too, and the head's steps
                 assert any(rows > 1 for _, rows in shapes), shapes
+                assert engine.proposer.runner.compiled.shapes
     assert outputs[1] == outputs[0]
     assert all(len(o) == 12 for o in outputs[1])
     assert cached[1] == cached[0] and cached[1][1] >= 16 and cached[1][3] >= 16, cached  # prefix-cache hits
@@ -94,6 +95,7 @@ def test_compiled_step_equals_eager(tiny_model_dir, method):
     assert {b for b, _ in shapes} >= {1, 2, 4}, shapes
     if method == "draft_model":  # verification rows (1 + 3 drafts) through the compiled step
         assert any(q == 4 for _, q in shapes) and compiled.stats.num_accepted_tokens > 0
+        assert compiled.proposer.runner.compiled.shapes  # the draft's forwards went through it too
 
 
 def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
@@ -108,13 +110,16 @@ def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
     assert engine.runner.compiled.shapes == {(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)}
     assert engine.runner.num_free_slots == engine.num_slots
     assert engine.runner.num_free_blocks == engine.num_blocks  # the dummy sequences left nothing behind
-    graphs, warmed = counters["stats"]["unique_graphs"], set(engine.runner.compiled.shapes)
+    draft = engine.proposer.runner.compiled  # the draft's decode-shaped forwards compile as they come
+    graphs, warmed, drafted = counters["stats"]["unique_graphs"], set(engine.runner.compiled.shapes), set(draft.shapes)
     out = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
     assert all(len(o.token_ids) == 70 for o in out)  # past a 64-key bucket too: keys are dynamic
     # only the last steps' shorter drafts (rows 1 + 1, bucket 2) are new, one graph each, no recompiles
     new = engine.runner.compiled.shapes - warmed
     assert new <= {(2, 2)}, new
-    assert counters["stats"]["unique_graphs"] == graphs + len(new)
+    new_draft = draft.shapes - drafted
+    assert new_draft and {b for b, _ in new_draft} <= {1, 2}, new_draft
+    assert graphs < counters["stats"]["unique_graphs"] <= graphs + len(new) + len(new_draft)
     assert _engine(tiny_model_dir, "none", False).warm_up() == []
 
 

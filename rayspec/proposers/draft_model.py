@@ -46,6 +46,7 @@ class DraftModelProposer(Proposer):
         proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                        context.num_blocks, context.block_size, context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
+        proposer.runner.set_compile(context.compile)
         return proposer
 
     def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, max_draft_tokens: int,
@@ -95,7 +96,7 @@ class DraftModelProposer(Proposer):
         (ModelRunner.padded_groups) and the chunk budget (catch_up_pieces)."""
         forwards = catch_up_pieces([len(p) for p in pending], self.runner.max_chunk_tokens)
         if len(forwards) == 1 and len(self.runner.padded_groups(seq_ids, [len(p) for p in pending])) == 1:
-            return self.runner.forward(seq_ids, pending, last_only=True)
+            return self.runner.forward(seq_ids, pending, last_only=True, static=True)
         out: list[torch.Tensor | None] = [None] * len(seq_ids)
         for pieces in forwards:
             ids = [seq_ids[i] for i, _, _ in pieces]
@@ -149,7 +150,7 @@ class DraftModelProposer(Proposer):
             if step + 1 < k and self.should_stop is not None and self.should_stop():
                 break  # drafts come back shorter; the cache holds exactly what _fed says
             if step + 1 < k:
-                logits = self.runner.forward(seq_ids, choice[:, None], last_only=True)
+                logits = self.runner.forward(seq_ids, choice[:, None], last_only=True, static=True)
         (drafted,) = to_host(torch.stack(toks, 1))  # [B, k]
         tokens = drafted.tolist()
         for i, req in enumerate(active):

@@ -97,6 +97,7 @@ class EagleProposer(Proposer):
                        target_blocks=context.num_blocks, block_size=context.block_size,
                        enable_prefix_caching=context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
+        proposer.runner.set_compile(context.compile)
         return proposer
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
@@ -349,7 +350,8 @@ class EagleProposer(Proposer):
             sees[:, lo: lo + w, lo: lo + w] = eye
             depths = [j // w for j in range(lo + w)]
             trees = [TreeQuery(None, first=lo, depths=depths, sees=sees[b, lo: lo + w, : lo + w]) for b in range(B)]
-            hidden, _ = self.runner.forward_hidden(ids, f_tok, trees=trees, features=f_hidden.contiguous())  # [B, w, H]
+            hidden, _ = self.runner.forward_hidden(ids, f_tok, trees=trees, features=f_hidden.contiguous(),
+                                                   static=True)  # [B, w, H]
             fed_nodes.append(f_node)
             fed_hidden.append(hidden)
             logp = torch.log_softmax(self.head.draft_logits(hidden), dim=-1)  # [B, w, Vd]
@@ -459,7 +461,8 @@ class EagleProposer(Proposer):
                     break
                 if self._stop():
                     return [Draft([]) for _ in reqs]
-                out, _ = self.runner.forward_hidden(ids, toks[-1][:, None], features=hidden[:, None])  # [B, 1, H]
+                out, _ = self.runner.forward_hidden(ids, toks[-1][:, None], features=hidden[:, None],
+                                                    static=True)  # [B, 1, H]
                 hidden = out[:, 0]
             logits = self.head.draft_logits(hidden)  # [B, Vd]
             logp = torch.log_softmax(logits, dim=-1)
