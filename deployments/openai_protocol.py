@@ -180,7 +180,7 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit()):  # ("²".isdigit(), but not an int)
                 raise OpenAIError(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
             if not -100 <= bias <= 100:
                 raise OpenAIError("logit_bias values must be between -100 and 100", param="logit_bias")
@@ -198,7 +198,8 @@ class _Common(BaseModel):
             if kind == "json_object":
                 asked.append(("response_format", StructuredOutput.json_schema({"type": "object"})))
             elif kind == "json_schema":
-                schema = (fmt.get("json_schema") or {}).get("schema")
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise OpenAIError("response_format json_schema needs json_schema.schema (an object)",
                                       param="response_format")
@@ -401,7 +402,8 @@ class ChatCompletionRequest(_Common):
             return ToolCallMode(None, self.parallel_tool_calls, auto=True)
         if choice == "required":
             return ToolCallMode(None, self.parallel_tool_calls)
-        name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
             raise OpenAIError("tool_choice must be 'none', 'auto', 'required' or "
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
