@@ -12,7 +12,7 @@ JSONs ({out}/{tag}_stats.json):
     accepted tokens after hits and after misses) against the verifier's view (`proposer_call_seconds`).
 
     python benchmarks/async_serve.py benchmarks/async_eagle_bench.yaml --apps sync async sync2 \
-        --num-prompts 5 --concurrency 1 --tag eagle_async_c1
+        --num-prompts 5 --concurrency 1 --tag served_eagle3_async_vs_sync_c1
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 # the MT-bench, HumanEval and GSM8K prompt sets, and where vLLM is importable serves vLLM's own
 # EAGLE-3 on the same weights (vllm-eagle3) and sends it the same prompts. Writes JSON and plots
 # per set into the results directory and prints a summary table: tok/s, TTFT, TPOT, acceptance
-# and speedup over the baseline per set and concurrency (benchmarks/README.md, "GPU benchmark").
+# and speedup over the baseline per set and concurrency (benchmarks/README.md, "GPU").
 #
 # GPU memory is never shared by two engines unless asked (--layout together on one GPU): with
 # one GPU our two apps run one after the other (layout sequential), with two or more side by side

@@ -1,4 +1,4 @@
-"""Paged KV cache and prefix caching on this machine (benchmarks/README.md, "Paged KV and prefix caching").
+"""Paged KV cache and prefix caching on this machine (docs/benchmarks-history.md, "Paged KV and prefix caching").
 
   capacity:   N requests of exactly --prompt-tokens + --max-tokens tokens under one KV budget: how many
               run at once (the most, and how many still ran when the first finished, all near full

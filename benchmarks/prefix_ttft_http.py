@@ -5,7 +5,8 @@ prefix cached (`usage.prompt_tokens_details.cached_tokens`) and answer its first
   .venv/bin/python benchmarks/prefix_ttft_http.py --url http://127.0.0.1:8000 --prefix-words 1500 --pairs 4
 
 Each pair uses a new prefix (so the first request of a pair finds nothing cached); prints JSON with
-each request's TTFT, cached tokens, and the second/first TTFT ratio per pair (benchmarks/README.md).
+each request's TTFT, cached tokens, and the second/first TTFT ratio per pair (docs/benchmarks-history.md,
+"Paged KV and prefix caching").
 """
 
 from __future__ import annotations

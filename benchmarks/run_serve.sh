@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPTS=${1:-rayspec/data/prompts}/mt_bench.jsonl  # default: the bundled set
 OUT=${OUT:-benchmarks/results}
-TAG=${TAG:-serve_mt_bench}
+TAG=${TAG:-served_sweep_mt_bench}
 N=${N:-10}; ROUNDS=${ROUNDS:-3}; CONC=${CONC:-1,2,4,8}; WAVES=${WAVES:-4}
 mkdir -p "$OUT"
 offline() {  # $1: output JSON, $2: torch threads
