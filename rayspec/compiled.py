@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 KV_BUCKET = 64
 MAX_ROWS = 64  # a forward of more padded rows than this (batch x rows) runs eager (a prefill's size)
 
-# where the compiled step may be faster than eager (benchmarks/README.md, "Compiled step"). On an
+# where the compiled step may be faster than eager (docs/benchmarks-history.md, "Compiled step"). On an
 # H200 it measured 3.4-3.9x faster for SmolLM2's shapes (launch-bound) and 0.76-0.83x for
 # Llama-3.1-8B's (benchmarks/results/gpu_compiled_h200.json, gpu_fusion_h200.json): so on CUDA the
 # default is decided per engine, by timing a decode forward both ways (LLMEngine.warm_up). On CPU

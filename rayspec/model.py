@@ -288,7 +288,7 @@ def cpu_bf16_fast() -> bool:
 
 
 # oneDNN ran 1 or 2 rows against a prepacked weight slower than 4 on one AMD VM (30 MLPs + LM
-# head, 1 thread, 36-45 ms for 1-2 rows, 28-37 ms for 4; benchmarks/README.md, "Small matmuls"),
+# head, 1 thread, 36-45 ms for 1-2 rows, 28-37 ms for 4; docs/benchmarks-history.md, "Small matmuls"),
 # so fewer rows may be padded up to this many. Whether to (and whether to use oneDNN at all) is
 # measured on the CPU at hand when a model loads (rayspec.cpu_kernels); this is the default for
 # layers built outside a model's pack_for_cpu.

@@ -4,7 +4,7 @@ Why: a draft only steers speed (the verifier's rule keeps the output the target'
 precision for memory traffic. Decoding reads every weight once per token; on CPU that is memory
 bound, and int8 weights are a quarter of float32's bytes. Measured on an AMD EPYC (1 thread, 40
 weights of 1536x576 so that none stays in cache): float32 407 us per weight and row, fbgemm's
-dynamic int8 92 us; the 49152x576 LM head 11.5 ms against 2.0 ms (benchmarks/README.md, "An int8
+dynamic int8 92 us; the 49152x576 LM head 11.5 ms against 2.0 ms (docs/benchmarks-history.md, "An int8
 self-draft"). The target's own checkpoint in int8 is a draft that agrees with it on most tokens.
 
 Each Linear keeps its output channels' int8 weights and one float scale per channel (symmetric,

@@ -306,7 +306,7 @@ def test_long_prefill_peak_memory_is_one_chunk(smollm2):
     """A 3,000-token prompt through SmolLM2's shapes (its first 2 layers), each run in a fresh
     process with the KV cache resident beforehand: chunked (256), the prefill's peak above the
     weights and cache stays within the planner's estimate of one chunk's activations; unchunked,
-    it is many times larger. (The recorded 8,000-token, 30-layer figures: benchmarks/README.md.)"""
+    it is many times larger. (The recorded 8,000-token, 30-layer figures: docs/benchmarks-history.md.)"""
     import importlib.util
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_memory.py"
     spec = importlib.util.spec_from_file_location("prefill_memory", path)

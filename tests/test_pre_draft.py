@@ -67,7 +67,7 @@ def test_smollm2_greedy_matches_target_with_hits(smollm2):
     for p, out in zip(PROMPTS, outs):
         assert list(out.token_ids) == list(greedy_reference(smollm2, p, MAX_TOKENS)), p
     stats = proposer.pre_drafter.stats
-    # an untrained truncated draft rarely guesses the verdict (benchmarks/README.md "draft_model"), but it does
+    # an untrained truncated draft rarely guesses the verdict (docs/benchmarks-history.md "draft_model"), but it does
     assert stats.num_hits > 0, stats.as_dict()
 
 
