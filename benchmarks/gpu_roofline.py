@@ -11,7 +11,12 @@ still leaves its figures):
 3. verification of an 8-node EAGLE-3 tree (the pending token and 7 drafts under a tree mask) and of an
    8-token chain (9 rows), batch 1, compiled, beside the decode step;
 4. an EAGLE-3 head's step (one decoder layer at these widths, a 32k draft vocabulary), compiled;
-5. the peer: transformers' own decode of the same shapes with a static cache, compiled, per token.
+5. the peer: transformers' own decode of the same shapes with a static cache, compiled, per token;
+6. the attention candidates for batch > 1 over the paged cache (one layer, decode, sequences' blocks
+   scattered over the pool): today's gather of each sequence's keys through its block table plus a
+   dense mask and SDPA, against FlexAttention reading the pool in place through a BlockMask built
+   from the block tables (compiled), with their largest difference: the measurement that decides
+   which one the step should use on this GPU.
 
 It prints one table and writes JSON and a plot (if matplotlib is there). From the measured times it
 states the EAGLE-3 tokens per second they imply at a given acceptance length (--acceptance-length).
@@ -235,6 +240,70 @@ def transformers_peer(a, device, dtype, clock: Clock, out) -> float | None:
         return None
 
 
+def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
+    """One decoder layer's decode attention at batch B over a paged pool, two ways (see the module doc)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    v, h, i, layers, heads, kv_heads, hd, theta = SHAPES[a.shape]
+    bs = 16
+    flex = torch.compile(flex_attention)
+    for batch in a.batches:
+        if batch == 1:
+            continue
+        try:
+            blocks_per_seq = -(-a.context // bs)
+            num_blocks = batch * blocks_per_seq + 8
+            gen = torch.Generator().manual_seed(batch)
+            perm = torch.randperm(num_blocks, generator=gen)  # the sequences' blocks scattered over the pool
+            tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq)
+            pool_k = torch.randn(num_blocks * bs, kv_heads, hd, device=device, dtype=dtype)
+            pool_v = torch.randn_like(pool_k)
+            q = torch.randn(batch, heads, 1, hd, device=device, dtype=dtype)
+            lengths = torch.tensor([a.context - 7 * b for b in range(batch)], device=device)  # keys per sequence
+            kv_len = a.context
+            rows = (tables[:, :, None] * bs + torch.arange(bs)).view(batch, -1)[:, :kv_len].to(device)
+
+            def gathered():
+                k = pool_k.index_select(0, rows.reshape(-1)).view(batch, kv_len, kv_heads, hd).transpose(1, 2)
+                vv = pool_v.index_select(0, rows.reshape(-1)).view(batch, kv_len, kv_heads, hd).transpose(1, 2)
+                visible = torch.arange(kv_len, device=device)[None] < lengths[:, None]
+                mask = torch.zeros(batch, 1, 1, kv_len, device=device, dtype=dtype).masked_fill_(
+                    ~visible[:, None, None], float("-inf"))
+                return torch.nn.functional.scaled_dot_product_attention(q, k, vv, attn_mask=mask, enable_gqa=True)
+
+            logical = torch.full((batch, num_blocks), -1, dtype=torch.long)
+            logical.scatter_(1, tables, torch.arange(blocks_per_seq).expand(batch, -1).contiguous())
+            logical = logical.to(device)
+            kv_num = torch.full((batch, 1, 1), blocks_per_seq, dtype=torch.int32, device=device)
+            kv_idx = torch.zeros(batch, 1, 1, num_blocks, dtype=torch.int32)
+            kv_idx[:, 0, 0, :blocks_per_seq] = tables.to(torch.int32)
+            kv_idx = kv_idx.to(device)
+
+            def mask_mod(b, h_, q_idx, kv):
+                lb = logical[b, kv // bs]
+                return (lb >= 0) & (lb * bs + kv % bs < lengths[b])
+
+            pool_kt, pool_vt = pool_k.permute(1, 0, 2)[None], pool_v.permute(1, 0, 2)[None]
+
+            def paged():
+                block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(1, bs), mask_mod=mask_mod,
+                                                      seq_lengths=(1, num_blocks * bs))
+                return flex(q, pool_kt.expand(batch, -1, -1, -1), pool_vt.expand(batch, -1, -1, -1),
+                            block_mask=block_mask, enable_gqa=True)
+
+            diff = (gathered().float() - paged().float()).abs().max().item()
+            tg = clock.time(gathered, iters=a.iters)
+            tp = clock.time(paged, iters=a.iters)
+            record(out, "attention", {"shape": a.shape, "batch": batch, "context": a.context, "block_size": bs,
+                                      "gather_sdpa_ms_per_layer": round(tg * 1e3, 4),
+                                      "flex_paged_ms_per_layer": round(tp * 1e3, 4),
+                                      "per_step_ms_gather": round(tg * layers * 1e3, 3),
+                                      "per_step_ms_flex": round(tp * layers * 1e3, 3), "max_abs_diff": diff})
+        except Exception as err:  # noqa: BLE001
+            record(out, "errors", {"case": f"attention batch {batch}", "error": repr(err),
+                                   "trace": traceback.format_exc()[-2000:]})
+
+
 def summary(a, bw: dict, times: dict, wbytes: int, head_s, peer_s) -> dict:
     gbs = max(bw["copy_gb_s"], bw["read_gb_s"]) * 1e9
     roof = wbytes / gbs
@@ -323,6 +392,8 @@ def main() -> None:
         times, wbytes = ours(a, device, dtype, clock, out)
         head_s = head_step(a, device, dtype, clock, out)
     peer_s = None if a.no_peer else transformers_peer(a, device, dtype, clock, out)
+    with torch.inference_mode():
+        attention_candidates(a, device, dtype, clock, out)
     RESULTS["summary"] = summary(a, bw, times, wbytes, head_s, peer_s)
     RESULTS["summary"]["wall_s"] = round(time.perf_counter() - started, 1)
     if out is not None:
@@ -338,6 +409,10 @@ def main() -> None:
         print(f"{'EAGLE-3 head step':<34} {row['ms']:>10} {row['ms'] / roof_ms:>15.2f}")
     for row in RESULTS.get("peer", []):
         print(f"{'transformers static, compiled':<34} {row['ms_per_token']:>10} {row['ms_per_token'] / roof_ms:>15.2f}")
+    for row in RESULTS.get("attention", []):
+        for way in ("gather", "flex"):
+            name = f"attention b={row['batch']} {way} (x layers)"
+            print(f"{name:<34} {row[f'per_step_ms_{way}']:>10} {row[f'per_step_ms_{way}'] / roof_ms:>15.2f}")
     print(json.dumps(RESULTS["summary"], indent=1))
     if RESULTS.get("errors"):
         print(f"{len(RESULTS['errors'])} case(s) failed: see 'errors' in the JSON")
