@@ -45,11 +45,13 @@ SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26] * 2
 JOINING = [SHARED + [40, 41], SHARED + [50], [9, 8, 7, 6], SHARED + [60, 61, 62]]
 
 
-@pytest.mark.parametrize("method", ["none", "eagle3-tree", "eagle3-chain"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3-tree", "eagle3-chain"])
 def test_compiled_step_equals_eager_joining_with_prefix_hits(tiny_model_dir, eagle3_head_dir, method):
     """Requests joining mid-decode, two of them on a cached prefix: the compiled engine's greedy output
     is the eager one's (EAGLE-3: trees verified as one compiled forward at batch 1-2, chains beyond)."""
     spec = {}
+    if method == "draft_model":  # the target's first layer as its draft: accepted at times, not always
+        spec = dict(draft_model=str(tiny_model_dir), draft_num_layers=1)
     if method.startswith("eagle3"):
         spec = dict(draft_model=str(eagle3_head_dir), eagle_topk=2,
                     tree_max_batch=2 if method == "eagle3-tree" else 0)
@@ -70,8 +72,9 @@ def test_compiled_step_equals_eager_joining_with_prefix_hits(tiny_model_dir, eag
         if compile:
             shapes = engine.runner.compiled.shapes
             assert shapes, "nothing went through the compiled step"
-            if spec:  # verification (a tree or a chain of drafts) went through it too, and the head's steps
+            if method != "none":  # verification (a tree or a chain of drafts) went through it too
                 assert any(rows > 1 for _, rows in shapes), shapes
+            if spec:  # and the draft's or the head's own forwards
                 assert engine.proposer.runner.compiled.shapes
     assert outputs[1] == outputs[0]
     assert all(len(o) == 12 for o in outputs[1])
