@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,49 @@ def smollm2_dir() -> Path:
     pytest.skip(missing)
 
 
+# ---- tiers ----------------------------------------------------------------------------------------
+# Every test gets one tier marker (registered in pyproject.toml), and the run goes tier by tier in
+# this order, each module's tests in their own order within a tier:
+#   unit     no model engine, or a few steps of a tiny one: seconds in all per module
+#   engine   in-process engines and model loads (tiny models, the real SmolLM2-135M, torch.compile)
+#   serve    apps on the session's shared Ray cluster (tests/ray_utils.py; fixtures ray_cluster, serve_url)
+#   cluster  a Ray cluster of their own (multi-node ray.cluster_utils.Cluster, `ray start`, its own
+#            environment) or a process that starts one (`rayspec serve`, the wheel): fixture own_cluster
+# A test's tier is its module's below (unit when not listed) unless its fixtures start Ray: serve
+# with ray_cluster or serve_url, cluster with own_cluster. `scripts/test --quick` runs unit and engine.
+TIERS = ("unit", "engine", "serve", "cluster")
+ENGINE_MODULES = {
+    "test_async_model", "test_bench_offline", "test_chunked_prefill", "test_compiled_step", "test_cpu_kernels",
+    "test_default_config_greedy", "test_eagle", "test_engine_limits", "test_families", "test_generic_model",
+    "test_gpu_bench", "test_greedy_equivalence", "test_host_syncs", "test_kv_cache", "test_logprobs",
+    "test_lossless_sampled", "test_metrics", "test_numerics", "test_paged_kv", "test_penalties", "test_plan",
+    "test_pre_draft", "test_quantize", "test_sampling_distribution", "test_stopping", "test_structured",
+    "test_tensor_parallel", "test_tools", "test_loader",
+}
+# Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
+# which must be its app's alone (tests/test_serve_openai.py, fixture server).
+SERVE_FIRST = ("test_serve_openai",)
+
+
+def item_tier(item) -> str:
+    names = set(getattr(item, "fixturenames", ()))
+    if "own_cluster" in names:
+        return "cluster"
+    if names & {"ray_cluster", "serve_url"}:
+        return "serve"
+    return "engine" if item.module.__name__ in ENGINE_MODULES else "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(session, config, items):
+    keys = {}
+    for index, item in enumerate(items):
+        tier = item_tier(item)
+        item.add_marker(tier)
+        keys[item] = (TIERS.index(tier), not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
+    items.sort(key=keys.__getitem__)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """In strict mode a skipped test fails the run (after pytest's own -rs listing of reasons)."""
     skipped = terminalreporter.stats.get("skipped", [])
@@ -78,6 +122,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    ray_utils = sys.modules.get("ray_utils")
+    if ray_utils is not None:
+        ray_utils.release_shared_cluster()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter is not None else []
     if strict() and skipped and exitstatus == 0:
@@ -99,3 +146,33 @@ def tiny_draft_dir(tmp_path_factory) -> Path:
 def smollm2() -> str:
     smollm2_dir()
     return DEFAULT_MODEL
+
+
+# ---- Ray: one shared cluster (tests/ray_utils.py) -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> dict:
+    """The session's shared local Ray cluster (started on first use): {"metrics_port": ...}."""
+    from ray_utils import shared_cluster
+
+    return shared_cluster()
+
+
+@pytest.fixture(scope="module")
+def serve_url(ray_cluster) -> str:
+    """Serve on the shared cluster: the HTTP proxy's base URL. Apps a module deployed and left are
+    deleted after it, so the next module finds the cluster free."""
+    from ray_utils import delete_apps, shared_serve_url
+
+    url = shared_serve_url()
+    yield url
+    delete_apps()
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> None:
+    """For tests that start a Ray cluster of their own (in this process or another): the shared one
+    is stopped first (one cluster at a time on this 2-core machine)."""
+    from ray_utils import release_shared_cluster
+
+    release_shared_cluster()

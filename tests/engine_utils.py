@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from rayspec import loader
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine, RequestOutput
+from rayspec.proposers.base import Draft, Proposer
 from rayspec.sampling import SamplingParams
 
 # One intra-op thread: these models are small, and on a 2-core machine that also runs other
@@ -203,3 +205,39 @@ def submit_all(loop, prompts: dict, params: SamplingParams, timeout: float) -> d
     for _ in prompts:
         assert finished.acquire(timeout=timeout)
     return got
+
+
+class OracleProposer(Proposer):
+    """Drafts the expected output itself (so long drafts are accepted and later rows matter), as a
+    chain, or as a tree whose true path is interleaved with wrong siblings."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int, wrong: int, force_tree: bool = False):
+        self.expected, self.k, self.wrong, self.force_tree = expected, k, wrong, force_tree
+
+    def propose(self, requests):
+        drafts = []
+        for r in requests:
+            prompt = next(p for p in self.expected if tuple(r.token_ids[:len(p)]) == p)
+            done = len(r.token_ids) - len(prompt)
+            want = self.expected[prompt][done: done + r.num_tokens]
+            if not (r.tree or self.force_tree):
+                drafts.append(Draft(want))
+                continue
+            tokens, parents, last = [], [], -1
+            for j, tok in enumerate(want[: r.num_tokens // 2]):  # pairs: a wrong sibling, then the true token
+                # the sibling is the next true token where it can be: counted on the wrong path it
+                # would be penalized one row too early
+                sibling = want[j + 1] if j + 1 < len(want) and want[j + 1] != tok else self.wrong
+                tokens += [sibling, tok]
+                parents += [last, last]
+                last = len(tokens) - 1
+            drafts.append(Draft(tokens, parents=parents))
+        return drafts
+
+
+def bench_prompts_file(path):
+    """A prompts file for `rayspec bench offline` (prompts whose answers repeat: n-gram hits)."""
+    lines = [{"question_id": i, "category": "t", "turns": [f"Repeat after me: {w} {w} {w} {w}."]}
+             for i, w in enumerate(["alpha beta", "one two three", "red green", "up down"])]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path

@@ -72,3 +72,108 @@ def is_error_event(line: str) -> bool:
     except ValueError:
         return True  # not JSON: not a chunk of ours either
     return isinstance(event, dict) and "error" in event
+
+
+# ---- streamed completions (server-sent events) ---------------------------------------------------
+
+def completion_body(prompt: str, max_tokens: int, temperature: float = 0.0) -> dict:
+    """A streamed /v1/completions body for the tiny apps (tiny_args): every token up to max_tokens."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True}
+
+
+def take_event(line: str, out: dict) -> bool:
+    """Fold one line of a streamed completion into `out` ({text, done, error}): the text of its
+    chunks, done at `[DONE]`, an error event as `error`. Whether the line was an event."""
+    import json
+
+    if not line.startswith("data: "):
+        return False
+    data = line[len("data: "):]
+    if data == "[DONE]":
+        out["done"] = True
+    elif "error" in (event := json.loads(data)):
+        out["error"] = event
+    else:
+        out["text"] += "".join(c["text"] for c in event["choices"])
+    return True
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int, temperature: float = 0.0,
+                      progress: list[int] | None = None, index: int = 0, timeout: float = 180) -> dict:
+    """One streamed completion from `url` (.../v1/completions): {status, text, done, error};
+    progress[index] counts its events."""
+    import httpx
+
+    out = {"status": None, "text": "", "done": False, "error": None}
+    with httpx.stream("POST", url, json=completion_body(prompt, max_tokens, temperature), timeout=timeout) as resp:
+        out["status"] = resp.status_code
+        for line in resp.iter_lines():
+            if take_event(line, out) and progress is not None:
+                progress[index] += 1
+    return out
+
+
+async def astream_completion(client, url: str, prompt: str, max_tokens: int, progress: list[int],
+                             index: int) -> dict:
+    """stream_completion on an httpx.AsyncClient: {status, text, done, error, cut}. A status other
+    than 200 gives its JSON as the error; a dropped connection sets cut (and the error)."""
+    import json
+
+    import httpx
+
+    out = {"status": None, "text": "", "done": False, "error": None, "cut": False}
+    try:
+        async with client.stream("POST", url, json=completion_body(prompt, max_tokens)) as resp:
+            out["status"] = resp.status_code
+            if resp.status_code != 200:
+                out["error"] = json.loads(await resp.aread())
+                return out
+            async for line in resp.aiter_lines():
+                if take_event(line, out):
+                    progress[index] += 1
+    except (httpx.RemoteProtocolError, httpx.ReadError) as err:  # the connection was dropped
+        out["cut"], out["error"] = True, repr(err)
+    return out
+
+
+def run_streams(url: str, prompts: list[str], max_tokens: int, fault=None, after_events: int = 8) -> list[dict]:
+    """Greedy streamed completions of `prompts` from the app at `url`, all at once; once each has had
+    `after_events` events, fault() runs (none may have ended before)."""
+    import concurrent.futures
+
+    progress = [0] * len(prompts)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream_completion, url + "/v1/completions", p, max_tokens, progress=progress, index=i)
+                   for i, p in enumerate(prompts)]
+        if fault is not None:
+            wait_for(lambda: min(progress) >= after_events or all(f.done() for f in futures), timeout=120, interval=0.02)
+            assert not any(f.done() for f in futures), "a stream ended before the fault"
+            fault()
+        return [f.result(timeout=180) for f in futures]
+
+
+def app_stats(url: str) -> dict:
+    """The app's /v1/stats."""
+    import httpx
+
+    return httpx.get(url + "/v1/stats", timeout=30).json()
+
+
+def app_deployments(app) -> dict:
+    """name -> Deployment of a built Serve application, walking the bound graph from the ingress."""
+    from ray.serve.deployment import Application
+
+    found, todo = {}, [app]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, Application):
+            dep = node._bound_deployment
+            found[dep.name] = dep
+            todo.extend(dep.init_args)
+            todo.extend(dep.init_kwargs.values())
+        elif isinstance(node, (list, tuple)):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            todo.extend(node.values())
+    return found

@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import json
 
-import tests.engine_utils  # noqa: F401  (one torch thread for the tiny models)
+from engine_utils import bench_prompts_file  # (and one torch thread for the tiny models)
 from rayspec.cli import main
-
-
-def _prompts_file(path):
-    lines = [{"question_id": i, "category": "t", "turns": [f"Repeat after me: {w} {w} {w} {w}."]}
-             for i, w in enumerate(["alpha beta", "one two three", "red green", "up down"])]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
 
 
 def _bench(model_dir, prompts, out, *extra):
@@ -26,7 +19,7 @@ def _bench(model_dir, prompts, out, *extra):
 
 def test_bench_offline_cli(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
-    prompts = _prompts_file(tmp_path / "prompts.jsonl")
+    prompts = bench_prompts_file(tmp_path / "prompts.jsonl")
     drafting = _bench(tiny_model_dir, prompts, tmp_path / "on.json")
     assert "4/4" in capsys.readouterr().err  # the progress bar, per prompt, on stderr
     env = drafting["environment"]  # the machine and versions the figures depend on
@@ -57,7 +50,7 @@ def test_bundled_prompt_sets(tmp_path):
         assert len(load_prompts(name)) == 80 and load_prompts(f"{name}.jsonl", 3) == load_prompts(name)[:3]
     notice = (PROMPT_SETS_DIR.parent / "NOTICE.md").read_text()
     assert all(f"prompts/{name}.jsonl" in notice for name in prompt_sets()) and "Apache-2.0" in notice
-    mine = _prompts_file(tmp_path / "mt_bench.jsonl")  # a file of that name wins over the bundled set
+    mine = bench_prompts_file(tmp_path / "mt_bench.jsonl")  # a file of that name wins over the bundled set
     assert prompts_path(mine) == mine and load_prompts(mine)[0].startswith("Repeat after me")
     with pytest.raises(FileNotFoundError, match="gsm8k, humaneval, mt_bench"):
         load_prompts("no_such_set")

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-import ray
-import ray.serve as serve
 import matplotlib  # noqa: F401 - a hard dependency: missing means an error, not a skip
 
+from ray_utils import serving
 from serve_utils import free_port, tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
@@ -29,15 +28,10 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def server(tiny_model_dir, serve_url):
     # adaptive off: a greedy request drafts what the in-process engine drafts (see `reference`)
-    serve.run(build_app(tiny_args(tiny_model_dir, speculative={"adaptive": False})), name="rayspec", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(("rayspec", build_app(tiny_args(tiny_model_dir, speculative={"adaptive": False})), "/")):
+        yield serve_url
 
 
 @pytest.fixture(scope="module")

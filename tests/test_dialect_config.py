@@ -316,7 +316,7 @@ def test_rayspec_serve_bad_args_exit_2(tmp_path, capsys):
     assert "medusa" in capsys.readouterr().err
 
 
-def test_rayspec_serve_runs(tiny_model_dir, tmp_path):
+def test_rayspec_serve_runs(tiny_model_dir, tmp_path, own_cluster):
     """`rayspec serve MODEL --config FILE` in a process of its own: a local Ray, the app, /v1/models;
     SIGINT stops it."""
     config = tmp_path / "app.yaml"
@@ -376,21 +376,12 @@ def tiny_dialect_apps(tiny_model_dir) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    import ray
-    from ray import serve
+def served(tiny_model_dir, serve_url):
+    from ray_utils import serving
 
     apps = tiny_dialect_apps(tiny_model_dir)
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for name, (builder, args) in apps.items():
-            serve.run(builder(copy.deepcopy(args)), name=name, route_prefix=f"/{name}")
-        yield f"http://127.0.0.1:{port}", apps
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with serving(*((name, builder(copy.deepcopy(args)), f"/{name}") for name, (builder, args) in apps.items())):
+        yield serve_url, apps
 
 
 def test_dialect_yamls_serve_what_the_native_app_serves(served):

@@ -984,7 +984,7 @@ def test_engine_refuses_a_local_proposer_that_lost_features(tiny_model_dir):
     assert not engine.has_unfinished_requests()
 
 
-def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_path):
+def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_path, own_cluster):
     """`--num-workers 2` (Ray Train, gloo all-reduce) trains the head one process trains with
     `--grad-accum 2` on the same data: each step takes the same two batches, one per worker. Its
     answers and features (2 Ray actors, chunks of prompts) are the ones one process makes. On a

@@ -23,10 +23,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.generation.modes import GenerationMode
 
-import ray
-import ray.serve as serve
 from deployments.app import build_app
-from serve_utils import free_port, tiny_args
+from ray_utils import serving
+from serve_utils import tiny_args
 
 FUZZ_EXAMPLES = int(os.environ.get("RAYSPEC_FUZZ_EXAMPLES", "80"))
 CALL_TIMEOUT_S = 60.0
@@ -34,16 +33,9 @@ GENERATION = {"/v1/completions", "/v1/chat/completions"}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(tiny_args(tiny_model_dir)), name="fuzz", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def served(tiny_model_dir, serve_url):
+    with serving(("fuzz", build_app(tiny_args(tiny_model_dir)), "/")):
+        yield serve_url
 
 
 @pytest.fixture(scope="module")

@@ -350,7 +350,7 @@ def test_legacy_pytorch_bin_loads_without_mmap(tmp_path):
     _assert_same_weights(loader.load_model(str(path), device="cpu")[0], state)
 
 
-def test_config_naming_hub_ids_served_from_empty_cache_then_offline(repos, tmp_path, monkeypatch):
+def test_config_naming_hub_ids_served_from_empty_cache_then_offline(repos, tmp_path, monkeypatch, own_cluster):
     """A config naming hub ids (the target and its EAGLE-3 head) is served on Ray Serve from an empty
     cache: the replicas download what a load needs from the hub (reached through the runtime_env's
     env_vars alone) and serve the target's own greedy text. Then again, offline from that cache, with

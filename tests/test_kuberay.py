@@ -26,6 +26,7 @@ from deployments import kuberay
 from deployments.config import AppArgs
 from deployments.dialects import app_args_of
 from rayspec.cli import main
+from serve_utils import app_deployments
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -48,25 +49,6 @@ def node_types(manifest: dict) -> dict[str, dict]:
 
 
 # ---- what a built Application asks for ---------------------------------------------------------
-
-def app_deployments(app) -> dict:
-    """name -> Deployment, walking the bound graph from the ingress."""
-    from ray.serve.deployment import Application
-
-    found, todo = {}, [app]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, Application):
-            dep = node._bound_deployment
-            found[dep.name] = dep
-            todo.extend(dep.init_args)
-            todo.extend(dep.init_kwargs.values())
-        elif isinstance(node, (list, tuple)):
-            todo.extend(node)
-        elif isinstance(node, dict):
-            todo.extend(node.values())
-    return found
-
 
 def replica_demand(opts: dict, bundles, strategy) -> tuple[dict[str, float], int]:
     """(resources one node must give, nodes' worth per replica) of a replica with ray_actor_options

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import make_tiny_model_dir
-from serve_utils import free_port, tiny_args
+from serve_utils import tiny_args
 
 from deployments.config import load_app_args
 from deployments.openai_protocol import (AutoToolCallStream, ChatCompletionRequest, CompletionRequest, OpenAIError,
@@ -228,20 +228,14 @@ def hermes_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(hermes_model_dir):
-    import ray
-    import ray.serve as serve
+def server(hermes_model_dir, serve_url):
+    from ray_utils import serving
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = tiny_args(hermes_model_dir, api_key=KEY)
-    serve.run(build_app(args), name="dialect", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "model_path": str(hermes_model_dir)}
-    serve.shutdown()
-    ray.shutdown()
+    with serving(("dialect", build_app(args), "/")):
+        yield {"url": serve_url, "model_path": str(hermes_model_dir)}
 
 
 @pytest.fixture(scope="module")

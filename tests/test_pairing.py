@@ -18,9 +18,7 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 from ray.cluster_utils import Cluster
-from serve_utils import free_port, target_only_texts, tiny_args, wait_for
-from test_kuberay import app_deployments
-from test_serve_async import _run, _stats
+from serve_utils import app_deployments, app_stats, free_port, run_streams, target_only_texts, tiny_args, wait_for
 
 from deployments.app import build_app
 from deployments.config import AppArgs
@@ -106,7 +104,7 @@ def test_bad_combinations_are_refused(tmp_path, overrides, message):
 # ---- served on a cluster with fake GPUs -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
+def served(tiny_model_dir, own_cluster):
     """app name -> its URL; and the ids of the nodes with GPUs."""
     # STRICT_PACK (deployed first) needs a node with two free GPUs: the head; STRICT_SPREAD then
     # gets the two one-GPU nodes
@@ -158,10 +156,10 @@ def test_pairs_land_where_the_strategy_says(served):
 def test_greedy_matches_target_over_the_direct_channel(served, want):
     urls, _ = served
     for app, url in urls.items():
-        before = _stats(url)
-        results = _run(url, PROMPTS, MAX_TOKENS)
+        before = app_stats(url)
+        results = run_streams(url, PROMPTS, MAX_TOKENS)
         assert [r["text"] for r in results] == want and all(r["done"] and r["error"] is None for r in results), app
-        stats = _stats(url)
+        stats = app_stats(url)
         assert stats["proposer_direct_calls"] > before.get("proposer_direct_calls", 0), stats
         assert stats["num_accepted_tokens"] > before.get("num_accepted_tokens", 0), stats
 
@@ -173,19 +171,19 @@ def test_killed_paired_proposer_mid_stream_keeps_outputs(served, want, reference
     def kill():
         ray.kill(ray.get_actor(first["name"], namespace=first["namespace"]), no_restart=True)
 
-    results = _run(url, PROMPTS, MAX_TOKENS, kill)
+    results = run_streams(url, PROMPTS, MAX_TOKENS, kill)
     for i, r in enumerate(results):
         assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
         assert r["text"] == want[i], i
     # a later step pins again, finds the actor gone and starts another in the same bundle; once it
     # has loaded, the drafts come back over its channel
-    calls, short = _stats(url)["proposer_direct_calls"], reference(16)[0]
+    calls, short = app_stats(url)["proposer_direct_calls"], reference(16)[0]
 
     def drafting_again() -> bool:
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16,
                                                       "temperature": 0, "ignore_eos": True}, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == short
-        return _stats(url)["proposer_direct_calls"] > calls
+        return app_stats(url)["proposer_direct_calls"] > calls
 
     wait_for(drafting_again, timeout=180, interval=0.5)
     second = _placement("pack")["proposer"]

@@ -9,9 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_utils import _hf_model, cached_model, make_engine, run_to_completion
+from engine_utils import OracleProposer, _hf_model, cached_model, make_engine, run_to_completion
 from rayspec.logits_processing import verification_row_extra
-from rayspec.proposers.base import Draft, Proposer
 from rayspec.sampling import SamplingParams
 
 PROMPTS = [
@@ -89,34 +88,6 @@ def test_greedy_with_penalties_matches_reference(tiny_model_dir, tiny_loaded, re
                                                  SamplingParams(temperature=0, max_tokens=20))
     if name != "none":
         assert engine.stats.num_accepted_tokens > 0
-
-
-class OracleProposer(Proposer):
-    """Drafts the expected output itself (so long drafts are accepted and later rows matter), as a
-    chain, or as a tree whose true path is interleaved with wrong siblings."""
-
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], k: int, wrong: int, force_tree: bool = False):
-        self.expected, self.k, self.wrong, self.force_tree = expected, k, wrong, force_tree
-
-    def propose(self, requests):
-        drafts = []
-        for r in requests:
-            prompt = next(p for p in self.expected if tuple(r.token_ids[:len(p)]) == p)
-            done = len(r.token_ids) - len(prompt)
-            want = self.expected[prompt][done: done + r.num_tokens]
-            if not (r.tree or self.force_tree):
-                drafts.append(Draft(want))
-                continue
-            tokens, parents, last = [], [], -1
-            for j, tok in enumerate(want[: r.num_tokens // 2]):  # pairs: a wrong sibling, then the true token
-                # the sibling is the next true token where it can be: counted on the wrong path it
-                # would be penalized one row too early
-                sibling = want[j + 1] if j + 1 < len(want) and want[j + 1] != tok else self.wrong
-                tokens += [sibling, tok]
-                parents += [last, last]
-                last = len(tokens) - 1
-            drafts.append(Draft(tokens, parents=parents))
-        return drafts
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

@@ -76,10 +76,10 @@ def test_smollm2_greedy_matches_target_with_hits(smollm2):
 @pytest.fixture(scope="module")
 def eagle_setup(tmp_path_factory):
     """A tiny 8-layer target, prompts on which it repeats tokens, and a hand-set "repeat this
-    token" EAGLE-3 head over its tokens (tests/test_serve_eagle.py)."""
+    token" EAGLE-3 head over its tokens (tests/eagle_utils.py)."""
     from conftest import make_tiny_model_dir
-    from test_serve_eagle import PROMPTS as EAGLE_PROMPTS
-    from test_serve_eagle import TARGET_LAYERS, copy_head
+    from eagle_utils import PROMPTS as EAGLE_PROMPTS
+    from eagle_utils import TARGET_LAYERS, copy_head
 
     from rayspec.eagle.checkpoint import save_eagle_head
 

@@ -221,24 +221,19 @@ def _prefix(k: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    import ray
+def served(tiny_model_dir, serve_url):
     from ray import serve
-    from serve_utils import free_port, tiny_args
+    from ray_utils import serving
+    from serve_utils import tiny_args
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # prefix_routing left at its defaults: on (2 replicas), imbalance_threshold max_num_seqs // 2 = 2
     args = tiny_args(tiny_model_dir, engine={"max_model_len": 2048},
                      verifier={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}})
     assert AppArgs.model_validate(args).verifier_options()["request_router_config"]
-    serve.run(build_app(args), name="rayspec", route_prefix="/")
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", handle=serve.get_app_handle("rayspec"))
-    serve.shutdown()
-    ray.shutdown()
+    with serving(("rayspec", build_app(args), "/")):
+        yield SimpleNamespace(url=serve_url, handle=serve.get_app_handle("rayspec"))
 
 
 def _replica(response) -> str:

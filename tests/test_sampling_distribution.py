@@ -128,11 +128,7 @@ def test_verify_greedy(argmax, drafts, expected):
 
 # ---- end to end on a 16-token model ------------------------------------------------------
 
-VOCAB = 16
-# every token appears, in a repeating pattern, so the n-gram proposer always finds a match
-PROMPT = [3, 7, 1, 12, 5, 9, 14, 0, 8, 11, 4, 13, 6, 10, 15, 2, 3, 7, 1, 12, 5, 9, 14, 0]
-TEMPERATURE, TOP_K, TOP_P = 0.9, 6, 0.9
-NUM_REQUESTS = 3000
+from marginals import NUM_REQUESTS, PENALIZED, PROMPT, TEMPERATURE, TOP_K, TOP_P, VOCAB, marginals
 
 
 @pytest.fixture(scope="module")
@@ -145,57 +141,14 @@ def v16_dirs(tmp_path_factory):
     return target, draft
 
 
-# penalties and a bias strong enough to move a 16-token model's distribution a lot
-PENALIZED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.5, logit_bias={4: 2.0, 9: -3.0})
-
-
-def _marginals(target_dir, penalties: dict | None):
-    """Marginals of generated tokens 1..3 from the target alone (HF forward + the sampler's
-    transform; with `penalties`, each context's logits processed from the definitions first)."""
-    from collections import Counter
-
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-    def processed(row: torch.Tensor, output: list[int]) -> torch.Tensor:
-        if not penalties:
-            return row
-        row = row.clone()
-        for t, b in penalties["logit_bias"].items():
-            row[t] += b
-        for t in set(PROMPT) | set(output):
-            rp = penalties["repetition_penalty"]
-            row[t] = row[t] / rp if row[t] > 0 else row[t] * rp
-        for t, c in Counter(output).items():
-            row[t] -= penalties["frequency_penalty"] * c + penalties["presence_penalty"]
-        return row
-
-    def probs(contexts: list[list[int]]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = hf(torch.tensor(contexts)).logits[:, -1].float()
-        logits = torch.stack([processed(row, ctx[len(PROMPT):]) for row, ctx in zip(logits, contexts)])
-        return logits_to_probs(logits, TEMPERATURE, TOP_K, TOP_P).double()
-
-    p1 = probs([PROMPT])[0]  # [V]
-    p2 = probs([PROMPT + [a] for a in range(VOCAB)])  # [V(t1), V]
-    p3 = probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
-    m2 = p1 @ p2
-    m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
-    # P(token 3 == token 2): penalties make it small; processing a row without the drafts before it
-    # (in its step) would not
-    repeat = float(torch.einsum("a,ab,abb->", p1, p2, p3))
-    return p1, m2, m3, repeat
+@pytest.fixture(scope="module")
+def exactmarginals(v16_dirs):
+    return marginals(v16_dirs[0], None)
 
 
 @pytest.fixture(scope="module")
-def exact_marginals(v16_dirs):
-    return _marginals(v16_dirs[0], None)
-
-
-@pytest.fixture(scope="module")
-def exact_penalized_marginals(v16_dirs):
-    return _marginals(v16_dirs[0], PENALIZED)
+def exact_penalizedmarginals(v16_dirs):
+    return marginals(v16_dirs[0], PENALIZED)
 
 
 # (id, speculative config): both draft flavours, point masses (ngram) and sampled drafts with probs
@@ -216,7 +169,7 @@ E2E_CASES = [(name, spec, penalized) for name, spec in E2E_METHODS for penalized
 
 @pytest.mark.parametrize("name,spec,penalized", E2E_CASES,
                          ids=[f"{n}-{'penalties' if pen else 'plain'}" for n, _, pen in E2E_CASES])
-def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exact_penalized_marginals, name, spec,
+def test_engine_sampling_matches_targetmarginals(v16_dirs, exact_marginals, exact_penalized_marginals, name, spec,
                                                   penalized):
     """With penalties and logit bias too: each verification row processed in its path's context."""
     if penalized:

@@ -5,11 +5,10 @@ a proposer replica killed mid-stream leaves every stream completing with the sam
 Two apps on one Ray cluster: "async", whose draft is the target itself (every draft accepted, the
 bonus its own top token, so the verdict is always among the hypotheses and hits are certain
 whenever a pre-draft finished), and "eagle", EAGLE-3 token trees from a hand-set "repeat this
-token" head (tests/test_serve_eagle.py) pre-drafted from the head's own states."""
+token" head (tests/eagle_utils.py) pre-drafted from the head's own states."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 import httpx
@@ -20,9 +19,10 @@ import ray.serve as serve
 
 from conftest import make_tiny_model_dir
 from engine_utils import make_engine
-from serve_utils import free_port, target_only_texts, tiny_args, wait_for
-from test_serve_eagle import PROMPTS as EAGLE_PROMPTS
-from test_serve_eagle import TARGET_LAYERS, copy_head
+from ray_utils import serving
+from serve_utils import app_stats, run_streams, target_only_texts, tiny_args
+from eagle_utils import PROMPTS as EAGLE_PROMPTS
+from eagle_utils import TARGET_LAYERS, copy_head
 
 from deployments.app import build_app
 from rayspec.eagle.checkpoint import save_eagle_head
@@ -48,7 +48,7 @@ def _eagle_args(target, head) -> dict:
 
 @pytest.fixture(scope="module")
 def eagle_models(tmp_path_factory):
-    """A tiny 8-layer target and the hand-set EAGLE-3 head over its tokens (tests/test_serve_eagle.py)."""
+    """A tiny 8-layer target and the hand-set EAGLE-3 head over its tokens (tests/eagle_utils.py)."""
     root = tmp_path_factory.mktemp("serve-async-eagle")
     target = make_tiny_model_dir(root / "target", num_layers=TARGET_LAYERS)
     params = SamplingParams(temperature=0, max_tokens=EAGLE_MAX_TOKENS, ignore_eos=True)
@@ -59,18 +59,11 @@ def eagle_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, eagle_models):
+def served(tiny_model_dir, eagle_models, serve_url):
     """app name -> its URL."""
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(_args(tiny_model_dir)), name="async", route_prefix="/async")
-        serve.run(build_app(_eagle_args(*eagle_models[:2])), name="eagle", route_prefix="/eagle")
-        yield {app: f"http://127.0.0.1:{port}/{app}" for app in APPS}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with serving(("async", build_app(_args(tiny_model_dir)), "/async"),
+                 ("eagle", build_app(_eagle_args(*eagle_models[:2])), "/eagle")):
+        yield {app: f"{serve_url}/{app}" for app in APPS}
 
 
 @pytest.fixture(scope="module")
@@ -80,52 +73,17 @@ def references(tiny_model_dir, eagle_models):
             "eagle": (EAGLE_PROMPTS, EAGLE_MAX_TOKENS, eagle_models[2])}
 
 
-def _stream(url: str, prompt: str, max_tokens: int, progress: list[int], i: int) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    out = {"status": None, "text": "", "done": False, "error": None}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as resp:
-        out["status"] = resp.status_code
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            progress[i] += 1
-            if data == "[DONE]":
-                out["done"] = True
-            elif "error" in (event := json.loads(data)):
-                out["error"] = event
-            else:
-                out["text"] += "".join(c["text"] for c in event["choices"])
-    return out
-
-
-def _run(url: str, prompts: list[str], max_tokens: int, fault=None, after_events: int = 8) -> list[dict]:
-    progress = [0] * len(prompts)
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_stream, url, p, max_tokens, progress, i) for i, p in enumerate(prompts)]
-        if fault is not None:
-            wait_for(lambda: min(progress) >= after_events or all(f.done() for f in futures), timeout=120, interval=0.02)
-            assert not any(f.done() for f in futures), "a stream ended before the fault"
-            fault()
-        return [f.result(timeout=180) for f in futures]
-
-
-def _stats(url: str) -> dict:
-    return httpx.get(url + "/v1/stats", timeout=30).json()
-
-
 @pytest.mark.parametrize("app", APPS)
 def test_greedy_matches_target_and_counts_hits(served, references, app):
     url, (prompts, max_tokens, want) = served[app], references[app]
-    before = _stats(url)
+    before = app_stats(url)
     for i, prompt in enumerate(prompts[:2]):  # alone: pre-drafting for one sequence
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                       "temperature": 0, "ignore_eos": True}, timeout=180)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[i]
-    results = _run(url, prompts, max_tokens)  # together: hypotheses batched over the sequences
+    results = run_streams(url, prompts, max_tokens)  # together: hypotheses batched over the sequences
     assert [r["text"] for r in results] == want and all(r["done"] and r["error"] is None for r in results)
-    stats = _stats(url)
+    stats = app_stats(url)
     hits = stats["speculation_cache_hits"] - before.get("speculation_cache_hits", 0)
     misses = stats["speculation_cache_misses"] - before.get("speculation_cache_misses", 0)
     proposer = serve.get_deployment_handle("Proposer", app_name=app).stats.remote().result(timeout_s=30)
@@ -147,7 +105,7 @@ def test_killed_proposer_mid_stream_keeps_outputs(served, references, app):
     prompts, max_tokens, want = references[app]
     [proposer] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(f"SERVE_REPLICA::{app}#Proposer#")]
-    results = _run(served[app], prompts, max_tokens,
+    results = run_streams(served[app], prompts, max_tokens,
                    lambda: ray.kill(ray.get_actor(proposer, namespace="serve"), no_restart=True))
     for i, r in enumerate(results):
         assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 import ray
-import ray.serve as serve
-from serve_utils import free_port, tiny_args
+from ray_utils import serving
+from serve_utils import tiny_args
 
 from deployments.app import build_app
 
@@ -32,16 +32,9 @@ ROUTES = [("GET", "/v1/models", None), ("GET", "/v1/stats", None),
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(tiny_args(tiny_model_dir, api_key=KEY)), name="keyed", route_prefix=PREFIX)
-        yield f"http://127.0.0.1:{port}{PREFIX}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def server(tiny_model_dir, serve_url):
+    with serving(("keyed", build_app(tiny_args(tiny_model_dir, api_key=KEY)), PREFIX)):
+        yield f"{serve_url}{PREFIX}"
 
 
 def _send(url: str, method: str, path: str, body, headers: dict) -> httpx.Response:

@@ -7,29 +7,24 @@ import threading
 import httpx
 import pytest
 
-import ray
 import ray.serve as serve
 
-from serve_utils import free_port, is_error_event, tiny_args, wait_for  # noqa: E402
+from ray_utils import serving
+from serve_utils import is_error_event, tiny_args, wait_for  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def autoscaled(tiny_model_dir):
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def autoscaled(tiny_model_dir, serve_url):
     args = tiny_args(tiny_model_dir, verifier={
         "max_ongoing_requests": 8,
         # look_back_period_s past Serve's metrics_interval_s (10 s): Serve warns below it, and will refuse
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 12},
         "ray_actor_options": {"num_cpus": 0.5}})
-    serve.run(build_app(args), name="rayspec", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(("rayspec", build_app(args), "/")):
+        yield serve_url
 
 
 def _running_verifiers() -> int:

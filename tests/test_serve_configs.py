@@ -173,14 +173,13 @@ def test_defaults_and_overrides():
 
 
 @pytest.mark.slow
-def test_default_config_served(smollm2):
+def test_default_config_served(smollm2, serve_url):
     """configs/default.yaml as written (real SmolLM2-135M on CPU), over HTTP with the openai client:
     the served greedy answer is the target's own (an in-process engine without speculation), and
     the app's counters hold exactly that request's drafts."""
     import openai
-    import ray
     from ray import serve
-    from serve_utils import free_port
+    from ray_utils import serving
 
     from rayspec.config import SpeculativeConfig
     from rayspec.engine import LLMEngine
@@ -196,12 +195,8 @@ def test_default_config_served(smollm2):
     target = LLMEngine(config)
     ref = target.generate([target.encode_chat(messages)], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     del target
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="rayspec", route_prefix="/")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+    with serving(("rayspec", build_app(args), "/")):
+        client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="x", max_retries=0, timeout=120)
         resp = client.chat.completions.create(model=args["served_model_name"], temperature=0, max_tokens=max_tokens,
                                               messages=messages)
         assert resp.choices[0].message.content == ref.text and ref.text.strip()
@@ -214,9 +209,6 @@ def test_default_config_served(smollm2):
         assert stats["method"] == args["speculative"]["method"]
         assert stats["num_accepted_tokens"] == details.accepted_prediction_tokens
         assert stats["num_draft_tokens"] == details.accepted_prediction_tokens + details.rejected_prediction_tokens
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_async_configs_and_their_colocated_twins():

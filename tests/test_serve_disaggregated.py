@@ -32,7 +32,7 @@ def _spec(draft_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster_app(tiny_model_dir, tiny_draft_dir):
+def cluster_app(tiny_model_dir, tiny_draft_dir, own_cluster):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     draft_node = cluster.add_node(num_cpus=2, num_gpus=1, resources={"draft_node": 1})
     target_node = cluster.add_node(num_cpus=2, num_gpus=1, resources={"target_node": 1})

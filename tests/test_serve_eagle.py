@@ -20,23 +20,20 @@ import ray
 import ray.serve as serve
 
 from conftest import make_tiny_model_dir  # noqa: E402
-from serve_utils import free_port, tiny_args  # noqa: E402
+from eagle_utils import PROMPTS, TARGET_LAYERS, copy_head  # noqa: E402
+from ray_utils import serving  # noqa: E402
+from serve_utils import tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.protocol import GenerateRequest  # noqa: E402
 from deployments.proposer import Proposer  # noqa: E402
 from deployments.remote_proposer import RemoteProposer  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head  # noqa: E402
-from rayspec.eagle.head import build_head  # noqa: E402
+from rayspec.eagle.checkpoint import save_eagle_head  # noqa: E402
 from rayspec.engine import LLMEngine  # noqa: E402
 from rayspec.sampling import SamplingParams  # noqa: E402
 
-PROMPTS = ["one two three four five six seven one two three four five six seven one two",
-           "The quick brown fox jumps over the lazy dog. The quick brown",
-           "1, 2, 3, 4, 5, 6,"]
 MAX_TOKENS = 32
-TARGET_LAYERS = 8  # EAGLE-3 default feature layers of an 8-layer target: inputs of layers 2, 4, 5
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
 # app name -> (topology, eagle_topk)
 APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
@@ -45,50 +42,11 @@ APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "c
         "verifier_killed": ("disaggregated", 4)}  # its verifier replica is killed by a test
 
 
-def copy_head(target_dir, draft_tokens: list[int]):
-    """An EAGLE-3 head set by hand to predict "the next token repeats this one", over a draft
-    vocabulary of `draft_tokens` (so d2t maps draft ids to scattered target ids).
-
-    A random head is next to never accepted; this one is on the runs a tiny random model
-    produces, so accepted paths (and the features of accepted tokens) are exercised too.
-    Attention looks (almost) only at the current position and copies the normed embedding's
-    first kv_heads x head_dim dims; fc and the MLP are off; lm_head reads those dims back.
-    """
-    from safetensors.torch import load_file
-
-    config = new_eagle_config("eagle3", target_dir, TARGET_LAYERS, 64, draft_vocab_size=len(draft_tokens))
-    torch.manual_seed(0)
-    head = build_head(config)
-    a = head.args
-    hd, groups = a.head_dim, a.num_kv_heads
-    per_group = a.num_heads // groups
-    width = groups * hd
-    attn = head.midlayer.self_attn
-    emb = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
-    ids = torch.tensor(sorted(draft_tokens))
-    with torch.no_grad():
-        for w in (head.fc.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                  head.midlayer.mlp.down_proj.weight, head.lm_head.weight):
-            w.zero_()
-        attn.k_proj.weight[:, :width] = torch.eye(width)
-        attn.v_proj.weight[:, :width] = torch.eye(width)
-        for h in range(a.num_heads):
-            g = h // per_group
-            attn.q_proj.weight[h * hd:(h + 1) * hd, g * hd:(g + 1) * hd] = 30.0 * torch.eye(hd)
-            attn.o_proj.weight[g * hd:(g + 1) * hd, h * hd:(h + 1) * hd] = torch.eye(hd) / per_group
-        normed = torch.nn.functional.rms_norm(emb[ids], (a.hidden_size,))
-        head.lm_head.weight[:, :width] = normed[:, :width]
-        head.d2t.copy_(ids - torch.arange(len(ids)))
-        head.t2d.zero_()
-        head.t2d[ids] = True
-    return head
-
-
 def _engine(target, **spec) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(target), **ENGINE, speculative=SpeculativeConfig(**spec)))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: its tests run in two tiers (tests/conftest.py), it is built once
 def eagle_setup(tmp_path_factory):
     """A tiny 8-layer target, its greedy outputs (no speculation) and an EAGLE-3 head for it."""
     root = tmp_path_factory.mktemp("serve-eagle")
@@ -310,21 +268,16 @@ def test_remote_proposer_backs_off_after_failures():
 
 # ---- served -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def served(eagle_setup):
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        for name, (topology, topk) in APPS.items():
-            args = tiny_args(eagle_setup["target"], topology=topology, speculative=_spec(eagle_setup["head"], topk),
-                             engine=ENGINE)
-            if name == "two_proposers":
-                args["proposer"] = {**args["proposer"], "num_replicas": 2}
-            serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def served(eagle_setup, serve_url):
+    apps = []
+    for name, (topology, topk) in APPS.items():
+        args = tiny_args(eagle_setup["target"], topology=topology, speculative=_spec(eagle_setup["head"], topk),
+                         engine=ENGINE)
+        if name == "two_proposers":
+            args["proposer"] = {**args["proposer"], "num_replicas": 2}
+        apps.append((name, build_app(args), f"/{name}"))
+    with serving(*apps):
+        yield serve_url
 
 
 @pytest.mark.parametrize("app", list(APPS))

@@ -25,7 +25,8 @@ import pytest
 import ray
 import ray.serve as serve
 from ray.serve.exceptions import BackPressureError
-from serve_utils import free_port, tiny_args, wait_for
+from ray_utils import serving
+from serve_utils import astream_completion, tiny_args, wait_for
 
 import deployments.ingress as ingress_module
 from deployments.app import build_app
@@ -52,17 +53,10 @@ def _faults_args(target, draft) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tiny_draft_dir):
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app(tiny_args(tiny_model_dir, **BOUNDED)), name="bounded", route_prefix="/bounded")
-        serve.run(build_app(_faults_args(tiny_model_dir, tiny_draft_dir)), name="faults", route_prefix="/faults")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def served(tiny_model_dir, tiny_draft_dir, serve_url):
+    with serving(("bounded", build_app(tiny_args(tiny_model_dir, **BOUNDED)), "/bounded"),
+                 ("faults", build_app(_faults_args(tiny_model_dir, tiny_draft_dir)), "/faults")):
+        yield serve_url
 
 
 @pytest.fixture(scope="module")
@@ -117,43 +111,13 @@ def _idle(app: str, count: int) -> bool:
                for s in stats.values())
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, progress: list[int],
-                  index: int) -> dict:
-    """One streamed completion: {status, text, done, error, cut}. progress[index] counts its events."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    out = {"status": None, "text": "", "done": False, "error": None, "cut": False}
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            out["status"] = resp.status_code
-            if resp.status_code != 200:
-                out["error"] = json.loads(await resp.aread())
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                progress[index] += 1
-                if data == "[DONE]":
-                    out["done"] = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    out["error"] = event
-                    continue
-                out["text"] += "".join(c["text"] for c in event["choices"])
-    except (httpx.RemoteProtocolError, httpx.ReadError) as err:  # the connection was dropped
-        out["cut"], out["error"] = True, repr(err)
-    return out
-
-
 def _run_with_fault(url: str, max_tokens: int, fault=None, after_events: int = 12) -> list[dict]:
     """NUM_CLIENTS concurrent streams; once each has had `after_events` events, fault() runs.
     Every stream must end within DEADLINE_S."""
     async def main():
         progress = [0] * NUM_CLIENTS
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-            tasks = [asyncio.create_task(_stream(client, url, p, max_tokens, progress, i))
+            tasks = [asyncio.create_task(astream_completion(client, url, p, max_tokens, progress, i))
                      for i, p in enumerate(PROMPTS)]
             if fault is not None:
                 started = time.monotonic()

@@ -33,7 +33,7 @@ import pytest
 import ray
 import ray.serve as serve
 
-from serve_utils import free_port, target_only_texts, tiny_args, wait_for
+from serve_utils import free_port, stream_completion, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -76,7 +76,7 @@ def _app_args(model_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, own_cluster):
     config = tmp_path_factory.mktemp("autoscaler") / "cluster.json"
     config.write_text(json.dumps(_autoscaling_config()))
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
@@ -127,18 +127,9 @@ def _complete(url: str, prompt: str, max_tokens: int) -> str:
 
 
 def _stream(url: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> str:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "ignore_eos": True, "stream": True}
-    text = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            text.append(event["choices"][0]["text"])
-    return "".join(text)
+    out = stream_completion(url + "/v1/completions", prompt, max_tokens, temperature)
+    assert out["status"] == 200 and out["error"] is None, out
+    return out["text"]
 
 
 def test_deploy_launches_a_node_of_each_type(cluster, tiny_model_dir, reference):

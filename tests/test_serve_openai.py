@@ -7,11 +7,11 @@ import json
 import httpx
 import pytest
 
-import ray
 import ray.serve as serve
 import openai
 
-from serve_utils import free_port, is_error_event, tiny_args, wait_for  # noqa: E402
+from ray_utils import serving
+from serve_utils import is_error_event, tiny_args, wait_for  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.protocol import GenerateRequest  # noqa: E402
@@ -32,19 +32,17 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    metrics_port = free_port()
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def server(tiny_model_dir, ray_cluster, serve_url):
+    """The app on the shared cluster, which exports Ray's metrics every second (tests/ray_utils.py).
+    The conftest runs this module first of those that serve rayspec apps there: the exported
+    series are then this app's alone (a dead replica's series may vanish between two scrapes of
+    test_prometheus_metrics)."""
     # adaptive off (here and in local_engine): a greedy request then drafts the same tokens on both,
     # so the served draft/accept counts can be checked against the in-process engine's
     args = tiny_args(tiny_model_dir, speculative={"adaptive": False})
-    serve.run(build_app(args), name="rayspec", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "args": args, "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}
-    serve.shutdown()
-    ray.shutdown()
+    with serving(("rayspec", build_app(args), "/")):
+        yield {"url": serve_url, "args": args,
+               "metrics_url": f"http://127.0.0.1:{ray_cluster['metrics_port']}/metrics"}
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,16 @@ Replica counts are read from Serve's status.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import httpx
 import pytest
-import ray
 import ray.serve as serve
 
 from conftest import make_tiny_model_dir
-from serve_utils import free_port, is_error_event, tiny_args, wait_for
+from ray_utils import serving
+from serve_utils import is_error_event, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.autoscaling import BUSY_METRIC, BusyMeter, ProposerBusyPolicy, proposer_autoscaling_config
 
@@ -88,13 +87,11 @@ def test_busy_policy_asks_for_what_keeps_replicas_at_target():
 # ---- two pools, two bottlenecks ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
-    # replicas report their autoscaling metrics every 0.5 s instead of 10 (inherited by the workers)
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    ray.init(address="local", num_cpus=12, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def cluster(tiny_model_dir, tmp_path_factory, serve_url):
+    # the shared cluster's replicas report their autoscaling metrics every 0.5 s instead of 10
+    # (tests/ray_utils.py)
+    from ray_utils import CLUSTER_ENV
+    assert CLUSTER_ENV["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] == "0.5"
     heavy_draft = make_tiny_model_dir(tmp_path_factory.mktemp("heavy-draft") / "model", seed=5, num_layers=6,
                                       hidden=256)
     one_to_two = {"min_replicas": 1, "max_replicas": 2, **FAST}
@@ -111,13 +108,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
         tiny_model_dir, topology="disaggregated",
         verifier={"max_ongoing_requests": 8, "autoscaling_config": {**one_to_two, "target_ongoing_requests": 1}},
         proposer={"autoscaling_config": {**one_to_two, "target_busy": 0.6}})
-    serve.run(build_app(slow_draft), name="slow", route_prefix="/slow")
-    serve.run(build_app(cheap_draft), name="cheap", route_prefix="/cheap")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    for key in ("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
-        os.environ.pop(key, None)
+    with serving(("slow", build_app(slow_draft), "/slow"), ("cheap", build_app(cheap_draft), "/cheap")):
+        yield serve_url
 
 
 def _running(app: str, deployment: str) -> int:

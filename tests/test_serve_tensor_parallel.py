@@ -7,7 +7,6 @@ fail over to it, ending with the same text."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ import ray
 import ray.serve as serve
 from ray.cluster_utils import Cluster
 
-from serve_utils import free_port, target_only_texts, tiny_args, wait_for
+from serve_utils import astream_completion, free_port, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.tensor_parallel import rank_actor_name
 
@@ -30,7 +29,7 @@ def _tp_args(model_dir, strategy: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def apps(tiny_model_dir):
+def apps(tiny_model_dir, own_cluster):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 0})
     # STRICT_PACK needs a node with 2 GPUs; STRICT_SPREAD then gets the two 1-GPU nodes
     nodes = [cluster.add_node(num_cpus=2, num_gpus=gpus) for gpus in (2, 1, 1)]
@@ -91,28 +90,6 @@ def test_greedy_over_http_equals_tp1(apps, reference, app):
         assert resp.json()["choices"][0]["text"] == text
 
 
-async def _stream(client, url, prompt, max_tokens, progress, i) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    out = {"status": None, "text": "", "done": False, "error": None}
-    async with client.stream("POST", url, json=body) as resp:
-        out["status"] = resp.status_code
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            progress[i] += 1
-            if data == "[DONE]":
-                out["done"] = True
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                out["error"] = event
-                continue
-            out["text"] += "".join(c["text"] for c in event["choices"])
-    return out
-
-
 def test_a_dead_rank_replaces_the_replica_and_streams_fail_over(apps, reference):
     max_tokens = 160
     want = reference(max_tokens)
@@ -123,7 +100,7 @@ def test_a_dead_rank_replaces_the_replica_and_streams_fail_over(apps, reference)
     async def main():
         progress = [0] * len(PROMPTS)
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-            tasks = [asyncio.create_task(_stream(client, url, p, max_tokens, progress, i))
+            tasks = [asyncio.create_task(astream_completion(client, url, p, max_tokens, progress, i))
                      for i, p in enumerate(PROMPTS)]
             while min(progress) < 8:
                 assert not any(t.done() for t in tasks), "a stream ended before the fault"

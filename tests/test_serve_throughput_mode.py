@@ -24,7 +24,7 @@ from rayspec.sampling import SamplingParams  # noqa: E402
 PROMPT = "one two three four five six seven one two three four five six seven one two"
 
 
-def test_disaggregated_graph_in_throughput_optimized_mode(tiny_model_dir, tiny_draft_dir, monkeypatch):
+def test_disaggregated_graph_in_throughput_optimized_mode(tiny_model_dir, tiny_draft_dir, monkeypatch, own_cluster):
     # the raylet and every worker (controller, proxy, replicas) inherit this from the driver
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     spec = {"method": "draft_model", "draft_model": str(tiny_draft_dir), "num_speculative_tokens": 3}

@@ -13,12 +13,11 @@ import math
 import pytest
 import torch
 
-from engine_utils import _hf_model, binomial_interval, cached_model, make_engine, run_to_completion
+from engine_utils import OracleProposer, _hf_model, binomial_interval, cached_model, make_engine, run_to_completion
 from rayspec.engine import InvalidRequestError
 from rayspec.sampling import SamplingParams, logits_to_probs
 from rayspec.structured import StructuredOutput
 from rayspec.proposers.base import Draft, Proposer
-from test_penalties import OracleProposer
 
 import llguidance
 

@@ -34,10 +34,8 @@ SMOL_HEAD = REPO / "heads" / "smollm2-135m-eagle3"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster():
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster(ray_cluster):
+    """The shared local Ray cluster: the ranks' actors run there."""
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +153,11 @@ def test_all_reduce_is_batch_invariant():
 def test_tp2_sampling_follows_the_target(tmp_path_factory):
     """Marginals of the first three sampled tokens at TP=2 with n-gram drafts against the exact ones
     (a 16-token vocabulary, so they can be computed; as test_sampling_distribution does at TP=1)."""
-    import test_sampling_distribution as sd
+    import marginals as sd
 
     target = make_tiny_model_dir(tmp_path_factory.mktemp("tp-v16") / "target", seed=11, vocab_size=sd.VOCAB,
                                  with_tokenizer=False)
-    exact = sd._marginals(target, None)
+    exact = sd.marginals(target, None)
     config = EngineConfig(model=str(target), device="cpu", tensor_parallel_size=2, max_model_len=40, max_num_seqs=64,
                           speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False,
                                                         prompt_lookup_min=1, prompt_lookup_max=3))
@@ -241,10 +239,10 @@ def test_tp2_native_families_equal_tp1(tmp_path_factory, name):
     """Qwen3 (q/k norms, a biased o_proj added once after the sum, sliding and full layers) and
     Mistral (every layer sliding, window 8 < the 41 positions): the sliding mask crosses the command
     channel too. n-gram drafts at TP=2 against TP=1 target-only, batch of 4."""
-    import test_families as fam
+    import family_utils as fam
 
     path = tmp_path_factory.mktemp(f"tp-{name}") / "model"
-    fam._write_family(name, path)
+    fam.write_family(name, path)
     params = SamplingParams(temperature=0.0, max_tokens=28)
     reference = run_batch(engine_at(path, 1), fam.PROMPTS, params)
     engine = engine_at(path, 2, method="ngram", prompt_lookup_min=1, prompt_lookup_max=3)
@@ -262,11 +260,11 @@ def test_bench_offline_tensor_parallel(tiny_model_dir, tmp_path):
     import json
 
     from rayspec.cli import main
-    from test_bench_offline import _prompts_file
+    from engine_utils import bench_prompts_file
 
     out = tmp_path / "tp.json"
     rc = main(["bench", "offline", "--model", str(tiny_model_dir), "--method", "ngram", "--num-speculative-tokens",
-               "3", "--prompts", str(_prompts_file(tmp_path / "p.jsonl")), "--num-prompts", "2", "--max-tokens", "16",
+               "3", "--prompts", str(bench_prompts_file(tmp_path / "p.jsonl")), "--num-prompts", "2", "--max-tokens", "16",
                "--no-hf", "--tensor-parallel-size", "2", "--dtype", "float32", "--output-json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())

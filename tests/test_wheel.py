@@ -84,7 +84,7 @@ def _source_copy(dest: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_wheel_in_fresh_venv_serves_default_config(tmp_path):
+def test_wheel_in_fresh_venv_serves_default_config(tmp_path, own_cluster):
     smollm2_dir()  # the default model in this run's cache (strict runs fail without it)
     timings: dict[str, float] = {}
     start = time.monotonic()

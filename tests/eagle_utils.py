@@ -1,0 +1,53 @@
+"""The hand-set EAGLE-3 head and prompts shared by tests/test_serve_eagle.py, tests/test_serve_async.py
+and tests/test_pre_draft.py (not a test module)."""
+
+from __future__ import annotations
+
+import torch
+
+from rayspec.eagle.checkpoint import new_eagle_config
+from rayspec.eagle.head import build_head
+
+PROMPTS = ["one two three four five six seven one two three four five six seven one two",
+           "The quick brown fox jumps over the lazy dog. The quick brown",
+           "1, 2, 3, 4, 5, 6,"]
+TARGET_LAYERS = 8  # EAGLE-3 default feature layers of an 8-layer target: inputs of layers 2, 4, 5
+
+
+def copy_head(target_dir, draft_tokens: list[int]):
+    """An EAGLE-3 head set by hand to predict "the next token repeats this one", over a draft
+    vocabulary of `draft_tokens` (so d2t maps draft ids to scattered target ids).
+
+    A random head is next to never accepted; this one is on the runs a tiny random model
+    produces, so accepted paths (and the features of accepted tokens) are exercised too.
+    Attention looks (almost) only at the current position and copies the normed embedding's
+    first kv_heads x head_dim dims; fc and the MLP are off; lm_head reads those dims back.
+    """
+    from safetensors.torch import load_file
+
+    config = new_eagle_config("eagle3", target_dir, TARGET_LAYERS, 64, draft_vocab_size=len(draft_tokens))
+    torch.manual_seed(0)
+    head = build_head(config)
+    a = head.args
+    hd, groups = a.head_dim, a.num_kv_heads
+    per_group = a.num_heads // groups
+    width = groups * hd
+    attn = head.midlayer.self_attn
+    emb = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    ids = torch.tensor(sorted(draft_tokens))
+    with torch.no_grad():
+        for w in (head.fc.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+                  head.midlayer.mlp.down_proj.weight, head.lm_head.weight):
+            w.zero_()
+        attn.k_proj.weight[:, :width] = torch.eye(width)
+        attn.v_proj.weight[:, :width] = torch.eye(width)
+        for h in range(a.num_heads):
+            g = h // per_group
+            attn.q_proj.weight[h * hd:(h + 1) * hd, g * hd:(g + 1) * hd] = 30.0 * torch.eye(hd)
+            attn.o_proj.weight[g * hd:(g + 1) * hd, h * hd:(h + 1) * hd] = torch.eye(hd) / per_group
+        normed = torch.nn.functional.rms_norm(emb[ids], (a.hidden_size,))
+        head.lm_head.weight[:, :width] = normed[:, :width]
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    return head

@@ -1,0 +1,58 @@
+"""Exact marginals of the first sampled tokens of a 16-token model, from the target alone (HF forward
+and the sampler's transform): what tests/test_sampling_distribution.py (TP=1) and
+tests/test_tensor_parallel.py (TP=2) hold the engine's samples to. Not a test module."""
+
+from __future__ import annotations
+
+import torch
+
+from rayspec.sampling import logits_to_probs
+
+VOCAB = 16
+# every token appears, in a repeating pattern, so the n-gram proposer always finds a match
+PROMPT = [3, 7, 1, 12, 5, 9, 14, 0, 8, 11, 4, 13, 6, 10, 15, 2, 3, 7, 1, 12, 5, 9, 14, 0]
+TEMPERATURE, TOP_K, TOP_P = 0.9, 6, 0.9
+NUM_REQUESTS = 3000
+
+
+# penalties and a bias strong enough to move a 16-token model's distribution a lot
+PENALIZED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.5, logit_bias={4: 2.0, 9: -3.0})
+
+
+def marginals(target_dir, penalties: dict | None):
+    """Marginals of generated tokens 1..3 from the target alone (HF forward + the sampler's
+    transform; with `penalties`, each context's logits processed from the definitions first)."""
+    from collections import Counter
+
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    def processed(row: torch.Tensor, output: list[int]) -> torch.Tensor:
+        if not penalties:
+            return row
+        row = row.clone()
+        for t, b in penalties["logit_bias"].items():
+            row[t] += b
+        for t in set(PROMPT) | set(output):
+            rp = penalties["repetition_penalty"]
+            row[t] = row[t] / rp if row[t] > 0 else row[t] * rp
+        for t, c in Counter(output).items():
+            row[t] -= penalties["frequency_penalty"] * c + penalties["presence_penalty"]
+        return row
+
+    def probs(contexts: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor(contexts)).logits[:, -1].float()
+        logits = torch.stack([processed(row, ctx[len(PROMPT):]) for row, ctx in zip(logits, contexts)])
+        return logits_to_probs(logits, TEMPERATURE, TOP_K, TOP_P).double()
+
+    p1 = probs([PROMPT])[0]  # [V]
+    p2 = probs([PROMPT + [a] for a in range(VOCAB)])  # [V(t1), V]
+    p3 = probs([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).view(VOCAB, VOCAB, VOCAB)
+    m2 = p1 @ p2
+    m3 = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    # P(token 3 == token 2): penalties make it small; processing a row without the drafts before it
+    # (in its step) would not
+    repeat = float(torch.einsum("a,ab,abb->", p1, p2, p3))
+    return p1, m2, m3, repeat

@@ -1,0 +1,118 @@
+"""The test session's one shared local Ray cluster (and its one Serve instance), not a test module.
+
+Starting a local Ray cluster and Serve's controller and proxy costs 10-30 s on the 2-core CI
+machine, stopping them as much again; modules used to do both once each. Now every module that
+needs nothing special of its cluster takes this one (the `ray_cluster` and `serve_url` fixtures in
+tests/conftest.py): it is started on first use and stopped at the end of the session, or by
+`release_shared_cluster()` before a test that brings its own cluster (a `ray.cluster_utils.Cluster`,
+`ray start`, a cluster with its own environment or runtime_env, a `rayspec serve` process). The
+conftest runs those modules last (tier `cluster`), so the shared cluster starts once.
+
+Its settings are the union of what the modules asked of their own clusters: logical CPUs for the
+largest (12, test_serve_pool_scaling) with headroom, no GPUs, Serve's autoscaling metrics pushed
+every 0.5 s (test_serve_pool_scaling; the default is 10 s), Ray's metrics exported on a port of its
+own and reported every second (test_serve_openai).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+NUM_CPUS = 16
+
+# given to the cluster's raylet, which every worker inherits (not left in the driver's environment)
+CLUSTER_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+               "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+
+_shared: dict | None = None  # while the shared cluster is up: its metrics port, and Serve's HTTP port once started
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_cluster() -> dict:
+    """Start the shared cluster unless it is up; {"metrics_port": ..., ["http_port": ...]}."""
+    global _shared
+    import ray
+
+    if _shared is not None and ray.is_initialized():
+        return _shared
+    if ray.is_initialized():  # a test's own cluster left connected: not ours to keep
+        ray.shutdown()
+    metrics_port = _free_port()
+    saved = {key: os.environ.get(key) for key in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
+    try:
+        ray.init(address="local", num_cpus=NUM_CPUS, num_gpus=0, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    _shared = {"metrics_port": metrics_port}
+    return _shared
+
+
+def shared_serve_url() -> str:
+    """Serve on the shared cluster (started unless it runs): its HTTP proxy's base URL."""
+    from ray import serve
+
+    info = shared_cluster()
+    if "http_port" not in info:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        info["http_port"] = port
+    return f"http://127.0.0.1:{info['http_port']}"
+
+
+def release_shared_cluster() -> None:
+    """Stop the shared cluster if it runs (a test about to start its own calls this)."""
+    global _shared
+    import ray
+
+    if _shared is None:
+        return
+    try:
+        if "http_port" in _shared and ray.is_initialized():
+            from ray import serve
+
+            serve.shutdown()
+    finally:
+        _shared = None
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def serving(*apps):
+    """Deploy (name, application, route_prefix) triples on the shared Serve instance; delete them on
+    exit, so the next module finds the cluster's resources free and its route prefixes unused."""
+    from ray import serve
+
+    names: list[str] = []
+    try:
+        for name, app, route_prefix in apps:
+            names.append(name)  # a deploy that fails part-way is deleted too
+            serve.run(app, name=name, route_prefix=route_prefix)
+        yield
+    finally:
+        delete_apps(names)
+
+
+def delete_apps(names=None) -> None:
+    """Delete these apps (all of them: None) from the shared Serve instance, if it runs."""
+    from ray import serve
+
+    if _shared is None or "http_port" not in _shared:
+        return
+    status = serve.status().applications
+    for name in (list(status) if names is None else names):
+        if name in status:
+            serve.delete(name)
