@@ -310,7 +310,7 @@ def cmd_bench_offline(args) -> int:
         eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
         rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None,
-        engine_overrides=bench_engine_overrides(args))
+        engine_overrides=bench_engine_overrides(args), temperature=args.temperature)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -446,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: every system samples, prompt i from the same seed "
+                        "(greedy_match is then null)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
