@@ -501,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "`bench serve` per configuration). For each concurrency the baseline (target only) runs "
                     "every batch of prompts once, interleaved with every (method, k) on the same batch. Each "
                     "method's engine is built once with the largest k; a run at k caps its requests' drafts "
-                    "at k (the per-request num_speculative_tokens). Prints a table of tok/s, speedup, "
+                    "at k (the per-request num_speculative_tokens); prefix caching is off unless --enable-prefix-caching "
+                    "(later runs of the same prompts would find them cached). Prints a table of tok/s, speedup, "
                     "acceptance length, acceptance rate, acceptance by draft position, greedy match and the "
                     "proposer's memory (weights + KV cache as `rayspec plan` sizes them; the measured RSS "
                     "delta of building each method's engine is in the JSON); --output-json, --plot (PNG).")

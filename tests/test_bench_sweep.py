@@ -33,6 +33,7 @@ def test_bench_sweep_cli(tiny_model_dir, tiny_draft_dir, tmp_path, capsys):
     assert cfg["methods"] == ["ngram", "draft_model"] and cfg["num_speculative_tokens"] == [1, 2]
     assert cfg["concurrency"] == [1, 2] and cfg["num_prompts"] == 2 and cfg["temperature"] == 0.0
     assert cfg["draft_models"]["draft_model"] == str(tiny_draft_dir) and cfg["engine"]["max_model_len"] == 256
+    assert cfg["engine"]["enable_prefix_caching"] is False  # (later runs of the same prompts would find them cached)
     env = result["environment"]
     assert env["cpu_model"] and env["torch_threads"] >= 1 and env["rayspec"]
     assert [b["concurrency"] for b in result["baseline"]] == [1, 2]

@@ -9,6 +9,9 @@ with `num_speculative_tokens`), so each method's k values run on one engine, its
 and cache loaded once. With the adaptive draft length on (the default, as `bench offline`) k is
 the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near max_tokens).
 
+Prefix caching is off in these engines unless `--enable-prefix-caching` is given: a method's k values
+run the same prompts on one engine, and later runs would find them cached (prefills the baseline pays).
+
 Interleaved: per concurrency, for every batch of `concurrency` prompts, the baseline runs it,
 then every (method, k) runs the same batch (their order rotating from batch to batch), so machine
 noise hits all of them alike; the baseline is measured once per concurrency and every ratio is
@@ -157,7 +160,9 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
         raise ValueError("every k and concurrency must be >= 1")
     specs = {m: spec_config(m, max(ks), model, opts) for m in methods}  # refuses a bad method before loading
     target, tokenizer, eos, _ = load_target(model, device, dtype)
-    overrides = dict(engine_overrides or {})
+    # every k of a method runs the same prompts on one engine: with prefix caching the later runs would
+    # find them cached and skip prefills the baseline pays; off unless asked for (--enable-prefix-caching)
+    overrides = {"enable_prefix_caching": False, **(engine_overrides or {})}
     max_c = max(concurrency)
 
     def engine(spec: SpeculativeConfig) -> LLMEngine:
