@@ -130,6 +130,12 @@ def is_serve(d) -> bool:
             and all(isinstance(r, dict) and "label" in r for r in d["results"]))
 
 
+def is_draft_sweep(d) -> bool:
+    """`rayspec bench sweep`'s JSON."""
+    return (isinstance(d, dict) and isinstance(d.get("config"), dict) and d["config"].get("mode") == "offline"
+            and isinstance(d.get("results"), list) and all("num_speculative_tokens" in r for r in d["results"]))
+
+
 def is_stats(rel: str, d) -> bool:
     return rel.endswith("_stats.json") and isinstance(d, dict) and all(
         isinstance(v, dict) and "num_steps" in v for v in d.values())
@@ -179,6 +185,7 @@ class Page:
                  "the shared 2-core CPU VMs the absolute tok/s drift by 10-30% between sittings; read the ratios,",
                  "which come from systems run interleaved in one sitting.", "")
         self.offline()
+        self.draft_length_sweeps()
         self.served_sweeps()
         self.async_runs()
         self.tensor_parallel()
@@ -238,6 +245,42 @@ class Page:
                 save(fig, path)
 
             self.plot("offline_speedup_by_prompt_set.png", "offline speedup by prompt set", draw)
+
+    def draft_length_sweeps(self):
+        sweeps = [rel for rel, d in self.data.items() if is_draft_sweep(d)]
+        if not sweeps:
+            return
+        self.add("## Methods x draft lengths (`rayspec bench sweep`, no Ray)", "",
+                 "Every (method, k) and the target-only baseline in one process, interleaved batch by batch; `speedup`",
+                 "= method tok/s / baseline tok/s; `accept by position`: drafting steps whose j-th draft token was",
+                 "accepted / drafting steps; `proposer MB`: its weights + KV cache as `rayspec plan` sizes them.", "")
+        for rel in sweeps:
+            d = self.data[rel]
+            self.used.add(rel)
+            cfg = d["config"]
+            stem = Path(rel).stem
+            self.add(f"### `{stem}`", "",
+                     f"{link(rel)}: {cfg['model']}, {cfg['num_prompts']} prompts of {cfg['prompts']}, "
+                     f"{cfg['max_tokens']} tokens, temperature {cfg['temperature']}, "
+                     f"{fmt((d.get('environment') or {}).get('torch_threads'), 0)} threads; machine {self.m.of(rel, d)}.", "")
+            rows = []
+            for r in d["results"]:
+                mb = None
+                if r.get("proposer_weights_bytes") is not None:
+                    mb = (r["proposer_weights_bytes"] + (r.get("proposer_kv_bytes") or 0)) / 1e6
+                rows.append([r["method"], r["num_speculative_tokens"], r["concurrency"], fmt(r["output_throughput"]),
+                             fmt(r["baseline_output_throughput"]), fmt(r["speedup"], 2, "x"),
+                             fmt(r["acceptance_length"], 2), fmt(r["acceptance_rate"], 2), fmt(r["greedy_match"]),
+                             fmt(mb), " ".join(fmt(x, 2) for x in r["acceptance_by_position"])])
+            self.add(*table(["method", "k", "conc", "tok/s", "baseline tok/s", "speedup", "accept len", "accept rate",
+                             "greedy match", "proposer MB", "accept by position"], rows))
+
+            def draw(path, d=d):
+                from rayspec.bench.sweep import write_plot
+
+                write_plot(d, path)
+
+            self.plot(f"{stem}.png", f"{stem}: tok/s, speedup and acceptance against k", draw)
 
     def served_sweeps(self):
         sweeps = [rel for rel, d in self.data.items() if is_serve(d) and not self.async_tag(rel)]

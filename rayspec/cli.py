@@ -1,4 +1,5 @@
-"""The `rayspec` command: fetch-model, generate, serve, plan, kuberay, train, bench offline, bench serve."""
+"""The `rayspec` command: fetch-model, generate, serve, plan, kuberay, train, bench offline, bench sweep,
+bench serve."""
 
 from __future__ import annotations
 
@@ -310,11 +311,46 @@ def cmd_bench_offline(args) -> int:
         eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
         rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None,
-        engine_overrides=bench_engine_overrides(args))
+        engine_overrides=bench_engine_overrides(args), temperature=args.temperature)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_bench_sweep(args) -> int:
+    from rayspec.bench.sweep import MethodOptions, format_table, parse_list, run_sweep, write_json, write_plot
+
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    try:
+        methods = parse_list(args.methods, str)
+        ks = parse_list(args.num_speculative_tokens)
+        concurrency = parse_list(args.concurrency)
+    except ValueError as err:
+        print(f"rayspec bench sweep: {err}", file=sys.stderr)
+        return 2
+    opts = MethodOptions(eagle_head=args.eagle_head, draft_model=args.draft_model,
+                         draft_num_layers=args.draft_num_layers, draft_quantization=args.draft_quantization,
+                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                         eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
+                         eagle_prompt_lookup=args.eagle_prompt_lookup, adaptive=not args.no_adaptive,
+                         disable_by_batch_size=args.disable_by_batch_size)
+    try:
+        result = run_sweep(args.model, methods, ks, args.prompts, args.num_prompts, args.max_tokens, concurrency,
+                           opts, temperature=args.temperature, device=args.device, dtype=args.dtype,
+                           engine_overrides=bench_engine_overrides(args))
+    except ValueError as err:
+        print(f"rayspec bench sweep: {err}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.output_json:
+        write_json(result, args.output_json)
+    if args.plot:
+        write_plot(result, args.plot)
     return 0
 
 
@@ -323,7 +359,7 @@ BENCH_OWN_FLAGS = ("device", "dtype", "tensor_parallel_size", "num_threads")
 
 
 def bench_engine_overrides(args) -> dict:
-    """The engine flags given on `bench offline`'s command line (as `rayspec serve` takes them)."""
+    """The engine flags given on `bench offline`'s (or `bench sweep`'s) command line (as `rayspec serve` takes them)."""
     return {name: getattr(args, name) for name, _, _ in engine_flag_fields()
             if name not in BENCH_OWN_FLAGS and getattr(args, name, None) is not None}
 
@@ -446,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers runs")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: every system samples, prompt i from the same seed "
+                        "(greedy_match is then null)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -455,6 +494,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     _add_engine_flags(p, skip=BENCH_OWN_FLAGS)  # --compile, --kv-cache-memory-gb, --max-model-len, ...
     p.set_defaults(func=cmd_bench_offline)
+
+    p = bench.add_parser(
+        "sweep", help="in-process: speculative methods x num_speculative_tokens (x concurrency) vs the target alone",
+        description="Offline (in-process engines sharing one target; served endpoints are not swept: use "
+                    "`bench serve` per configuration). For each concurrency the baseline (target only) runs "
+                    "every batch of prompts once, interleaved with every (method, k) on the same batch. Each "
+                    "method's engine is built once with the largest k; a run at k caps its requests' drafts "
+                    "at k (the per-request num_speculative_tokens); prefix caching is off unless --enable-prefix-caching "
+                    "(later runs of the same prompts would find them cached). Prints a table of tok/s, speedup, "
+                    "acceptance length, acceptance rate, acceptance by draft position, greedy match and the "
+                    "proposer's memory (weights + KV cache as `rayspec plan` sizes them; the measured RSS "
+                    "delta of building each method's engine is in the JSON); --output-json, --plot (PNG).")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, directory, .gguf or the default")
+    p.add_argument("--methods", default="ngram,draft_model",
+                   help="comma-separated: ngram, draft_model, eagle3, eagle (default: ngram,draft_model)")
+    p.add_argument("--num-speculative-tokens", default="1,2,3,4,8", help="comma-separated draft lengths k")
+    p.add_argument("--concurrency", default="1", help="comma-separated prompts in flight, e.g. 1,8")
+    p.add_argument("--eagle-head", default=None,
+                   help="eagle3/eagle: the head (default for SmolLM2: the shipped heads/smollm2-135m-eagle3)")
+    p.add_argument("--draft-model", default=None, help="draft_model: the draft LM (default: the target, a self-draft)")
+    p.add_argument("--draft-num-layers", type=int, default=None, help="draft_model: keep only the first N layers")
+    p.add_argument("--draft-quantization", default=None, choices=["int8"],
+                   help="draft_model: weight-only int8 draft linears")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=5)
+    p.add_argument("--eagle-topk", type=int, default=1, help="eagle3/eagle: branching per tree node (1: a chain)")
+    p.add_argument("--num-steps", type=int, default=None, help="eagle3/eagle: tree depth")
+    p.add_argument("--eagle-stop-prob", type=float, default=0.0)
+    p.add_argument("--eagle-prompt-lookup", type=int, default=0)
+    p.add_argument("--no-adaptive", action="store_true", help="draft exactly k (default: the adaptive length, at most k)")
+    p.add_argument("--disable-by-batch-size", type=int, default=None)
+    p.add_argument("--prompts", required=True,
+                   help="a bundled evaluation set (mt_bench, humaneval, gsm8k) or a Spec-Bench JSONL file")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; > 0: sampled, prompt i seeded alike in every run (greedy_match null)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG: tok/s, speedup and acceptance length vs k, acceptance by "
+                                                 "draft position at the largest k")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: float32 on CPU)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    _add_engine_flags(p, skip=BENCH_OWN_FLAGS)
+    p.set_defaults(func=cmd_bench_sweep)
 
     p = sub.add_parser("train", help="train a draft head by self-distillation").add_subparsers(
         dest="kind", required=True)

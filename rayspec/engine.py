@@ -385,10 +385,30 @@ class LLMEngine:
         for seq in self.running:  # their verified full blocks may serve later prompts (prefix caching)
             self.runner.commit(seq.request_id, seq.token_ids)
         outputs = [self._output(s) for s in touched]
+        self._commit_finished_features([s for s in touched if s.finished])
         for seq in touched:
             if seq.finished:
                 self._release(seq)
         return outputs
+
+    def _commit_finished_features(self, seqs: list[Sequence]) -> None:
+        """Finishing sequences hand the proposer the target features it was not sent (all of the
+        prompt's where a request ends at its prefill, max_tokens 1): an EAGLE head caches those
+        positions, so the next prompt sharing the prefix reuses it in the target too (its cached
+        prefix is cut to the head's)."""
+        if self.feature_layers is None or not self.runner.prefix_caching:
+            return
+        requests = []
+        for seq in seqs:
+            if seq.features and seq.finish_reason not in ("abort", "error"):
+                features, start = self._take_features(seq)
+                requests.append(ProposeRequest(seq.request_id, seq.token_ids, 0, features=features,
+                                               features_start=start))
+        if requests:
+            try:
+                self.proposer.commit_finished(requests)
+            except Exception as err:  # noqa: BLE001 - only a later request's cache hit is lost
+                logger.warning("caching the head's prefix of %d finished request(s) failed: %r", len(requests), err)
 
     def _admit(self) -> None:
         """Running sequences take waiting ones while max_num_seqs allows and the KV blocks of the

@@ -1,6 +1,7 @@
 """`rayspec bench offline`: rayspec baseline vs a speculative method vs HF transformers, in-process.
 
-All systems decode the same chat-templated prompts greedily, interleaved prompt by prompt
+All systems decode the same chat-templated prompts greedily (or, with a temperature, sampling each
+prompt from the same seed), interleaved prompt by prompt
 (so machine noise hits them alike); throughput is output tokens / wall time per system.
 """
 
@@ -36,8 +37,19 @@ class SystemRun:
         return 1000 * self.seconds / self.steps if self.steps else None
 
 
-def _run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, run: SystemRun) -> None:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+def sampling_params(batch_start: int, batch_size: int, max_tokens: int, temperature: float = 0.0,
+                    num_speculative_tokens: int | None = None) -> list[SamplingParams]:
+    """One request's parameters per prompt of a batch: greedy, or at temperature > 0 seeded by the
+    prompt's index (every system samples prompt i from the same seed; the target distribution is
+    the same, the streams are not, so the outputs may still differ)."""
+    seed = (lambda i: None) if temperature == 0 else (lambda i: 1000 + i)
+    return [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed(batch_start + j),
+                           num_speculative_tokens=num_speculative_tokens) for j in range(batch_size)]
+
+
+def _run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, run: SystemRun,
+                temperature: float = 0.0, batch_start: int = 0, num_speculative_tokens: int | None = None) -> None:
+    params = sampling_params(batch_start, len(batch), max_tokens, temperature, num_speculative_tokens)
     start, steps = time.perf_counter(), engine.num_steps
     outs = engine.generate(batch, params)
     run.seconds += time.perf_counter() - start
@@ -47,12 +59,14 @@ def _run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, run:
         run.outputs.append(out.token_ids)
 
 
-def _run_hf(model, prompt_ids: list[int], max_tokens: int, run: SystemRun, eos_ids, **kwargs) -> None:
+def _run_hf(model, prompt_ids: list[int], max_tokens: int, run: SystemRun, eos_ids, temperature: float = 0.0,
+            **kwargs) -> None:
     ids = torch.tensor([prompt_ids])
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0], **kwargs)
+                             eos_token_id=sorted(eos_ids), pad_token_id=sorted(eos_ids)[0], **sampling, **kwargs)
     run.seconds += time.perf_counter() - start
     new = out[0, len(prompt_ids):].tolist()
     run.tokens += len(new)
@@ -68,20 +82,10 @@ def _load_hf(model_dir, num_layers: int | None = None):
     return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
 
 
-def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, prompts_file: str,
-                          num_prompts: int, max_tokens: int, concurrency: int = 1, adaptive: bool = True,
-                          draft_model: str | None = None, draft_num_layers: int | None = None,
-                          prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
-                          eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
-                          eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
-                          progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
-                          device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None,
-                          engine_overrides: dict | None = None) -> dict:
-    """engine_overrides: EngineConfig fields for every engine (compile, kv_cache_memory_gb,
-    max_model_len, ...: the flags `rayspec serve` takes).
-    tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
-    rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
-    `tp1_greedy_match`, `tp_vs_tp1`, step times."""
+def load_target(model: str, device: str = "cpu", dtype: str | None = None, tensor_parallel_size: int = 1,
+                rank_launcher=None) -> tuple:
+    """(target, tokenizer, eos token ids, tensor-parallel ranks or None): the one target every engine
+    of a benchmark shares."""
     from rayspec import loader
     from rayspec.tp_ranks import start_tensor_parallel
 
@@ -93,14 +97,46 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     else:
         target, tokenizer = loader.load_model(model, device=device, dtype=dtype)
     eos = loader.generation_eos_ids(model) | {tokenizer.eos_token_id}
+    return target, tokenizer, eos, ranks
+
+
+def build_engine(model: str, target, tokenizer, eos: set[int], spec: SpeculativeConfig, concurrency: int = 1,
+                 device: str = "cpu", dtype: str | None = None, engine_overrides: dict | None = None) -> LLMEngine:
+    """An engine on the shared target: max_num_seqs = concurrency unless engine_overrides say otherwise."""
+    settings = {"max_num_seqs": max(concurrency, 1), **(engine_overrides or {})}
+    config = EngineConfig(model=model, speculative=spec, device=device, dtype=dtype, **settings)
+    eng = LLMEngine(config, model=target, tokenizer=tokenizer)
+    eng.eos_token_ids |= eos
+    return eng
+
+
+def chat_prompts(engine: LLMEngine, prompts_file: str, num_prompts: int | None) -> list[list[int]]:
+    """The prompt set's user messages, chat-templated."""
+    return [engine.encode_chat([{"role": "user", "content": t}]) for t in load_prompts(prompts_file, num_prompts)]
+
+
+def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, prompts_file: str,
+                          num_prompts: int, max_tokens: int, concurrency: int = 1, adaptive: bool = True,
+                          draft_model: str | None = None, draft_num_layers: int | None = None,
+                          prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
+                          eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
+                          eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
+                          progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
+                          device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None,
+                          engine_overrides: dict | None = None, temperature: float = 0.0) -> dict:
+    """temperature > 0: every system samples (prompt i seeded alike); greedy_match is then None.
+    engine_overrides: EngineConfig fields for every engine (compile, kv_cache_memory_gb,
+    max_model_len, ...: the flags `rayspec serve` takes).
+    tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
+    rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
+    `tp1_greedy_match`, `tp_vs_tp1`, step times."""
+    from rayspec import loader
+
+    target, tokenizer, eos, ranks = load_target(model, device, dtype, tensor_parallel_size, rank_launcher)
 
     def engine(spec: SpeculativeConfig, on=None) -> LLMEngine:
-        settings = {"max_num_seqs": max(concurrency, 1), **(engine_overrides or {})}
-        config = EngineConfig(model=model, speculative=spec, device=device, dtype=dtype, **settings)
-        on = on if on is not None else target
-        eng = LLMEngine(config, model=on, tokenizer=tokenizer)
-        eng.eos_token_ids |= eos
-        return eng
+        return build_engine(model, on if on is not None else target, tokenizer, eos, spec, concurrency, device,
+                            dtype, engine_overrides)
 
     baseline = engine(SpeculativeConfig(method="none", num_speculative_tokens=0))
     tp1 = None
@@ -113,8 +149,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                                  eagle_topk=eagle_topk, num_steps=num_steps, eagle_stop_prob=eagle_stop_prob,
                                  eagle_prompt_lookup=eagle_prompt_lookup, disable_by_batch_size=disable_by_batch_size)
     speculative = engine(spec_cfg)
-    texts = load_prompts(prompts_file, num_prompts)
-    prompt_ids = [baseline.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    prompt_ids = chat_prompts(baseline, prompts_file, num_prompts)
 
     hf_model = hf_assistant = None
     hf_kwargs: dict = {}
@@ -141,18 +176,19 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     batches = [prompt_ids[i:i + concurrency] for i in range(0, len(prompt_ids), concurrency)]
     spec_stats_before = speculative.stats.as_dict()
     bar = progress_bar(enabled=progress, total=len(prompt_ids), desc=f"bench offline {method}", unit="prompt")
-    for batch in batches:
-        _run_engine(baseline, batch, max_tokens, runs["baseline"])
-        _run_engine(speculative, batch, max_tokens, runs["method"])
+    for b, batch in enumerate(batches):
+        first = b * concurrency
+        _run_engine(baseline, batch, max_tokens, runs["baseline"], temperature, first)
+        _run_engine(speculative, batch, max_tokens, runs["method"], temperature, first)
         if tp1 is not None:
-            _run_engine(tp1, batch, max_tokens, runs["tp1"])
+            _run_engine(tp1, batch, max_tokens, runs["tp1"], temperature, first)
         if concurrency > 1:  # the same prompts one at a time: how well batching scales
-            for prompt in batch:
-                _run_engine(baseline, [prompt], max_tokens, runs["baseline_c1"])
+            for j, prompt in enumerate(batch):
+                _run_engine(baseline, [prompt], max_tokens, runs["baseline_c1"], temperature, first + j)
         if hf_model is not None:
-            _run_hf(hf_model, batch[0], max_tokens, runs["hf"], eos)
+            _run_hf(hf_model, batch[0], max_tokens, runs["hf"], eos, temperature)
             if method != "none":
-                _run_hf(hf_model, batch[0], max_tokens, runs["hf_assisted"], eos, **hf_kwargs)
+                _run_hf(hf_model, batch[0], max_tokens, runs["hf_assisted"], eos, temperature, **hf_kwargs)
         bar.update(len(batch))
         if runs["baseline"].throughput:
             bar.set_postfix(speedup=f"{runs['method'].throughput / runs['baseline'].throughput:.2f}x")
@@ -196,8 +232,9 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "spec_decode_num_accepted_tokens": accepted,
         "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "greedy_match": meth.outputs == base.outputs,
-        "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf else None,
+        "temperature": temperature,
+        "greedy_match": meth.outputs == base.outputs if temperature == 0 else None,
+        "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf and temperature == 0 else None,
         "baseline_vs_hf": base.throughput / runs["hf"].throughput if with_hf and runs["hf"].throughput else None,
         "method_vs_hf_assisted": (meth.throughput / runs["hf_assisted"].throughput
                                   if with_hf and method != "none" and runs["hf_assisted"].throughput else None),
@@ -210,14 +247,14 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "tp1_step_ms": tp1_run.step_ms if tp1 is not None else None,
         "tp_vs_tp1": base.throughput / tp1_run.throughput if tp1 is not None and tp1_run.throughput else None,
         "tp1_greedy_match": (base.outputs == tp1_run.outputs and meth.outputs == tp1_run.outputs
-                             if tp1 is not None else None),
+                             if tp1 is not None and temperature == 0 else None),
         "cpu_kernels": target.cpu_kernels.describe() if getattr(target, "cpu_kernels", None) else None,
         "environment": environment(),
     }
 
 
 def format_result(result: dict) -> str:
-    keys = ["method", "prompts", "concurrency", "output_throughput", "baseline_output_throughput", "speedup",
+    keys = ["method", "prompts", "concurrency", "temperature", "output_throughput", "baseline_output_throughput", "speedup",
             "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
             "spec_decode_acceptance_rate", "greedy_match", "baseline_vs_hf", "method_vs_hf_assisted",

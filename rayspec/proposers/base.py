@@ -79,5 +79,11 @@ class Proposer(ABC):
         """The target's cached prefix of seq_id came out shorter: keep num_tokens of it (after
         cached_prefix)."""
 
+    def commit_finished(self, requests: list[ProposeRequest]) -> None:
+        """Sequences finishing now (released right after), each with the target features it has not
+        been sent yet (all of a prompt's where the request ends at its prefill): a proposer drafting
+        from features (feature_layers) whose cache serves later prompts (cached_prefix) caches those
+        positions for them, drafting nothing. Default: nothing to do."""
+
     def release(self, seq_id: str) -> None:
         """Forget a finished or aborted sequence."""

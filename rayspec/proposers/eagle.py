@@ -168,6 +168,36 @@ class EagleProposer(Proposer):
         if self.runner.has(seq_id) and self.runner.cached_len(seq_id) > num_tokens:
             self.runner.set_cached_len(seq_id, num_tokens)
 
+    @torch.inference_mode()
+    def commit_finished(self, requests: list[ProposeRequest]) -> None:
+        """Catch up on the finishing sequences' last features and commit their pairs, so a later
+        prompt sharing the prefix finds it in the head's cache too (without this, a request that
+        ends at its prefill leaves the head nothing, and the target's cached prefix is cut to the
+        head's: none). A sequence the head holds no place for is left alone (no eviction)."""
+        if not self.runner.prefix_caching:
+            return
+        ids, toks, feats, reqs = [], [], [], []
+        for req in requests:
+            if not self.runner.has(req.seq_id) and self.runner.num_free_slots == 0:
+                continue
+            if not self._take_features(req):
+                continue
+            f = torch.cat(self._features[req.seq_id]) if self._features[req.seq_id] else None
+            self._features[req.seq_id] = []
+            start = self.runner.cached_len(req.seq_id)
+            # features past the last kept token (a stop inside the accepted run) pair with nothing
+            n = 0 if f is None else min(len(f), len(req.token_ids) - 1 - start)
+            if n <= 0:
+                continue
+            ids.append(req.seq_id)
+            toks.append(req.token_ids[start + 1: start + 1 + n])
+            feats.append(f[:n])
+            reqs.append(req)
+        if ids:
+            self._catch_up(ids, toks, feats)
+            for s, req in zip(ids, reqs):
+                self.runner.commit(s, self._pair_tokens(req.token_ids[: self.runner.cached_len(s) + 1]))
+
     # ---- catch-up --------------------------------------------------------------------
     def _allocate(self, seq_id: str) -> None:
         if self.runner.num_free_slots == 0:  # sequences left behind by another verifier's routing
