@@ -86,7 +86,8 @@ ENGINE_MODULES = {
     "test_gpu_bench", "test_greedy_equivalence", "test_host_syncs", "test_kv_cache", "test_logprobs",
     "test_lossless_sampled", "test_metrics", "test_numerics", "test_paged_kv", "test_penalties", "test_plan",
     "test_pre_draft", "test_quantize", "test_sampling_distribution", "test_stopping", "test_structured",
-    "test_tensor_parallel", "test_tools", "test_loader",
+    "test_tensor_parallel", "test_tools", "test_loader", "test_compiled_kv", "test_gpu_roofline", "test_bench_sweep",
+    "test_prefix_reuse",
 }
 # Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
 # which must be its app's alone (tests/test_serve_openai.py, fixture server).
