@@ -262,7 +262,9 @@ class Page:
             self.add(f"### `{stem}`", "",
                      f"{link(rel)}: {cfg['model']}, {cfg['num_prompts']} prompts of {cfg['prompts']}, "
                      f"{cfg['max_tokens']} tokens, temperature {cfg['temperature']}, "
-                     f"{fmt((d.get('environment') or {}).get('torch_threads'), 0)} threads; machine {self.m.of(rel, d)}.", "")
+                     + ("adaptive draft length (k the most), " if (cfg.get("options") or {}).get("adaptive")
+                        else "exactly k drafted (`--no-adaptive`), ")
+                     + f"{fmt((d.get('environment') or {}).get('torch_threads'), 0)} threads; machine {self.m.of(rel, d)}.", "")
             rows = []
             for r in d["results"]:
                 mb = None
