@@ -67,7 +67,7 @@ def test_bench_offline_takes_the_engine_flags(tiny_model_dir, tmp_path):
                                       "--max-model-len", "300", "--no-enable-prefix-caching"])
     assert bench_engine_overrides(args) == {"compile": True, "kv_cache_memory_gb": 0.25, "max_model_len": 300,
                                             "enable_prefix_caching": False}
-    prompts = _prompts_file(tmp_path / "prompts.jsonl")
+    prompts = bench_prompts_file(tmp_path / "prompts.jsonl")
     result = _bench(tiny_model_dir, prompts, tmp_path / "flags.json", "--max-model-len", "200",
                     "--kv-cache-memory-gb", "0.125")
     assert result["engine"]["max_model_len"] == 200 and result["engine"]["kv_cache_memory_gb"] == 0.125
