@@ -78,7 +78,7 @@ def smollm2_dir() -> Path:
 #   cluster  a Ray cluster of their own (multi-node ray.cluster_utils.Cluster, `ray start`, its own
 #            environment) or a process that starts one (`rayspec serve`, the wheel): fixture own_cluster
 # A test's tier is its module's below (unit when not listed) unless its fixtures start Ray: serve
-# with ray_cluster or serve_url, cluster with own_cluster. `scripts/test --quick` runs unit and engine.
+# with ray_cluster or serve_url, cluster with own_cluster. `scripts/test --quick` runs unit.
 TIERS = ("unit", "engine", "serve", "cluster")
 ENGINE_MODULES = {
     "test_async_model", "test_bench_offline", "test_chunked_prefill", "test_compiled_step", "test_cpu_kernels",

@@ -142,12 +142,12 @@ def v16_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exactmarginals(v16_dirs):
+def exact_marginals(v16_dirs):
     return marginals(v16_dirs[0], None)
 
 
 @pytest.fixture(scope="module")
-def exact_penalizedmarginals(v16_dirs):
+def exact_penalized_marginals(v16_dirs):
     return marginals(v16_dirs[0], PENALIZED)
 
 
@@ -169,7 +169,7 @@ E2E_CASES = [(name, spec, penalized) for name, spec in E2E_METHODS for penalized
 
 @pytest.mark.parametrize("name,spec,penalized", E2E_CASES,
                          ids=[f"{n}-{'penalties' if pen else 'plain'}" for n, _, pen in E2E_CASES])
-def test_engine_sampling_matches_targetmarginals(v16_dirs, exact_marginals, exact_penalized_marginals, name, spec,
+def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exact_penalized_marginals, name, spec,
                                                   penalized):
     """With penalties and logit bias too: each verification row processed in its path's context."""
     if penalized:
