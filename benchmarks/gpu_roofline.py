@@ -307,7 +307,7 @@ def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
 def summary(a, bw: dict, times: dict, wbytes: int, head_s, peer_s) -> dict:
     gbs = max(bw["copy_gb_s"], bw["read_gb_s"]) * 1e9
     roof = wbytes / gbs
-    s = {"gpu": environment().get("gpu"), "weights_read_ms": round(roof * 1e3, 3), "bandwidth_gb_s": round(gbs / 1e9, 1)}
+    s = {"gpu": environment().get("gpu_model"), "weights_read_ms": round(roof * 1e3, 3), "bandwidth_gb_s": round(gbs / 1e9, 1)}
     for (what, compiled), t in times.items():
         if isinstance(what, int):
             s[f"decode_b{what}_{'compiled' if compiled else 'eager'}_vs_roofline"] = round(t / roof, 3)
