@@ -242,11 +242,10 @@ def transformers_peer(a, device, dtype, clock: Clock, out) -> float | None:
 
 def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
     """One decoder layer's decode attention at batch B over a paged pool, two ways (see the module doc)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from rayspec.paged_attention import PagedLayout, chain_tail, inverse_tables
 
     v, h, i, layers, heads, kv_heads, hd, theta = SHAPES[a.shape]
     bs = 16
-    flex = torch.compile(flex_attention)
     for batch in a.batches:
         if batch == 1:
             continue
@@ -271,25 +270,15 @@ def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
                     ~visible[:, None, None], float("-inf"))
                 return torch.nn.functional.scaled_dot_product_attention(q, k, vv, attn_mask=mask, enable_gqa=True)
 
-            logical = torch.full((batch, num_blocks), -1, dtype=torch.long)
-            logical.scatter_(1, tables, torch.arange(blocks_per_seq).expand(batch, -1).contiguous())
-            logical = logical.to(device)
-            kv_num = torch.full((batch, 1, 1), blocks_per_seq, dtype=torch.int32, device=device)
-            kv_idx = torch.zeros(batch, 1, 1, num_blocks, dtype=torch.int32)
-            kv_idx[:, 0, 0, :blocks_per_seq] = tables.to(torch.int32)
-            kv_idx = kv_idx.to(device)
-
-            def mask_mod(b, h_, q_idx, kv):
-                lb = logical[b, kv // bs]
-                return (lb >= 0) & (lb * bs + kv % bs < lengths[b])
-
-            pool_kt, pool_vt = pool_k.permute(1, 0, 2)[None], pool_v.permute(1, 0, 2)[None]
+            # the query at position length - 1 sees keys 0..length-1: context length - 1, its own key in the tail
+            table, context = tables.to(device), lengths - 1
+            tail = torch.from_numpy(chain_tail(1)).to(device).expand(batch, 1, 1).contiguous()
+            logical = inverse_tables(table, num_blocks)
+            attend = torch.compile(lambda q_, k_, v_, t_, c_, tl_, lg_: PagedLayout(t_, c_, tl_, bs, lg_).attend(
+                q_, k_, v_), dynamic=False)
 
             def paged():
-                block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=(1, bs), mask_mod=mask_mod,
-                                                      seq_lengths=(1, num_blocks * bs))
-                return flex(q, pool_kt.expand(batch, -1, -1, -1), pool_vt.expand(batch, -1, -1, -1),
-                            block_mask=block_mask, enable_gqa=True)
+                return attend(q, pool_k, pool_v, table, context, tail, logical)
 
             diff = (gathered().float() - paged().float()).abs().max().item()
             tg = clock.time(gathered, iters=a.iters)
@@ -300,8 +289,48 @@ def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
                                       "per_step_ms_gather": round(tg * layers * 1e3, 3),
                                       "per_step_ms_flex": round(tp * layers * 1e3, 3), "max_abs_diff": diff})
         except Exception as err:  # noqa: BLE001
-            record(out, "errors", {"case": f"attention batch {batch}", "error": repr(err),
+            record(out, "errors", {"case": f"attention batch {batch}", "error": repr(err)[:2000],
                                    "trace": traceback.format_exc()[-2000:]})
+
+
+def paged_step(a, device, dtype, clock: Clock, out) -> None:
+    """The compiled decode step (and the 8-node tree verification at batch 1) with attention gathering
+    the keys (today's default) and reading the pool in place (rayspec.paged_attention), side by side
+    in one process, with the largest difference of their final hidden states."""
+    model = build_ours(a.shape, device, dtype)
+    cases = [(b, False) for b in a.paged_batches] + ([(1, True)] if a.paged_tree else [])
+    for batch, tree in cases:
+        try:
+            hiddens, times = {}, {}
+            for paged in (False, True):
+                runner = runner_with_context(model, batch, a.context, True)
+                runner.paged_attention = paged
+                step = verify_step(runner, model, a.context, tree=True) if tree else decode_step(runner, model, batch,
+                                                                                                  a.context)
+                times[paged] = clock.time(step, iters=a.iters)
+                ids = [f"s{b}" for b in range(batch)]
+                for s_ in ids:
+                    runner.set_cached_len(s_, a.context)
+                if tree:
+                    toks = [[5 + j for j in range(len(TREE_PARENTS))]]
+                    hiddens[paged], _ = runner.forward_hidden(["s0"], toks, trees=[TreeQuery(parents=list(TREE_PARENTS))],
+                                                              packed=True, static=True)
+                else:
+                    hiddens[paged], _ = runner.forward_hidden(ids, [[5]] * batch, packed=True, static=True)
+                hiddens[paged] = hiddens[paged].float().clone()
+                del runner
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            diff = (hiddens[False] - hiddens[True]).abs().max().item()
+            record(out, "paged", {"shape": a.shape, "what": "8-node tree" if tree else "decode", "batch": batch,
+                                  "context": a.context, "gather_ms": round(times[False] * 1e3, 3),
+                                  "paged_ms": round(times[True] * 1e3, 3),
+                                  "paged_over_gather": round(times[True] / times[False], 3),
+                                  "max_abs_diff_hidden": diff})
+        except Exception as err:  # noqa: BLE001
+            record(out, "errors", {"case": f"paged batch {batch} tree {tree}", "error": repr(err)[:2000],
+                                   "trace": traceback.format_exc()[-2000:]})
+    del model
 
 
 def summary(a, bw: dict, times: dict, wbytes: int, head_s, peer_s) -> dict:
@@ -373,10 +402,18 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, few iterations (CI)")
+    parser.add_argument("--sections", default="bandwidth,ours,head,peer,paged,attention",
+                        help="which to run, of bandwidth,ours,head,peer,paged,attention")
+    parser.add_argument("--paged-batches", default="8,32", help="batches of the paged-attention step comparison")
+    parser.add_argument("--no-paged-tree", dest="paged_tree", action="store_false")
     a = parser.parse_args()
     if a.dry_run:
         a.shape, a.batches, a.context, a.iters, a.peer_tokens, a.bandwidth_gib = "tiny", "1,2", 48, 2, 4, 0.01
+    if a.dry_run:
+        a.paged_batches = "2"
     a.batches = [int(b) for b in str(a.batches).split(",")]
+    a.paged_batches = [int(b) for b in str(a.paged_batches).split(",") if b]
+    sections = set(a.sections.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # two threads beside any other busy process stall at OpenMP's barriers
@@ -388,12 +425,22 @@ def main() -> None:
     started = time.perf_counter()
     bw = bandwidth(device, clock, a.bandwidth_gib)
     record(out, "bandwidth", bw)
+    times, wbytes, head_s, peer_s = {}, weight_bytes(build_ours(a.shape, "meta", dtype)), None, None
     with torch.inference_mode():
-        times, wbytes = ours(a, device, dtype, clock, out)
-        head_s = head_step(a, device, dtype, clock, out)
-    peer_s = None if a.no_peer else transformers_peer(a, device, dtype, clock, out)
+        if "ours" in sections:
+            times, wbytes = ours(a, device, dtype, clock, out)
+        if "head" in sections:
+            head_s = head_step(a, device, dtype, clock, out)
+    if "peer" in sections and not a.no_peer:
+        peer_s = transformers_peer(a, device, dtype, clock, out)
     with torch.inference_mode():
-        attention_candidates(a, device, dtype, clock, out)
+        if "paged" in sections and a.paged_batches:
+            if device.type == "cpu":  # inductor's CPU FlexAttention is wrong here (rayspec.compiled): the traced step
+                from rayspec.compiled import CompiledForward
+                CompiledForward.backend = "aot_eager"
+            paged_step(a, device, dtype, clock, out)
+        if "attention" in sections:
+            attention_candidates(a, device, dtype, clock, out)
     RESULTS["summary"] = summary(a, bw, times, wbytes, head_s, peer_s)
     RESULTS["summary"]["wall_s"] = round(time.perf_counter() - started, 1)
     if out is not None:
@@ -409,6 +456,10 @@ def main() -> None:
         print(f"{'EAGLE-3 head step':<34} {row['ms']:>10} {row['ms'] / roof_ms:>15.2f}")
     for row in RESULTS.get("peer", []):
         print(f"{'transformers static, compiled':<34} {row['ms_per_token']:>10} {row['ms_per_token'] / roof_ms:>15.2f}")
+    for row in RESULTS.get("paged", []):
+        for way in ("gather", "paged"):
+            name = f"{row['what']} b={row['batch']} {way}"
+            print(f"{name:<34} {row[f'{way}_ms']:>10} {row[f'{way}_ms'] / roof_ms:>15.2f}")
     for row in RESULTS.get("attention", []):
         for way in ("gather", "flex"):
             name = f"attention b={row['batch']} {way} (x layers)"

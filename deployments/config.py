@@ -125,6 +125,8 @@ class EngineArgs(_Strict):
     # the compiled step (torch.compile; CUDA graphs on CUDA); None: off on CPU, on CUDA what a timed
     # decode forward finds faster when the engine is built (rayspec.compiled)
     compile: bool | None = None
+    # the compiled step's attention reads the paged KV pool in place (rayspec.paged_attention)
+    paged_attention: bool = False
 
 
 class RayActorOptions(BaseModel):

@@ -52,6 +52,11 @@ def compilable(model) -> bool:
 class CompiledForward:
     """model(input_ids, cache, batch, **kw) compiled for padded, bucketed shapes."""
 
+    # torch.compile's backend. Tests set "aot_eager" to check the traced step without inductor's
+    # kernels: inductor's CPU FlexAttention (torch 2.13) computes wrong outputs for the paged layout
+    # (rayspec.paged_attention), which is why paged attention is a CUDA feature
+    backend = "inductor"
+
     def __init__(self, model, device: torch.device):
         import torch._dynamo
 
@@ -60,7 +65,11 @@ class CompiledForward:
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.mode = "reduce-overhead" if device.type == "cuda" else None
-        self.fn = torch.compile(model, dynamic=False, mode=self.mode)
+        if self.backend == "inductor":
+            self.fn = torch.compile(model, dynamic=False, mode=self.mode)
+        else:
+            self.mode = None
+            self.fn = torch.compile(model, dynamic=False, backend=self.backend)
         self.shapes: set[tuple[int, int]] = set()
 
     def fits(self, batch_size: int, rows: int) -> bool:
@@ -72,8 +81,9 @@ class CompiledForward:
             for pool in cache.tensors():
                 torch._dynamo.mark_static_address(pool)
             cache.static_address = True
-        torch._dynamo.mark_dynamic(batch.read_index, 1)
-        torch._dynamo.mark_dynamic(batch.mask, 3)
+        if batch.paged is None:  # one graph for every context length (a paged layout's shapes are static)
+            torch._dynamo.mark_dynamic(batch.read_index, 1)
+            torch._dynamo.mark_dynamic(batch.mask, 3)
         key = tuple(input_ids.shape)
         if key not in self.shapes:
             self.shapes.add(key)

@@ -93,6 +93,11 @@ class EngineConfig:
     # (batch and rows to powers of two, keys to multiples of 64); on CUDA captured in CUDA graphs
     # (mode "reduce-overhead"). None: on where it measured faster (rayspec.compiled.default_compile)
     compile: bool | None = None
+    # in the compiled step, attention reads the paged KV pool in place (FlexAttention over the block
+    # tables, rayspec.paged_attention) instead of gathering each sequence's keys and masking them
+    # densely. Measured faster on an H100 (benchmarks/results/gpu_paged_attention_h100.json); off by
+    # default until its outputs are checked on a GPU (see that file's note)
+    paged_attention: bool = False
 
     def __post_init__(self):
         if isinstance(self.speculative, dict):
@@ -113,6 +118,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1 (or None: no chunked prefill)")
+        if self.paged_attention and self.compile is False:
+            raise ValueError("paged_attention is the compiled step's attention: it needs compile true (or unset)")
 
 
 @dataclass

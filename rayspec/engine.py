@@ -132,7 +132,7 @@ class LLMEngine:
         self.compile_timings: dict[str, float] | None = None  # the default's measurement (warm_up)
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                  compile=self.compile)
+                                  compile=self.compile, paged_attention=config.paged_attention)
         self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.disable_by_batch_size = spec.disable_by_batch_size

@@ -211,6 +211,8 @@ class ForwardBatch:
                the keys are read as a view, not gathered
     write_rows: [N] long, write_index of the real tokens (row after row); None: computed from
                write_index and real_rows when asked for (the runner gives it, built on the host)
+    paged:     rayspec.paged_attention.PagedLayout: attention reads the pool in place through it
+               (read_index and mask unused); None: keys gathered through read_index, masked by mask
     """
 
     write_index: torch.Tensor
@@ -225,6 +227,7 @@ class ForwardBatch:
     sliding_mask: torch.Tensor | None = None
     read_range: tuple[int, int] | None = None
     write_rows: torch.Tensor | None = None
+    paged: "PagedLayout | None" = None
 
     def token_write_rows(self) -> torch.Tensor:
         """[N] long: the cache row of each real token (see write_rows)."""
@@ -502,15 +505,18 @@ class Attention(nn.Module):
             q, k = self._rotate(q, k, cos, sin)
         # this step's keys/values, then every key through the block tables
         batch.write_tokens_kv(cache_k, cache_v, k, v, batch.token_write_rows())
-        keys, values = batch.read_kv(cache_k, cache_v)
-        mask = batch.mask
-        if self.sliding_window is not None:  # only the keys inside some query's window, and its own mask
-            if batch.sliding_mask is None and batch.mask is not None:
-                raise ValueError("a sliding-window layer needs ForwardBatch.sliding_mask (ModelRunner builds it)")
-            keys, values = keys[:, :, batch.sliding_start:], values[:, :, batch.sliding_start:]
-            mask = batch.sliding_mask
         q = batch.unpack(q.reshape(N, nq * hd)).view(B, Q, nq, hd).transpose(1, 2)  # padding rows zero
-        out = attention(q, keys, values, mask)  # [B, heads, Q, head_dim]
+        if batch.paged is not None and self.sliding_window is None:  # the pool read in place
+            out = batch.paged.attend(q, cache_k, cache_v)
+        else:  # every key gathered through the block tables
+            keys, values = batch.read_kv(cache_k, cache_v)
+            mask = batch.mask
+            if self.sliding_window is not None:  # only the keys inside some query's window, and its own mask
+                if batch.sliding_mask is None and batch.mask is not None:
+                    raise ValueError("a sliding-window layer needs ForwardBatch.sliding_mask (ModelRunner builds it)")
+                keys, values = keys[:, :, batch.sliding_start:], values[:, :, batch.sliding_start:]
+                mask = batch.sliding_mask
+            out = attention(q, keys, values, mask)  # [B, heads, Q, head_dim]
         out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, nq * hd))
         return self.tp.all_reduce(out)  # [N, H]: the ranks' partial sums
 

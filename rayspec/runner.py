@@ -17,6 +17,7 @@ from rayspec.block_manager import BlockManager
 from rayspec.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
 from rayspec.device_io import to_device
 from rayspec.model import CausalLM, ForwardBatch, KVCache
+from rayspec.paged_attention import PagedLayout, chain_tail, tree_tail
 
 SCRATCH_BLOCK = 0
 DEFAULT_BLOCK_SIZE = 16
@@ -43,7 +44,7 @@ def proposer_num_blocks(target_blocks: int | None, num_slots: int, capacity: int
 class ModelRunner:
     def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, slack: int,
                  num_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 enable_prefix_caching: bool = False, compile: bool = False):
+                 enable_prefix_caching: bool = False, compile: bool = False, paged_attention: bool = False):
         """num_slots: the most sequences held at once; slack: extra positions past max_model_len,
         written by speculative/padded queries; num_blocks: the pool's blocks (None: enough for
         num_slots sequences of max_model_len + slack), one scratch block besides."""
@@ -67,6 +68,10 @@ class ModelRunner:
         # the compiled step (rayspec.compiled): forwards asked for with `static` run through it
         self.compiled = None
         self.set_compile(compile)
+        # in the compiled step, attention reads the pool in place (rayspec.paged_attention) rather
+        # than gathering each row's keys and masking them densely
+        self.paged_attention = paged_attention
+        self.max_blocks = -(-self.capacity // block_size)  # a block table's width (a static shape)
 
     def set_compile(self, on: bool) -> None:
         """Run static forwards (decode, verification, a proposer's drafting steps) through the compiled
@@ -345,8 +350,9 @@ class ModelRunner:
             for b, (tree, start) in enumerate(zip(trees, starts)):
                 if tree.sees is not None:
                     t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
+        paged = self._paged_layout(seq_ids, starts, Bp, Qp, trees)
         batch = ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
-                             mask=additive_mask(t_visible, self.dtype))
+                             mask=None if paged is not None else additive_mask(t_visible, self.dtype), paged=paged)
         # tensor arguments per token (an EAGLE head's features, [B, Q, F]) padded as the tokens are
         model_kwargs = {k: _pad_rows(v, Bp, Qp) if isinstance(v, torch.Tensor) and v.dim() >= 2
                         and tuple(v.shape[:2]) == (B, Q) else v for k, v in model_kwargs.items()}
@@ -361,6 +367,25 @@ class ModelRunner:
             for s, start, n in zip(seq_ids, starts, lengths):
                 self._cached_len[s] = start + n
         return tuple(unpad(o) for o in out) if isinstance(out, tuple) else unpad(out)
+
+    def _paged_layout(self, seq_ids, starts, Bp, Qp, trees) -> PagedLayout | None:
+        """The compiled step's PagedLayout (see rayspec.paged_attention), or None where attention
+        gathers: paged attention off, or trees given as device masks or partly cached (an EAGLE
+        head's draft steps: one layer, whose gather is small)."""
+        if not self.paged_attention or (trees is not None and any(t.parents is None or t.first for t in trees)):
+            return None
+        table = np.full((Bp, self.max_blocks), SCRATCH_BLOCK, dtype=np.int64)
+        for b, s in enumerate(seq_ids):
+            blocks = self.blocks.tables[s][: self.max_blocks]
+            table[b, : len(blocks)] = blocks
+        context = np.zeros(Bp, dtype=np.int64)
+        context[: len(starts)] = starts
+        tail = np.empty((Bp, Qp, Qp), dtype=bool)
+        tail[:] = chain_tail(Qp)
+        for b, tree in enumerate(trees or []):
+            tail[b] = tree_tail(tree.parents, Qp)
+        t_table, t_context, t_tail = to_device(table, context, tail, device=self.device)
+        return PagedLayout.build(t_table, t_context, t_tail, self.block_size, self.cache.k[0].shape[0] // self.block_size)
 
     def keep_path(self, seq_id: str, tree_rows: list[int]) -> None:
         """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path
