@@ -1,7 +1,7 @@
 """The prepared GPU scripts of the roofline issue run unchanged on CPU (their --dry-run, tiny shapes):
 benchmarks/gpu_roofline.py (bandwidth, our decode eager and compiled, tree and chain verification,
-an EAGLE-3 head step, transformers' static-cache compiled decode, FlexAttention over the paged pool
-against gather + SDPA; JSON, table, plot) and
+an EAGLE-3 head step, transformers' static-cache compiled decode, the compiled step with paged attention
+against the gather, FlexAttention over the paged pool against gather + SDPA; JSON, table, plot) and
 benchmarks/compiled_pool.py (the compiled step's time against the pool's size)."""
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def test_gpu_roofline_dry_run(tmp_path):
     assert decode == {(1, False), (2, False), (1, True), (2, True)}
     assert {r["what"] for r in results["verify"]} == {"8-node tree", "8-token chain"}
     assert results["head"] and results["peer"][0]["ms_per_token"] > 0
+    paged = {(r["what"], r["batch"]): r for r in results["paged"]}  # the step with paged attention == gather
+    assert set(paged) == {("decode", 2), ("8-node tree", 1)}
+    assert all(r["max_abs_diff_hidden"] < 1e-4 and r["paged_ms"] > 0 for r in paged.values()), paged
     (attention,) = results["attention"]  # batch 2: FlexAttention over the paged pool == gather + SDPA
     assert attention["max_abs_diff"] < 1e-4 and attention["flex_paged_ms_per_layer"] > 0
     summary = results["summary"]
