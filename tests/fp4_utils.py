@@ -136,3 +136,98 @@ def write_float_checkpoint(nvfp4_dir: Path, out_dir: Path) -> Path:
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
             shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+# ---- MXFP4 (gpt-oss experts) -----------------------------------------------------------------------
+
+MX_GROUP = 32
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # transformers' GptOssExperts: [E, in, out] parameters
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., rows, K] -> (blocks uint8 [..., rows, K/32, 16], scales uint8 [..., rows, K/32]): the
+    OCP MX rule, a shared exponent floor(log2(block amax)) - 2 (E2M1's largest exponent), codes rounded
+    to the nearest E2M1 value."""
+    *lead, rows, k = weight.shape
+    blocks = weight.detach().float().reshape(*lead, rows, k // MX_GROUP, MX_GROUP)
+    exponent = (torch.floor(torch.log2(blocks.abs().amax(dim=-1).clamp(min=2.0 ** -120))) - 2).clamp(-127, 127)
+    codes = _e2m1_codes((blocks / torch.exp2(exponent)[..., None]).clamp(-6, 6))
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # even element in the low nibble
+    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def reference_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., rows, K/32, 16] codes + [..., rows, K/32] exponents -> float32 [..., rows, K], from the bits."""
+    codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).long()  # [..., rows, K/32, 16, 2]
+    sign = 1.0 - 2.0 * ((codes >> 3) & 1).float()
+    exponent, mantissa = (codes >> 1) & 3, (codes & 1).float()
+    value = sign * torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent.float() - 1) * (1 + 0.5 * mantissa))
+    value = value.flatten(-2) * torch.exp2(scales.float() - 127)[..., None]  # [..., rows, K/32, 32]
+    return value.flatten(-2)
+
+
+def tiny_gpt_oss_config(num_layers: int = 4, vocab: int = 128):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=1,
+                        eos_token_id=None, pad_token_id=0, num_hidden_layers=num_layers, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+                        num_local_experts=4, num_experts_per_tok=2,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, original_max_position_embeddings=64))
+
+
+def write_mxfp4_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny random gpt_oss saved as gpt-oss is published: expert weights as MXFP4 `_blocks` / `_scales`
+    (rows = output features: transformers' [E, in, out] parameters transposed), the rest float, and
+    config.json's `quantization_config` {"quant_method": "mxfp4", ...}."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_gpt_oss_config()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # sharper logits: fewer near-ties
+        model.lm_head.weight.mul_(8.0)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(tuple(f"experts.{p}" for p in EXPERT_PROJECTIONS)):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
+        else:
+            out[name] = tensor.contiguous()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_dir / "model.safetensors"))
+    doc = config.to_dict() | {"quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}
+    (out_dir / "config.json").write_text(json.dumps(doc))
+    return out_dir
+
+
+def mxfp4_dequantized_state(mxfp4_dir: Path) -> dict[str, torch.Tensor]:
+    """The float32 state dict (transformers' names and layouts) an MXFP4 gpt_oss checkpoint stands for."""
+    from safetensors.torch import load_file
+
+    raw = load_file(str(Path(mxfp4_dir) / "model.safetensors"))
+    state = {}
+    for name, tensor in raw.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            state[base] = reference_mxfp4(tensor, raw[base + "_scales"]).transpose(1, 2).contiguous()
+        elif not name.endswith("_scales"):
+            state[name] = tensor.float()
+    return state
+
+
+def write_mxfp4_float(mxfp4_dir: Path, out_dir: Path) -> Path:
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(mxfp4_dequantized_state(mxfp4_dir), str(out_dir / "model.safetensors"))
+    config = json.loads((Path(mxfp4_dir) / "config.json").read_text())
+    config.pop("quantization_config")
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir

@@ -178,3 +178,89 @@ def test_unsupported_quantizations_fail_by_name(checkpoints, tmp_path):
     (awq / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(UnsupportedQuantizationError, match="quant_method 'awq'"):
         loader.load_model(str(awq), device="cpu", tokenizer=False)
+
+
+# ---- MXFP4 gpt-oss with its EAGLE-3 head (the generic path) ----------------------------------------
+
+GPT_OSS, GPT_OSS_HEAD = "openai/tiny-gpt-oss", "nvidia/tiny-gpt-oss-Eagle3"
+AUX_LAYERS = [0, 1, 3]  # not the default for 4 layers: the head's eagle_config must be read
+OSS_PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [100, 3, 3, 3, 41], [9] * 12]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> dict[str, Path]:
+    """A tiny gpt_oss with MXFP4 experts, the float model of its dequantized weights, and a ModelOpt-style
+    EAGLE-3 head: a reduced draft vocabulary with `d2t` and no `t2d`, its feature layers in `eagle_config`."""
+    from fp4_utils import write_mxfp4_float, write_mxfp4_gpt_oss
+
+    from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
+    from rayspec.eagle.head import attach_target, build_head
+    from rayspec.generic_model import load_generic_model
+
+    root = tmp_path_factory.mktemp("gpt-oss")
+    mxfp4 = write_mxfp4_gpt_oss(root / "mxfp4", seed=5)
+    dequantized = write_mxfp4_float(mxfp4, root / "dequantized")
+    target = load_generic_model(dequantized, loader.load_hf_config(dequantized), "cpu", torch.float32)
+    config = new_eagle_config("eagle3", dequantized, target.args.num_layers, target.args.hidden_size, draft_vocab_size=96)
+    config.hf_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}
+    torch.manual_seed(4)
+    head = build_head(config)
+    attach_target(head, target, has_own_embedding=False)
+    ids = torch.cat((torch.arange(0, 64), torch.arange(96, 128)))  # draft id -> target id
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(96))
+        head.lm_head.weight.copy_(target.lm_head.weight[ids])
+    head_dir = save_eagle_head(head, root / "head", dtype=torch.float32)
+    state = load_file(str(head_dir / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "t2d"}, str(head_dir / "model.safetensors"))
+    return {"mxfp4": mxfp4, "dequantized": dequantized, "head": head_dir, "draft_ids": ids}
+
+
+@pytest.fixture
+def oss_hub(gpt_oss, tmp_path, monkeypatch):
+    server = FakeHub()
+    server.add_repo(GPT_OSS, gpt_oss["mxfp4"])
+    server.add_repo(GPT_OSS_HEAD, gpt_oss["head"])
+    server.start()
+    use_hub(monkeypatch, server.url, tmp_path / "hf-home")
+    yield server
+    server.stop()
+
+
+def test_mxfp4_gpt_oss_and_eagle3_head_by_hub_id(oss_hub, gpt_oss):
+    """The MXFP4 gpt_oss from the hub: its experts equal a bit-level MXFP4 dequantization, target-only
+    greedy output equals the dequantized float model's, and EAGLE-3 speculation (features from the
+    layers the head's eagle_config names, t2d rebuilt from d2t) gives the same tokens."""
+    from fp4_utils import mxfp4_dequantized_state
+
+    from rayspec.generic_model import GenericCausalLM
+
+    model, _ = loader.load_model(GPT_OSS, device="cpu", tokenizer=False)
+    assert isinstance(model, GenericCausalLM)
+    ref = mxfp4_dequantized_state(gpt_oss["mxfp4"])
+    params = dict(model.named_parameters())
+    experts = [n for n in ref if ".experts." in n and not n.endswith("_bias")]
+    assert len(experts) == 8 and all(torch.equal(params[n], ref[n]) for n in experts)
+    assert all(torch.equal(params[n], ref[n]) for n in ref if n in params)
+
+    reference = run_alone(make_engine(gpt_oss["dequantized"]), OSS_PROMPTS, GREEDY)
+    assert run_alone(make_engine(GPT_OSS, loaded=(model, None)), OSS_PROMPTS, GREEDY) == reference
+    spec = make_engine(GPT_OSS, method="eagle3", draft_model=GPT_OSS_HEAD, k=3, loaded=(model, None))
+    assert spec.feature_layers == tuple(AUX_LAYERS)
+    head = spec.proposer.head
+    assert torch.equal(torch.nonzero(head.t2d).flatten(), gpt_oss["draft_ids"])
+    assert run_batch(spec, OSS_PROMPTS, GREEDY) == reference
+    assert spec.stats.num_draft_tokens > 0
+
+
+def test_nvfp4_on_the_generic_path_is_refused(checkpoints, tmp_path):
+    """An NVFP4 checkpoint of a family the native model does not run fails by name at load."""
+    import shutil
+
+    from fp4_utils import tiny_gpt_oss_config
+
+    other = tmp_path / "oss-nvfp4"
+    shutil.copytree(checkpoints["fp4"], other)
+    (other / "config.json").write_text(json.dumps(tiny_gpt_oss_config().to_dict()))
+    with pytest.raises(UnsupportedQuantizationError, match="native model families only"):
+        loader.load_model(str(other), device="cpu", tokenizer=False)
