@@ -433,6 +433,37 @@ def _cached_config(repo_id: str, revision: str | None, where: str) -> Path:
     return Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True))
 
 
+def model_quantization(spec: str):
+    """The rayspec.formats.Quantization of model `spec` read from its config files alone (None: a float
+    checkpoint): a hub id costs config.json and, where the repo has one, ModelOpt's hf_quant_config.json."""
+    from rayspec.formats import quantization_of_config, read_quantization
+
+    config_file = model_config_file(spec)
+    if not _is_hub_id(spec) or (config_file.parent / "hf_quant_config.json").is_file():
+        return read_quantization(config_file.parent)
+    try:
+        return read_quantization(_snapshot(spec, _download_file("hf_quant_config.json"),
+                                           _cached_file("hf_quant_config.json")).parent)
+    except ModelNotFoundError:  # the repo has none (or it cannot be had): config.json says it, or nothing
+        return quantization_of_config(json.loads(config_file.read_text()))
+
+
+def _download_file(filename: str):
+    def download(repo_id: str, revision: str | None, where: str, endpoint: str | None) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, filename, revision=revision, endpoint=endpoint))
+    return download
+
+
+def _cached_file(filename: str):
+    def from_cache(repo_id: str, revision: str | None, where: str) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
+    return from_cache
+
+
 def load_model_config(spec: str):
     """The transformers config a load of `spec` builds its model from (`load_hf_config`), read
     without the weights; a .gguf file's from its header (tensors are not read)."""

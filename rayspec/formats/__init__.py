@@ -96,3 +96,18 @@ def quantization_of_config(config: dict) -> Quantization | None:
     raise UnsupportedQuantizationError(
         f"config.json: quant_method {q.get('quant_method')!r} is not supported (rayspec loads NVFP4 ModelOpt "
         "checkpoints and MXFP4 gpt-oss; use the float checkpoint otherwise)")
+
+
+def stored_bytes(model, quantization: Quantization | None, float_bytes: int = 2) -> tuple[int, int]:
+    """(bytes, quantized parameters) of the checkpoint of `model` (any torch module, e.g. built on the
+    meta device) as `quantization` stores it: the quantized weights at their format's size, every other
+    parameter (tied ones once) at `float_bytes` each."""
+    from rayspec.formats import mxfp4, nvfp4
+
+    quantized = {}  # id(param) -> stored bytes
+    if quantization is not None:
+        rule = {NVFP4: nvfp4.quantized_params, MXFP4: mxfp4.quantized_params}[quantization.algo]
+        quantized = rule(model, quantization)
+    params = {id(p): p for p in model.parameters()}
+    total = sum(quantized.get(key, p.numel() * float_bytes) for key, p in params.items())
+    return total, sum(params[key].numel() for key in quantized)

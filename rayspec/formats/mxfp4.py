@@ -26,3 +26,17 @@ def transformers_config():
     from transformers import Mxfp4Config
 
     return Mxfp4Config(dequantize=True)
+
+
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # transformers' GptOssExperts parameters
+
+
+def quantized_params(model, quantization) -> dict[int, int]:
+    """id(parameter) -> its stored bytes, for the MoE expert projections (gpt-oss's `mlp.experts.
+    gate_up_proj` / `down_proj`): a byte per two weights, one exponent byte per 32."""
+    out = {}
+    for name, param in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        if module.endswith("experts") and leaf in EXPERT_PROJECTIONS and not quantization.excludes(module):
+            out[id(param)] = param.numel() // 2 + param.numel() // GROUP_SIZE
+    return out

@@ -92,3 +92,16 @@ def fill(param: torch.Tensor, name: str, tensors, shard: tuple[int, int, int] | 
         scale = tensors.read(module + ".weight_scale", (r, stop),
                              (cols[0] // GROUP_SIZE, cols[1] // GROUP_SIZE)).to(device)
         param[r - rows[0]:stop - rows[0]].copy_(dequantize(packed, scale, scale_2.to(device), param.dtype, table))
+
+
+def quantized_params(model, quantization) -> dict[int, int]:
+    """id(weight) -> its stored bytes, for the Linear weights of `model`'s decoder layers that
+    `quantization` does not exclude (what ModelOpt quantizes: attention and MLP projections): a
+    byte per two weights, one per 16 (the scales), and the two float32 scalars."""
+    out = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and weight is not None
+                and not quantization.excludes(name)):
+            out[id(weight)] = weight.numel() // 2 + weight.numel() // GROUP_SIZE + 8
+    return out
