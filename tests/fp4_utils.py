@@ -22,8 +22,9 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code (0..15, sign in bit 3) of each element of x (|x| <= 6)."""
-    magnitude = (x.abs()[..., None] - _E2M1_GRID).abs().argmin(dim=-1)  # ties: the smaller magnitude
+    """Nearest E2M1 code (0..15, sign in bit 3) of each element of x (|x| <= 6); a tie goes to the smaller
+    magnitude (the midpoints between grid values belong to the lower one)."""
+    magnitude = torch.bucketize(x.abs(), (_E2M1_GRID[1:] + _E2M1_GRID[:-1]) / 2)
     return (magnitude | ((x < 0).long() << 3)).to(torch.uint8)
 
 
@@ -102,6 +103,37 @@ def write_nvfp4_checkpoint(float_dir: Path, out_dir: Path, num_shards: int = 1,
         save_file(shard, str(out_dir / f))
     index = {"metadata": {}, "weight_map": {n: files[i % num_shards] for i, n in enumerate(names)}}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out_dir
+
+
+def random_nvfp4_llama(out_dir: Path, num_layers: int, hidden: int, vocab_size: int, seed: int = 0) -> Path:
+    """An NVFP4 Llama checkpoint of random codes and scales (no float model: fast at any size), for tests
+    that need bytes, not a model that means anything."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in LlamaForCausalLM(config).named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (rows, *cols) in shapes.items():
+        if _is_quantized(name):
+            module = name.removesuffix(".weight")
+            out[name] = torch.randint(0, 256, (rows, cols[0] // 2), generator=gen, dtype=torch.uint8)
+            out[module + ".weight_scale"] = (torch.rand(rows, cols[0] // GROUP, generator=gen) * 448).to(
+                torch.float8_e4m3fn)
+            out[module + ".weight_scale_2"] = torch.tensor(1e-3)
+        else:
+            out[name] = torch.randn(rows, *cols, generator=gen) * 0.02
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    (out_dir / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "NVFP4", "group_size": GROUP, "exclude_modules": ["lm_head"]}}))
     return out_dir
 
 

@@ -264,3 +264,48 @@ def test_nvfp4_on_the_generic_path_is_refused(checkpoints, tmp_path):
     (other / "config.json").write_text(json.dumps(tiny_gpt_oss_config().to_dict()))
     with pytest.raises(UnsupportedQuantizationError, match="native model families only"):
         loader.load_model(str(other), device="cpu", tokenizer=False)
+
+
+# ---- memory: a load holds the weights once ------------------------------------------------------------
+
+_PEAK_SCRIPT = """
+import json, sys
+import torch, transformers
+from transformers import AutoConfig  # what a load imports lazily: part of the baseline
+from rayspec import loader
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+loader.READ_CHUNK_BYTES = 1 << 20  # the float tensors' read buffer: a constant 16 MiB otherwise, not the weights
+warm = loader.empty_model(loader.load_hf_config(sys.argv[2]), "cpu", torch.float32)  # first-load set-up
+loader.load_checkpoint(warm, sys.argv[2])
+del warm
+config = loader.load_hf_config(sys.argv[1])
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak mark to the current RSS
+baseline = status("VmRSS")
+model = loader.empty_model(config, "cpu", torch.float32)
+loader.load_checkpoint(model, sys.argv[1])
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"peak": status("VmHWM") - baseline, "weights": weights, "baseline": baseline}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_nvfp4_load_peak_stays_within_1_2x_the_weights(tmp_path):
+    """Loading an NVFP4 checkpoint whose float32 weights are 38 MB (decoder Linears 4-bit, 10 MB on disk)
+    raises the process's peak RSS by at most 1.2x those weights: each weight is dequantized chunk by
+    chunk into its parameter, never held whole in float beside it."""
+    from fp4_utils import random_nvfp4_llama
+
+    fp4 = random_nvfp4_llama(tmp_path / "fp4", num_layers=4, hidden=512, vocab_size=512)
+    warm = random_nvfp4_llama(tmp_path / "warm", num_layers=1, hidden=64, vocab_size=256)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(fp4), str(warm)], cwd=root, check=True,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    print(figures)
+    assert figures["weights"] > 35e6
+    assert figures["peak"] <= 1.2 * figures["weights"], figures
