@@ -295,17 +295,17 @@ print(json.dumps({"peak": status("VmHWM") - baseline, "weights": weights, "basel
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 def test_nvfp4_load_peak_stays_within_1_2x_the_weights(tmp_path):
-    """Loading an NVFP4 checkpoint whose float32 weights are 38 MB (decoder Linears 4-bit, 10 MB on disk)
+    """Loading an NVFP4 checkpoint whose float32 weights are 88 MB (decoder Linears 4-bit: 15 MB on disk)
     raises the process's peak RSS by at most 1.2x those weights: each weight is dequantized chunk by
     chunk into its parameter, never held whole in float beside it."""
     from fp4_utils import random_nvfp4_llama
 
-    fp4 = random_nvfp4_llama(tmp_path / "fp4", num_layers=4, hidden=512, vocab_size=512)
+    fp4 = random_nvfp4_llama(tmp_path / "fp4", num_layers=4, hidden=768, vocab_size=512)
     warm = random_nvfp4_llama(tmp_path / "warm", num_layers=1, hidden=64, vocab_size=256)
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(fp4), str(warm)], cwd=root, check=True,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     print(figures)
-    assert figures["weights"] > 35e6
+    assert figures["weights"] > 80e6
     assert figures["peak"] <= 1.2 * figures["weights"], figures
