@@ -194,6 +194,8 @@ class AppPlan:
     draft: DraftShape
     deployments: list[DeploymentPlan] = field(default_factory=list)
     generic: bool = False  # the target runs on the generic path
+    checkpoints: list["CheckpointSize"] = field(default_factory=list)  # the quantized ones
+    fit: list["FitRow"] | None = None  # fit_table's rows, when asked for
 
     def tenants(self) -> list[Tenant]:
         return [t for d in self.deployments if d.on_gpu for t in d.tenants()]
@@ -248,8 +250,119 @@ def plan_app(config: str, name: str, args: dict | AppArgs) -> AppPlan:
     return app
 
 
-def plan_config(path: str | Path, app: str | None = None) -> list[AppPlan]:
-    return [plan_app(str(path), name, args) for name, args in read_serve_config(path, app)]
+def plan_config(path: str | Path, app: str | None = None, fit: bool = False) -> list[AppPlan]:
+    """Each application's plan; with `fit` (or a quantized checkpoint) its fit_table too."""
+    plans = []
+    for name, args in read_serve_config(path, app):
+        plan = plan_app(str(path), name, args)
+        plan.checkpoints = checkpoint_sizes(plan)
+        if fit or plan.checkpoints:
+            plan.fit = fit_table(str(path), name, args)
+        plans.append(plan)
+    return plans
+
+
+# ---- quantized checkpoints: stored and loaded size; where a config fits ------------------------
+
+# the GPU sizes fit_table checks (GB = 10^9 bytes)
+FIT_GPUS = (("80 GB (H100, A100 80GB)", 80 * GB), ("141 GB (H200)", 141 * GB))
+FIT_TP_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    role: str  # "target" or "draft"
+    spec: str
+    algo: str  # rayspec.formats: NVFP4, MXFP4
+    source: str  # the file that said so
+    stored: int  # bytes of the checkpoint's weights as stored (what a download is, roughly)
+    quantized_params: int
+    num_params: int
+    loaded: int  # bytes of the weights once loaded (dequantized) at `dtype`
+    dtype: torch.dtype
+
+
+def _meta_model(shape: ModelShape):
+    """The model the engine builds for `shape`, on the meta device (no memory): rayspec's own, or
+    transformers' for the generic path."""
+    if shape.generic is not None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(copy.deepcopy(shape.generic))
+    from rayspec.model import CausalLM
+
+    with torch.device("meta"):
+        return CausalLM(shape.args, torch.zeros(shape.args.head_dim // 2), 1.0)
+
+
+def checkpoint_size(role: str, spec: str, shape: ModelShape, dtype: torch.dtype) -> CheckpointSize | None:
+    """Stored and loaded weight bytes of a quantized checkpoint (None: a float one), from config files."""
+    from rayspec.formats import stored_bytes
+
+    quantization = loader.model_quantization(spec)
+    if quantization is None:
+        return None
+    model = _meta_model(shape)
+    stored, quantized = stored_bytes(model, quantization, float_bytes=2)  # the rest: bfloat16, as published
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return CheckpointSize(role, spec, quantization.algo, quantization.source, stored, quantized, num_params,
+                          shape.weights(dtype).bytes, dtype)
+
+
+def checkpoint_sizes(app: AppPlan) -> list[CheckpointSize]:
+    cfg = app.args
+    dtype = app.deployments[0].process.dtype
+    out = [checkpoint_size("target", cfg.model, model_shape(cfg.model), dtype)]
+    if app.draft.model is not None:
+        spec = cfg.speculative.draft_model or cfg.model
+        out.append(checkpoint_size("draft", spec, model_shape(spec, cfg.speculative.draft_num_layers), dtype))
+    return [c for c in out if c is not None]
+
+
+@dataclass(frozen=True)
+class FitRow:
+    tp_size: int
+    need: int | None  # bytes on the fullest GPU; None: this size cannot be planned (`why`)
+    fits: tuple[bool, ...] = ()  # per FIT_GPUS
+    why: str = ""
+
+
+def fit_table(config: str, name: str, args: dict) -> list[FitRow]:
+    """The application as configured, at each of FIT_TP_SIZES (one bundle per rank), against FIT_GPUS."""
+    rows = []
+    for tp in FIT_TP_SIZES:
+        varied = copy.deepcopy(args)
+        varied.setdefault("engine", {})["tensor_parallel_size"] = tp
+        try:
+            plan = plan_app(config, name, varied)
+        except ValueError as err:
+            rows.append(FitRow(tp, None, why=str(err).splitlines()[0]))
+            continue
+        need = sum(c * t.process.peak for t, c in plan.worst_gpu())
+        rows.append(FitRow(tp, need, tuple(plan.fits(size) for _, size in FIT_GPUS)))
+    return rows
+
+
+def _checkpoint_lines(app: AppPlan) -> list[str]:
+    out = []
+    for c in app.checkpoints:
+        out.append(f"  {c.role} {c.spec}: {c.algo} ({c.source}), {c.quantized_params / 1e9:.2f} B of "
+                   f"{c.num_params / 1e9:.2f} B parameters quantized: stored {fmt_bytes(c.stored)}, loaded "
+                   f"{fmt_bytes(c.loaded)} in {str(c.dtype).removeprefix('torch.')} (dequantized at load)")
+    return out
+
+
+def _fit_lines(app: AppPlan) -> list[str]:
+    out = ["", "fit, as configured at tensor_parallel_size " + ", ".join(str(tp) for tp in FIT_TP_SIZES)
+           + " (the fullest GPU: weights, KV cache, activations, load peak):"]
+    for row in app.fit:
+        if row.need is None:
+            out.append(f"  tp {row.tp_size}: not possible: {row.why}")
+            continue
+        verdicts = "; ".join(f"{'fits' if ok else 'does not fit'} {gpu}" for (gpu, _), ok in zip(FIT_GPUS, row.fits))
+        out.append(f"  tp {row.tp_size}: {fmt_bytes(row.need)} per GPU: {verdicts}")
+    return out
 
 
 # ---- output ------------------------------------------------------------------------------------
@@ -301,6 +414,7 @@ def format_app(app: AppPlan, gpu_memory: int | None) -> str:
     cfg = app.args
     out = [f"{app.config}: application {app.name!r}, topology {cfg.topology}"]
     out += _describe_models(app)
+    out += _checkpoint_lines(app)
     chunk = cfg.engine.max_num_batched_tokens
     out.append(f"  engine: max_model_len {cfg.engine.max_model_len:,}, max_num_seqs {cfg.engine.max_num_seqs}, "
                f"kv_cache_memory_gb {cfg.engine.kv_cache_memory_gb:g} GiB"
@@ -356,6 +470,8 @@ def format_app(app: AppPlan, gpu_memory: int | None) -> str:
         gpus = sum(d.replicas * d.gpus_per_replica for d in app.deployments)
         out.append(f"verdict: {'fits' if app.fits(gpu_memory) else 'does not fit'} in {fmt_bytes(gpu_memory)} per GPU "
                    f"(GPUs of all replicas: {gpus:g})")
+    if app.fit is not None:
+        out += _fit_lines(app)
     return "\n".join(out)
 
 
@@ -394,4 +510,9 @@ def app_json(app: AppPlan, gpu_memory: int | None) -> dict:
     fits = app.fits(gpu_memory) if gpu_memory is not None and any(d.on_gpu for d in app.deployments) else None
     return {"config": app.config, "application": app.name, "topology": app.args.topology, "model": app.args.model,
             "method": app.args.speculative.method, "target": dataclasses.asdict(app.target), "generic": app.generic,
-            "gpu_memory": gpu_memory, "deployments": deployments, "fits": fits}
+            "gpu_memory": gpu_memory, "deployments": deployments, "fits": fits,
+            "checkpoints": [{**dataclasses.asdict(c), "dtype": str(c.dtype).removeprefix("torch.")}
+                            for c in app.checkpoints],
+            "fit": None if app.fit is None else [
+                {"tensor_parallel_size": r.tp_size, "need": r.need, "why": r.why or None,
+                 "fits": {gpu: ok for (gpu, _), ok in zip(FIT_GPUS, r.fits)}} for r in app.fit]}

@@ -232,7 +232,7 @@ def cmd_plan(args) -> int:
 
     try:
         gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
-        apps = plan_config(args.config, args.app)
+        apps = plan_config(args.config, args.app, fit=args.fit)
     except (ValueError, OSError, ModelNotFoundError) as err:  # a bad size, config or model: say which
         print(f"rayspec plan: {err}", file=sys.stderr)
         return 2
@@ -455,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU size to check against: 80GB (10^9 bytes), 80GiB (2^30 bytes), 24G (= 24GB)")
     p.add_argument("--app", default=None, help="only the application of this name")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of text")
+    p.add_argument("--fit", action="store_true",
+                   help="also plan the config at tensor_parallel_size 1, 2 and 4 against 80 GB and 141 GB GPUs "
+                        "(always done for quantized checkpoints, whose stored and loaded sizes are shown)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("kuberay", help="a KubeRay RayService manifest for a serve config",

@@ -258,6 +258,23 @@ def _capture_input(captured: dict[int, torch.Tensor], index: int):
     return hook
 
 
+def _quantization_kwargs(model_dir) -> dict:
+    """from_pretrained's arguments for a quantized checkpoint: MXFP4 (gpt-oss experts) dequantized at load
+    (rayspec.formats.mxfp4); a format transformers' model cannot take is refused by name."""
+    from rayspec.formats import MXFP4, UnsupportedQuantizationError, read_quantization
+
+    quantization = read_quantization(model_dir)
+    if quantization is None:
+        return {}
+    if quantization.algo != MXFP4:
+        raise UnsupportedQuantizationError(
+            f"{model_dir}: {quantization.algo} checkpoints load into rayspec's native model families only "
+            "(Llama, Mistral, Qwen2, Qwen3), not on the generic transformers path")
+    from rayspec.formats.mxfp4 import transformers_config
+
+    return {"quantization_config": transformers_config()}
+
+
 def load_generic_model(model_dir, config, device, dtype: torch.dtype,
                        num_layers: int | None = None) -> GenericCausalLM:
     """A checkpoint's transformers model (weights loaded shard by shard in `dtype` on `device`) on
@@ -271,6 +288,6 @@ def load_generic_model(model_dir, config, device, dtype: torch.dtype,
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = config.layer_types[:num_layers]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype, device_map=torch.device(device),
-                                              attn_implementation=ATTN_IMPLEMENTATION)
+                                              attn_implementation=ATTN_IMPLEMENTATION, **_quantization_kwargs(model_dir))
     hf.requires_grad_(False)
     return GenericCausalLM(hf, compute_dtype=dtype)

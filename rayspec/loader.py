@@ -9,6 +9,7 @@ later starts take seconds, not ~20 s.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from rayspec.formats import nvfp4
 from rayspec.model import NATIVE_MODEL_TYPES, CausalLM, ModelArgs, UnsupportedArchitectureError
 from rayspec.progress import progress_bar, progress_enabled
 
@@ -431,6 +433,37 @@ def _cached_config(repo_id: str, revision: str | None, where: str) -> Path:
     return Path(hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=True))
 
 
+def model_quantization(spec: str):
+    """The rayspec.formats.Quantization of model `spec` read from its config files alone (None: a float
+    checkpoint): a hub id costs config.json and, where the repo has one, ModelOpt's hf_quant_config.json."""
+    from rayspec.formats import quantization_of_config, read_quantization
+
+    config_file = model_config_file(spec)
+    if not _is_hub_id(spec) or (config_file.parent / "hf_quant_config.json").is_file():
+        return read_quantization(config_file.parent)
+    try:
+        return read_quantization(_snapshot(spec, _download_file("hf_quant_config.json"),
+                                           _cached_file("hf_quant_config.json")).parent)
+    except ModelNotFoundError:  # the repo has none (or it cannot be had): config.json says it, or nothing
+        return quantization_of_config(json.loads(config_file.read_text()))
+
+
+def _download_file(filename: str):
+    def download(repo_id: str, revision: str | None, where: str, endpoint: str | None) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, filename, revision=revision, endpoint=endpoint))
+    return download
+
+
+def _cached_file(filename: str):
+    def from_cache(repo_id: str, revision: str | None, where: str) -> Path:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
+    return from_cache
+
+
 def load_model_config(spec: str):
     """The transformers config a load of `spec` builds its model from (`load_hf_config`), read
     without the weights; a .gguf file's from its header (tensors are not read)."""
@@ -639,16 +672,23 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
     time. ValueError names the parameters the checkpoint lacks."""
     params = dict(model.named_parameters())  # tied lm_head.weight is not here: embed_tokens' is
     fmt, files = weight_files(model_dir)
+    quantization = checkpoint_quantization(model_dir, fmt)
     filled: set[str] = set()
     buffer = None
-    with _load_bar(model_dir, files) as bar:
+    with _load_bar(model_dir, files) as bar, contextlib.ExitStack() as stack:
+        # NVFP4: a weight's scales may lie in another shard, so every shard's header is read first
+        tensors = CheckpointTensors([stack.enter_context(SafetensorsReader(p)) for p in files]) if quantization else None
+        quantized = nvfp4.quantized_weights(tensors.names()) if tensors is not None else set()
         for path in files:
             if fmt == "safetensors":
                 with SafetensorsReader(path) as reader:
                     names = reader.names()
                     bar.update(path.stat().st_size - sum(reader.nbytes(name) for name in names))  # the header
                     for name in names:  # in file order: reads go forward through the file
-                        if name in params:
+                        if name in quantized and name in params:
+                            nvfp4.fill(params[name], name, tensors, _shard_of(params[name]))
+                            filled.add(name)
+                        elif name in params:
                             buffer = buffer if buffer is not None else bytearray(READ_CHUNK_BYTES)
                             reader.copy_into(name, params[name], buffer)
                             filled.add(name)
@@ -657,6 +697,22 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
                 filled |= _copy_bin_file(path, params)
                 bar.update(path.stat().st_size)
     _check_filled(model, filled)
+
+
+def checkpoint_quantization(model_dir: Path, fmt: str | None = None):
+    """The checkpoint's rayspec.formats.Quantization when the native path loads it (NVFP4), None for a
+    float checkpoint; UnsupportedQuantizationError for any other (MXFP4 loads on the generic path only)."""
+    from rayspec.formats import NVFP4, UnsupportedQuantizationError, read_quantization
+
+    quantization = read_quantization(model_dir)
+    if quantization is None:
+        return None
+    if quantization.algo != NVFP4:
+        raise UnsupportedQuantizationError(f"{model_dir}: {quantization.algo} weights load on the generic path only "
+                                           "(gpt-oss), not into rayspec's native model")
+    if fmt is not None and fmt != "safetensors":
+        raise UnsupportedQuantizationError(f"{model_dir}: an NVFP4 checkpoint must be in safetensors")
+    return quantization
 
 
 def _load_bar(model_dir: Path, files: list[Path]):
@@ -726,6 +782,38 @@ class SafetensorsReader:
         begin, end = self._entries[name]["data_offsets"]
         return end - begin
 
+    def entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, shape) of tensor `name`."""
+        entry = self._entries[name]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{self.path}: {name} has dtype {entry['dtype']}, which rayspec cannot read")
+        return dtype, tuple(entry["shape"])
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` as stored (its dtype, on the CPU), or rows r0..r1-1 and columns c0..c1-1 of a
+        2-D one: only those bytes are read (one read per row when the columns are a slice)."""
+        dtype, shape = self.entry(name)
+        begin = self._entries[name]["data_offsets"][0] + self._data_start
+        if rows is None and cols is None:
+            data = bytearray(self._read(begin, math.prod(shape) * dtype.itemsize))
+            return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) if data else \
+                torch.empty(shape, dtype=dtype)
+        n_rows, n_cols = shape
+        (r0, r1), (c0, c1) = rows or (0, n_rows), cols or (0, n_cols)
+        if not (0 <= r0 <= r1 <= n_rows and 0 <= c0 <= c1 <= n_cols):
+            raise ValueError(f"{self.path}: rows {r0}..{r1}, columns {c0}..{c1} are outside {name} {list(shape)}")
+        size = dtype.itemsize
+        out = bytearray((r1 - r0) * (c1 - c0) * size)
+        whole = c0 == 0 and c1 == n_cols  # whole rows: one read
+        view, run = memoryview(out), len(out) if whole else (c1 - c0) * size
+        for i, r in enumerate([r0] if whole else range(r0, r1)):
+            offset = begin + (r * n_cols + c0) * size
+            if run and os.preadv(self._fd, [view[i * run:(i + 1) * run]], offset) != run:
+                raise ValueError(f"{self.path}: truncated in {name} (wanted {run} bytes at {offset})")
+        return torch.frombuffer(out, dtype=torch.uint8).view(dtype).reshape(r1 - r0, c1 - c0) if out else \
+            torch.empty(r1 - r0, c1 - c0, dtype=dtype)
+
     def copy_into(self, name: str, param: torch.Tensor, buffer: bytearray) -> None:
         """Fill `param` (contiguous, any device and float dtype) with tensor `name`, or its tp_shard
         slice, through `buffer`: only the bytes of that slice are read."""
@@ -775,6 +863,30 @@ class SafetensorsReader:
                 held, done = held + n, done + n
         if held:
             flush()
+
+
+class CheckpointTensors:
+    """Every tensor of a sharded safetensors checkpoint by name, whichever shard holds it (readers open)."""
+
+    def __init__(self, readers: list[SafetensorsReader]):
+        self._where = {name: reader for reader in readers for name in reader.names()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._reader(name).entry(name)[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._reader(name).entry(name)[1]
+
+    def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        return self._reader(name).read(name, rows, cols)
+
+    def _reader(self, name: str) -> SafetensorsReader:
+        if name not in self._where:
+            raise ValueError(f"the checkpoint has no tensor {name}")
+        return self._where[name]
 
 
 def generation_eos_ids(spec: str) -> set[int]:

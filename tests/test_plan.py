@@ -440,3 +440,51 @@ def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
     remote = engine_plan(dataclasses.replace(config, tensor_parallel_size=1), args, "cuda", DraftShape(head=head),
                          proposer_in_process=False)
     assert remote.activations.features > 0 and "eagle3 head weights" not in {i.name for i in remote.items}
+
+
+# ---- the FP4 checkpoints of TensorRT-LLM's guide: stored and loaded sizes, fit per GPU ------------
+
+@pytest.fixture
+def fp4_hub(tmp_path, monkeypatch):
+    hub = FakeHub()
+    for repo, folder in (("nvidia/Llama-3.3-70B-Instruct-FP4", "llama-3.3-70b-instruct-fp4"),
+                         ("nvidia/Llama-3.1-8B-Instruct-FP4", "llama-3.1-8b-instruct-fp4"),
+                         ("openai/gpt-oss-120b", "gpt-oss-120b"), ("nvidia/gpt-oss-120b-Eagle3", "gpt-oss-120b-eagle3")):
+        hub.add_repo(repo, DATA / folder)
+    with hub:
+        use_hub(monkeypatch, hub.url, tmp_path / "hf-home")
+        yield hub
+
+
+def _nvfp4_llama_stored(layers, hidden, kv, inter, vocab) -> int:
+    """ModelOpt NVFP4: each decoder Linear a byte per 2 weights + a float8 scale per 16 + 2 float32 scalars;
+    embeddings, LM head and norms bfloat16."""
+    linears = [hidden * hidden, hidden * kv, hidden * kv, hidden * hidden] + [hidden * inter] * 3
+    return layers * sum(n // 2 + n // 16 + 8 for n in linears) + 2 * (2 * vocab * hidden + (2 * layers + 1) * hidden)
+
+
+def test_fp4_guide_plans_offline(fp4_hub, capsys):
+    """`rayspec plan` on the guide's two FP4 configs, from config files alone (config.json, ModelOpt's
+    hf_quant_config.json): stored and loaded weight sizes, and where each fits."""
+    rc, app = plan_json(capsys, "llama70b_fp4_draft8b.yaml", "80GB")
+    assert rc == 0 and app["fits"]
+    target, draft = app["checkpoints"]
+    assert (target["algo"], target["source"], draft["algo"]) == ("NVFP4", "hf_quant_config.json", "NVFP4")
+    assert target["stored"] == _nvfp4_llama_stored(80, 8192, 1024, 28672, 128256)
+    assert draft["stored"] == _nvfp4_llama_stored(32, 4096, 1024, 14336, 128256)
+    assert round(target["stored"] / GB, 1) == 42.7 and round(target["loaded"] / GB, 1) == 141.1
+    assert draft["loaded"] == 2 * LLAMA_PARAMS + 64 * 4  # the bf16 model's: dequantized at load
+    fit = {row["tensor_parallel_size"]: row["fits"] for row in app["fit"]}
+    assert fit == {1: {"80 GB (H100, A100 80GB)": False, "141 GB (H200)": False},
+                   2: {"80 GB (H100, A100 80GB)": False, "141 GB (H200)": True},
+                   4: {"80 GB (H100, A100 80GB)": True, "141 GB (H200)": True}}
+    tp4 = next(row for row in app["fit"] if row["tensor_parallel_size"] == 4)
+    verifier = app["deployments"][0]
+    assert tp4["need"] == verifier["peak"]  # as configured (tp 4): the plan's own figure
+
+    rc, out = run_plan_text(capsys, "gpt_oss_eagle3.yaml", "80GB")
+    assert rc == 1
+    assert "openai/gpt-oss-120b: MXFP4 (config.json quantization_config)" in out
+    assert "stored 65.25 GB, loaded 233.66 GB in bfloat16" in out  # experts at 4.25 bits, the rest bf16
+    assert "tp 1: 254.58 GB per GPU: does not fit 80 GB (H100, A100 80GB); does not fit 141 GB (H200)" in out
+    assert "tp 2: not possible: GptOssConfig runs on the generic path" in out

@@ -34,7 +34,26 @@ def test_expected_configs_exist():
     assert {"default.yaml", "baseline.yaml", "draft_model.yaml", "disaggregated.yaml", "fractional_gpu.yaml",
             "autoscaling.yaml", "llama3_eagle3.yaml", "eagle3.yaml", "eagle3_disaggregated.yaml",
             "cluster.yaml", "llama70b_draft8b_tp4.yaml", "qwen3_eagle3.yaml", "vllm_style.yaml",
-            "ray_serve_llm_style.yaml"} <= names
+            "ray_serve_llm_style.yaml", "llama70b_fp4_draft8b.yaml", "gpt_oss_eagle3.yaml"} <= names
+
+
+def test_fp4_guide_configs():
+    """TensorRT-LLM's guide, as published: the NVFP4 70B target over 4 GPUs with its NVFP4 8B draft on a
+    fifth (4 drafted tokens), and gpt-oss-120b with NVIDIA's EAGLE-3 head on one GPU."""
+    fp4 = AppArgs.model_validate(app_args(CONFIGS / "llama70b_fp4_draft8b.yaml"))
+    engine = fp4.engine_config()
+    assert (engine.model, engine.tensor_parallel_size, engine.dtype) == ("nvidia/Llama-3.3-70B-Instruct-FP4", 4,
+                                                                       "bfloat16")
+    spec = engine.speculative
+    assert (spec.method, spec.draft_model, spec.num_speculative_tokens) == (
+        "draft_model", "nvidia/Llama-3.1-8B-Instruct-FP4", 4)
+    assert fp4.verifier_options()["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
+    assert fp4.proposer_options()["ray_actor_options"]["num_gpus"] == 1
+    oss = AppArgs.model_validate(app_args(CONFIGS / "gpt_oss_eagle3.yaml"))
+    engine = oss.engine_config()
+    assert (engine.model, engine.speculative.method, engine.speculative.draft_model) == (
+        "openai/gpt-oss-120b", "eagle3", "nvidia/gpt-oss-120b-Eagle3")
+    assert engine.tensor_parallel_size == 1 and oss.verifier_options()["ray_actor_options"]["num_gpus"] == 1
 
 
 def test_big_target_configs():

@@ -79,6 +79,10 @@ def read_eagle_head(spec: str, target: CausalLM, kind: str | None = None) -> tup
         if config.draft_vocab_size != config.args.vocab_size:
             raise ValueError(f"{spec}: a reduced draft vocabulary needs a d2t mapping")
         state["t2d"] = torch.ones(config.args.vocab_size, dtype=torch.bool)
+    elif config.kind == "eagle3" and "t2d" not in state:  # ModelOpt exports ship d2t alone: t2d follows from it
+        d2t = state["d2t"].long()
+        state["t2d"] = torch.zeros(config.args.vocab_size, dtype=torch.bool)
+        state["t2d"][torch.arange(len(d2t)) + d2t] = True
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "embed_tokens.weight"]
     if missing or unexpected:

@@ -1,0 +1,42 @@
+"""MXFP4 weights as gpt-oss ships them: its MoE experts only, dequantized at load by transformers.
+
+Per expert projection (E experts of `rows` outputs x K inputs) a checkpoint holds
+  `<proj>_blocks`  uint8 [E, rows, K / 32, 16]: two E2M1 codes per byte, the even input in the low nibble
+  `<proj>_scales`  uint8 [E, rows, K / 32]: an E8M0 exponent per 32 inputs (value 2^(s - 127))
+so W[e, o, i] = E2M1[code] * 2^(scale[e, o, i // 32] - 127), exact in bfloat16 and float32; everything
+else (attention, router, embeddings, LM head) is bfloat16.
+
+transformers' gpt_oss reads this layout: `Mxfp4Config(dequantize=True)` makes it dequantize in plain
+torch as each tensor loads, on any device (without it transformers would fetch Triton kernels from the
+hub on a GPU: rayspec never downloads kernels). Dequantized, gpt-oss-20b is about 42 GB in bfloat16,
+gpt-oss-120b about 234 GB: more than one GPU holds, and rayspec has no MXFP4 grouped matmul (keeping
+the experts 4-bit, about 65 GB) nor tensor parallelism on the generic path, so 120b does not run here
+(README, "FP4 checkpoints").
+"""
+
+from __future__ import annotations
+
+GROUP_SIZE = 32
+SCALE_BIAS = 127
+BITS_PER_WEIGHT = 4 + 8 / GROUP_SIZE  # a code per weight, an 8-bit exponent per 32
+
+
+def transformers_config():
+    """The quantization_config for transformers' from_pretrained: dequantize at load, in torch."""
+    from transformers import Mxfp4Config
+
+    return Mxfp4Config(dequantize=True)
+
+
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # transformers' GptOssExperts parameters
+
+
+def quantized_params(model, quantization) -> dict[int, int]:
+    """id(parameter) -> its stored bytes, for the MoE expert projections (gpt-oss's `mlp.experts.
+    gate_up_proj` / `down_proj`): a byte per two weights, one exponent byte per 32."""
+    out = {}
+    for name, param in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        if module.endswith("experts") and leaf in EXPERT_PROJECTIONS and not quantization.excludes(module):
+            out[id(param)] = param.numel() // 2 + param.numel() // GROUP_SIZE
+    return out
