@@ -174,6 +174,8 @@ class LLMEngine:
                 if proposer_runner is not None:
                     proposer_runner.set_compile(False)
                 return []
+        if self.runner.paged_attention and not self._paged_attention_agrees():
+            self.runner.paged_attention = False
         done = []
         for rows in sorted({1, bucket(1 + self.max_k)}):
             b = 1
@@ -193,6 +195,34 @@ class LLMEngine:
         self._sync()
         logger.info("compiled step warmed up for (batch, rows) %s", done)
         return done
+
+    def _paged_attention_agrees(self, context: int = 40, tolerance: float = 0.02) -> bool:
+        """Paged attention's self-check (EngineConfig.paged_attention): one decode forward of a dummy
+        sequence through the compiled step with attention gathering the keys and reading the pool in
+        place; they must agree to `tolerance` of the hidden states' largest magnitude (bfloat16
+        kernels differ in their last bits, a wrong mask by far more). Where they do not, paged
+        attention is turned off with an error in the log, so a kernel fault costs speed, not
+        correctness."""
+        seq_id, hiddens = "__paged_check", []
+        self.runner.allocate(seq_id)
+        try:
+            prompt = [(7 * i + 3) % self.runner.model.args.vocab_size for i in range(context)]
+            self.runner.forward_hidden([seq_id], [prompt])
+            for paged in (False, True):
+                self.runner.paged_attention = paged
+                self.runner.set_cached_len(seq_id, context)
+                hiddens.append(self.runner.forward_hidden([seq_id], [[5]], packed=True, static=True)[0].float())
+        finally:
+            self.runner.paged_attention = True
+            self.runner.free(seq_id)
+        gather, paged = hiddens
+        diff, scale = (paged - gather).abs().max().item(), gather.abs().max().item()
+        if not diff <= tolerance * max(scale, 1e-6):  # (NaN fails too)
+            logger.error("paged attention off: its decode forward differs from the gather's by %.4g (hidden "
+                         "states up to %.4g); please report this GPU and torch version", diff, scale)
+            return False
+        logger.info("paged attention on: agrees with the gather to %.3g (hidden states up to %.3g)", diff, scale)
+        return True
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

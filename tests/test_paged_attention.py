@@ -97,6 +97,9 @@ def test_inductor_kernel_equals_gathered_attention():
 @pytest.fixture
 def traced_step(monkeypatch):
     monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
+    torch._dynamo.reset()  # graphs compiled by other tests (dynamo's cache is per code object) retraced
+    yield
+    torch._dynamo.reset()
 
 
 def test_compiled_step_hidden_states_equal(tiny_model_dir, traced_step):
@@ -163,3 +166,33 @@ def test_engine_greedy_equal_with_paged_attention(tiny_model_dir, traced_step, m
 def test_paged_attention_needs_the_compiled_step(tiny_model_dir):
     with pytest.raises(ValueError, match="paged_attention"):
         EngineConfig(model=str(tiny_model_dir), compile=False, paged_attention=True)
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+def test_warm_up_self_check_turns_a_faulty_kernel_off(tiny_model_dir, traced_step, monkeypatch, faulty):
+    """The engine's warm-up compares one decode forward both ways: a paged attention that computes
+    something else (here: every key of the row's first block only) is turned off, and the engine's
+    greedy output stays the eager engine's."""
+    from rayspec.engine import LLMEngine
+    from rayspec.sampling import SamplingParams
+
+    if faulty:
+        original = PagedLayout.attend
+
+        def wrong(self, q, cache_k, cache_v):
+            return original(PagedLayout(self.table, torch.zeros_like(self.context), self.tail, self.block_size,
+                                        self.logical), q, cache_k, cache_v)
+
+        monkeypatch.setattr(PagedLayout, "attend", wrong)
+    loaded = cached_model(str(tiny_model_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    for compile in (False, True):
+        config = EngineConfig(model=str(tiny_model_dir), max_model_len=128, max_num_seqs=2, kv_cache_memory_gb=0.05,
+                              compile=compile, paged_attention=compile,
+                              speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2, adaptive=False))
+        engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1])
+        if compile:
+            assert engine.runner.paged_attention == (not faulty)
+        outputs.append(engine.generate([[5, 17, 99, 3, 42, 8, 5, 17]], params)[0].token_ids)
+    assert outputs[1] == outputs[0]
