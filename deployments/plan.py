@@ -472,7 +472,37 @@ def format_app(app: AppPlan, gpu_memory: int | None) -> str:
                    f"(GPUs of all replicas: {gpus:g})")
     if app.fit is not None:
         out += _fit_lines(app)
+    out += measured_step_lines(app.target)
     return "\n".join(out)
+
+
+# the shapes benchmarks/gpu_roofline.py measures (its SHAPES): (vocab, hidden, intermediate, layers, heads, kv heads)
+ROOFLINE_SHAPES = {"llama3.1-8b": (128256, 4096, 14336, 32, 32, 8)}
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def measured_step_lines(target: ModelArgs, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """What a GPU measured for a target of these shapes (benchmarks/results/gpu_roofline_*.json, read
+    where the repository is at hand): its compiled decode step per batch, and the weights' read time."""
+    dims = (target.vocab_size, target.hidden_size, target.intermediate_size, target.num_layers, target.num_heads,
+            target.num_kv_heads)
+    shape = next((name for name, d in ROOFLINE_SHAPES.items() if d == dims), None)
+    out = []
+    for path in sorted(results_dir.glob("gpu_roofline_*.json")) if shape else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        steps = [r for r in data.get("decode", []) if r.get("shape") == shape and r.get("compiled")]
+        if not steps:
+            continue
+        gpu = (data.get("summary") or {}).get("gpu") or (data.get("environment") or {}).get("gpu_model") or "a GPU"
+        each = ", ".join(f"batch {r['batch']} {r['ms_per_step']:.2f} ms ({r['tok_s']:,.0f} tok/s)" for r in steps)
+        roof = (data.get("summary") or {}).get("weights_read_ms")
+        out.append(f"measured on {gpu} ({shape} shapes, random weights, {steps[0]['context']:,}-token context, "
+                   f"benchmarks/results/{path.name}): compiled decode step {each}"
+                   + (f"; the weights read once in {roof:.2f} ms" if roof else ""))
+    return [""] + out if out else []
 
 
 def _verdict(need: int, budget: int) -> str:

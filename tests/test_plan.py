@@ -488,3 +488,24 @@ def test_fp4_guide_plans_offline(fp4_hub, capsys):
     assert "stored 65.25 GB, loaded 233.66 GB in bfloat16" in out  # experts at 4.25 bits, the rest bf16
     assert "tp 1: 254.58 GB per GPU: does not fit 80 GB (H100, A100 80GB); does not fit 141 GB (H200)" in out
     assert "tp 2: not possible: GptOssConfig runs on the generic path" in out
+
+
+def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
+    """`rayspec plan` quotes benchmarks/results/gpu_roofline_*.json for a target of the shapes measured
+    there (Llama-3.1-8B's), from the file's own figures, and nothing for other shapes."""
+    import json as _json
+
+    from deployments.plan import RESULTS_DIR, measured_step_lines
+    from rayspec.model import ModelArgs
+
+    llama8b = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    lines = measured_step_lines(llama8b)
+    recorded = _json.loads((RESULTS_DIR / "gpu_roofline_h100.json").read_text())
+    b1 = next(r for r in recorded["decode"] if r["batch"] == 1 and r["compiled"])
+    text = "\n".join(lines)
+    assert "NVIDIA H100" in text and f"batch 1 {b1['ms_per_step']:.2f} ms" in text and "gpu_roofline_h100.json" in text
+    other = ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    assert measured_step_lines(other) == []
+    assert measured_step_lines(llama8b, results_dir=tmp_path) == []  # installed without the repository: nothing
