@@ -326,33 +326,48 @@ class ModelRunner:
         ids = np.zeros((Bp, Qp) if not on_device else (0, 0), dtype=np.int64)
         for b, t in enumerate([] if on_device else token_lists):
             ids[b, : len(t)] = t
-        read = np.empty((Bp, kv_len), dtype=np.int64)
-        read[:B] = self._rows(seq_ids, kv_len)
-        read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
+        paged = self._pages(trees)
         positions = np.tile(np.arange(Qp, dtype=np.int64), (Bp, 1))
+        visible = None
         if trees is None:
             positions[:B] += np.asarray(starts, dtype=np.int64)[:, None]
             write_pos = positions
-            visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+            if not paged:
+                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
         else:
             tree_pos, cache_pos, tree_visible, _ = tree_layout_host(trees, starts, Qp, kv_len)
             positions[:B] = tree_pos
             write_pos = positions.copy()
             write_pos[:B] = cache_pos
-            visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
-            visible[:B] = tree_visible
+            if not paged:
+                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+                visible[:B] = tree_visible
         real = np.concatenate([np.arange(n) + b * Qp for b, n in enumerate(lengths)])
-        t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
-            ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
+        if paged:  # block tables, not every key's row, and no dense mask (rayspec.paged_attention)
+            table, context, tail = self._paged_arrays(seq_ids, starts, Bp, Qp, trees)
+            block = write_pos // bs  # padding written past a table's width: the scratch block
+            write = np.where(block < self.max_blocks,
+                             np.take_along_axis(table, np.minimum(block, self.max_blocks - 1), axis=1),
+                             SCRATCH_BLOCK) * bs + write_pos % bs
+            t_ids, t_pos, t_write, t_real, t_table, t_context, t_tail = to_device(
+                ids, positions, write, real, table, context, tail, device=self.device)
+            layout = PagedLayout.build(t_table, t_context, t_tail, bs, self.cache.k[0].shape[0] // bs)
+            batch = ForwardBatch(write_index=t_write, read_index=t_write[:, :0], positions=t_pos, kv_len=kv_len,
+                                 mask=None, paged=layout)
+        else:
+            read = np.empty((Bp, kv_len), dtype=np.int64)
+            read[:B] = self._rows(seq_ids, kv_len)
+            read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
+            t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
+                ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
+            if trees is not None:
+                for b, (tree, start) in enumerate(zip(trees, starts)):
+                    if tree.sees is not None:
+                        t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
+            batch = ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
+                                 mask=additive_mask(t_visible, self.dtype))
         if on_device:
             t_ids = _pad_rows(token_lists, Bp, Qp)
-        if trees is not None:
-            for b, (tree, start) in enumerate(zip(trees, starts)):
-                if tree.sees is not None:
-                    t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
-        paged = self._paged_layout(seq_ids, starts, Bp, Qp, trees)
-        batch = ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
-                             mask=None if paged is not None else additive_mask(t_visible, self.dtype), paged=paged)
         # tensor arguments per token (an EAGLE head's features, [B, Q, F]) padded as the tokens are
         model_kwargs = {k: _pad_rows(v, Bp, Qp) if isinstance(v, torch.Tensor) and v.dim() >= 2
                         and tuple(v.shape[:2]) == (B, Q) else v for k, v in model_kwargs.items()}
@@ -368,12 +383,15 @@ class ModelRunner:
                 self._cached_len[s] = start + n
         return tuple(unpad(o) for o in out) if isinstance(out, tuple) else unpad(out)
 
-    def _paged_layout(self, seq_ids, starts, Bp, Qp, trees) -> PagedLayout | None:
-        """The compiled step's PagedLayout (see rayspec.paged_attention), or None where attention
-        gathers: paged attention off, or trees given as device masks or partly cached (an EAGLE
-        head's draft steps: one layer, whose gather is small)."""
-        if not self.paged_attention or (trees is not None and any(t.parents is None or t.first for t in trees)):
-            return None
+    def _pages(self, trees) -> bool:
+        """Whether the compiled step's attention reads the pool in place (rayspec.paged_attention):
+        paged attention on, and no tree given as a device mask or partly cached (an EAGLE head's
+        draft steps: one layer, whose gather is small)."""
+        return self.paged_attention and (trees is None or all(t.parents is not None and not t.first for t in trees))
+
+    def _paged_arrays(self, seq_ids, starts, Bp, Qp, trees):
+        """A PagedLayout's table [Bp, max_blocks] (scratch past a row's blocks, and for padding rows),
+        context [Bp] and tail [Bp, Qp, Qp], as numpy arrays."""
         table = np.full((Bp, self.max_blocks), SCRATCH_BLOCK, dtype=np.int64)
         for b, s in enumerate(seq_ids):
             blocks = self.blocks.tables[s][: self.max_blocks]
@@ -384,8 +402,7 @@ class ModelRunner:
         tail[:] = chain_tail(Qp)
         for b, tree in enumerate(trees or []):
             tail[b] = tree_tail(tree.parents, Qp)
-        t_table, t_context, t_tail = to_device(table, context, tail, device=self.device)
-        return PagedLayout.build(t_table, t_context, t_tail, self.block_size, self.cache.k[0].shape[0] // self.block_size)
+        return table, context, tail
 
     def keep_path(self, seq_id: str, tree_rows: list[int]) -> None:
         """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path
