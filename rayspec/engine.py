@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -647,7 +647,9 @@ class LLMEngine:
                                        *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             started = time.perf_counter()
-            drafts = self.proposer.propose(requests)
+            # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
+            # and verification rows this step did not budget for
+            drafts = [d if len(d.tokens) <= n else _cut(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
             self.stats.propose_seconds += time.perf_counter() - started
             lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
@@ -769,6 +771,12 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def _cut(draft: Draft, n: int) -> Draft:
+    """The first n tokens of a draft (a tree's first n nodes are a tree: parents come first)."""
+    return replace(draft, tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
+                               parents=None if draft.parents is None else draft.parents[:n])
 
 
 class _Applied(Exception):
