@@ -21,8 +21,9 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.admission import AdmissionGate, AdmissionState, error_response, not_ready, overloaded
-from deployments.api_key import RequireApiKey, key_digest
+from deployments.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
+                                   overloaded)
+from deployments.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args, resolve_api_key
 from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
@@ -47,7 +48,13 @@ def _replica_admission() -> AdmissionState:
     return serve.get_replica_context().servable_object.admission
 
 
-# the last added runs first: the key is checked before a request takes a place in the gate
+def _replica_body_limit() -> int:
+    return serve.get_replica_context().servable_object.cfg.max_request_body_bytes
+
+
+# the last added runs first: the key is checked before a request takes a place in the gate, and
+# the body is read (at most max_request_body_bytes of it) only once it has a place
+app.add_middleware(BodyLimit, max_bytes=_replica_body_limit)
 app.add_middleware(AdmissionGate, state=_replica_admission)
 app.add_middleware(RequireApiKey, expected=_replica_key_digest)
 
@@ -145,6 +152,7 @@ class OpenAIIngress:
         self.verifier_answered = False  # a verifier replica has answered: the target is loaded
         self._probe = None
         self._start_readiness_probe()
+        self._exposure_check = self._warn_if_exposed()
         self.actor_name = None  # the verifier watches this name: when this replica dies, its requests are aborted
         import ray
 
@@ -170,6 +178,29 @@ class OpenAIIngress:
                     await asyncio.sleep(0.5)
 
         self._probe = loop.create_task(probe())
+
+    def _warn_if_exposed(self):
+        """`serve run` with a config binds the HTTP proxy where its http_options say: ask Serve's
+        controller once, and log a warning when that is not loopback and no API key is set."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside Serve (unit tests)
+            return None
+
+        async def check():
+            try:
+                import ray
+                from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+                controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+                host = getattr(await controller.get_http_config.remote(), "host", None)
+            except Exception:  # noqa: BLE001 - another Serve version: no warning, nothing else changes
+                return
+            warning = exposure_warning(host, self._api_key_digest is not None)
+            if warning:
+                logger.warning(warning)
+
+        return loop.create_task(check())
 
     # ---- Python handle API ---------------------------------------------------------------
     def _tagged(self, request: Union[GenerateRequest, dict]) -> GenerateRequest:
