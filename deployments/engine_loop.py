@@ -120,6 +120,7 @@ class EngineLoop:
             self._error = err
             self._ready.set()
             return
+        self.engine.delta_outputs = True  # callers stream deltas: no output copies the whole output so far
         self._update_snapshot()
         self._ready.set()
         engine = self.engine

@@ -99,6 +99,7 @@ class Sequence:
     num_preemptions: int = 0  # times its KV cache was freed to make room (recomputed when admitted again)
     prefill_start: int = 0  # where its prefill started at its last admission (its cached prefix)
     _sent: int = 0  # characters of output_text already handed out by take_new_text
+    num_reported_tokens: int = 0  # output tokens already in a RequestOutput (their delta_token_ids)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
