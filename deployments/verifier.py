@@ -28,6 +28,7 @@ from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
 CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
 _CALLER_GONE = object()  # put in a request's queue when its caller died
 _BACKLOG = object()  # put in a request's queue when its reader fell too far behind
+UNHEALTHY_AFTER_FAILED_STEPS = 3  # steps in a row that raised: the replica reports unhealthy
 MAX_BUFFERED_OUTPUTS = 1024  # outputs of one request waiting for its reader (each a step's delta)
 
 
@@ -161,8 +162,10 @@ class Verifier:
         self._watcher = asyncio.get_running_loop().create_task(watch())
 
     def check_health(self) -> None:
-        if not self.loop.alive:
-            raise RuntimeError("engine loop is not running")
+        """Serve calls this every health_check_period_s; raising makes Serve replace the replica."""
+        problem = self.loop.health_problem(UNHEALTHY_AFTER_FAILED_STEPS)
+        if problem is not None:
+            raise RuntimeError(problem)
         ranks = getattr(self.loop.engine, "ranks", None)
         if ranks is not None and not ranks.alive():
             raise RuntimeError("a tensor-parallel rank of this replica died")
