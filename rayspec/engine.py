@@ -435,7 +435,8 @@ class LLMEngine:
                 prefix = getattr(self.proposer, "cached_prefix", None)
                 limit = prefix(seq.request_id, seq.token_ids) if prefix is not None else None
                 reuse = limit is not None
-            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit)
+            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
+                                          seq.params.cache_salt)
             need = blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
             if need + len(self.running) > self.runner.num_free_blocks:
                 self.runner.free(seq.request_id)
