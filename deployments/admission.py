@@ -11,6 +11,11 @@ Bounds, outermost first (deployments/README.md has the table and the defaults):
 3. the engine's waiting queue (`engine.max_num_waiting`, per verifier replica): past it the engine
    refuses the request (EngineOverloadedError) and the ingress answers 429.
 Requests let in are served in full and unchanged; refused ones cost microseconds.
+`/tokenize` and `/detokenize` (a verifier call each) go through the same gate.
+
+Every request body is also bounded before anything parses it (`BodyLimit`, app arg
+`max_request_body_bytes`): a Content-Length past the limit is a 413 at once, unread; a body sent
+without one is counted as it comes and refused (413) the moment it passes the limit.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from fastapi.responses import JSONResponse
 from deployments.openai_protocol import OpenAIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GATED_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}  # every POST that calls the verifier
 
 
 def overloaded(message: str, retry_after_s: float | None) -> OpenAIError:
@@ -61,7 +67,8 @@ class AdmissionState:
 
 
 class AdmissionGate:
-    """ASGI middleware: at most `state().max_in_flight` generation requests in this replica at once.
+    """ASGI middleware: at most `state().max_in_flight` generation (and tokenizer) requests in this
+    replica at once.
 
     `state()` -> the AdmissionState of the replica serving the request. A streamed response counts
     until the ASGI app returns, i.e. until its last event was sent or the client went away."""
@@ -70,7 +77,7 @@ class AdmissionGate:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or _route_path(scope) not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST" or _route_path(scope) not in GATED_PATHS:
             return await self.app(scope, receive, send)
         state = self.state()
         if state.in_flight >= state.max_in_flight:
@@ -83,3 +90,48 @@ class AdmissionGate:
             await self.app(scope, receive, send)
         finally:
             state.in_flight -= 1
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(f"The request body is larger than this server accepts ({limit} bytes).", status_code=413,
+                       code="request_too_large")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body of more than `max_bytes()` bytes gets a 413 (OpenAI error
+    JSON) before any of it is parsed, and no more of it is read. The body is read here (at most
+    the limit) and handed on whole, so what runs after sees the same messages as without it."""
+
+    def __init__(self, app, max_bytes: Callable[[], int]):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        limit = self.max_bytes()
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and (not value.strip().isdigit() or int(value) > limit):
+                return await error_response(too_large(limit))(scope, receive, send)
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > limit:
+                return await error_response(too_large(limit))(scope, receive, send)
+            parts.append(body)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+        del parts
+
+        async def replay():
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # a disconnect, for streamed responses
+
+        await self.app(scope, replay, send)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from typing import Callable
 
 from fastapi.responses import JSONResponse
@@ -28,6 +29,19 @@ def key_digest(key) -> bytes | None:
     if hasattr(key, "get_secret_value"):
         key = key.get_secret_value()
     return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def exposure_warning(host: str | None, has_key: bool) -> str | None:
+    """What to warn about when the HTTP proxy binds `host`: None on a loopback address or with a key."""
+    if has_key or host in (None, "", "localhost"):
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: reachable from wherever it resolves
+        pass
+    return (f"serving on {host} without an API key: anyone who can reach this port can use the model. "
+            "Set api_key (or RAYSPEC_API_KEY), or bind 127.0.0.1")
 
 
 def _route_path(scope) -> str:

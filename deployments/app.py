@@ -34,8 +34,26 @@ from deployments.proposer import Proposer
 from deployments.verifier import Verifier
 
 
+def pin_hub_revisions(cfg: AppArgs) -> AppArgs:
+    """The target's and draft's hub ids with their revisions resolved to commits, once, where the
+    app is built (rayspec.loader.pin_revision): every replica then loads the same files, even when
+    a branch moves while replicas start or scale. The served name stays the one asked for."""
+    from rayspec.loader import pin_revision
+
+    update: dict = {}
+    model = pin_revision(cfg.model)
+    if model != cfg.model:
+        update.update(model=model, served_model_name=cfg.model_name)
+    draft = cfg.speculative.draft_model
+    if draft:
+        pinned = pin_revision(draft)
+        if pinned != draft:
+            update["speculative"] = cfg.speculative.model_copy(update={"draft_model": pinned})
+    return cfg.model_copy(update=update) if update else cfg
+
+
 def build_app(args: dict | AppArgs | None = None) -> Application:
-    cfg = load_app_args(args)
+    cfg = pin_hub_revisions(load_app_args(args))
     plain = cfg.model_dump(mode="json", exclude={"api_key"})  # what travels to every replica
     proposer = channel_secret = None
     if cfg.topology == "disaggregated":

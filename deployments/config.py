@@ -280,6 +280,8 @@ class AppArgs(_Strict):
     # client to wait, in its Retry-After header. The bounds themselves are each deployment's
     # max_ongoing_requests / max_queued_requests and engine.max_num_waiting (deployments/README.md).
     retry_after_s: float = Field(1.0, ge=0)
+    # a request body longer than this is a 413, refused before it is parsed (deployments.admission)
+    max_request_body_bytes: int = Field(16 << 20, ge=1 << 10)
     # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.tool_parsers);
     # None: found from the markers in the model's chat template
     tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None

@@ -65,6 +65,8 @@ class EngineLoop:
         self.num_failed = 0  # requests the engine failed alone (finish_reason "error")
         self.num_rejected = 0  # refused with the waiting queue full (EngineOverloadedError)
         self.num_steps = 0
+        self.num_failed_steps = 0
+        self.failed_steps_in_a_row = 0  # steps that raised since the last one that did not
         self.step_seconds = 0.0  # engine.step() wall time, to tell engine time from serving overhead
         self._thread = threading.Thread(target=self._run, name="rayspec-engine", daemon=True)
         self._thread.start()
@@ -79,6 +81,16 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    def health_problem(self, max_failed_steps: int) -> str | None:
+        """Why this loop should be replaced (None: it should not): its thread ended, or its last
+        `max_failed_steps` steps all raised (a sticky device error: every step fails, the replica
+        empties fastest, and a router would send it the most requests)."""
+        if not self.alive:
+            return "engine loop is not running"
+        if self.failed_steps_in_a_row >= max_failed_steps:
+            return f"the last {self.failed_steps_in_a_row} engine steps all failed"
+        return None
 
     def submit(self, request_id: str, prompt, params, deliver: Deliver,
                resume: tuple[list[int], int] = ((), 0), grammar=None) -> None:
@@ -120,6 +132,7 @@ class EngineLoop:
             self._error = err
             self._ready.set()
             return
+        self.engine.delta_outputs = True  # callers stream deltas: no output copies the whole output so far
         self._update_snapshot()
         self._ready.set()
         engine = self.engine
@@ -153,8 +166,11 @@ class EngineLoop:
                 outputs = engine.step()
                 self.step_seconds += time.perf_counter() - started
                 self.num_steps += 1
+                self.failed_steps_in_a_row = 0
             except Exception as err:  # noqa: BLE001 - fail the running requests, keep serving
                 logger.exception("engine step failed")
+                self.num_failed_steps += 1
+                self.failed_steps_in_a_row += 1
                 if getattr(err, "fatal", False):
                     self._error = err
                     if self._on_fatal is not None:

@@ -6,7 +6,9 @@ routes to (another one, or the replacement once it is up) prefills prompt + thos
 on, and the caller sees one unbroken stream. Greedy output is the same token for token; a sampled
 one keeps the target's distribution, though a seeded request's random stream restarts at the
 failover, so the same seed no longer reproduces it. A whole (non-streamed) request is sent again
-from the start. Usage counts add up over the replicas.
+from the start. Usage counts add up over the replicas. Before a request goes again, its call or stream
+on the lost replica is cancelled: a replica that is only unreachable (ActorUnavailableError) would
+otherwise go on decoding it for no one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class FailoverStream:
                 self._drafts_before += self._drafts
                 self._accepted_before += self._accepted
                 self._drafts = self._accepted = 0
+                self._cancel_current()  # unreachable is not dead: it must not decode on for no one
                 self._gen = self._open(self.request.model_copy(update={
                     "resume_output_ids": list(self.request.resume_output_ids) + self.output_ids,
                     "resume_sent_chars": self.request.resume_sent_chars + self.sent_chars}))
@@ -87,13 +90,26 @@ class FailoverStream:
         """The caller went away: abort the request on its current replica."""
         self._gen.cancel()
 
+    def _cancel_current(self) -> None:
+        try:
+            self._gen.cancel()
+        except Exception:  # noqa: BLE001 - the replica is gone: nothing left to cancel
+            logger.debug("cancelling the lost replica's stream failed", exc_info=True)
+
 
 async def call_with_failover(call: Callable[[], Awaitable[T]], counts: FailoverCounts) -> T:
     """A whole request: sent again from the start if its verifier replica is lost."""
     for attempt in range(MAX_FAILOVERS + 1):
+        response = call()
         try:
-            return await call()
+            return await response
         except REPLICA_LOST as err:
+            cancel = getattr(response, "cancel", None)
+            if cancel is not None:  # a replica that is unreachable may still be running the request
+                try:
+                    cancel()
+                except Exception:  # noqa: BLE001
+                    logger.debug("cancelling the lost replica's call failed", exc_info=True)
             if attempt == MAX_FAILOVERS:
                 raise
             counts.requests += 1

@@ -11,6 +11,7 @@ With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but
 import asyncio
 import json
 import logging
+import time
 from typing import AsyncIterator, Union
 
 from fastapi import FastAPI, Request
@@ -21,8 +22,9 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.admission import AdmissionGate, AdmissionState, error_response, not_ready, overloaded
-from deployments.api_key import RequireApiKey, key_digest
+from deployments.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
+                                   overloaded)
+from deployments.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args, resolve_api_key
 from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
@@ -47,12 +49,20 @@ def _replica_admission() -> AdmissionState:
     return serve.get_replica_context().servable_object.admission
 
 
-# the last added runs first: the key is checked before a request takes a place in the gate
+def _replica_body_limit() -> int:
+    return serve.get_replica_context().servable_object.cfg.max_request_body_bytes
+
+
+# the last added runs first: the key is checked before a request takes a place in the gate, and
+# the body is read (at most max_request_body_bytes of it) only once it has a place
+app.add_middleware(BodyLimit, max_bytes=_replica_body_limit)
 app.add_middleware(AdmissionGate, state=_replica_admission)
 app.add_middleware(RequireApiKey, expected=_replica_key_digest)
 
 
 HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
+HEALTH_PROBE_S = 2.0  # how often the ingress asks a verifier for its health (whatever /health's traffic)
+HEALTH_STALE_S = 3 * HEALTH_PROBE_S + HEALTH_TIMEOUT_S  # /health is 503 when no probe succeeded this recently
 
 
 async def _awaited(response):
@@ -144,7 +154,10 @@ class OpenAIIngress:
         self.admission = AdmissionState(self.cfg.ingress_max_ongoing, self.cfg.retry_after_s)
         self.verifier_answered = False  # a verifier replica has answered: the target is loaded
         self._probe = None
+        self._healthy_at: float | None = None  # when a verifier last answered a health probe
+        self._probe_round: asyncio.Future | None = None  # resolved when the probe's next answer is in
         self._start_readiness_probe()
+        self._exposure_check = self._warn_if_exposed()
         self.actor_name = None  # the verifier watches this name: when this replica dies, its requests are aborted
         import ray
 
@@ -152,9 +165,10 @@ class OpenAIIngress:
             self.actor_name = ray.get_runtime_context().get_actor_name()
 
     def _start_readiness_probe(self) -> None:
-        """Ask the verifier for its health until it first answers (then `verifier_answered`): until
-        then a refusal from a full verifier queue is a 503 `not_ready`, after it a 429."""
-        if self.verifier_answered or (self._probe is not None and not self._probe.done()):
+        """Ask a verifier for its health every HEALTH_PROBE_S, in the background: /health answers from
+        the last answer, so probing the ingress costs no verifier call. Until a verifier first answers
+        (`verifier_answered`) a refusal from a full verifier queue is a 503 `not_ready`, after it a 429."""
+        if self._probe is not None and not self._probe.done():
             return
         try:
             loop = asyncio.get_running_loop()  # Serve builds replicas on their event loop
@@ -162,14 +176,52 @@ class OpenAIIngress:
             return
 
         async def probe():
-            while not self.verifier_answered:
-                try:
-                    await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
-                    self.verifier_answered = True
-                except Exception:  # noqa: BLE001 - still loading, or every replica busy: ask again
-                    await asyncio.sleep(0.5)
+            while True:
+                await self._probe_verifier()
+                waiting, self._probe_round = self._probe_round, None
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(None)
+                await asyncio.sleep(HEALTH_PROBE_S if self.verifier_answered else 0.5)
 
         self._probe = loop.create_task(probe())
+
+    def _stale(self) -> bool:
+        return self._healthy_at is None or time.monotonic() - self._healthy_at > HEALTH_STALE_S
+
+    async def _probe_verifier(self) -> bool:
+        """One health call to a verifier replica; its answer is remembered (`_healthy_at`)."""
+        try:
+            await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - still loading, every replica busy, or the engine down
+            logger.debug("verifier health probe failed: %r", err)
+            self._healthy_at = None
+            return False
+        self.verifier_answered = True
+        self._healthy_at = time.monotonic()
+        return True
+
+    def _warn_if_exposed(self):
+        """`serve run` with a config binds the HTTP proxy where its http_options say: ask Serve's
+        controller once, and log a warning when that is not loopback and no API key is set."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside Serve (unit tests)
+            return None
+
+        async def check():
+            try:
+                import ray
+                from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+                controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+                host = getattr(await controller.get_http_config.remote(), "host", None)
+            except Exception:  # noqa: BLE001 - another Serve version: no warning, nothing else changes
+                return
+            warning = exposure_warning(host, self._api_key_digest is not None)
+            if warning:
+                logger.warning(warning)
+
+        return loop.create_task(check())
 
     # ---- Python handle API ---------------------------------------------------------------
     def _tagged(self, request: Union[GenerateRequest, dict]) -> GenerateRequest:
@@ -198,17 +250,23 @@ class OpenAIIngress:
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
-        """200 once a verifier replica answers with a running engine, else 503 (OpenAI error JSON):
-        a readiness probe that fails while the target loads or when every verifier is gone,
-        instead of a 200 from the ingress alone."""
-        try:
-            engine = await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
-        except Exception as err:  # noqa: BLE001 - timed out (still loading, or saturated) or failed
-            reason = "no answer in time" if isinstance(err, asyncio.TimeoutError) else f"{type(err).__name__}: {err}"
-            return _error_response(OpenAIError(f"the model is not ready: {reason}", status_code=503,
-                                               type="service_unavailable", code="not_ready"))
-        self.verifier_answered = True
-        return {"status": "ok", "model": self.model_name, **engine}
+        """200 {"status": "ok"} while a verifier replica answered the ingress's background probe in
+        the last HEALTH_STALE_S, else 503 (OpenAI error JSON): a readiness probe that fails while the
+        target loads or when every verifier is gone or failing. No verifier call per request, and
+        nothing of the replicas' state or errors in the answer (the route needs no key)."""
+        if self._stale() and self._probe is not None and not self._probe.done():
+            # not known to be healthy: wait for the probe's next answer (shared by every /health
+            # asking meanwhile, so still no call of their own), as a first probe right after start
+            if self._probe_round is None:
+                self._probe_round = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._probe_round), HEALTH_TIMEOUT_S + 1)
+            except asyncio.TimeoutError:
+                pass
+        if self._stale():
+            return _error_response(OpenAIError("the model is not ready: no verifier replica is answering",
+                                               status_code=503, type="service_unavailable", code="not_ready"))
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(self):

@@ -135,6 +135,8 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's current field (one of the above)
     num_speculative_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    # vLLM's: prompt blocks are cached and found again only among requests with the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     def check_limits(self, num_prompts: int, max_model_len: int | None) -> None:
         """The per-request limits (LIMITS) of the fields both routes share; max_model_len None: the
@@ -255,6 +257,7 @@ class _Common(BaseModel):
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stop, seed=self.seed,
             ignore_eos=self.ignore_eos, num_speculative_tokens=self.num_speculative_tokens, logprobs=logprobs,
+            cache_salt=self.cache_salt,
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,

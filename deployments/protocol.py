@@ -27,6 +27,7 @@ class GenerateRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     seed: int | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # prefix caching per tenant (vLLM's)
     num_speculative_tokens: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,7 +66,7 @@ class GenerateRequest(BaseModel):
                                   prompt_logprobs=self.prompt_logprobs,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-                                  structured=structured)
+                                  structured=structured, cache_salt=self.cache_salt)
         except (ValueError, TypeError) as err:
             raise InvalidRequestError(str(err)) from None
 

@@ -27,10 +27,17 @@ from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
 
 CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
 _CALLER_GONE = object()  # put in a request's queue when its caller died
+_BACKLOG = object()  # put in a request's queue when its reader fell too far behind
+UNHEALTHY_AFTER_FAILED_STEPS = 3  # steps in a row that raised: the replica reports unhealthy
+MAX_BUFFERED_OUTPUTS = 1024  # outputs of one request waiting for its reader (each a step's delta)
 
 
 class CallerLostError(RuntimeError):
     """The request was aborted (its slot freed) because the replica that sent it died."""
+
+
+class StreamBacklogError(RuntimeError):
+    """The request was aborted (its slot freed) because its reader left MAX_BUFFERED_OUTPUTS unread."""
 
 
 class CallerLiveness:
@@ -132,6 +139,8 @@ class Verifier:
         self._ids = itertools.count()
         self.callers = CallerLiveness()
         self.num_caller_lost = 0  # requests aborted because their ingress replica died
+        self.max_buffered_outputs = MAX_BUFFERED_OUTPUTS
+        self.num_backlogged = 0  # requests aborted because their reader fell too far behind
         self._watched: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (its caller, its queue)
         self._watcher: asyncio.Task | None = None
 
@@ -153,8 +162,10 @@ class Verifier:
         self._watcher = asyncio.get_running_loop().create_task(watch())
 
     def check_health(self) -> None:
-        if not self.loop.alive:
-            raise RuntimeError("engine loop is not running")
+        """Serve calls this every health_check_period_s; raising makes Serve replace the replica."""
+        problem = self.loop.health_problem(UNHEALTHY_AFTER_FAILED_STEPS)
+        if problem is not None:
+            raise RuntimeError(problem)
         ranks = getattr(self.loop.engine, "ranks", None)
         if ranks is not None and not ranks.alive():
             raise RuntimeError("a tensor-parallel rank of this replica died")
@@ -191,7 +202,23 @@ class Verifier:
             grammar = await asyncio.to_thread(self.loop.engine.prepare_grammar, params.structured)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item),
+
+        cut_off = False
+
+        def put(item) -> None:  # on the event loop: a reader that stopped reading is cut off, not buffered for
+            nonlocal cut_off
+            if cut_off:
+                return
+            if queue.qsize() >= self.max_buffered_outputs:
+                cut_off = True
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(_BACKLOG)
+                self.loop.abort(rid)
+                return
+            queue.put_nowait(item)
+
+        self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(put, item),
                          resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar)
         done = False
         if request.caller is not None:
@@ -200,6 +227,11 @@ class Verifier:
         try:
             while True:
                 item = await queue.get()
+                if item is _BACKLOG:
+                    done = True  # aborted already
+                    self.num_backlogged += 1
+                    logger.warning("request %s: its reader left %d outputs unread; aborted", rid, self.max_buffered_outputs)
+                    raise StreamBacklogError(f"the reader of this stream fell {self.max_buffered_outputs} outputs behind")
                 if item is _CALLER_GONE:
                     logger.warning("request %s: its ingress replica %s is gone; aborting", rid, request.caller)
                     self.num_caller_lost += 1
@@ -227,11 +259,9 @@ class Verifier:
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         if isinstance(request, dict):
             request = GenerateRequest.model_validate(request)
-        sent = len(request.resume_output_ids)  # a resumed request's earlier tokens were streamed already
         first = not request.resume_output_ids  # prompt text and logprobs go in the first chunk
         async for out in self._stream(request):
-            new = out.token_ids[sent:]
-            sent = len(out.token_ids)
+            new = out.delta_token_ids  # the engine's outputs are deltas (EngineLoop): nothing is copied here
             if not (new or out.delta_text or out.finished):
                 continue
             extra = {}
@@ -240,7 +270,7 @@ class Verifier:
                 first = False
             yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text, **extra,
                                 delta_token_ids=new,
-                                logprobs=out.logprobs[len(out.token_ids) - len(new):] if out.logprobs is not None else None,
+                                logprobs=out.delta_logprobs,
                                 finished=out.finished, finish_reason=out.finish_reason,
                                 num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                                 num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens,
@@ -253,7 +283,7 @@ class Verifier:
         first = None
         last = None
         async for out in self._stream(request):
-            if first is None and out.token_ids:
+            if first is None and out.num_output_tokens:
                 first = time.perf_counter() - start
             last = out
         return GenerateResponse(request_id=request.request_id or last.request_id, text=last.text,
@@ -270,7 +300,7 @@ class Verifier:
         """Engine counters (SpecDecodeStats) and queue sizes as of the last step."""
         paired = {"paired_proposer_restarts": self.paired.num_restarts} if self.paired is not None else {}
         return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
-                    num_caller_lost=self.num_caller_lost, **paired)
+                    num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged, **paired)
 
     async def reset_stats(self) -> dict:
         from rayspec.metrics import SpecDecodeStats

@@ -19,6 +19,13 @@ from collections import OrderedDict
 import numpy as np
 
 
+def chain_root(cache_salt: str | None) -> bytes:
+    """Where a sequence's hash chain starts: b"" without a salt; with one (vLLM's `cache_salt`, one
+    per tenant) a root of its own, so its blocks are found only by requests with the same salt.
+    A root is never 32 bytes long, so it cannot be mistaken for a block's hash."""
+    return b"" if not cache_salt else b"salt" + hashlib.sha256(cache_salt.encode("utf-8")).digest()
+
+
 def block_hash(prev: bytes, tokens: list[int]) -> bytes:
     """The hash of a block of tokens after the prefix whose hash is `prev` (b"" for the first).
     SHA-256: two prefixes sharing a hash would hand one sequence another's keys and values."""
@@ -41,6 +48,7 @@ class BlockManager:
         self._parent_of: dict[int, bytes] = {}  # registered block -> the prefix hash it follows (b"": first)
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, oldest first
         self.tables: dict[str, list[int]] = {}
+        self._roots: dict[str, bytes] = {}  # per salted sequence: its chain's root (chain_root)
         self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its first full blocks
 
     # ---- counts ---------------------------------------------------------------------------------
@@ -61,16 +69,20 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- sequences ------------------------------------------------------------------------------
-    def allocate(self, seq_id: str, token_ids: list[int] | None = None, max_cached: int | None = None) -> int:
+    def allocate(self, seq_id: str, token_ids: list[int] | None = None, max_cached: int | None = None,
+                 cache_salt: str | None = None) -> int:
         """Start a block table for seq_id. With prefix caching and token_ids, it begins with the
         cached blocks of token_ids' longest cached prefix of full blocks, leaving at least one token
         to compute (its logits are needed), at most max_cached tokens. Returns the number of tokens
-        found cached."""
+        found cached. `cache_salt`: the prefix is looked up, and registered, among its salt's only."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
         table, hashes = [], []
+        root = chain_root(cache_salt)
+        if root:
+            self._roots[seq_id] = root
         if self.enable_prefix_caching and token_ids:
-            bs, prev = self.block_size, b""
+            bs, prev = self.block_size, root
             n = (len(token_ids) - 1) // bs
             for i in range(n if max_cached is None else min(n, max_cached // bs)):
                 h = block_hash(prev, token_ids[i * bs: (i + 1) * bs])
@@ -125,34 +137,36 @@ class BlockManager:
         table, hashes = self.tables[seq_id], self._hashes[seq_id]
         bs = self.block_size
         for i in range(len(hashes), min(num_tokens, len(token_ids), len(table) * bs) // bs):
-            h = block_hash(hashes[-1] if hashes else b"", token_ids[i * bs: (i + 1) * bs])
+            root = self._roots.get(seq_id, b"")
+            h = block_hash(hashes[-1] if hashes else root, token_ids[i * bs: (i + 1) * bs])
             hashes.append(h)
             block = table[i]
             if h not in self._cached and block not in self._hash_of:  # else another block holds it already
                 self._cached[h], self._hash_of[block] = block, h
-                self._parent_of[block] = hashes[-2] if len(hashes) > 1 else b""
+                self._parent_of[block] = hashes[-2] if len(hashes) > 1 else root
 
     def free(self, seq_id: str) -> None:
         """Give back seq_id's blocks (the last first: the tail of a prefix is evicted before its head)."""
         table = self.tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         for block in reversed(table or []):
             self._release(block)
 
     # ---- blocks ---------------------------------------------------------------------------------
     def _chain_end(self, seq_id: str) -> bytes | None:
         """The hash of the prefix seq_id's table ends with when every block of it is a registered full
-        block of its chain (b"" for an empty table), else None."""
+        block of its chain (its root for an empty table), else None."""
         table, hashes = self.tables[seq_id], self._hashes[seq_id]
         if len(hashes) != len(table):
             return None
-        return hashes[-1] if hashes else b""
+        return hashes[-1] if hashes else self._roots.get(seq_id, b"")
 
     def _orphan(self, block: int) -> bool:
         """A registered block whose prefix's previous block is no longer registered: a lookup walks the
         chain from its start, so it can never be found again."""
         parent = self._parent_of.get(block, b"")
-        return parent != b"" and parent not in self._cached
+        return len(parent) == hashlib.sha256().digest_size and parent not in self._cached  # (not a root)
 
     def _take(self, prefer: int | None = None, after: bytes | None = None) -> int:
         """A block for a sequence to write: `prefer` (the one after its last) when nobody holds it, so

@@ -161,7 +161,7 @@ def serve_config(args) -> tuple:
     if args.api_key:
         app_args["api_key"] = args.api_key
     cfg = AppArgs.model_validate(app_args)
-    return cfg, args.host or host or "0.0.0.0", int(args.port or port or 8000)
+    return cfg, args.host or host or "127.0.0.1", int(args.port or port or 8000)
 
 
 SERVE_SHUTDOWN_S = 45  # how long Ctrl-C waits for Serve's own shutdown before the local Ray goes
@@ -192,6 +192,12 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    from deployments.api_key import exposure_warning
+    from deployments.config import resolve_api_key
+
+    warning = exposure_warning(host, resolve_api_key(cfg.api_key) is not None)
+    if warning:
+        print(f"rayspec serve: WARNING: {warning}", file=sys.stderr, flush=True)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(cfg), name=args.app_name, route_prefix="/")
@@ -433,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name clients send (default: MODEL)")
     _add_engine_flags(p)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` (or $RAYSPEC_API_KEY)")
-    p.add_argument("--host", default=None, help="default: the config's http_options, else 0.0.0.0")
+    p.add_argument("--host", default=None,
+                   help="default: the config's http_options, else 127.0.0.1 (0.0.0.0: every interface; set an API key)")
     p.add_argument("--port", type=int, default=None, help="default: the config's http_options, else 8000")
     p.add_argument("--address", default=None, help="a running Ray cluster to join instead of starting a local one")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")

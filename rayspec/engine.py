@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -80,10 +80,16 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": what failed (the engine went on with the others)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's cached_tokens)
+    # what this output adds to the request's previous one: its tokens, and their logprobs (with
+    # SamplingParams.logprobs). A server streams these; with `LLMEngine.delta_outputs` they are all
+    # an unfinished output holds (text "", token_ids [], logprobs None): no copy of what came before
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob | None] | None = None
+    num_output_tokens: int = -1  # all output tokens so far (-1: len(token_ids))
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
+    def __post_init__(self):
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.token_ids)
 
 
 class LLMEngine:
@@ -137,6 +143,9 @@ class LLMEngine:
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.stats = SpecDecodeStats()
+        # unfinished outputs carry only what they add (RequestOutput.delta_*), not copies of the
+        # whole output so far: a server that streams sets this (deployments.engine_loop)
+        self.delta_outputs = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}
@@ -348,6 +357,7 @@ class LLMEngine:
                 raise InvalidRequestError("the resumed output already ends the request")
             seq.first_token_time = None
             seq.mark_sent(resume_sent_chars)
+            seq.num_reported_tokens = seq.num_output_tokens  # the other engine reported those
             if seq.logprobs is not None:  # those tokens' logprobs were handed out by the other engine
                 seq.logprobs.extend([None] * seq.num_output_tokens)
         self._requests[request_id] = seq
@@ -455,7 +465,8 @@ class LLMEngine:
                 prefix = getattr(self.proposer, "cached_prefix", None)
                 limit = prefix(seq.request_id, seq.token_ids) if prefix is not None else None
                 reuse = limit is not None
-            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit)
+            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
+                                          seq.params.cache_salt)
             need = blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
             if need + len(self.running) > self.runner.num_free_blocks:
                 self.runner.free(seq.request_id)
@@ -677,7 +688,9 @@ class LLMEngine:
                                        *self._take_features(s), tree=use_tree)
                         for s, n in zip(seqs, draft_lens)]
             started = time.perf_counter()
-            drafts = self.proposer.propose(requests)
+            # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
+            # and verification rows this step did not budget for
+            drafts = [d if len(d.tokens) <= n else _cut(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
             self.stats.propose_seconds += time.perf_counter() - started
             lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
@@ -779,13 +792,18 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         delta = seq.take_new_text()  # text keeps back a possible stop-string start, like delta
+        n, start = seq.num_output_tokens, seq.num_reported_tokens
+        seq.num_reported_tokens = n
+        whole = seq.finished or not self.delta_outputs
         return RequestOutput(
-            request_id=seq.request_id, text=seq.sent_text, delta_text=delta,
-            token_ids=seq.output_token_ids, finished=seq.finished, finish_reason=seq.finish_reason,
+            request_id=seq.request_id, text=seq.sent_text if whole else "", delta_text=delta,
+            token_ids=seq.output_token_ids if whole else [], finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, prompt_logprobs=seq.prompt_logprobs,
-            error=seq.error, num_cached_tokens=seq.num_cached_tokens or 0)
+            logprobs=list(seq.logprobs) if seq.logprobs is not None and whole else None,
+            prompt_logprobs=seq.prompt_logprobs, error=seq.error, num_cached_tokens=seq.num_cached_tokens or 0,
+            delta_token_ids=seq.token_ids[len(seq.token_ids) - (n - start):] if n > start else [],
+            delta_logprobs=seq.logprobs[start:n] if seq.logprobs is not None else None, num_output_tokens=n)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -799,6 +817,12 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def _cut(draft: Draft, n: int) -> Draft:
+    """The first n tokens of a draft (a tree's first n nodes are a tree: parents come first)."""
+    return replace(draft, tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
+                               parents=None if draft.parents is None else draft.parents[:n])
 
 
 class _Applied(Exception):

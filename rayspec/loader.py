@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -119,6 +120,40 @@ def split_revision(spec: str) -> tuple[str, str | None]:
     """`org/name@revision` -> ("org/name", "revision"); no `@` -> (spec, None)."""
     repo_id, at, revision = spec.partition("@")
     return repo_id, (revision if at else None)
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def pin_revision(spec: str, timeout_s: float = 10.0) -> str:
+    """A hub id with its revision resolved to the commit it names now (`org/name` ->
+    `org/name@<sha of main>`), so that every replica a deployment starts loads the same files even
+    when the branch moves meanwhile; anything else (a local path, a commit already) as it is. The
+    hub is asked once (model_info); offline or unreachable, the commit the local cache holds for
+    that revision; neither: the spec unchanged (each replica then resolves it itself)."""
+    if not _is_hub_id(spec):
+        return spec
+    repo_id, revision = split_revision(spec)
+    if revision is not None and _COMMIT.fullmatch(revision):
+        return spec
+    sha = None
+    if not _env_true("HF_HUB_OFFLINE"):
+        try:
+            from huggingface_hub import HfApi
+
+            endpoint = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/") or None
+            sha = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, timeout=timeout_s).sha
+        except Exception as err:  # noqa: BLE001 - unreachable, gated, no such repo: the replicas will say
+            logger.warning("could not pin %s to a commit on the hub (%s: %s)", spec, type(err).__name__, err)
+    if sha is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+            sha = Path(cached).parent.name if isinstance(cached, str) else None
+        except Exception:  # noqa: BLE001
+            sha = None
+    return f"{repo_id}@{sha}" if sha and _COMMIT.fullmatch(sha) else spec
 
 
 def _is_hub_id(spec: str) -> bool:

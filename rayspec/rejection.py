@@ -10,6 +10,11 @@ the recovered token is drawn from normalise(max(0, p - q)). p and q are the proc
 (temperature / top-k / top-p) target and draft distributions. A proposer without
 probabilities (n-gram) is a point mass q = one_hot(x), so acceptance is p(x) and the
 residual is p with x removed. The emitted tokens are then distributed exactly as p.
+q may come from another process (deployments.remote_proposer), so it is checked before use
+(`usable_draft_probs`): finite, non-negative, each row summing to 1, q(x) > 0 for the drafted
+token. A q that fails is ignored and the draft is verified as a point mass, which is lossless
+whatever tokens were drafted (acceptance p(x), residual p without x): a broken or forged q can
+cost acceptance, never put a token outside the target's distribution.
 Token trees are verified greedily (`verify_tree_greedy`) or, when sampled, by applying the
 point-mass rule to siblings in turn (`verify_tree_sampled`).
 """
@@ -35,22 +40,48 @@ def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int
     return out
 
 
+# how far a q row's sum may be from 1: float32 softmax over a large vocabulary is within 1e-5;
+# half-precision rows round each entry to 2**-11 (float16) or 2**-8 (bfloat16) relative
+_SUM_ATOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def usable_draft_probs(draft_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """draft_probs: [k, vocab]; draft_tokens: [k]. A 0-d bool tensor (on the probs' device, not
+    read here): is every entry finite and >= 0, every row's sum 1, and q(x) > 0 at each drafted x?"""
+    q = draft_probs.float()
+    atol = _SUM_ATOL.get(draft_probs.dtype, 1e-3)
+    return (torch.isfinite(q).all() & (q >= 0).all()
+            & (q[torch.arange(len(draft_tokens), device=q.device), draft_tokens] > 0).all()
+            & ((q.sum(-1) - 1).abs() <= atol).all())
+
+
 def verify_sampled(
     target_probs: torch.Tensor,
     draft_tokens: list[int],
     draft_probs: torch.Tensor | None,
     generator: torch.Generator,
 ) -> list[int]:
-    """One sequence. target_probs: [k + 1, vocab]; draft_probs: [k, vocab] or None (point mass)."""
+    """One sequence. target_probs: [k + 1, vocab]; draft_probs: [k, vocab] or None (point mass).
+    A draft_probs of another shape, or one that fails `usable_draft_probs`, counts as None."""
     k = len(draft_tokens)
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[-1]):
+        draft_probs = None
     if k:
         idx = torch.arange(k, device=target_probs.device)
         drafts = torch.tensor(draft_tokens, device=target_probs.device)
         p = target_probs[idx, drafts]  # [k]
-        q = draft_probs[idx, drafts] if draft_probs is not None else torch.ones_like(p)
         u = torch.rand(k, generator=generator, device=target_probs.device)
-        # accept iff u < p/q, written without dividing (q > 0 for a token the draft sampled)
-        rejected = (u * q >= p).tolist()
+        rejected_point_mass = u >= p  # [k]: q = one_hot(x)
+        if draft_probs is None:
+            rejected = rejected_point_mass.tolist()
+        else:
+            # accept iff u < p/q, written without dividing (q > 0 once usable); one host read for
+            # both verdicts and q's check, the same random numbers whichever is used
+            q = draft_probs[idx, drafts].to(p.dtype)
+            flags = torch.cat([u * q >= p, rejected_point_mass, usable_draft_probs(draft_probs, drafts)[None]]).tolist()
+            rejected = flags[:k] if flags[-1] else flags[k:2 * k]
+            if not flags[-1]:
+                draft_probs = None
     else:
         rejected = []
     for j in range(k):

@@ -106,7 +106,8 @@ class ModelRunner:
     def has(self, seq_id: str) -> bool:
         return seq_id in self._cached_len
 
-    def allocate(self, seq_id: str, token_ids: list[int] | None = None, max_cached: int | None = None) -> int:
+    def allocate(self, seq_id: str, token_ids: list[int] | None = None, max_cached: int | None = None,
+                 cache_salt: str | None = None) -> int:
         """Take a place for seq_id; with prefix caching and its token_ids, its cached prefix (full
         blocks, at least one token left to compute, at most max_cached tokens) is found and counts as
         computed. Returns the cached length it starts with."""
@@ -114,7 +115,7 @@ class ModelRunner:
             return self._cached_len[seq_id]
         if self.num_free_slots == 0:
             raise CacheFullError("no free KV cache slot")
-        self._cached_len[seq_id] = self.blocks.allocate(seq_id, token_ids, max_cached)
+        self._cached_len[seq_id] = self.blocks.allocate(seq_id, token_ids, max_cached, cache_salt)
         return self._cached_len[seq_id]
 
     def free(self, seq_id: str) -> None:

@@ -43,6 +43,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     structured: StructuredOutput | None = None  # a grammar the output must follow (rayspec.structured)
+    # vLLM's: prefix caching shares cached prompt blocks only among requests with the same salt
+    # (one per tenant), so no one learns from cached_tokens or timing what another tenant sent
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -22,9 +22,14 @@ class IncrementalDetokenizer:
 
     Text is emitted only once the decoded tail no longer ends in U+FFFD (an incomplete UTF-8
     sequence); a few prompt tokens seed the window so leading-space rules decode correctly.
+    Each token costs the same whatever came before (no window grows without bound): a token that
+    decodes to nothing (a special token, skipped) leaves the window, as a whole-sequence decode
+    drops it too, and a tail that stays U+FFFD past MAX_PENDING tokens (no UTF-8 character takes
+    more than 4 bytes, a token at least one) is emitted as it decodes.
     """
 
     _CONTEXT = 4
+    MAX_PENDING = 8  # tokens held back waiting for a character to complete
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
@@ -41,6 +46,11 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return full[len(prefix):]
+        if not full.endswith("\ufffd") and full == self._decode(self.tokens[self.prefix_offset:-1]):
+            self.tokens.pop()  # this token added nothing (not even bytes of a character to come)
+        elif len(self.tokens) - self.read_offset > self.MAX_PENDING:  # not a character to wait for
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             return full[len(prefix):]
         return ""
@@ -89,6 +99,7 @@ class Sequence:
     num_preemptions: int = 0  # times its KV cache was freed to make room (recomputed when admitted again)
     prefill_start: int = 0  # where its prefill started at its last admission (its cached prefix)
     _sent: int = 0  # characters of output_text already handed out by take_new_text
+    num_reported_tokens: int = 0  # output tokens already in a RequestOutput (their delta_token_ids)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

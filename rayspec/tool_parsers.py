@@ -27,6 +27,7 @@ ends, then sends the calls (or, when they do not parse, the held text as content
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")  # what the app arg `tool_call_parser` takes
@@ -224,28 +225,73 @@ def parser_for_template(template) -> str | None:
     return None
 
 
+_NON_BLANK = re.compile(r"\S")
+
+
 class ToolCallStreamParser:
     """One streamed choice under tool_choice "auto": feed it the text deltas, get back the content
-    to send now and, at the end, the calls."""
+    to send now and, at the end, the calls.
+
+    Linear in the output whatever it holds: each delta is searched once, together with the few
+    characters before it a marker could straddle; the text is kept as pieces, joined once at the end
+    (and the unsent content when it goes out), so no delta costs in proportion to the text so far."""
 
     def __init__(self, parser: ToolCallParser):
-        self.parser, self.text, self.sent, self.in_call = parser, "", 0, False
+        self.parser = parser
+        self._pieces: list[str] = []  # all of the text so far
+        self.size = 0  # its characters
+        self._unsent: list[str] = []  # the text from `sent` on, in pieces
+        self.sent = 0  # characters sent as content
+        self.in_call = False
+        self._keep = max((len(m) for m in parser.markers), default=1) - 1  # a straddling marker's head
+        self._tail = ""  # the last _keep characters
+        self._first: int | None = None  # where the first non-blank character is (None: blanks so far)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[tuple[str, str]]]:
         """(content to send now, calls: only at the end, when the output made some)."""
-        self.text += delta
+        before = self.size
+        if delta:
+            self._pieces.append(delta)
+            self._unsent.append(delta)
+            self.size += len(delta)
         if finished:
-            found = self.parser.split(self.text)
+            text = self.text
+            found = self.parser.split(text)
             if found is None:
-                content, self.sent = self.text[self.sent:], len(self.text)
+                content, self.sent = text[self.sent:], len(text)
                 return content, []
             start, calls, after = found
-            content, self.sent = self.text[self.sent:start] + after, len(self.text)
+            content, self.sent = text[self.sent:start] + after, len(text)
             return content, calls
         if self.in_call:
             return "", []
-        if self.parser.call_start(self.text) is not None:
-            self.in_call = True
-        safe = max(self.sent, self.parser.safe_prefix(self.text))
-        content, self.sent = self.text[self.sent:safe], safe
+        window = self._tail + delta  # starts at character before - len(self._tail)
+        base = before - len(self._tail)
+        starts = [base + window.find(m) for m in self.parser.markers if m in window]
+        if self._first is None and (blank := _NON_BLANK.search(delta)) is not None:
+            self._first = before + blank.start()
+            if delta[blank.start()] in self.parser.leading:
+                starts.append(self._first)
+        self._tail = window[-self._keep:] if self._keep else ""
+        if starts:  # as ToolCallParser.safe_prefix, on the window
+            self.in_call, safe = True, min(starts)
+        elif self.parser.leading and self._first is None:
+            safe = 0  # blanks so far: the answer may still begin with a call
+        else:
+            hold = 0
+            for marker in self.parser.markers:
+                for k in range(min(len(marker) - 1, len(window)), 0, -1):
+                    if window.endswith(marker[:k]):
+                        hold = max(hold, k)
+                        break
+            safe = self.size - hold
+        if safe <= self.sent:
+            return "", []
+        unsent = "".join(self._unsent)
+        content, rest = unsent[:safe - self.sent], unsent[safe - self.sent:]
+        self._unsent, self.sent = [rest] if rest else [], safe
         return content, []

@@ -256,14 +256,14 @@ def test_rayspec_serve_args_equal_the_yaml():
     cfg, host, port = parse_serve("smollm2-135m-instruct", "--speculative-config",
                                   '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, '
                                   '"prompt_lookup_max": 5}', "--max-model-len", "2048", "--max-num-seqs", "8")
-    assert (host, port) == ("0.0.0.0", 8000)
+    assert (host, port) == ("127.0.0.1", 8000)  # this machine only unless asked
     want = AppArgs.model_validate({"model": "smollm2-135m-instruct",
                                    "engine": {"max_model_len": 2048, "max_num_seqs": 8},
                                    "speculative_config": {"method": "ngram", "num_speculative_tokens": 5}})
     assert cfg == want
     for name in ("vllm_style.yaml", "ray_serve_llm_style.yaml"):  # --config: the YAML's app, its http_options
         cfg, host, port = parse_serve("--config", str(CONFIGS / name))
-        assert cfg == AppArgs.model_validate(app_args_of(yaml_app(name))) and (host, port) == ("0.0.0.0", 8000)
+        assert cfg == AppArgs.model_validate(app_args_of(yaml_app(name))) and (host, port) == ("127.0.0.1", 8000)
 
 
 def test_rayspec_serve_flags_override_the_config(tmp_path):

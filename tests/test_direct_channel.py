@@ -237,7 +237,7 @@ def test_a_malicious_pickle_runs_nothing(server, tmp_path):
 def test_a_garbage_frame_is_closed_and_counted(server):
     with _raw_authenticated(server) as sock:
         garbage = bytes(range(256)) * 4
-        sock.sendall(HEADER.pack(len(garbage)) + garbage)
+        sock.sendall(HEADER.pack(len(garbage)) + garbage + b"t" * 32)  # and a tag made without the key
         assert _closed_by_peer(sock)
     _wait_rejected(server, 1)
     _still_serves(server)
@@ -306,7 +306,7 @@ def test_a_client_refuses_a_server_without_the_secret():
         def impostor():
             conn, _ = listener.accept()
             with conn:
-                conn.sendall(b"RSPC\x01" + b"n" * 32)
+                conn.sendall(b"RSPC\x02" + b"n" * 32)
                 conn.recv(69)
                 conn.sendall(b"m" * 32)  # not the HMAC it would need the secret for
 
@@ -375,6 +375,173 @@ def test_a_call_times_out_while_the_handler_blocks(server):
     server.close()
     with pytest.raises(OSError):  # closed: no new connections
         _client(server, timeout_s=5.0)
+
+
+class _Recorder:
+    """A man in the middle on localhost: relays both ways, keeps every chunk it relayed to the
+    server, and can rewrite what goes from the server to the client (`rewriter()` makes one
+    `rewrite(chunk) -> bytes` per connection)."""
+
+    def __init__(self, target, rewriter=None):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address, self.target, self.rewriter = self.listener.getsockname(), target, rewriter
+        self.to_server: list[bytes] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            client, _ = self.listener.accept()
+            server = socket.create_connection(self.target)
+            rewrite = self.rewriter() if self.rewriter else None
+            threading.Thread(target=self._pipe, args=(client, server, self.to_server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, [], rewrite), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst, keep, rewrite):
+        try:
+            while chunk := src.recv(1 << 20):
+                keep.append(chunk)
+                dst.sendall(rewrite(chunk) if rewrite else chunk)
+            dst.shutdown(socket.SHUT_WR)  # (close would wait for the other pipe's recv)
+        except OSError:
+            pass
+
+
+def _reply_flipper():
+    """Rewrites the first reply after the handshake (the 5 + 32 byte hello, the 32 byte proof):
+    one byte of its body flipped, so the drafts' tokens change on the way."""
+    seen = [0]
+
+    def rewrite(chunk):
+        start = seen[0]
+        seen[0] += len(chunk)
+        at = 5 + 32 + 32 + HEADER.size + 1 + 4 + 4 - start  # the first draft's first token
+        if 0 <= at < len(chunk):
+            chunk = chunk[:at] + bytes([chunk[at] ^ 1]) + chunk[at + 1:]
+        return chunk
+    return rewrite
+
+
+def test_a_reply_altered_on_the_way_is_refused(server):
+    """Without frame tags an attacker on the path rewrites drafts at will; with them the client
+    refuses the altered reply (and would close the connection)."""
+    mitm = _Recorder(server.address, _reply_flipper)
+    client = _client(server)
+    honest = [d.tokens for d in client.call(_requests()[:1], [])]
+    client.close()
+    assert honest == [[4]]
+    tampered = ChannelClient(mitm.address, SECRET, OK_S, ReplyLimits(vocab_size=VOCAB))
+    try:
+        with pytest.raises(MalformedFrame, match="tag"):  # not [[5]]: the bit the attacker flipped
+            tampered.call(_requests()[:1], [])
+    finally:
+        tampered.close()
+
+
+def test_a_replayed_or_reordered_call_is_refused(server):
+    """Frames recorded on the way and sent again (the same connection: a replay; frames swapped:
+    a reorder) fail their tags: the server closes the connection and counts it."""
+    mitm = _Recorder(server.address)
+    client = ChannelClient(mitm.address, SECRET, OK_S, ReplyLimits(vocab_size=VOCAB))
+    client.call(_requests()[:1], [])
+    client.call(_requests()[1:2], [])
+    deadline = time.monotonic() + OK_S
+    while len(b"".join(mitm.to_server)) < 69 + 2 * HEADER.size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    calls = b"".join(mitm.to_server)[69:]  # after the client's handshake answer
+    n1 = HEADER.size + HEADER.unpack(calls[:HEADER.size])[0] + 32
+    first, second = calls[:n1], calls[n1:]
+    with client._sock as sock:  # the client's own connection, its counters in step with the server's
+        sock.sendall(first)  # the first call again: its counter is 0, the server expects 2
+        assert _closed_by_peer(sock)
+    _wait_rejected(server, 1)
+    mitm2 = _Recorder(server.address)
+    again = ChannelClient(mitm2.address, SECRET, OK_S, ReplyLimits(vocab_size=VOCAB))
+    with again._sock as sock:  # a new connection, the recorded frames in another order
+        sock.sendall(second)
+        assert _closed_by_peer(sock)
+    _wait_rejected(server, 2)
+    _still_serves(server)
+
+
+def test_the_call_deadline_covers_the_whole_reply():
+    """A server that trickles its reply a byte every 0.2 s never lets one read time out: the
+    client's timeout is for the whole call, so it gives up after about timeout_s."""
+    from deployments.direct_channel import server_handshake
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def trickler():
+            conn, _ = listener.accept()
+            with conn:
+                server_handshake(conn, SECRET, time.monotonic() + OK_S)
+                conn.recv(1 << 16)  # the call
+                conn.sendall(HEADER.pack(100))  # a reply of 100 bytes announced, then sent
+                for _ in range(100):  # a byte at a time, over 20 s
+                    try:
+                        conn.sendall(b"\0")
+                    except OSError:
+                        return
+                    time.sleep(0.2)
+
+        threading.Thread(target=trickler, daemon=True).start()
+        client = ChannelClient(listener.getsockname(), SECRET, 1.0)
+        started = time.monotonic()
+        with pytest.raises(OSError):  # socket.timeout
+            client.call(_requests()[:1], [])
+        assert time.monotonic() - started < 5.0
+        client.close()
+
+
+class _ForgeReplies:
+    """A server-to-client rewriter for _Recorder: every drafts reply becomes `forge(n)` (n: the
+    number of drafts the genuine one had), its frame tag (if the layout has them) kept as it came."""
+
+    def __init__(self, forge):
+        self.forge, self.buffer, self.passed, self.tagged = forge, b"", 0, None
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if self.tagged is None:
+            self.tagged = chunk[4] >= 2  # the hello's layout version: 2 tags its frames
+        out = chunk[:69 - self.passed]  # the hello and the proof (5 + 32, 32 bytes) pass as they are
+        self.passed += len(out)
+        self.buffer += chunk[len(out):]
+        tag = 32 if self.tagged else 0
+        while len(self.buffer) >= HEADER.size:
+            n = HEADER.unpack(self.buffer[:HEADER.size])[0]
+            if len(self.buffer) < HEADER.size + n + tag:
+                break
+            body = self.buffer[HEADER.size: HEADER.size + n]
+            if body[0] == 2:  # DRAFTS
+                body = encode_drafts(self.forge(struct.unpack("<I", body[1:5])[0]))[HEADER.size:]
+            out += HEADER.pack(len(body)) + body + self.buffer[HEADER.size + n: HEADER.size + n + tag]
+            self.buffer = self.buffer[HEADER.size + n + tag:]
+        return out
+
+
+def test_a_forged_q_on_the_path_cannot_force_a_sampled_output(tiny_model_dir):
+    """The attack of issue #35 on localhost: an attacker between verifier and proposer replaces
+    every reply with drafts of one token it chose, FORCED, and a q that looks like a distribution
+    (finite, sums to 1) but claims q(FORCED) = 1e-12, so u * q < p(FORCED) accepts FORCED almost
+    surely. Without frame tags a sampled request's output is then mostly FORCED; with them the
+    verifier refuses the first forged reply, drops the channel, and samples as the target does."""
+    from deployments.remote_proposer import RemoteProposer
+    from engine_utils import cached_model, make_engine
+    from rayspec.sampling import SamplingParams
+
+    forced, vocab, k = 1000, 49152, 4
+    q = torch.full((vocab,), 1.0 / (vocab - 1))
+    q[forced] = 1e-12
+    proposer_server = ChannelServer(lambda requests, released: [Draft([]) for _ in requests], SECRET)
+    mitm = _Recorder(proposer_server.address, lambda: _ForgeReplies(lambda n: [Draft([forced] * k, q.expand(k, vocab))] * n))
+    remote = RemoteProposer(_Handle(mitm.address, lambda n: [Draft([])] * n), affinity="v", channel_secret=SECRET,
+                            vocab_size=vocab)
+    engine = make_engine(tiny_model_dir, "ngram", k=k, loaded=cached_model(str(tiny_model_dir)), proposer=remote)
+    try:
+        out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))[0]
+    finally:
+        proposer_server.close()
+    assert out.token_ids.count(forced) == 0, out.token_ids  # p(FORCED) ~ 1e-5 a token on this model
+    assert remote.num_failed_calls >= 1 and remote.num_direct_calls == 0  # each forged reply was refused
 
 
 def test_error_frames_are_bounded():

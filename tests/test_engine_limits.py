@@ -218,3 +218,30 @@ def test_waiting_queue_bound_refuses_past_it_and_takes_failovers(tiny_model_dir,
     assert "resumed" in outputs
     engine.add_request(prompts[3], params, "r3")  # idle again: taken
     assert [run_to_completion(engine)["r3"].token_ids] == run_alone(alone, prompts[3:4], params)
+
+
+def test_a_draft_longer_than_asked_is_cut(tiny_model_dir, tiny):
+    """A proposer (a remote one: its reply is another process's word) that answers 40 tokens more
+    than each request's num_tokens: the engine verifies at most num_tokens of them, so a step
+    never takes more KV rows or emits more tokens than it budgeted for; outputs are unchanged."""
+    import dataclasses
+
+    from engine_utils import OracleProposer
+
+    prompt, k = [5, 6, 7, 8], 3
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), [prompt], params)[0]
+    oracle = OracleProposer({tuple(prompt): ref}, k=k, wrong=0)
+
+    class Overlong(OracleProposer):
+        def propose(self, requests):
+            asked = [r.num_tokens for r in requests]
+            drafts = oracle.propose([dataclasses.replace(r, num_tokens=r.num_tokens + 40) for r in requests])
+            assert all(len(d.tokens) > n for d, n in zip(drafts, asked) if n)  # really longer than asked
+            return drafts
+
+    engine = make_engine(tiny_model_dir, "ngram", k=k, loaded=tiny, max_model_len=MAX_LEN,
+                         proposer=Overlong({}, k, 0))
+    out = engine.generate([prompt], params)[0]
+    assert out.token_ids == ref
+    assert out.num_draft_tokens <= k * out.num_steps and out.num_steps >= len(ref) // (k + 1)

@@ -436,3 +436,32 @@ def test_chat_template_jinja_comes_along(hub, tmp_path):
     _, tokenizer = loader.load_model("org/chat", device="cpu")
     assert "chat_template.jinja" in hub.downloads("org/chat")
     assert tokenizer.chat_template == template
+
+
+def test_one_pinned_revision_per_deployment(hub, repos, monkeypatch):
+    """build_app resolves a hub id's revision to its commit once (pin_revision) and hands every
+    replica the same `org/name@<sha>`: a branch that moves while replicas start cannot give them
+    different files. A commit, or a local path, is left as it is; offline, the cached commit is used."""
+    from deployments.app import build_app
+    from deployments.config import AppArgs
+    from serve_utils import app_deployments, tiny_args
+
+    main, v2 = FakeHub.commit("org/revs", "main"), FakeHub.commit("org/revs", "v2")
+    assert loader.pin_revision("org/revs") == f"org/revs@{main}"
+    assert loader.pin_revision("org/revs@v2") == f"org/revs@{v2}"
+    assert loader.pin_revision(f"org/revs@{v2}") == f"org/revs@{v2}"
+    assert loader.pin_revision(str(repos["org/revs"]["main"])) == str(repos["org/revs"]["main"])
+
+    app = build_app(tiny_args("org/revs"))
+    args = [AppArgs.model_validate(d.init_args[0]) for d in app_deployments(app).values()]
+    assert {a.model for a in args} == {f"org/revs@{main}"} and {a.model_name for a in args} == {"tiny"}
+    unnamed = {k: v for k, v in tiny_args("org/revs@v2").items() if k != "served_model_name"}
+    (first, *_) = [AppArgs.model_validate(d.init_args[0]) for d in app_deployments(build_app(unnamed)).values()]
+    assert first.model == f"org/revs@{v2}" and first.model_name == "org/revs@v2"  # what clients send still answers
+
+    loader.resolve_model_dir("org/revs@v2")  # in the cache now
+    hub.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert loader.pin_revision("org/revs@v2") == f"org/revs@{v2}"
+    assert loader.pin_revision("org/unknown") == "org/unknown"  # nothing to pin it to: as it was
+

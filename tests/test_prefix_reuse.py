@@ -108,3 +108,21 @@ def test_scoring_requests_leave_their_prefix_too(target_dir, target, eagle_dir):
     assert second.num_cached_tokens >= SHARED
     plain = _engine(target_dir, target, _specs(eagle_dir)["eagle3-tree"], caching=False)
     assert second.token_ids == plain.generate([SECOND], _params(1))[0].token_ids
+
+
+def test_cache_salt_keeps_prefix_caching_per_tenant(target_dir, target):
+    """vLLM's cache_salt: a prompt cached under one salt is not found under another salt or none
+    (cached_tokens 0: one tenant cannot probe what another sent), and is found under the same salt;
+    outputs are the same either way."""
+    from dataclasses import replace
+
+    engine = _engine(target_dir, target, dict(method="none"))
+    tenant_a, tenant_b = replace(_params(4), cache_salt="tenant-a"), replace(_params(4), cache_salt="tenant-b")
+    first = engine.generate([FIRST], tenant_a)[0]
+    assert first.num_cached_tokens == 0
+    others = [engine.generate([SECOND], p)[0] for p in (tenant_b, _params(4))]
+    assert [o.num_cached_tokens for o in others] == [0, 0]  # another tenant, and no tenant: nothing found
+    same = engine.generate([SECOND], tenant_a)[0]
+    assert same.num_cached_tokens >= SHARED
+    assert same.token_ids == others[0].token_ids == others[1].token_ids
+    assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0

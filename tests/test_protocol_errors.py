@@ -24,3 +24,12 @@ def test_malformed_fields_are_a_400_naming_the_field(extra, param):
         request.check_limits(1, 2048)
         request.to_generate(2048)
     assert err.value.status_code == 400 and err.value.body()["error"]["param"] == param
+
+
+def test_cache_salt_goes_to_the_engine_and_an_empty_one_is_a_400():
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, cache_salt="tenant-a")
+    (generate,) = request.to_generate(2048)
+    assert generate.sampling_params().cache_salt == "tenant-a"
+    assert ChatCompletionRequest(model="m", messages=MESSAGES).to_generate(2048)[0].sampling_params().cache_salt is None
+    with pytest.raises(ValueError):  # pydantic: the route answers it with a 400 naming cache_salt
+        ChatCompletionRequest(model="m", messages=MESSAGES, cache_salt="")

@@ -85,6 +85,38 @@ def test_verify_sampled_acceptance_rate_is_min_p_over_q():
     assert abs(accepted / trials - expected) < 0.015
 
 
+def _forged(row: torch.Tensor, **at) -> torch.Tensor:
+    """row with the given entries overwritten ({"t3": -0.5}: token 3 set to -0.5), then as [1, V]."""
+    row = row.clone()
+    for key, value in at.items():
+        row[int(key[1:])] = value
+    return row[None]
+
+
+# A proposer that chooses the drafted token and then sends a q it did not sample from: q(x) = 0
+# (accepted whenever p(x) > 0), negative or NaN (accepted even where p(x) = 0: outside top-k/top-p),
+# and rows that do not sum to 1. The verifier must ignore such a q
+# and verify the token as a point mass: the first token then still follows the target.
+FORGED_Q = [
+    ("q-zero-at-draft", 1, _forged(Q0, t1=0.0) / _forged(Q0, t1=0.0).sum()),  # P0(1) = 0.05
+    ("q-negative", 3, _forged(Q0, t3=-0.5, t1=0.9)),  # P0(3) = 0: never a possible token
+    ("q-nan", 3, _forged(Q0, t3=float("nan"))),
+    ("q-inf", 3, _forged(Q0, t3=float("inf"))),
+    ("q-not-normalised", 1, Q0[None] * 0.5),
+]
+
+
+@pytest.mark.parametrize("name,token,q", FORGED_Q, ids=[c[0] for c in FORGED_Q])
+def test_forged_draft_probs_cannot_steer_sampling(name, token, q):
+    trials = 10_000
+    gen = torch.Generator().manual_seed(5)
+    target = torch.stack([P0, P1])
+    firsts = [verify_sampled(target, [token], q, gen)[0] for _ in range(trials)]
+    assert firsts.count(3) == 0, name  # outside the target's support: never emitted
+    emp = empirical(firsts, V)
+    assert tv_distance(emp, P0) < tv_threshold(P0, trials), (name, emp, P0)
+
+
 # A tree under the last pending token: root children 0 (token 0), 1 (token 2), 2 (token 3: p = 0
 # there), and under node 0 the children 3 (token 1) and 4 (token 6).
 TREE = Draft(tokens=[0, 2, 3, 1, 6], parents=[-1, -1, -1, 0, 0])

@@ -18,6 +18,7 @@ rayspec saves its own heads in the same layouts (safetensors), so they load anyw
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -135,3 +136,19 @@ def new_eagle_config(kind: str, target_dir: Path, num_target_layers: int, target
         hf["architectures"] = ["LlamaForCausalLM"]
         hf["bias"] = True
     return eagle_config_from_hf(hf, num_target_layers, target_hidden_size, fc_bias=kind == "eagle")
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save to a temporary file next to `path`, then renamed over it: a crash mid-write
+    leaves the previous checkpoint whole, never a truncated one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from rayspec.eagle.checkpoint import save_atomic
 from rayspec.runner import ModelRunner
 
 
@@ -112,7 +113,7 @@ class ShardWriter:
     def flush(self) -> list[Path]:
         if self._current["ids"]:
             path = self.out_dir / f"features-{self.first_shard + len(self.shards):04d}.pt"
-            torch.save(self._current, path)
+            save_atomic(self._current, path)  # a shard is whole or absent
             self.shards.append(path)
         self._current, self._tokens = self._empty(), 0
         return self.shards

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from rayspec.eagle.checkpoint import new_eagle_config, read_eagle_head, save_eagle_head
+from rayspec.eagle.checkpoint import new_eagle_config, read_eagle_head, save_atomic, save_eagle_head
 from rayspec.eagle.head import Eagle3Head, EagleHead, attach_target, build_head
 
 
@@ -269,6 +269,12 @@ def load_prepared(cfg: TrainConfig) -> list[dict]:
 GradSync = Callable[[list[torch.Tensor], torch.Tensor], None]  # (grads, stats) -> summed over workers, in place
 
 
+def load_checkpoint(path: Path, device) -> dict:
+    """A training checkpoint (head, optimizer and scheduler state: tensors and plain values only),
+    read without unpickling anything else: a tampered file cannot run code."""
+    return torch.load(path, weights_only=True, map_location=device)
+
+
 def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, world: int = 1,
                sync: GradSync | None = None) -> Path | None:
     """Stage 3: train the head; returns where rank 0 wrote it.
@@ -321,7 +327,7 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
     ckpt_path = work / f"checkpoint-{cfg.kind}.pt"
     step = 0
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
+        ckpt = load_checkpoint(ckpt_path, device)
         if ckpt.get("draft_vocab_size", draft_vocab) != draft_vocab:
             raise RuntimeError(f"{ckpt_path} holds a head with a draft vocabulary of {ckpt['draft_vocab_size']} "
                                f"tokens, this run's has {draft_vocab}; use a new work dir")
@@ -362,8 +368,8 @@ def train_head(cfg: TrainConfig, target, examples: list[dict], rank: int = 0, wo
         bar.set_postfix(loss=f"{mean[0]:.3f}", acc="/".join(f"{a:.2f}" for a in mean[1:]))
         bar.update(1)
         if rank == 0 and (step % cfg.checkpoint_every == 0 or step == total_steps):
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "batches_per_step": per_step, "draft_vocab_size": draft_vocab}, ckpt_path)
+            save_atomic({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                         "step": step, "batches_per_step": per_step, "draft_vocab_size": draft_vocab}, ckpt_path)
             with (work / f"history-{cfg.kind}.jsonl").open("a") as f:
                 for h in history:
                     f.write(json.dumps(h) + "\n")

@@ -1,0 +1,134 @@
+"""The ingress's bounds before any parsing (deployments.admission), on a small FastAPI app with the
+same middlewares (no Ray): a body past max_request_body_bytes is a 413 with OpenAI error JSON
+whether its length is declared or not, and is not read past the limit; /tokenize and /detokenize
+take a place in the admission gate like generation requests; the ingress app stacks the
+middlewares key -> gate -> body limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from deployments.admission import AdmissionGate, AdmissionState, BodyLimit
+
+LIMIT = 4096
+
+
+class Body(BaseModel):
+    prompt: str
+
+
+def _app(state: AdmissionState, seen: list):
+    app = FastAPI()
+
+    async def handle(body: Body):
+        seen.append(len(body.prompt))
+        return {"ok": True}
+
+    for path in ("/v1/completions", "/tokenize", "/detokenize"):
+        app.post(path)(handle)
+    app.add_middleware(BodyLimit, max_bytes=lambda: LIMIT)
+    app.add_middleware(AdmissionGate, state=lambda: state)
+    return app
+
+
+def _post(app, path: str, **kwargs) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post(path, **kwargs)
+    return asyncio.run(go())
+
+
+def _assert_413(r: httpx.Response) -> None:
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert str(LIMIT) in error["message"]
+
+
+def test_a_body_past_the_limit_is_a_413_before_parsing():
+    seen = []
+    app = _app(AdmissionState(max_in_flight=8), seen)
+    ok = _post(app, "/v1/completions", json={"prompt": "x" * (LIMIT - 100)})
+    assert ok.status_code == 200 and seen == [LIMIT - 100]
+    _assert_413(_post(app, "/v1/completions", json={"prompt": "x" * LIMIT}))  # declared: Content-Length
+    _assert_413(_post(app, "/tokenize", content=b"{", headers={"content-length": "99999999999"}))
+    _assert_413(_post(app, "/tokenize", content=b"{}", headers={"content-length": "-1"}))  # not a length
+
+    pulled = []
+
+    async def chunks():  # no Content-Length: counted as it comes, and no more is read past the limit
+        for i in range(1000):
+            pulled.append(i)
+            yield b" " * 1024
+
+    _assert_413(_post(app, "/v1/completions", content=chunks()))
+    assert len(pulled) <= LIMIT // 1024 + 2
+    assert seen == [LIMIT - 100]  # nothing refused reached the route
+
+
+def test_a_body_within_the_limit_arrives_whole_in_chunks():
+    seen = []
+    app = _app(AdmissionState(max_in_flight=8), seen)
+
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(30):
+            yield b"y" * 100
+        yield b'"}'
+
+    r = _post(app, "/detokenize", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and seen == [3000]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/completions"])
+def test_tokenizer_routes_are_behind_the_admission_gate(path):
+    state = AdmissionState(max_in_flight=1)
+    state.in_flight = 1  # the one place is taken
+    r = _post(_app(state, []), path, json={"prompt": "hi"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+    assert state.num_refused == 1
+
+
+def test_the_ingress_stacks_key_then_gate_then_body_limit():
+    from deployments.admission import BodyLimit as Limit
+    from deployments.api_key import RequireApiKey
+    from deployments.ingress import app
+
+    order = [m.cls for m in app.user_middleware]  # outermost first
+    assert order == [RequireApiKey, AdmissionGate, Limit]
+
+
+def test_shipped_configs_bind_loopback_unless_they_opt_in():
+    """Every shipped serve config binds 127.0.0.1, except the cluster app (its proxy must be
+    reachable from the cluster's load balancer: an explicit opt-in), and `rayspec serve` without a
+    host does too; binding elsewhere without an API key is warned about."""
+    import yaml
+
+    from deployments.api_key import exposure_warning
+    from rayspec.assets import configs_dir
+
+    opted_in = {"cluster_eagle3.yaml"}
+    hosts = {}
+    for path in sorted(configs_dir().glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text()) or {}
+        if isinstance(doc, dict) and "applications" in doc:
+            hosts[path.name] = (doc.get("http_options") or {}).get("host")
+    assert len(hosts) >= 15
+    assert {name for name, host in hosts.items() if host != "127.0.0.1"} == opted_in, hosts
+    assert exposure_warning("127.0.0.1", False) is None and exposure_warning("::1", False) is None
+    assert "without an API key" in exposure_warning("0.0.0.0", False)
+    assert "without an API key" in exposure_warning("my-host.example", False)
+    assert exposure_warning("0.0.0.0", True) is None
+
+
+def test_rayspec_serve_binds_loopback_by_default(monkeypatch):
+    from rayspec.cli import build_parser, serve_config
+
+    monkeypatch.delenv("RAYSPEC_API_KEY", raising=False)
+    _, host, _ = serve_config(build_parser().parse_args(["serve", "smollm2-135m-instruct"]))
+    assert host == "127.0.0.1"
