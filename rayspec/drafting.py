@@ -20,9 +20,11 @@ that maximises the step's expected output tokens per second:
 
 Zero drafts when nothing pays (a plain decode step: the proposer is not called). A sequence left
 at zero for `probe_every` steps drafts the smallest budget once, so acceptance that returns is
-seen. Drafting less never changes what is emitted (the verifier keeps the output the target's);
-only seeded sampled requests are pinned at the full budget: their random stream must not depend on
-measured time.
+seen. Drafting less never changes what is emitted at temperature 0, nor the distribution above
+(the verifier keeps the output the target's). A seeded sampled request's random stream, though,
+is consumed per drafted token: its budget must depend on its own history alone, never on time or
+on what else runs. Under measured costs it keeps the full budget (`pinned`), under modelled ones
+it is planned alone (`isolated`).
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ class Acceptance:
     def __init__(self):
         self.pool: dict[tuple[str, bool], DepthCounts] = {}
 
-    def rates(self, own: DepthCounts | None, shape: str, greedy: bool, depth: int) -> list[float]:
-        """alpha_1..alpha_depth: the sequence's posterior means (its counts over the pool's prior)."""
-        pool = self.pool.get((shape, greedy))
+    def rates(self, own: DepthCounts | None, shape: str, greedy: bool, depth: int,
+              pooled: bool = True) -> list[float]:
+        """alpha_1..alpha_depth: the sequence's posterior means (its counts over the pool's prior;
+        not pooled: over the fixed prior alone)."""
+        pool = self.pool.get((shape, greedy)) if pooled else None
         out = []
         for d in range(depth):
             pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
@@ -211,7 +215,10 @@ class PlanInput:
     greedy: bool
     context: int  # tokens in its context
     cap: int  # the most it may draft (remaining tokens, its own num_speculative_tokens)
-    pinned: bool = False  # draft exactly min(cap, the full budget) (a seeded sampled request)
+    pinned: bool = False  # draft exactly min(cap, the full budget)
+    # planned as if alone, from its own history only (no pool, no batch): a seeded sampled request
+    # under modelled costs, whose random stream must not depend on what else runs
+    isolated: bool = False
 
 
 class DraftPlanner:
@@ -251,13 +258,20 @@ class DraftPlanner:
             if s.pinned:
                 allowed = [allowed[-1]]
             rates = self.acceptance.rates(s.state.counts.get(shape), shape, s.greedy,
-                                          self.depth(allowed[-1], tree))
+                                          self.depth(allowed[-1], tree), pooled=not s.isolated)
             options.append(allowed)
             values.append([expected_accepted(rates, self.depth(b, tree)) for b in allowed])
         if not self.costs.known:  # nothing timed yet: the full budget, so the costs get measured
             choice = [len(o) - 1 for o in options]
         else:
-            choice = self._climb(seqs, options, values, tree)
+            choice = [0] * len(seqs)
+            alone = [i for i, s in enumerate(seqs) if s.isolated]
+            joint = [i for i, s in enumerate(seqs) if not s.isolated]
+            for group in [[i] for i in alone] + ([joint] if joint else []):
+                picked = self._climb([seqs[i] for i in group], [options[i] for i in group],
+                                     [values[i] for i in group], tree)
+                for i, c in zip(group, picked):
+                    choice[i] = c
         out = [o[c] for o, c in zip(options, choice)]
         for i, (s, o) in enumerate(zip(seqs, options)):  # probes: now and then one left at zero drafts
             if out[i] == 0 and len(o) > 1:

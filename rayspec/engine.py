@@ -642,15 +642,17 @@ class LLMEngine:
 
     def _draft_lens(self, seqs: list[Sequence], tree: bool) -> list[int]:
         """Per sequence, the draft budget of this step: the full one, or with `adaptive` what pays
-        (rayspec.drafting). A seeded sampled request keeps the full budget under measured costs:
-        its random stream must not depend on how long steps took."""
+        (rayspec.drafting). A seeded sampled request's budget depends on its own history alone
+        (its random stream is consumed per drafted token): the full budget under measured costs,
+        planned as if alone under modelled ones."""
         caps = [self._draft_len(s, self.max_k) for s in seqs]
         if not self.adaptive:
             return caps
-        timed = not self.planner.costs.deterministic
+        modelled = self.planner.costs.deterministic
+        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
         return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
-                                            pinned=timed and s.params.seed is not None and not s.params.greedy)
-                                  for s, cap in zip(seqs, caps)], tree)
+                                            pinned=own and not modelled, isolated=own and modelled)
+                                  for s, cap, own in zip(seqs, caps, seeded)], tree)
 
     def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
         """_decode, leaving no trace when it raises before a sequence took its tokens (see _guarded):

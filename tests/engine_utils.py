@@ -48,8 +48,9 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
     return LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
 
 
-# a step costs 10 ms plus 2 ms per verified row; a proposer call 1 ms plus 0.5 ms per depth
-MODELLED_COSTS = {"step_s": 0.010, "row_s": 0.002, "propose_s": 0.001, "propose_depth_s": 0.0005}
+# a step costs 10 ms plus 0.5 ms per verified row, a proposer call 1 ms plus 0.5 ms per depth: drafts
+# of middling acceptance pay a little, so the budgets planned vary (0 to k) with what is accepted
+MODELLED_COSTS = {"step_s": 0.010, "row_s": 0.0005, "propose_s": 0.001, "propose_depth_s": 0.0005}
 
 
 def modelled_step_costs(engine: LLMEngine, costs: dict | None = None) -> LLMEngine:

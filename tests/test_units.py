@@ -114,8 +114,8 @@ CPU_LIKE = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth
 GPU_LIKE = {"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002, "propose_depth_s": 0.0002}  # rows ~free
 
 
-def _seq(state=None, greedy=True, context=100, cap=8, pinned=False) -> PlanInput:
-    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, pinned)
+def _seq(state=None, greedy=True, context=100, cap=8, pinned=False, isolated=False) -> PlanInput:
+    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, pinned, isolated)
 
 
 def _observed(planner: DraftPlanner, rate: float, n: int = 40, tree: bool = False, depth: int = 4,
@@ -212,6 +212,15 @@ def test_pinned_and_unmeasured():
     planner.costs.observe_verify(1, 100, 0.010)
     planner.costs.observe_verify(7, 700, 0.025)
     assert planner.plan([_seq(bad), _seq(bad, pinned=True, cap=5)], tree=False) == [0, 5]
+    # isolated (a seeded sampled request under modelled costs): its own history alone decides, not
+    # the pool nor the batch
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE))
+    own = _observed(planner, 0.8, seed=3)
+    alone = planner.plan([_seq(own, greedy=False, isolated=True)], tree=False)
+    for _ in range(30):
+        planner.observe(SeqDraftState(), False, False, 4, 0)  # the pool of sampled chains: all rejected
+    crowd = [_seq(bad, greedy=False), _seq(own, greedy=False, isolated=True), _seq(bad, greedy=False)]
+    assert planner.plan(crowd, tree=False)[1] == alone[0] > 0
 
 
 def test_acceptance_counts_by_depth():
