@@ -12,10 +12,10 @@ the room left in the context.
 
 How the engine picks the mode (rayspec/engine.py, LLMEngine._decode): by the number of decoding
 sequences only, never by time: trees while len(seqs) <= tree_max_batch (and eagle_topk > 1),
-nothing while len(seqs) >= disable_by_batch_size, otherwise a chain of the adaptive k. Only that
-k depends on measured step time; where a test asserts chain counts it feeds the policy modelled
-costs (engine_utils.modelled_step_costs), so the counts are the same on an idle and a busy machine.
-Greedy equality holds whatever k is picked.
+nothing while len(seqs) >= disable_by_batch_size, otherwise a chain. The draft planner
+(rayspec.drafting) sizes each tree or chain (0 included) from acceptance and step costs; where a
+test asserts counts it weighs modelled costs (engine_utils.modelled_step_costs), so the counts are
+the same on an idle and a busy machine. Greedy equality holds whatever budget is picked.
 
 A tiny random model with a random head runs the same kind of schedule in seconds (not slow), and
 checks besides that the head's cache after joins, leaves and undrafted stretches holds what a
@@ -157,7 +157,7 @@ def expected_mode(spec, batch: int) -> str:
 def check_modes_follow_batch_size(trace: Trace, spec) -> None:
     """Every step asked for what its batch size calls for: the switches go by batch size, not time.
     (A step in the tree or chain band may still ask nothing: every row has one token left, or the
-    adaptive k is 0.)"""
+    planned budget is 0.)"""
     for step, (batch, mode) in enumerate(zip(trace.batches, trace.modes)):
         want = expected_mode(spec, batch)
         assert mode in (want, "none"), f"decode step {step}: batch {batch} asked for {mode}, expected {want}"
@@ -325,7 +325,7 @@ def test_default_yaml_with_a_chain_band_greedy_equals_target_only(smol_engine, s
     config = default_engine_config(disable_by_batch_size=6)
     engine = LLMEngine(config, model=smol_engine.model, tokenizer=smol_engine.tokenizer)
     engine.eos_token_ids = set(smol_engine.eos_token_ids)  # as in target_only
-    modelled_step_costs(engine)  # adaptive k from a cost model, not the wall clock: deterministic counts
+    modelled_step_costs(engine)  # planned budgets from a cost model, not the wall clock: deterministic counts
     spec = engine.config.speculative
     assert spec.adaptive and spec.tree_max_batch == base.tree_max_batch == 2
     plan = _plan(smol_requests, [(0, "A"), (2, "F"), (4, "C"), (5, "E"), (6, "D"), (7, "B"), (8, "G")])
@@ -338,7 +338,7 @@ def test_default_yaml_with_a_chain_band_greedy_equals_target_only(smol_engine, s
     for low, high in ((2, 3), (5, 6)):
         up, down = crossings(trace.batches, low, high)
         assert up >= 1 and down >= 1, (low, high, trace.batches)
-    # the first step at batch 3-4 knows no cost for that batch bucket yet, so it drafts max_k
+    # under the modelled costs the shipped head's chains and trees pay often enough to be drafted
     assert trace.steps("chain") > 0 and trace.steps("tree") > 0
     assert any(b >= 6 and m == "none" for b, m in zip(trace.batches, trace.modes))
     print(f"\nchain-band run: {len(trace.batches)} decode steps, batches {trace.batches}, modes {trace.modes}, "
