@@ -6,8 +6,8 @@ One target model is loaded and shared by every engine: a baseline engine (target
 engine per method, built with num_speculative_tokens = the largest k of the sweep. A run at k caps
 its requests' drafts at k (SamplingParams.num_speculative_tokens, the cap a served request sets
 with `num_speculative_tokens`), so each method's k values run on one engine, its draft weights
-and cache loaded once. With the adaptive draft length on (the default, as `bench offline`) k is
-the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near max_tokens).
+and cache loaded once. With cost-aware drafting on (the default, as `bench offline`; rayspec.drafting)
+k is the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near max_tokens).
 
 Prefix caching is off in these engines unless `--enable-prefix-caching` is given: a method's k values
 run the same prompts on one engine, and later runs would find them cached (prefills the baseline pays).
@@ -221,7 +221,9 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
     return {
         "config": {"model": model, "methods": methods, "num_speculative_tokens": ks, "concurrency": concurrency,
                    "prompts": prompts_file, "num_prompts": len(prompt_ids), "max_tokens": max_tokens,
-                   "temperature": temperature, "seeded": seeded if temperature > 0 else None, "mode": "offline", "device": str(baseline.device),
+                   "temperature": temperature, "seeded": seeded if temperature > 0 else None, "mode": "offline",
+                   # how a step sizes its drafts with `adaptive` (rayspec.drafting)
+                   "drafting": "cost-aware" if opts.adaptive else "fixed", "device": str(baseline.device),
                    "dtype": str(baseline.dtype).removeprefix("torch."),
                    "options": dataclasses.asdict(opts),
                    "draft_models": {m: specs[m].draft_model for m in methods},
