@@ -5,7 +5,7 @@ the batch) and n more verification rows in the target's forward; it returns the 
 target accepts. The planner estimates both sides and picks, per sequence, the draft budget n_i
 that maximises the step's expected output tokens per second:
 
-    rate = sum_i (1 + E_i(n_i)) / (verify_s(rows, rows x context) + propose_s(depth, batch))
+    rate = sum_i (1 + E_i(n_i)) / (verify_s(batch, rows, rows x context) + propose_s(depth, batch))
 
 - E_i(n): expected accepted tokens of a draft of budget n, from the sequence's recent acceptance
   (`Acceptance`): per draft depth d, a discounted Beta posterior of alpha_d = P(depth d accepted |
@@ -19,8 +19,9 @@ that maximises the step's expected output tokens per second:
   coefficients instead, so tests and anyone needing determinism get the same plans on any machine.
 
 Zero drafts when nothing pays (a plain decode step: the proposer is not called). A sequence left
-at zero for `probe_every` steps drafts the smallest budget once, so acceptance that returns is
-seen. Drafting less never changes what is emitted at temperature 0, nor the distribution above
+at zero for `probe_every` steps drafts its full budget once (a probe), so acceptance that returns
+is seen and the cost of a full draft stays measured; a probe with nothing accepted doubles the
+sequence's interval (up to `max_probe_every`), any accepted draft resets it. Drafting less never changes what is emitted at temperature 0, nor the distribution above
 (the verifier keeps the output the target's). A seeded sampled request's random stream, though,
 is consumed per drafted token: its budget must depend on its own history alone, never on time or
 on what else runs. Under measured costs it keeps the full budget (`pinned`), under modelled ones
@@ -100,10 +101,13 @@ def expected_accepted(rates: list[float], depth: int) -> float:
 
 # ---- costs ------------------------------------------------------------------------------------
 
-def verify_features(rows: int, row_context: float) -> np.ndarray:
+def verify_features(batch: int, rows: int, row_context: float) -> np.ndarray:
     """rows: tokens verified in the step (all sequences); row_context: sum over sequences of
-    rows x context length, in thousands (attention's share)."""
-    return np.array([1.0, rows, row_context / 1000.0])
+    rows x context length, in thousands (attention's share). The second feature is 1 when any
+    sequence verifies more than one row: a CPU then leaves its one-row (decode) kernels for
+    matrix-matrix ones, a jump measured at ~45% of a SmolLM2 step on the AMD EPYC here, after which
+    each row adds ~3%; on a GPU neither shows."""
+    return np.array([1.0, float(rows > batch), rows, row_context / 1000.0])
 
 
 def propose_features(depth: int, batch: int) -> np.ndarray:
@@ -146,18 +150,18 @@ class MeasuredCosts:
     def __init__(self):
         # the context term is pulled to 0 by ~10 pseudo-steps: on a busy machine step times are
         # noisy, and rows x context moves with rows; attention's share must show in the data
-        self.verify = LinearFit([0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 10.0])
+        self.verify = LinearFit([0.0, 0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2, 10.0])
         self.propose = LinearFit([0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2])
 
-    def verify_s(self, rows: int, row_context: float) -> float:
-        return self.verify.predict(verify_features(rows, row_context))
+    def verify_s(self, batch: int, rows: int, row_context: float) -> float:
+        return self.verify.predict(verify_features(batch, rows, row_context))
 
     def propose_s(self, depth: int, batch: int) -> float:
         # nothing measured yet: free (optimistic), so the proposer gets called and timed
         return self.propose.predict(propose_features(depth, batch)) if self.propose.num_observed else 0.0
 
-    def observe_verify(self, rows: int, row_context: float, seconds: float) -> None:
-        self.verify.observe(verify_features(rows, row_context), seconds)
+    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
+        self.verify.observe(verify_features(batch, rows, row_context), seconds)
 
     def observe_propose(self, depth: int, batch: int, seconds: float) -> None:
         self.propose.observe(propose_features(depth, batch), seconds)
@@ -169,12 +173,13 @@ class MeasuredCosts:
 
 class ModelledCosts:
     """Fixed cost coefficients (SpeculativeConfig.draft_costs): no timer involved, the same plan on
-    every machine. Keys: step_s, row_s, row_context_s (per row x 1000 context tokens), propose_s,
-    propose_depth_s, propose_depth_batch_s; missing ones are 0."""
+    every machine. Keys: step_s, multirow_s (added when any sequence verifies drafts), row_s,
+    row_context_s (per row x 1000 context tokens), propose_s, propose_depth_s,
+    propose_depth_batch_s; missing ones are 0."""
 
     deterministic = True
     known = True
-    KEYS = ("step_s", "row_s", "row_context_s", "propose_s", "propose_depth_s", "propose_depth_batch_s")
+    KEYS = ("step_s", "multirow_s", "row_s", "row_context_s", "propose_s", "propose_depth_s", "propose_depth_batch_s")
 
     def __init__(self, coefficients: dict):
         unknown = set(coefficients) - set(self.KEYS)
@@ -185,15 +190,15 @@ class ModelledCosts:
         c = [float(coefficients.get(k, 0.0)) for k in self.KEYS]
         if c[0] <= 0:
             raise ValueError("draft_costs.step_s must be > 0")
-        self.verify_theta, self.propose_theta = np.array(c[:3]), np.array(c[3:])
+        self.verify_theta, self.propose_theta = np.array(c[:4]), np.array(c[4:])
 
-    def verify_s(self, rows: int, row_context: float) -> float:
-        return float(self.verify_theta @ verify_features(rows, row_context))
+    def verify_s(self, batch: int, rows: int, row_context: float) -> float:
+        return float(self.verify_theta @ verify_features(batch, rows, row_context))
 
     def propose_s(self, depth: int, batch: int) -> float:
         return float(self.propose_theta @ propose_features(depth, batch))
 
-    def observe_verify(self, rows: int, row_context: float, seconds: float) -> None:
+    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
         pass
 
     def observe_propose(self, depth: int, batch: int, seconds: float) -> None:
@@ -208,6 +213,8 @@ class SeqDraftState:
 
     counts: dict[str, DepthCounts] = field(default_factory=dict)  # per shape ("chain", "tree")
     steps_at_zero: int = 0  # consecutive decode steps planned without drafts
+    probe_every: int | None = None  # its steps at zero before a probe (None: the planner's probe_every)
+    probing: bool = False  # its current draft is a probe
 
 
 @dataclass
@@ -227,12 +234,13 @@ class PlanInput:
 class DraftPlanner:
     """Chooses each step's per-sequence draft budgets (see the module docstring)."""
 
-    def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 8):
+    def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 8,
+                 max_probe_every: int = 64):
         self.max_k, self.topk = max_k, max(1, topk)
         self.max_depth = max_depth or max_k  # a tree's depth limit (num_steps)
         self.costs = costs
         self.acceptance = Acceptance()
-        self.probe_every = probe_every
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
 
     def budgets(self, tree: bool) -> list[int]:
         """The draft budgets a step may give a sequence: any k for chains; for trees whole depths
@@ -277,13 +285,15 @@ class DraftPlanner:
                     choice[i] = c
         out = [o[c] for o, c in zip(options, choice)]
         for i, (s, o) in enumerate(zip(seqs, options)):  # probes: now and then one left at zero drafts
+            state = s.state
+            state.probing = False
             if out[i] == 0 and len(o) > 1:
-                s.state.steps_at_zero += 1
-                if s.state.steps_at_zero >= self.probe_every:
-                    s.state.steps_at_zero = 0
-                    out[i] = o[1]
+                state.steps_at_zero += 1
+                if state.steps_at_zero >= (state.probe_every or self.probe_every):
+                    state.steps_at_zero, state.probing = 0, True
+                    out[i] = o[-1]
             else:
-                s.state.steps_at_zero = 0
+                state.steps_at_zero = 0
         return out
 
     def _climb(self, seqs: list[PlanInput], options, values, tree: bool) -> list[int]:
@@ -299,7 +309,7 @@ class DraftPlanner:
             rows = sum(1 + b for b in budgets)
             row_context = sum((1 + b) * n for b, n in zip(budgets, contexts))
             drafting = [b for b in budgets if b > 0]
-            cost = self.costs.verify_s(rows, row_context)
+            cost = self.costs.verify_s(len(seqs), rows, row_context)
             if drafting:
                 cost += self.costs.propose_s(max(self.proposer_depth(b, tree) for b in drafting), len(drafting))
             tokens = sum(1 + v[c] for v, c in zip(values, ch))
@@ -322,6 +332,11 @@ class DraftPlanner:
 
     def observe(self, state: SeqDraftState, tree: bool, greedy: bool, depth: int, num_accepted: int) -> None:
         """A verified draft of `depth` (its deepest token) with num_accepted tokens accepted."""
+        if num_accepted:  # drafts pay again: probe at the usual interval
+            state.probe_every = None
+        elif state.probing:  # back off from a sequence whose probes find nothing
+            state.probe_every = min(2 * (state.probe_every or self.probe_every), self.max_probe_every)
+        state.probing = False
         if depth <= 0:
             return
         shape = "tree" if tree else "chain"

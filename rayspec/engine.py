@@ -154,8 +154,8 @@ class LLMEngine:
             self._calibrate_costs(costs)
 
     def _calibrate_costs(self, costs: MeasuredCosts, context: int = 32, repeats: int = 3) -> None:
-        """Seed the planner's verification cost fit: a dummy sequence of `context` tokens verifies 1
-        and 1 + num_speculative_tokens rows (forward and logits, the median of `repeats` each).
+        """Seed the planner's verification cost fit: a dummy sequence of `context` tokens verifies 1,
+        2 and 1 + num_speculative_tokens rows (forward and logits, the median of `repeats` each).
         The engine's own steps refine the fit from then on."""
         seq_id = "__calibrate_costs"
         if self.runner.num_free_slots == 0:
@@ -164,7 +164,7 @@ class LLMEngine:
         try:
             with torch.inference_mode():
                 self._target_forward([seq_id], [[0] * context], packed=True)
-                for rows in (1, 1 + self.max_k, 1):
+                for rows in (1, 2, 1 + self.max_k, 1):
                     times = []
                     for _ in range(repeats):
                         self.runner.set_cached_len(seq_id, context)
@@ -172,7 +172,7 @@ class LLMEngine:
                         hidden, _ = self._target_forward([seq_id], [[0] * rows], packed=True, static=True)
                         to_host(self.model.logits(hidden).argmax(-1))
                         times.append(time.perf_counter() - started)
-                    costs.observe_verify(rows, rows * (context + rows), sorted(times)[repeats // 2])
+                    costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2])
         finally:
             self.runner.free(seq_id)
 
@@ -766,7 +766,7 @@ class LLMEngine:
                 self.planner.observe(seq.drafting, use_tree, seq.params.greedy, draft_depth(draft), num_accepted)
             self.stats.observe(len(draft.tokens), num_accepted)
         costs = self.planner.costs
-        costs.observe_verify(sum(lengths), row_context, time.perf_counter() - step_start - propose_s)
+        costs.observe_verify(len(seqs), sum(lengths), row_context, time.perf_counter() - step_start - propose_s)
         if propose_s:
             drafting = [n for n in draft_lens if n]
             costs.observe_propose(max(self.planner.proposer_depth(n, use_tree) for n in drafting), len(drafting),
