@@ -5,7 +5,7 @@
 # alone, on MT-bench and on the unguessable set, greedy and at temperature 1 (unseeded, as served
 # requests come); then EAGLE-3 chains at k = 1, 2, 4, planned and fixed (the sweep of
 # sweep_smollm2_mt_bench*.json). One torch thread. Writes benchmarks/results/costaware_*.json.
-#   benchmarks/run_costaware.sh [NUM_PROMPTS] [MAX_TOKENS]
+#   benchmarks/run_costaware.sh [NUM_PROMPTS] [MAX_TOKENS]   (SETS, TEMPS, MODES, CHAINS: subsets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-6}
@@ -13,9 +13,9 @@ MAX=${2:-64}
 PY=${PYTHON:-python}
 TREE=(--methods eagle3 --num-speculative-tokens 8 --eagle-topk 2 --num-steps 4 --eagle-stop-prob 0.2
       --eagle-prompt-lookup 5 --disable-by-batch-size 3)
-for set in mt_bench unguessable; do
-  for t in 0 1; do
-    for mode in default fixed; do
+for set in ${SETS:-mt_bench unguessable}; do
+  for t in ${TEMPS:-0 1}; do
+    for mode in ${MODES:-default fixed}; do
       flags=(); [ "$mode" = fixed ] && flags=(--no-adaptive)
       $PY -m rayspec.cli bench sweep "${TREE[@]}" "${flags[@]}" --prompts "$set" --num-prompts "$N" \
         --max-tokens "$MAX" --temperature "$t" --unseeded --num-threads 1 \
@@ -23,7 +23,7 @@ for set in mt_bench unguessable; do
     done
   done
 done
-for mode in default fixed; do
+for mode in ${CHAINS:-default fixed}; do
   flags=(); [ "$mode" = fixed ] && flags=(--no-adaptive)
   $PY -m rayspec.cli bench sweep --methods eagle3 --num-speculative-tokens 1,2,4 "${flags[@]}" --prompts mt_bench \
     --num-prompts "$N" --max-tokens "$MAX" --num-threads 1 --output-json "benchmarks/results/costaware_chains_${mode}_mt_bench_t0.json"
