@@ -234,7 +234,7 @@ class PlanInput:
 class DraftPlanner:
     """Chooses each step's per-sequence draft budgets (see the module docstring)."""
 
-    def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 8,
+    def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 16,
                  max_probe_every: int = 64):
         self.max_k, self.topk = max_k, max(1, topk)
         self.max_depth = max_depth or max_k  # a tree's depth limit (num_steps)
