@@ -136,6 +136,24 @@ def is_draft_sweep(d) -> bool:
             and isinstance(d.get("results"), list) and all("num_speculative_tokens" in r for r in d["results"]))
 
 
+def sweep_drafting(cfg: dict) -> str:
+    """How a sweep's steps sized their drafts, its tree shape and whether sampled requests carried seeds."""
+    opts = cfg.get("options") or {}
+    if not opts.get("adaptive"):
+        text = "exactly k drafted (`--no-adaptive`), "
+    elif cfg.get("drafting") == "cost-aware":
+        text = "cost-aware drafting (k the most; `rayspec/drafting.py`), "
+    else:
+        text = "adaptive draft length (k the most), "
+    if (opts.get("eagle_topk") or 1) > 1:
+        text += (f"EAGLE trees (eagle_topk {opts['eagle_topk']}, num_steps {opts.get('num_steps')}, "
+                 f"eagle_stop_prob {opts.get('eagle_stop_prob')}, eagle_prompt_lookup {opts.get('eagle_prompt_lookup')}, "
+                 f"disable_by_batch_size {opts.get('disable_by_batch_size')}), ")
+    if cfg.get("seeded") is False:
+        text += "unseeded requests, "
+    return text
+
+
 def is_stats(rel: str, d) -> bool:
     return rel.endswith("_stats.json") and isinstance(d, dict) and all(
         isinstance(v, dict) and "num_steps" in v for v in d.values())
@@ -262,8 +280,7 @@ class Page:
             self.add(f"### `{stem}`", "",
                      f"{link(rel)}: {cfg['model']}, {cfg['num_prompts']} prompts of {cfg['prompts']}, "
                      f"{cfg['max_tokens']} tokens, temperature {cfg['temperature']}, "
-                     + ("adaptive draft length (k the most), " if (cfg.get("options") or {}).get("adaptive")
-                        else "exactly k drafted (`--no-adaptive`), ")
+                     + sweep_drafting(cfg)
                      + f"{fmt((d.get('environment') or {}).get('torch_threads'), 0)} threads; machine {self.m.of(rel, d)}.", "")
             rows = []
             for r in d["results"]:

@@ -317,7 +317,7 @@ def cmd_bench_offline(args) -> int:
         eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
         rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None,
-        engine_overrides=bench_engine_overrides(args), temperature=args.temperature)
+        engine_overrides=bench_engine_overrides(args), temperature=args.temperature, seeded=not args.unseeded)
     print(format_result(result))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
@@ -347,7 +347,8 @@ def cmd_bench_sweep(args) -> int:
                          disable_by_batch_size=args.disable_by_batch_size)
     try:
         result = run_sweep(args.model, methods, ks, args.prompts, args.num_prompts, args.max_tokens, concurrency,
-                           opts, temperature=args.temperature, device=args.device, dtype=args.dtype,
+                           opts, temperature=args.temperature, seeded=not args.unseeded, device=args.device,
+                           dtype=args.dtype,
                            engine_overrides=bench_engine_overrides(args))
     except ValueError as err:
         print(f"rayspec bench sweep: {err}", file=sys.stderr)
@@ -495,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: every system samples, prompt i from the same seed "
                         "(greedy_match is then null)")
+    p.add_argument("--unseeded", action="store_true",
+                   help="at temperature > 0, send requests without a seed, as most served ones come (cost-aware "
+                        "drafting keeps a seeded request at the full draft budget: its stream must not depend on time)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -541,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sampled, prompt i seeded alike in every run (greedy_match null)")
+    p.add_argument("--unseeded", action="store_true",
+                   help="at temperature > 0, send requests without a seed, as most served ones come (cost-aware "
+                        "drafting keeps a seeded request at the full draft budget: its stream must not depend on time)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: tok/s, speedup and acceptance length vs k, acceptance by "

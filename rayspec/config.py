@@ -11,7 +11,13 @@ import torch
 class SpeculativeConfig:
     method: str = "ngram"  # a name in rayspec.proposers.PROPOSERS
     num_speculative_tokens: int = 5  # the maximum draft length k
-    adaptive: bool = True  # lower k (down to 0) when speculation does not pay
+    # cost-aware drafting (rayspec.drafting): per step and sequence, draft only what pays (k for
+    # chains, the node budget for trees, 0 when nothing does). False: always the full budget
+    adaptive: bool = True
+    # the step costs the planner weighs: None, timed online (host timers, calibrated at warm-up);
+    # or fixed coefficients (rayspec.drafting.ModelledCosts: step_s, row_s, row_context_s,
+    # propose_s, propose_depth_s, propose_depth_batch_s), the same plans on every machine
+    draft_costs: dict | None = None
     # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -59,6 +65,10 @@ class SpeculativeConfig:
             check_scheme(self.draft_quantization)
             if self.method != "draft_model":
                 raise ValueError(f"draft_quantization is for method draft_model (a draft LM), not {self.method!r}")
+        if self.draft_costs is not None:
+            from rayspec.drafting import ModelledCosts
+
+            ModelledCosts(self.draft_costs)  # refuses unknown keys and negative costs
         if self.method == "none":
             self.num_speculative_tokens = 0
 

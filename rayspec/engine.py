@@ -7,8 +7,9 @@ One `step()`:
      step's prompt-token budget (`max_num_batched_tokens`; prompts cut at fixed places): a long
      prompt takes several steps, interleaved with the running requests' decoding, and samples
      its first token with its last chunk;
-  2. for every running sequence whose prefill is done: pick the draft length (adaptive policy), ask the
-     proposer for drafts (one batched call), verify all of them in one target forward,
+  2. for every running sequence whose prefill is done: pick the draft budget that pays
+     (rayspec.drafting, zero when none does), ask the proposer for drafts (one batched call),
+     verify all of them in one target forward,
      keep the accepted prefix plus one recovered/bonus token, and trim the KV cache.
 Requests join and leave between steps. A forward that raises is retried in halves, so an
 error one request causes (an out-of-memory on its prompt, a processor that fails) finishes that
@@ -27,12 +28,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from rayspec.adaptive import AdaptiveDraftLength
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
 from rayspec.compiled import default_compile
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
+from rayspec.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
@@ -139,8 +140,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   compile=self.compile, paged_attention=config.paged_attention)
-        self.policy = AdaptiveDraftLength(self.max_k, enabled=spec.adaptive)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
+        self.adaptive = spec.adaptive and self.max_k > 0
+        costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()
+        self.planner = DraftPlanner(self.max_k, costs, topk=spec.eagle_topk, max_depth=spec.num_steps)
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.stats = SpecDecodeStats()
         # unfinished outputs carry only what they add (RequestOutput.delta_*), not copies of the
@@ -156,6 +159,31 @@ class LLMEngine:
         self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
         if self.runner.compiled is not None:
             self.warm_up()
+        if self.adaptive and not costs.deterministic:
+            self._calibrate_costs(costs)
+
+    def _calibrate_costs(self, costs: MeasuredCosts, context: int = 32, repeats: int = 3) -> None:
+        """Seed the planner's verification cost fit: a dummy sequence of `context` tokens verifies 1,
+        2 and 1 + num_speculative_tokens rows (forward and logits, the median of `repeats` each).
+        The engine's own steps refine the fit from then on."""
+        seq_id = "__calibrate_costs"
+        if self.runner.num_free_slots == 0:
+            return
+        self.runner.allocate(seq_id)
+        try:
+            with torch.inference_mode():
+                self._target_forward([seq_id], [[0] * context], packed=True)
+                for rows in (1, 2, 1 + self.max_k, 1):
+                    times = []
+                    for _ in range(repeats):
+                        self.runner.set_cached_len(seq_id, context)
+                        started = time.perf_counter()
+                        hidden, _ = self._target_forward([seq_id], [[0] * rows], packed=True, static=True)
+                        to_host(self.model.logits(hidden).argmax(-1))
+                        times.append(time.perf_counter() - started)
+                    costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2])
+        finally:
+            self.runner.free(seq_id)
 
     @torch.inference_mode()  # as step(): grad mode is part of what a compiled graph is guarded on
     def warm_up(self) -> list[tuple[int, int]]:
@@ -648,13 +676,24 @@ class LLMEngine:
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _draft_len(self, seq: Sequence, k: int) -> int:
-        if seq.params.seed is not None and not seq.params.greedy:
-            # the adaptive k depends on measured time; a seeded sample must not, or the same
-            # seed would consume its random stream differently from run to run
-            k = self.max_k
+        """k, capped by the request's own num_speculative_tokens and the tokens it has left."""
         if seq.params.num_speculative_tokens is not None:
             k = min(k, seq.params.num_speculative_tokens)
         return max(0, min(k, seq.remaining_tokens - 1))
+
+    def _draft_lens(self, seqs: list[Sequence], tree: bool) -> list[int]:
+        """Per sequence, the draft budget of this step: the full one, or with `adaptive` what pays
+        (rayspec.drafting). A seeded sampled request's budget depends on its own history alone
+        (its random stream is consumed per drafted token): the full budget under measured costs,
+        planned as if alone under modelled ones."""
+        caps = [self._draft_len(s, self.max_k) for s in seqs]
+        if not self.adaptive:
+            return caps
+        modelled = self.planner.costs.deterministic
+        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
+                                            pinned=own and not modelled, isolated=own and modelled)
+                                  for s, cap, own in zip(seqs, caps, seeded)], tree)
 
     def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
         """_decode, leaving no trace when it raises before a sequence took its tokens (see _guarded):
@@ -675,13 +714,14 @@ class LLMEngine:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         step_start = time.perf_counter()
-        # small batches verify token trees of max_k nodes (the adaptive policy models chains,
-        # whose acceptance is a geometric series; a tree's is not); larger ones adaptive chains
+        # small batches verify token trees (of up to max_k nodes), larger ones chains; the planner
+        # sizes either per sequence
         use_tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
-        k = self.max_k if use_tree else (self.policy.choose([s.acceptance_ema for s in seqs]) if self.max_k else 0)
-        if self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size:
-            use_tree, k = False, 0
-        draft_lens = [self._draft_len(s, k) for s in seqs]
+        if self.max_k == 0 or (self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size):
+            use_tree, draft_lens = False, [0] * len(seqs)
+        else:
+            draft_lens = self._draft_lens(seqs, use_tree)
+        propose_s = 0.0
         if any(draft_lens):
             requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
                                        s.params.top_k, s.params.top_p, s.params.seed,
@@ -691,7 +731,8 @@ class LLMEngine:
             # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
             # and verification rows this step did not budget for
             drafts = [d if len(d.tokens) <= n else _cut(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
-            self.stats.propose_seconds += time.perf_counter() - started
+            propose_s = time.perf_counter() - started
+            self.stats.propose_seconds += propose_s
             lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
             if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
                 raise RuntimeError(f"the proposer lost the target features of {lost}")
@@ -709,6 +750,7 @@ class LLMEngine:
         trees = None
         if any(not d.is_chain for d in drafts):
             trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(pending, drafts)]
+        row_context = sum(len(inp) * (self.runner.cached_len(i) + len(inp)) for i, inp in zip(ids, inputs))
         # packed: rows of different lengths cost only their real tokens (no padding computed)
         hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True)  # [N, H], [N, F]
         raw = self.model.logits(hidden)  # [N, vocab]
@@ -716,7 +758,6 @@ class LLMEngine:
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
         logits = process_verification_logits(raw, seqs, pending, drafts, starts, lengths)
         offsets = [len(p) - 1 for p in pending]
-        width = 1 + max(len(d.tokens) for d in drafts)
         flat = None
         if any(s.params.greedy for s in seqs):  # one read: the target's choice at every row
             (flat,) = to_host(logits.argmax(-1))
@@ -764,11 +805,15 @@ class LLMEngine:
             seq.num_steps += 1
             seq.num_draft_tokens += len(draft.tokens)
             seq.num_accepted_tokens += num_accepted
-            if draft.is_chain:
-                seq.acceptance_ema = self.policy.update_acceptance(seq.acceptance_ema, len(draft.tokens), num_accepted)
+            if draft_lens[i] and seq.grammar is None:  # (a grammar's forced tokens say nothing of the proposer)
+                self.planner.observe(seq.drafting, use_tree, seq.params.greedy, draft_depth(draft), num_accepted)
             self.stats.observe(len(draft.tokens), num_accepted)
-        if not use_tree:
-            self.policy.observe_step(len(seqs), width - 1, time.perf_counter() - step_start)
+        costs = self.planner.costs
+        costs.observe_verify(len(seqs), sum(lengths), row_context, time.perf_counter() - step_start - propose_s)
+        if propose_s:
+            drafting = [n for n in draft_lens if n]
+            costs.observe_propose(max(self.planner.proposer_depth(n, use_tree) for n in drafting), len(drafting),
+                                  propose_s)
 
     def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""
@@ -822,7 +867,17 @@ class LLMEngine:
 def _cut(draft: Draft, n: int) -> Draft:
     """The first n tokens of a draft (a tree's first n nodes are a tree: parents come first)."""
     return replace(draft, tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
-                               parents=None if draft.parents is None else draft.parents[:n])
+                   parents=None if draft.parents is None else draft.parents[:n])
+
+
+def draft_depth(draft: Draft) -> int:
+    """The deepest token of a draft (a chain's length; a tree's longest path)."""
+    if draft.is_chain:
+        return len(draft.tokens)
+    depth: list[int] = []
+    for p in draft.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
 
 
 class _Applied(Exception):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rayspec.drafting import SeqDraftState
 from rayspec.sampling import SamplingParams
 
 
@@ -82,7 +83,7 @@ class Sequence:
     num_steps: int = 0  # verification steps
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    acceptance_ema: float | None = None
+    drafting: SeqDraftState = field(default_factory=SeqDraftState)  # its acceptance, for the draft planner
     # target hidden features not yet handed to an EAGLE proposer: tensors for positions
     # features_start, features_start + 1, ...
     features: list = field(default_factory=list)

@@ -12,6 +12,7 @@ import torch
 
 from rayspec import loader
 from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.drafting import ModelledCosts
 from rayspec.engine import LLMEngine, RequestOutput
 from rayspec.proposers.base import Draft, Proposer
 from rayspec.sampling import SamplingParams
@@ -32,33 +33,31 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
                 max_num_batched_tokens: int | None = 2048, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
 
-    With `adaptive`, the policy sees modelled step costs (`modelled_step_costs`), so the draft
-    lengths it picks, and every count a test asserts, are the same on a loaded machine as on an
-    idle one; `measured_costs=True` keeps the wall clock."""
+    With `adaptive`, the draft planner weighs modelled step costs (MODELLED_COSTS, the config's
+    `draft_costs`), so the budgets it picks, and every count a test asserts, are the same on a
+    loaded machine as on an idle one; `measured_costs=True` keeps the host timers."""
+    if adaptive and not measured_costs:
+        spec.setdefault("draft_costs", MODELLED_COSTS)
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           kv_cache_memory_gb=kv_cache_memory_gb, max_num_batched_tokens=max_num_batched_tokens,
                           compile=TEST_COMPILE,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                         adaptive=adaptive, **spec))
     if loaded is None:
-        engine = LLMEngine(config, proposer=proposer)
-    else:
-        engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
-    if adaptive and not measured_costs:
-        modelled_step_costs(engine)
-    return engine
+        return LLMEngine(config, proposer=proposer)
+    return LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
 
 
-def modelled_step_costs(engine: LLMEngine, base_s: float = 0.010, per_row_s: float = 0.002) -> LLMEngine:
-    """The adaptive draft length (rayspec.adaptive) learns step costs from the wall clock, which
-    makes the k it picks depend on how busy the machine is. Here it is fed a cost model instead
-    (base + per verified row), so it still trades acceptance against cost, deterministically."""
-    observe = engine.policy.observe_step
+# a step costs 10 ms plus 0.5 ms per verified row, a proposer call 1 ms plus 0.5 ms per depth: drafts
+# of middling acceptance pay a little, so the budgets planned vary (0 to k) with what is accepted
+MODELLED_COSTS = {"step_s": 0.010, "row_s": 0.0005, "propose_s": 0.001, "propose_depth_s": 0.0005}
 
-    def modelled(batch_size: int, num_drafted: int, seconds: float) -> None:
-        observe(batch_size, num_drafted, base_s + per_row_s * batch_size * (num_drafted + 1))
 
-    engine.policy.observe_step = modelled
+def modelled_step_costs(engine: LLMEngine, costs: dict | None = None) -> LLMEngine:
+    """The draft planner (rayspec.drafting) times steps on the wall clock, which makes the budgets
+    it picks depend on how busy the machine is. Here it weighs a cost model instead (MODELLED_COSTS:
+    base + per verified row), so it still trades acceptance against cost, deterministically."""
+    engine.planner.costs = ModelledCosts(costs or MODELLED_COSTS)
     return engine
 
 

@@ -18,16 +18,22 @@ TINY_PROMPTS = [
 ]
 TINY_PARAMS = SamplingParams(temperature=0, max_tokens=32)
 
+# cost-aware drafting (the -adaptive cases) under modelled costs where drafts are cheap: the tiny
+# drafts, mostly rejected, still pay now and then, so the planned budgets vary and both verdicts occur
+CHEAP_DRAFTS = {"step_s": 0.010, "row_s": 0.0001, "propose_s": 0.0002, "propose_depth_s": 0.0001}
+
 # (id, speculative config, draft checkpoint). "self": the target's first layer as the draft
 # (partly accepted); "other": an unrelated random model (its drafts are all rejected).
 TINY_METHODS = [
     ("none", dict(method="none"), None),
     ("ngram", dict(method="ngram", k=4, prompt_lookup_min=1, prompt_lookup_max=3), None),
-    ("ngram-adaptive", dict(method="ngram", k=4, adaptive=True, prompt_lookup_min=1, prompt_lookup_max=3), None),
+    ("ngram-adaptive", dict(method="ngram", k=4, adaptive=True, prompt_lookup_min=1, prompt_lookup_max=3,
+                            draft_costs=CHEAP_DRAFTS), None),
     ("ngram-k1", dict(method="ngram", k=1, prompt_lookup_min=2, prompt_lookup_max=4), None),
     ("draft-self-1layer", dict(method="draft_model", k=3, draft_num_layers=1), "self"),
     ("draft-other-model", dict(method="draft_model", k=2), "other"),
-    ("draft-adaptive", dict(method="draft_model", k=3, adaptive=True, draft_num_layers=1), "self"),
+    ("draft-adaptive", dict(method="draft_model", k=3, adaptive=True, draft_num_layers=1, draft_costs=CHEAP_DRAFTS),
+     "self"),
     # the target itself with weight-only int8 linears (rayspec.quantize): mostly accepted
     ("draft-self-int8", dict(method="draft_model", k=3, draft_quantization="int8"), "self"),
 ]

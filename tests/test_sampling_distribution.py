@@ -190,13 +190,16 @@ E2E_METHODS = [
     ("draft_model", dict(method="draft_model", k=3)),
     # asynchronous drafting (rayspec.proposers.pre_draft): drafts from the speculation cache
     ("draft_model-async", dict(method="draft_model", k=3)),
+    # cost-aware drafting (rayspec.drafting) under modelled costs: each seeded request's budget
+    # (0 to 3) follows its own acceptance from step to step
+    ("draft_model-costaware", dict(method="draft_model", k=3, adaptive=True)),
 ]
 
 
 # Plain sampling under ngram and draft_model drafts is checked with more power, on whole
 # continuations, in test_lossless_sampled.py; here the target-only sampler and penalties.
 E2E_CASES = [(name, spec, penalized) for name, spec in E2E_METHODS for penalized in (False, True)
-             if penalized or name in ("none", "draft_model-async")]
+             if penalized or name in ("none", "draft_model-async", "draft_model-costaware")]
 
 
 @pytest.mark.parametrize("name,spec,penalized", E2E_CASES,
@@ -216,6 +219,13 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
 
         engine.proposer = PreDraftingProposer(engine.proposer, 4, max_model_len=40)  # every hypothesis drafted
     assert engine.tokenizer is None
+    budgets, propose = [], engine.proposer.propose
+
+    def recording(requests):
+        budgets.extend(r.num_tokens for r in requests)
+        return propose(requests)
+
+    engine.proposer.propose = recording
     # even seeds: the draft model's generator uses seed + 1, so no stream is shared between requests
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=5,
                              ignore_eos=True, seed=2 * i, **(PENALIZED if penalized else {}))
@@ -230,6 +240,8 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
     low, high = binomial_interval(exact_marginals[3], NUM_REQUESTS)
     assert low <= repeats <= high, f"{name}: P(token 3 == token 2) {repeats:.4f}, exact {exact_marginals[3]:.4f}"
     stats = engine.stats
+    if name.endswith("-costaware"):  # the budgets did vary
+        assert len(set(budgets) - {0}) >= 2 and budgets.count(3) < len(budgets), sorted(set(budgets))
     if name.endswith("-async"):
         cache = engine.proposer.pre_drafter.stats
         assert cache.num_hits > 0, cache.as_dict()  # (5 tokens a request: most calls are a sequence's first)

@@ -1,4 +1,4 @@
-"""Unit tests: n-gram lookup, the logits -> probabilities transform, the adaptive draft length,
+"""Unit tests: n-gram lookup, the logits -> probabilities transform, cost-aware drafting,
 and the speculation counters."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from rayspec.adaptive import AdaptiveDraftLength, expected_tokens
+from rayspec.config import SpeculativeConfig
+from rayspec.drafting import (DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput, SeqDraftState,
+                              expected_accepted)
 from rayspec.metrics import SpecDecodeStats
 from rayspec.proposers import PROPOSERS, build_proposer
 from rayspec.proposers.base import ProposeRequest
@@ -106,66 +108,176 @@ def test_logits_to_probs_rows_independent():
     assert torch.allclose(got[0], got[1].flip(0))
 
 
-# ---- adaptive draft length ----------------------------------------------------------------
+# ---- cost-aware drafting (rayspec.drafting) ------------------------------------------------
+
+CPU_LIKE = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth_s": 0.001}  # a row: 1/4 step
+GPU_LIKE = {"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002, "propose_depth_s": 0.0002}  # rows ~free
 
 
-def _measured(max_k: int, step_cost, acceptance_batch: int = 1, **kw) -> AdaptiveDraftLength:
-    policy = AdaptiveDraftLength(max_k, **kw)
-    for k in range(max_k + 1):
-        policy.observe_step(acceptance_batch, k, step_cost(k))
-    return policy
+def _seq(state=None, greedy=True, context=100, cap=8, pinned=False, isolated=False) -> PlanInput:
+    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, pinned, isolated)
 
 
-@pytest.mark.parametrize("cost_per_draft,acceptance,expected", [
-    (1.0, 0.1, 0),  # expensive drafting (each draft token costs a whole step), low acceptance: off
-    (0.5, 0.2, 0),
-    (0.01, 0.9, 5),  # cheap drafting, high acceptance: the longest draft
-    (0.0, 0.5, 5),
+def _observed(planner: DraftPlanner, rate: float, n: int = 40, tree: bool = False, depth: int = 4,
+              seed: int = 0) -> SeqDraftState:
+    """A sequence whose drafts were accepted token by token with probability `rate`."""
+    rng = np.random.default_rng(seed)
+    state = SeqDraftState()
+    for _ in range(n):
+        accepted = 0
+        while accepted < depth and rng.random() < rate:
+            accepted += 1
+        planner.observe(state, tree, True, depth, accepted)
+    return state
+
+
+def _step_rate(planner: DraftPlanner, seqs, budgets, tree=False) -> float:
+    """The planner's own objective for given budgets (what _climb maximises)."""
+    shape = "tree" if tree else "chain"
+    tokens = sum(1 + expected_accepted(planner.acceptance.rates(s.state.counts.get(shape), shape, s.greedy, 8),
+                                       planner.depth(b, tree)) for s, b in zip(seqs, budgets))
+    costs = planner.costs
+    cost = costs.verify_s(len(seqs), sum(1 + b for b in budgets), sum((1 + b) * s.context for s, b in zip(seqs, budgets)))
+    drafting = [b for b in budgets if b]
+    if drafting:
+        cost += costs.propose_s(max(planner.proposer_depth(b, tree) for b in drafting), len(drafting))
+    return tokens / cost
+
+
+@pytest.mark.parametrize("rate,costs,want", [
+    (0.05, CPU_LIKE, "zero"),  # drafts rejected, rows dear: nothing pays
+    (0.05, GPU_LIKE, "zero"),  # ... nor where rows are free: the proposer call still costs
+    (0.3, CPU_LIKE, "zero"),  # modest acceptance: on a CPU one row costs more than it returns
+    (0.3, GPU_LIKE, "some"),  # the same acceptance where rows are nearly free: drafts pay
+    (0.95, CPU_LIKE, "long"),  # high acceptance: long drafts, short of 8 where the 8th row costs more than it returns
+    (0.95, GPU_LIKE, "full"),
 ])
-def test_adaptive_choice(cost_per_draft, acceptance, expected):
-    policy = _measured(5, lambda k: 0.010 * (1 + cost_per_draft * k))
-    assert policy.choose([acceptance]) == expected
+def test_plan_drafts_what_pays(rate, costs, want):
+    planner = DraftPlanner(8, ModelledCosts(costs))
+    (budget,) = planner.plan([_seq(_observed(planner, rate, depth=8))], tree=False)
+    assert {"zero": budget == 0, "some": 0 < budget < 8, "long": 6 <= budget < 8,
+            "full": budget == 8}[want], budget
 
 
-def test_adaptive_middle_choice_maximises_rate():
-    cost = lambda k: 0.010 * (1 + 0.3 * k)  # noqa: E731
-    policy = _measured(6, cost)
-    a = 0.8
-    best = max(range(7), key=lambda k: expected_tokens(a, k) / cost(k))
-    assert 0 < best < 6 and policy.choose([a]) == best
+def test_plan_jumps_over_dear_small_drafts():
+    """Where verifying any draft at all costs a jump (a CPU's one-row kernels left for matrix-matrix
+    ones), a short draft may lose where a long one wins: here half the drafts are wrong from their
+    first token and the other half right to the end (repetitive text). The plan skips to the long
+    one; with the first token rarely right, to none."""
+    jump = {"step_s": 0.010, "multirow_s": 0.006, "row_s": 0.0002, "propose_s": 0.0005, "propose_depth_s": 0.0002}
+    planner = DraftPlanner(8, ModelledCosts(jump))
+    bimodal = SeqDraftState()
+    for i in range(20):
+        planner.observe(bimodal, False, True, 8, 8 * (i % 2))
+    rates = [_step_rate(planner, [_seq(bimodal)], [b]) for b in range(9)]
+    assert rates[1] < rates[0] < rates[8]  # one draft loses, eight win
+    assert planner.plan([_seq(bimodal)], tree=False) == [8]
+    assert planner.plan([_seq(_observed(planner, 0.15, depth=8, seed=1))], tree=False) == [0]
 
 
-def test_adaptive_defaults_and_probe():
-    assert AdaptiveDraftLength(4, enabled=False).choose([0.0]) == 4  # disabled: always max_k
-    assert AdaptiveDraftLength(0).choose([0.9]) == 0
-    assert AdaptiveDraftLength(4).choose([None]) == 4  # nothing measured yet: max_k
-    policy = _measured(4, lambda k: 0.01 * (1 + k), probe_every=5)
-    choices = [policy.choose([0.05]) for _ in range(10)]
-    assert choices == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]  # a 1-token probe now and then
+def test_plan_is_the_best_rate():
+    """On batches of sequences with mixed acceptance, the plan is within 1% of the best rate over
+    every combination of budgets (the climb is greedy; brute force checks it)."""
+    import itertools
+
+    planner = DraftPlanner(4, ModelledCosts({"step_s": 0.01, "row_s": 0.0015, "propose_s": 0.002,
+                                             "propose_depth_s": 0.001, "propose_depth_batch_s": 0.0002}))
+    rng = np.random.default_rng(1)
+    for trial in range(6):
+        seqs = [_seq(_observed(planner, float(r), seed=trial * 10 + i), context=int(c))
+                for i, (r, c) in enumerate(zip(rng.uniform(0.1, 0.95, 3), rng.integers(10, 1500, 3)))]
+        plan = planner.plan(seqs, tree=False)
+        best = max(_step_rate(planner, seqs, combo) for combo in itertools.product(range(5), repeat=3))
+        assert _step_rate(planner, seqs, plan) >= 0.99 * best, (trial, plan)
+    # mixed acceptance in one batch: the likely sequence drafts more than the unlikely one
+    good, bad = _seq(_observed(planner, 0.9, seed=5)), _seq(_observed(planner, 0.1, seed=6))
+    g, b = planner.plan([good, bad], tree=False)
+    assert g > b == 0
 
 
-def test_adaptive_costs_are_per_batch_bucket():
-    policy = AdaptiveDraftLength(3)
-    for k in range(4):
-        policy.observe_step(1, k, 0.01 * (1 + 2 * k))  # batch 1: drafting is expensive
-        policy.observe_step(8, k, 0.01 * (1 + 0.01 * k))  # batch 5-8: cheap
-    assert policy.choose([0.3]) == 0
-    assert policy.choose([0.9] * 6) == 3
+def test_tree_budgets_and_zero():
+    planner = DraftPlanner(8, ModelledCosts(CPU_LIKE), topk=2, max_depth=4)
+    assert planner.budgets(tree=True) == [0, 2, 4, 6, 8]  # whole depths of topk nodes
+    assert planner.budgets(tree=False) == list(range(9))
+    assert [planner.depth(b, True) for b in (2, 3, 8)] == [1, 2, 4]
+    good = _seq(_observed(planner, 0.97, tree=True))
+    assert planner.plan([good], tree=True) == [8]
+    bad = _seq(_observed(planner, 0.02, tree=True, seed=1))
+    assert planner.plan([bad], tree=True) == [0]
+    assert planner.plan([_seq(good.state, cap=3)], tree=True) == [3]  # capped (tokens left): at most 3
 
 
-def test_update_acceptance_is_an_average():
-    policy = AdaptiveDraftLength(4)
-    assert policy.update_acceptance(None, 0, 0) is None  # nothing proposed: no information
-    ema = policy.update_acceptance(None, 4, 4)
-    assert policy.prior_acceptance < ema <= 1
+def test_probe_and_recovery():
+    """A sequence left at zero drafts its full budget every probe_every steps (a probe); a probe
+    that finds nothing doubles its interval; once drafts are accepted again the plan goes back up."""
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=5, max_probe_every=20)
+    state = _observed(planner, 0.0)
+    plans = []
+    for _ in range(60):
+        (n,) = planner.plan([_seq(state)], tree=False)
+        plans.append(n)
+        if n:
+            planner.observe(state, False, True, n, 0)  # the probe's draft rejected
+    assert [i for i, n in enumerate(plans) if n] == [4, 14, 34, 54] and set(plans) == {0, 4}
+    steps = 0
+    while planner.plan([_seq(state)], tree=False)[0] < 4:
+        planner.observe(state, False, True, 4, 4)  # whatever was drafted, all of it accepted
+        steps += 1
+        assert steps < 30, "acceptance returned but drafting did not"
+    assert state.probe_every is None  # accepted drafts reset the interval
+
+
+def test_pinned_and_unmeasured():
+    planner = DraftPlanner(6, MeasuredCosts())
+    bad = _observed(planner, 0.0)
+    assert planner.plan([_seq(bad)], tree=False) == [6]  # nothing timed yet: the full budget, to be timed
+    planner.costs.observe_verify(1, 1, 100, 0.010)
+    planner.costs.observe_verify(1, 2, 200, 0.016)
+    planner.costs.observe_verify(1, 7, 700, 0.025)
+    assert planner.plan([_seq(bad), _seq(bad, pinned=True, cap=5)], tree=False) == [0, 5]
+    # isolated (a seeded sampled request under modelled costs): its own history alone decides, not
+    # the pool nor the batch
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE))
+    own = _observed(planner, 0.8, seed=3)
+    alone = planner.plan([_seq(own, greedy=False, isolated=True)], tree=False)
     for _ in range(30):
-        ema = policy.update_acceptance(ema, 4, 0)
-    assert ema < 0.01
+        planner.observe(SeqDraftState(), False, False, 4, 0)  # the pool of sampled chains: all rejected
+    crowd = [_seq(bad, greedy=False), _seq(own, greedy=False, isolated=True), _seq(bad, greedy=False)]
+    assert planner.plan(crowd, tree=False)[1] == alone[0] > 0
 
 
-@pytest.mark.parametrize("a,k,expected", [(0.0, 3, 1.0), (1.0, 3, 4.0), (0.5, 1, 1.5), (0.5, 2, 1.75)])
-def test_expected_tokens(a, k, expected):
-    assert math.isclose(expected_tokens(a, k), expected)
+def test_acceptance_counts_by_depth():
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE))
+    state = SeqDraftState()
+    planner.observe(state, False, True, 4, 2)  # depths 1, 2 accepted, 3 rejected, 4 unseen
+    counts = state.counts["chain"]
+    assert counts.accepted == [1, 1, 0, 0] and counts.tried == [1, 1, 1, 0]
+    # the sequence's estimate leans on the pool of the same shape and kind, not on other kinds
+    rates = planner.acceptance.rates(counts, "chain", True, 4)
+    assert rates[0] > 0.5 > rates[2] and rates[3] == 0.5  # depth 4 unseen: the prior
+    assert planner.acceptance.rates(None, "chain", False, 2) == [0.5, 0.5]  # sampled: nothing seen yet
+    assert math.isclose(expected_accepted([0.5, 0.5, 1.0], 3), 0.5 + 0.25 + 0.25)
+    assert expected_accepted([0.9, 0.9], 0) == 0
+
+
+def test_measured_costs_fit_and_modelled_validation():
+    """The online fit recovers a linear cost from noisy host timings; modelled costs are checked."""
+    costs = MeasuredCosts()
+    assert costs.propose_s(4, 1) == 0.0 and not costs.known  # optimistic until the proposer is timed
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # batch 4; the first draft row costs 5 ms more (the CPU's matrix-matrix kernels)
+        rows, ctx = int(rng.integers(4, 40)), int(rng.integers(10, 2000))
+        costs.observe_verify(4, rows, rows * ctx, 0.008 + 0.005 * (rows > 4) + 0.001 * rows
+                             + 0.0004 * rows * ctx / 1000 + rng.normal(0, 0.0003))
+        depth, batch = int(rng.integers(1, 6)), int(rng.integers(1, 8))
+        costs.observe_propose(depth, batch, 0.001 + 0.0005 * depth + 0.0001 * depth * batch)
+    assert costs.verify_s(4, 9, 9 * 500) == pytest.approx(0.008 + 0.005 + 0.009 + 0.0004 * 4.5, rel=0.05)
+    assert costs.verify_s(4, 4, 4 * 500) == pytest.approx(0.008 + 0.004 + 0.0004 * 2, rel=0.05)
+    assert costs.propose_s(4, 2) == pytest.approx(0.001 + 0.002 + 0.0008, rel=0.05)
+    with pytest.raises(ValueError, match="unknown keys"):
+        SpeculativeConfig(method="ngram", draft_costs={"step_s": 0.01, "rows": 1})
+    with pytest.raises(ValueError, match="step_s"):
+        SpeculativeConfig(method="ngram", draft_costs={"row_s": 0.01})
 
 
 def test_spec_decode_stats():

@@ -38,18 +38,21 @@ class SystemRun:
 
 
 def sampling_params(batch_start: int, batch_size: int, max_tokens: int, temperature: float = 0.0,
-                    num_speculative_tokens: int | None = None) -> list[SamplingParams]:
+                    num_speculative_tokens: int | None = None, seeded: bool = True) -> list[SamplingParams]:
     """One request's parameters per prompt of a batch: greedy, or at temperature > 0 seeded by the
     prompt's index (every system samples prompt i from the same seed; the target distribution is
-    the same, the streams are not, so the outputs may still differ)."""
-    seed = (lambda i: None) if temperature == 0 else (lambda i: 1000 + i)
+    the same, the streams are not, so the outputs may still differ). seeded=False: no seed, as most
+    served requests come (cost-aware drafting plans an unseeded request's drafts; a seeded one's
+    keeps the full budget under measured costs, its random stream independent of time)."""
+    seed = (lambda i: None) if temperature == 0 or not seeded else (lambda i: 1000 + i)
     return [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed(batch_start + j),
                            num_speculative_tokens=num_speculative_tokens) for j in range(batch_size)]
 
 
 def _run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, run: SystemRun,
-                temperature: float = 0.0, batch_start: int = 0, num_speculative_tokens: int | None = None) -> None:
-    params = sampling_params(batch_start, len(batch), max_tokens, temperature, num_speculative_tokens)
+                temperature: float = 0.0, batch_start: int = 0, num_speculative_tokens: int | None = None,
+                seeded: bool = True) -> None:
+    params = sampling_params(batch_start, len(batch), max_tokens, temperature, num_speculative_tokens, seeded)
     start, steps = time.perf_counter(), engine.num_steps
     outs = engine.generate(batch, params)
     run.seconds += time.perf_counter() - start
@@ -123,8 +126,10 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
                           eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
                           progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
                           device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None,
-                          engine_overrides: dict | None = None, temperature: float = 0.0) -> dict:
-    """temperature > 0: every system samples (prompt i seeded alike); greedy_match is then None.
+                          engine_overrides: dict | None = None, temperature: float = 0.0,
+                          seeded: bool = True) -> dict:
+    """temperature > 0: every system samples (prompt i seeded alike, or with seeded=False unseeded);
+    greedy_match is then None.
     engine_overrides: EngineConfig fields for every engine (compile, kv_cache_memory_gb,
     max_model_len, ...: the flags `rayspec serve` takes).
     tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
@@ -178,8 +183,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     bar = progress_bar(enabled=progress, total=len(prompt_ids), desc=f"bench offline {method}", unit="prompt")
     for b, batch in enumerate(batches):
         first = b * concurrency
-        _run_engine(baseline, batch, max_tokens, runs["baseline"], temperature, first)
-        _run_engine(speculative, batch, max_tokens, runs["method"], temperature, first)
+        _run_engine(baseline, batch, max_tokens, runs["baseline"], temperature, first, seeded=seeded)
+        _run_engine(speculative, batch, max_tokens, runs["method"], temperature, first, seeded=seeded)
         if tp1 is not None:
             _run_engine(tp1, batch, max_tokens, runs["tp1"], temperature, first)
         if concurrency > 1:  # the same prompts one at a time: how well batching scales
@@ -233,6 +238,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "temperature": temperature,
+        "seeded": seeded if temperature > 0 else None,
         "greedy_match": meth.outputs == base.outputs if temperature == 0 else None,
         "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf and temperature == 0 else None,
         "baseline_vs_hf": base.throughput / runs["hf"].throughput if with_hf and runs["hf"].throughput else None,

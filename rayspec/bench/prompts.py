@@ -1,7 +1,9 @@
 """Spec-Bench style prompt files: one JSON object per line, `turns[0]` is the user message.
 
 Three evaluation sets ship with the package (rayspec/data/prompts/, sources and licenses in its
-NOTICE.md): `mt_bench`, `humaneval`, `gsm8k`, 80 prompts each. `--prompts mt_bench` names one;
+NOTICE.md): `mt_bench`, `humaneval`, `gsm8k`, 80 prompts each, and an adversarial one of our own,
+`unguessable` (80 prompts asking for more shuffled words, random numbers or nonsense words: no
+draft guesses the answers; scripts/make_unguessable_prompts.py). `--prompts mt_bench` names one;
 any other value is a path to a JSONL file of your own.
 """
 

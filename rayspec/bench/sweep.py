@@ -6,8 +6,8 @@ One target model is loaded and shared by every engine: a baseline engine (target
 engine per method, built with num_speculative_tokens = the largest k of the sweep. A run at k caps
 its requests' drafts at k (SamplingParams.num_speculative_tokens, the cap a served request sets
 with `num_speculative_tokens`), so each method's k values run on one engine, its draft weights
-and cache loaded once. With the adaptive draft length on (the default, as `bench offline`) k is
-the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near max_tokens).
+and cache loaded once. With cost-aware drafting on (the default, as `bench offline`; rayspec.drafting)
+k is the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near max_tokens).
 
 Prefix caching is off in these engines unless `--enable-prefix-caching` is given: a method's k values
 run the same prompts on one engine, and later runs would find them cached (prefills the baseline pays).
@@ -153,7 +153,7 @@ def _stats_delta(before: dict, after: dict, k: int) -> dict:
 def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, num_prompts: int,
               max_tokens: int, concurrency: list[int] = (1,), opts: MethodOptions | None = None,
               temperature: float = 0.0, device: str = "cpu", dtype: str | None = None,
-              engine_overrides: dict | None = None, progress: bool = True, log=None) -> dict:
+              engine_overrides: dict | None = None, progress: bool = True, log=None, seeded: bool = True) -> dict:
     opts = opts or MethodOptions()
     methods, ks, concurrency = list(methods), sorted(ks), sorted(concurrency)
     if any(k < 1 for k in ks) or any(c < 1 for c in concurrency):
@@ -189,12 +189,13 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
     for c in concurrency:
         for b, first in enumerate(range(0, len(prompt_ids), c)):
             batch = prompt_ids[first: first + c]
-            _run_engine(baseline, batch, max_tokens, base_runs[c], temperature, first)
+            _run_engine(baseline, batch, max_tokens, base_runs[c], temperature, first, seeded=seeded)
             shift = b % len(combos)
             for m, k in combos[shift:] + combos[:shift]:
                 eng = engines[m]
                 before = _stats(eng)
-                _run_engine(eng, batch, max_tokens, runs[(m, k, c)], temperature, first, num_speculative_tokens=k)
+                _run_engine(eng, batch, max_tokens, runs[(m, k, c)], temperature, first, num_speculative_tokens=k,
+                            seeded=seeded)
                 deltas[(m, k, c)].append((before, _stats(eng)))
             bar.update(len(batch))
     bar.close()
@@ -220,7 +221,9 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
     return {
         "config": {"model": model, "methods": methods, "num_speculative_tokens": ks, "concurrency": concurrency,
                    "prompts": prompts_file, "num_prompts": len(prompt_ids), "max_tokens": max_tokens,
-                   "temperature": temperature, "mode": "offline", "device": str(baseline.device),
+                   "temperature": temperature, "seeded": seeded if temperature > 0 else None, "mode": "offline",
+                   # how a step sizes its drafts with `adaptive` (rayspec.drafting)
+                   "drafting": "cost-aware" if opts.adaptive else "fixed", "device": str(baseline.device),
                    "dtype": str(baseline.dtype).removeprefix("torch."),
                    "options": dataclasses.asdict(opts),
                    "draft_models": {m: specs[m].draft_model for m in methods},

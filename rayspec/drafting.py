@@ -1,0 +1,344 @@
+"""Cost-aware drafting: per step and per sequence, draft only what pays.
+
+A draft is a bet. Drafting n more tokens of sequence i costs a proposer call (once per step, for
+the batch) and n more verification rows in the target's forward; it returns the tokens of it the
+target accepts. The planner estimates both sides and picks, per sequence, the draft budget n_i
+that maximises the step's expected output tokens per second:
+
+    rate = sum_i (1 + E_i(n_i)) / (verify_s(batch, rows, rows x context) + propose_s(depth, batch))
+
+- E_i(n): expected accepted tokens of a draft of budget n, from the sequence's recent acceptance
+  (`Acceptance`): per draft depth d, a discounted Beta posterior of alpha_d = P(depth d accepted |
+  depth d - 1 was), its prior the engine's recent pooled traffic of the same shape and sampling
+  kind. A chain of n reaches depth n; a tree of n nodes, `topk` wide per depth, depth ceil(n / topk).
+  E(n) = sum_{d <= depth} prod_{j <= d} alpha_j. Greedy and sampled requests alike (their
+  acceptance is what their verification reports).
+- costs: `MeasuredCosts` fits both functions online to the engine's host-timed steps (discounted
+  least squares; rows are nearly free on a GPU and not on a CPU, and the fit says so), seeded by
+  a calibration at warm-up; `ModelledCosts` (SpeculativeConfig.draft_costs) takes fixed
+  coefficients instead, so tests and anyone needing determinism get the same plans on any machine.
+
+Zero drafts when nothing pays (a plain decode step: the proposer is not called). A sequence left
+at zero for `probe_every` steps drafts its full budget once (a probe), so acceptance that returns
+is seen and the cost of a full draft stays measured; a probe with nothing accepted doubles the
+sequence's interval (up to `max_probe_every`), any accepted draft resets it. Drafting less never changes what is emitted at temperature 0, nor the distribution above
+(the verifier keeps the output the target's). A seeded sampled request's random stream, though,
+is consumed per drafted token: its budget must depend on its own history alone, never on time or
+on what else runs. Under measured costs it keeps the full budget (`pinned`), under modelled ones
+it is planned alone (`isolated`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# per-sequence observations are discounted by this per draft (about the last 10 drafts count);
+# the engine-wide pool, the prior of every sequence, by POOL_DISCOUNT (about the last 50)
+SEQ_DISCOUNT, POOL_DISCOUNT = 0.9, 0.98
+PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0  # the pool's own prior at every depth
+POOL_WEIGHT = 3.0  # pseudo-observations the pool lends a sequence's estimate at each depth
+
+
+@dataclass
+class DepthCounts:
+    """Discounted Beta counts per draft depth (index d - 1 for depth d)."""
+
+    accepted: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def observe(self, depth: int, num_accepted: int, discount: float) -> None:
+        """A draft reaching `depth` whose first `num_accepted` tokens were accepted: depths
+        1..num_accepted succeeded, depth num_accepted + 1 (if drafted) failed, deeper unseen."""
+        grow = depth - len(self.tried)
+        if grow > 0:
+            self.accepted += [0.0] * grow
+            self.tried += [0.0] * grow
+        self.accepted = [a * discount for a in self.accepted]
+        self.tried = [t * discount for t in self.tried]
+        for d in range(min(num_accepted + 1, depth)):
+            self.tried[d] += 1.0
+            self.accepted[d] += 1.0 if d < num_accepted else 0.0
+
+    def get(self, d: int) -> tuple[float, float]:
+        return (self.accepted[d], self.tried[d]) if d < len(self.tried) else (0.0, 0.0)
+
+
+class Acceptance:
+    """The engine's acceptance estimates: a pool per (shape, greedy) and each sequence's own."""
+
+    def __init__(self):
+        self.pool: dict[tuple[str, bool], DepthCounts] = {}
+
+    def rates(self, own: DepthCounts | None, shape: str, greedy: bool, depth: int,
+              pooled: bool = True) -> list[float]:
+        """alpha_1..alpha_depth: the sequence's posterior means (its counts over the pool's prior;
+        not pooled: over the fixed prior alone)."""
+        pool = self.pool.get((shape, greedy)) if pooled else None
+        out = []
+        for d in range(depth):
+            pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
+            prior = (pa + PRIOR_MEAN * PRIOR_WEIGHT) / (pt + PRIOR_WEIGHT)
+            a, t = own.get(d) if own is not None else (0.0, 0.0)
+            out.append((a + prior * POOL_WEIGHT) / (t + POOL_WEIGHT))
+        return out
+
+    def observe(self, own: DepthCounts, shape: str, greedy: bool, depth: int, num_accepted: int) -> None:
+        own.observe(depth, num_accepted, SEQ_DISCOUNT)
+        self.pool.setdefault((shape, greedy), DepthCounts()).observe(depth, num_accepted, POOL_DISCOUNT)
+
+
+def expected_accepted(rates: list[float], depth: int) -> float:
+    """sum_{d <= depth} prod_{j <= d} alpha_j: expected accepted tokens of a draft that deep."""
+    total, reach = 0.0, 1.0
+    for a in rates[:depth]:
+        reach *= a
+        total += reach
+    return total
+
+
+# ---- costs ------------------------------------------------------------------------------------
+
+def verify_features(batch: int, rows: int, row_context: float) -> np.ndarray:
+    """rows: tokens verified in the step (all sequences); row_context: sum over sequences of
+    rows x context length, in thousands (attention's share). The second feature is 1 when any
+    sequence verifies more than one row: a CPU then leaves its one-row (decode) kernels for
+    matrix-matrix ones, a jump measured at ~45% of a SmolLM2 step on the AMD EPYC here, after which
+    each row adds ~3%; on a GPU neither shows."""
+    return np.array([1.0, float(rows > batch), rows, row_context / 1000.0])
+
+
+def propose_features(depth: int, batch: int) -> np.ndarray:
+    """depth: sequential proposer forwards (chain length, tree depth); batch: sequences drafted."""
+    return np.array([1.0, depth, depth * batch])
+
+
+class LinearFit:
+    """Discounted least squares y ~ theta . x with a ridge pull towards theta0 (per coefficient
+    weights `ridge`, in pseudo-observations of x_j = 1)."""
+
+    def __init__(self, theta0, ridge, discount: float = 0.98):
+        self.theta0 = np.asarray(theta0, dtype=np.float64)
+        n = len(self.theta0)
+        self.prior = np.diag(np.asarray(ridge, dtype=np.float64))
+        self.a = np.zeros((n, n))
+        self.b = np.zeros(n)
+        self.discount = discount
+        self.num_observed = 0
+        self.theta = self.theta0.copy()
+
+    def observe(self, x: np.ndarray, y: float) -> None:
+        self.a = self.discount * self.a + np.outer(x, x)
+        self.b = self.discount * self.b + x * y
+        self.num_observed += 1
+        theta = np.linalg.lstsq(self.a + self.prior, self.b + self.prior @ self.theta0, rcond=None)[0]
+        self.theta = np.maximum(theta, 0.0)  # no cost falls with more rows or depth
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(self.theta @ x)
+
+
+class MeasuredCosts:
+    """Step costs fitted to the engine's own host timers: verification (the target forward, the
+    verdicts, the commit) as a function of rows and rows x context, the proposer call as one of
+    depth and batch. `calibrate` seeds the verification fit with timed dummy forwards."""
+
+    deterministic = False
+
+    def __init__(self):
+        # the context term is pulled to 0 by ~10 pseudo-steps: on a busy machine step times are
+        # noisy, and rows x context moves with rows; attention's share must show in the data
+        self.verify = LinearFit([0.0, 0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2, 10.0])
+        self.propose = LinearFit([0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2])
+
+    def verify_s(self, batch: int, rows: int, row_context: float) -> float:
+        return self.verify.predict(verify_features(batch, rows, row_context))
+
+    def propose_s(self, depth: int, batch: int) -> float:
+        # nothing measured yet: free (optimistic), so the proposer gets called and timed
+        return self.propose.predict(propose_features(depth, batch)) if self.propose.num_observed else 0.0
+
+    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
+        self.verify.observe(verify_features(batch, rows, row_context), seconds)
+
+    def observe_propose(self, depth: int, batch: int, seconds: float) -> None:
+        self.propose.observe(propose_features(depth, batch), seconds)
+
+    @property
+    def known(self) -> bool:
+        return self.verify.num_observed > 0
+
+
+class ModelledCosts:
+    """Fixed cost coefficients (SpeculativeConfig.draft_costs): no timer involved, the same plan on
+    every machine. Keys: step_s, multirow_s (added when any sequence verifies drafts), row_s,
+    row_context_s (per row x 1000 context tokens), propose_s, propose_depth_s,
+    propose_depth_batch_s; missing ones are 0."""
+
+    deterministic = True
+    known = True
+    KEYS = ("step_s", "multirow_s", "row_s", "row_context_s", "propose_s", "propose_depth_s", "propose_depth_batch_s")
+
+    def __init__(self, coefficients: dict):
+        unknown = set(coefficients) - set(self.KEYS)
+        if unknown:
+            raise ValueError(f"draft_costs: unknown keys {sorted(unknown)} (known: {', '.join(self.KEYS)})")
+        if any(v < 0 for v in coefficients.values()):
+            raise ValueError("draft_costs must be >= 0")
+        c = [float(coefficients.get(k, 0.0)) for k in self.KEYS]
+        if c[0] <= 0:
+            raise ValueError("draft_costs.step_s must be > 0")
+        self.verify_theta, self.propose_theta = np.array(c[:4]), np.array(c[4:])
+
+    def verify_s(self, batch: int, rows: int, row_context: float) -> float:
+        return float(self.verify_theta @ verify_features(batch, rows, row_context))
+
+    def propose_s(self, depth: int, batch: int) -> float:
+        return float(self.propose_theta @ propose_features(depth, batch))
+
+    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
+        pass
+
+    def observe_propose(self, depth: int, batch: int, seconds: float) -> None:
+        pass
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+@dataclass
+class SeqDraftState:
+    """What the planner keeps per sequence (Sequence.drafting)."""
+
+    counts: dict[str, DepthCounts] = field(default_factory=dict)  # per shape ("chain", "tree")
+    steps_at_zero: int = 0  # consecutive decode steps planned without drafts
+    probe_every: int | None = None  # its steps at zero before a probe (None: the planner's probe_every)
+    probing: bool = False  # its current draft is a probe
+
+
+@dataclass
+class PlanInput:
+    """One decoding sequence as the planner sees it."""
+
+    state: SeqDraftState
+    greedy: bool
+    context: int  # tokens in its context
+    cap: int  # the most it may draft (remaining tokens, its own num_speculative_tokens)
+    pinned: bool = False  # draft exactly min(cap, the full budget)
+    # planned as if alone, from its own history only (no pool, no batch): a seeded sampled request
+    # under modelled costs, whose random stream must not depend on what else runs
+    isolated: bool = False
+
+
+class DraftPlanner:
+    """Chooses each step's per-sequence draft budgets (see the module docstring)."""
+
+    def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 16,
+                 max_probe_every: int = 64):
+        self.max_k, self.topk = max_k, max(1, topk)
+        self.max_depth = max_depth or max_k  # a tree's depth limit (num_steps)
+        self.costs = costs
+        self.acceptance = Acceptance()
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+
+    def budgets(self, tree: bool) -> list[int]:
+        """The draft budgets a step may give a sequence: any k for chains; for trees whole depths
+        of `topk` nodes (and max_k itself)."""
+        if not tree:
+            return list(range(self.max_k + 1))
+        menu = {min(self.max_k, self.topk * d) for d in range(1, self.max_depth + 1)} | {self.max_k}
+        return [0] + sorted(b for b in menu if b > 0)
+
+    def depth(self, budget: int, tree: bool) -> int:
+        """Draft depth whose acceptance counts (E); for trees ceil(budget / topk)."""
+        return min(self.max_depth, math.ceil(budget / self.topk)) if tree else budget
+
+    def proposer_depth(self, budget: int, tree: bool) -> int:
+        """Sequential proposer forwards a draft of this budget takes (the EAGLE tree grows
+        min(num_steps, budget) deep and keeps the best `budget` nodes)."""
+        return min(self.max_depth, budget) if tree else budget
+
+    def plan(self, seqs: list[PlanInput], tree: bool) -> list[int]:
+        """Per sequence, the budget to ask the proposer for (0: none)."""
+        shape = "tree" if tree else "chain"
+        menu = self.budgets(tree)
+        options, values = [], []  # per sequence: allowed budgets (ascending) and E at each
+        for s in seqs:
+            allowed = sorted({min(b, s.cap) for b in menu if b >= 0})
+            if s.pinned:
+                allowed = [allowed[-1]]
+            rates = self.acceptance.rates(s.state.counts.get(shape), shape, s.greedy,
+                                          self.depth(allowed[-1], tree), pooled=not s.isolated)
+            options.append(allowed)
+            values.append([expected_accepted(rates, self.depth(b, tree)) for b in allowed])
+        if not self.costs.known:  # nothing timed yet: the full budget, so the costs get measured
+            choice = [len(o) - 1 for o in options]
+        else:
+            choice = [0] * len(seqs)
+            alone = [i for i, s in enumerate(seqs) if s.isolated]
+            joint = [i for i, s in enumerate(seqs) if not s.isolated]
+            for group in [[i] for i in alone] + ([joint] if joint else []):
+                picked = self._climb([seqs[i] for i in group], [options[i] for i in group],
+                                     [values[i] for i in group], tree)
+                for i, c in zip(group, picked):
+                    choice[i] = c
+        out = [o[c] for o, c in zip(options, choice)]
+        for i, (s, o) in enumerate(zip(seqs, options)):  # probes: now and then one left at zero drafts
+            state = s.state
+            state.probing = False
+            if out[i] == 0 and len(o) > 1:
+                state.steps_at_zero += 1
+                if state.steps_at_zero >= (state.probe_every or self.probe_every):
+                    state.steps_at_zero, state.probing = 0, True
+                    out[i] = o[-1]
+            else:
+                state.steps_at_zero = 0
+        return out
+
+    def _climb(self, seqs: list[PlanInput], options, values, tree: bool) -> list[int]:
+        """From every sequence at its smallest budget, repeatedly move the one sequence whose next
+        budget gives the best step rate, to the top; return the best point of the climb (climbing
+        on through worse points, as the proposer's fixed cost is paid once: the first drafts alone
+        may not pay where more do)."""
+        contexts = [s.context for s in seqs]
+        choice = [0] * len(seqs)
+
+        def rate(ch) -> float:
+            budgets = [o[c] for o, c in zip(options, ch)]
+            rows = sum(1 + b for b in budgets)
+            row_context = sum((1 + b) * n for b, n in zip(budgets, contexts))
+            drafting = [b for b in budgets if b > 0]
+            cost = self.costs.verify_s(len(seqs), rows, row_context)
+            if drafting:
+                cost += self.costs.propose_s(max(self.proposer_depth(b, tree) for b in drafting), len(drafting))
+            tokens = sum(1 + v[c] for v, c in zip(values, ch))
+            return tokens / max(cost, 1e-9)
+
+        best, best_rate = list(choice), rate(choice)
+        while True:
+            moves = [i for i in range(len(seqs)) if choice[i] + 1 < len(options[i])]
+            if not moves:
+                return best
+            scored = []
+            for i in moves:
+                choice[i] += 1
+                scored.append((rate(choice), -i))
+                choice[i] -= 1
+            r, neg_i = max(scored)
+            choice[-neg_i] += 1
+            if r > best_rate * (1 + 1e-9):
+                best, best_rate = list(choice), r
+
+    def observe(self, state: SeqDraftState, tree: bool, greedy: bool, depth: int, num_accepted: int) -> None:
+        """A verified draft of `depth` (its deepest token) with num_accepted tokens accepted."""
+        if num_accepted:  # drafts pay again: probe at the usual interval
+            state.probe_every = None
+        elif state.probing:  # back off from a sequence whose probes find nothing
+            state.probe_every = min(2 * (state.probe_every or self.probe_every), self.max_probe_every)
+        state.probing = False
+        if depth <= 0:
+            return
+        shape = "tree" if tree else "chain"
+        own = state.counts.setdefault(shape, DepthCounts())
+        self.acceptance.observe(own, shape, greedy, depth, num_accepted)

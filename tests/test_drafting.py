@@ -1,0 +1,113 @@
+"""Cost-aware drafting in the engine (rayspec.drafting): drafts that are rejected stop being made
+(plain decode steps, with probes now and then), drafts that are accepted are made in full, and
+either way the output is target-only decoding's. The planner's arithmetic is unit-tested in
+tests/test_units.py; here tiny models, modelled costs (engine_utils.MODELLED_COSTS)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import OracleProposer, cached_model, make_engine
+from rayspec.drafting import MeasuredCosts
+from rayspec.sampling import SamplingParams
+
+PROMPTS = ["The cat sat on the mat. The cat", "Hello, world!", "a b c d a b c d"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return cached_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, loaded) -> list[list[int]]:
+    engine = make_engine(tiny_model_dir, "none", loaded=loaded)
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+def _asked(engine) -> list[list[int]]:
+    """Record, per proposer call, the budgets asked for."""
+    calls, propose = [], engine.proposer.propose
+
+    def recording(requests):
+        calls.append([r.num_tokens for r in requests])
+        return propose(requests)
+
+    engine.proposer.propose = recording
+    return calls
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["cost-aware", "fixed"])
+def test_rejected_drafts_stop(tiny_model_dir, tiny_draft_dir, loaded, reference, adaptive):
+    """An unrelated random draft model (every draft rejected): with the planner, after its first
+    draft the steps are plain decode steps but for probes (the full budget, at intervals doubling
+    while they find nothing); fixed k drafts at every step. Outputs equal target-only decoding's
+    either way."""
+    engine = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, adaptive=adaptive,
+                         draft_model=str(tiny_draft_dir))
+    calls = _asked(engine)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    steps = max(o.num_steps for o in outs)
+    assert engine.stats.num_accepted_tokens == 0 < engine.stats.num_draft_tokens
+    if not adaptive:
+        assert len(calls) == steps - 1 and all(n == [3] * len(PROMPTS) for n in calls[:-2])  # (the last token: none)
+        return
+    # after the first draft, only probes: the full budget, after 16 undrafted steps, then 32 (nothing found)
+    assert 2 <= len(calls) <= 4 and all(c == [3] * len(PROMPTS) for c in calls[1:]), calls
+    assert engine.stats.num_draft_tokens < 0.15 * 3 * steps * len(PROMPTS)
+
+
+def test_sampled_drafts_shrink_to_what_pays(tiny_model_dir, tiny_draft_dir, loaded):
+    """At temperature 1 the random draft model's sampled drafts are accepted a third of the time or
+    so; where a verified row costs a quarter of a step that does not pay and drafting all but stops
+    (seeded requests under modelled costs: each planned from its own history, deterministic).
+    Seeded under measured costs, a request is pinned at the full budget: its output is the seed's
+    output under fixed k (its random stream must not depend on time)."""
+    dear_rows = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth_s": 0.001}
+    engine = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, adaptive=True,
+                         draft_model=str(tiny_draft_dir), draft_costs=dear_rows)
+    calls = _asked(engine)
+    params = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=2 * i) for i in range(3)]
+    outs = engine.generate(PROMPTS, params)
+    assert all(len(o.token_ids) == 40 for o in outs)
+    drafted, accepted = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
+    assert 0 < accepted < drafted < 0.25 * 3 * max(o.num_steps for o in outs) * len(PROMPTS), (drafted, calls)
+
+    seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
+    timed = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, adaptive=True, measured_costs=True,
+                        draft_model=str(tiny_draft_dir))
+    assert isinstance(timed.planner.costs, MeasuredCosts) and timed.planner.costs.known  # calibrated
+    calls = _asked(timed)
+    (out,) = timed.generate([PROMPTS[0]], seeded)
+    assert all(n == [3] for n in calls[:-2]), calls
+    fixed = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, draft_model=str(tiny_draft_dir))
+    assert fixed.generate([PROMPTS[0]], seeded)[0].token_ids == out.token_ids  # the seed's output, as fixed k
+
+
+def test_accepted_drafts_are_made_in_full(tiny_model_dir, loaded, reference):
+    """A proposer that drafts the target's own continuation: every draft accepted, so the planner
+    goes up to the full k within a few steps and stays there."""
+    engine = make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded, adaptive=True)
+    prompt_ids = [tuple(engine.encode(p)) for p in PROMPTS]
+    engine.proposer = OracleProposer(dict(zip(prompt_ids, [r + [0] * 8 for r in reference])), k=4, wrong=0)
+    calls = _asked(engine)
+    outs = engine.generate([list(p) for p in prompt_ids], GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.stats.num_accepted_tokens == engine.stats.num_draft_tokens > 0
+    # from the prior (half accepted: 2 tokens pay) up to the full k in three steps, kept there but
+    # for the last step (capped by the tokens left)
+    assert calls[0] == [2, 2, 2] and all(c == [4, 4, 4] for c in calls[3:-1]) and len(calls) >= 6, calls
+
+
+def test_measured_costs_are_timed(tiny_model_dir, loaded):
+    """Measured costs (the default): calibrated when the engine is built, then refitted from every
+    step's host timers; on this CPU a verified row costs something."""
+    engine = make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded, adaptive=True, measured_costs=True)
+    costs = engine.planner.costs
+    calibrated = costs.verify.num_observed
+    assert calibrated >= 4 and costs.verify_s(1, 5, 500) > costs.verify_s(1, 1, 100) > 0
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))
+    assert costs.verify.num_observed > calibrated
+    assert costs.propose.num_observed > 0
