@@ -86,9 +86,10 @@ def test_compiled_step_equals_eager(tiny_model_dir, method):
     # the target as its own draft: every draft accepted; n-gram drafts: mostly rejected
     spec = {"draft_model": str(tiny_model_dir)} if method == "draft_model" else {}
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 11, 16)]
-    eager = _engine(tiny_model_dir, method, False, **spec)
+    loaded = cached_model(str(tiny_model_dir))  # one model object: graphs dynamo compiled for it are reused
+    eager = _engine(tiny_model_dir, method, False, loaded=loaded, **spec)
     assert eager.runner.compiled is None
-    compiled = _engine(tiny_model_dir, method, True, **spec)
+    compiled = _engine(tiny_model_dir, method, True, loaded=loaded, **spec)
     assert compiled.runner.compiled is not None
     want = [o.token_ids for o in eager.generate(PROMPTS, params)]
     got = compiled.generate(PROMPTS, params)
