@@ -103,27 +103,13 @@ def item_tier(item) -> str:
     return "engine" if item.module.__name__ in ENGINE_MODULES else "unit"
 
 
-# Under pytest-xdist (`scripts/test` runs `-n 2 --dist loadgroup --no-loadscope-reorder`) each module
-# is one unit of work (its module fixtures are built once), and every serve and cluster test is in
-# one group, "ray", run by one worker in the order above: one Ray cluster at a time. That group goes
-# first, since it is the longest; the other worker meanwhile runs the engine modules, then the unit
-# ones (short ones last, so the workers finish together).
-RAY_GROUP = "ray"
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers, and before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(session, config, items):
     keys = {}
-    grouped = config.getoption("dist", "no") == "loadgroup"  # (no such option without pytest-xdist)
     for index, item in enumerate(items):
         tier = item_tier(item)
         item.add_marker(tier)
-        order = TIERS.index(tier)
-        if grouped:
-            ray = tier in ("serve", "cluster")
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP if ray else item.module.__name__))
-            order = (0, order) if ray else (1, -order)  # the ray group, then engine modules, then unit
-        keys[item] = (order, not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
+        keys[item] = (TIERS.index(tier), not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
     items.sort(key=keys.__getitem__)
 
 
