@@ -56,3 +56,35 @@ def marginals(target_dir, penalties: dict | None):
     # (in its step) would not
     repeat = float(torch.einsum("a,ab,abb->", p1, p2, p3))
     return p1, m2, m3, repeat
+
+
+# ---- the check the engine's samples must pass, and its power ------------------------------------
+# Pearson's chi-square test of each position's tokens against its exact marginal (stat_utils), at
+# ALPHA per position. Its power (stat_utils.power, noncentral chi-square): a bias that moves TV
+# `SHIFT` of mass from a position's likeliest token to its second likeliest (for chi-square the
+# least visible way to move that much: both bins are the largest) is rejected at NUM_REQUESTS
+# samples with probability >= 0.99 at every checked position (test_sampling_distribution.py,
+# test_marginal_check_has_power). The TV bound this replaces (engine_utils.tv_threshold, about 0.06
+# here) let such shifts of up to 0.07 pass as often as not.
+ALPHA = 1e-4
+SHIFT = 0.05
+
+
+def shifted(p, shift: float) -> dict[int, float]:
+    """p (a [VOCAB] tensor) with `shift` of mass moved from its likeliest token to the second."""
+    probs = {t: float(v) for t, v in enumerate(p) if v > 0}
+    first, second = sorted(probs, key=lambda t: -probs[t])[:2]
+    probs[first] -= shift
+    probs[second] += shift
+    return probs
+
+
+def assert_marginals(outs, exact, label: str = "") -> None:
+    """The first three tokens of `outs` (RequestOutputs) against the exact marginals, one chi-square
+    test per position; a token of probability 0 fails at once."""
+    import stat_utils
+
+    for pos in range(3):
+        probs = {t: float(v) for t, v in enumerate(exact[pos]) if v > 0}
+        result = stat_utils.chi_square_test([o.token_ids[pos] for o in outs], probs)
+        assert result.impossible == 0 and result.p_value > ALPHA, f"{label}: token {pos + 1}: {result}"

@@ -193,7 +193,8 @@ def test_prefill_groups_respect_the_padded_cap():
 def test_running_stream_keeps_its_tokens_while_a_long_prompt_prefills(tmp_path_factory):
     """A request decoding while a 1,500-token prompt arrives gets tokens in every step of that
     prefill (each step one chunk); its largest inter-token gap stays under two chunks' time.
-    Unchunked, the same prompt holds it up for the whole prefill."""
+    Unchunked, the same prompt holds it up for the whole prefill: one forward computes all 1,500
+    tokens (counted), and the stream's gap over that step is over twice a chunk step's time."""
     model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("chunk-long") / "model", seed=9, num_layers=4,
                                     hidden=128, vocab_size=VOCAB, with_tokenizer=False)
     loaded = cached_model(str(model_dir))
@@ -203,15 +204,23 @@ def test_running_stream_keeps_its_tokens_while_a_long_prompt_prefills(tmp_path_f
     for budget in (128, None):
         engine = make_engine(model_dir, "none", k=0, loaded=loaded, max_model_len=2048,
                              max_num_batched_tokens=budget)
+        forward, step_tokens = engine.runner.forward_hidden, [0]
+
+        def counted(seq_ids, token_lists, *args, **kwargs):  # the largest target forward this step
+            step_tokens[0] = max(step_tokens[0], sum(len(t) for t in token_lists))
+            return forward(seq_ids, token_lists, *args, **kwargs)
+
+        engine.runner.forward_hidden = counted
         stream = engine.add_request([1, 2, 3, 4], params)
         for _ in range(3):
             engine.step()
         long_id = engine.add_request(long_prompt, SamplingParams(temperature=0.0, max_tokens=2))
-        gaps, chunk_steps, last = [], [], time.perf_counter()
+        gaps, chunk_steps, tokens, last = [], [], [], time.perf_counter()
         while True:
-            started = time.perf_counter()
+            started, step_tokens[0] = time.perf_counter(), 0
             outs = {o.request_id: o for o in engine.step()}
             now = time.perf_counter()
+            tokens.append(step_tokens[0])
             long_started = long_id in outs
             if stream in outs:
                 gaps.append(now - last)
@@ -220,14 +229,17 @@ def test_running_stream_keeps_its_tokens_while_a_long_prompt_prefills(tmp_path_f
                 chunk_steps.append(now - started)
             else:
                 break
-        results[budget] = (gaps, chunk_steps)
-    gaps, chunk_steps = results[128]
+        results[budget] = (gaps, chunk_steps, tokens)
+    gaps, chunk_steps, tokens = results[128]
     # prefill took ceil(1500 / 128) steps, and the stream got a token in each of them
     assert len(chunk_steps) >= 1500 // 128
     assert len(gaps) >= len(chunk_steps)
+    assert max(tokens) <= 128 and sum(tokens) >= 1500  # (the stream's decode row is a forward of its own)
     assert max(gaps) < 2 * max(chunk_steps)
     # unchunked: one step held the whole prompt, and the stream waited for all of it
-    assert len(results[None][1]) == 0 or max(results[None][0]) > 2 * max(chunk_steps)
+    unchunked_gaps, unchunked_chunk_steps, unchunked_tokens = results[None]
+    assert unchunked_chunk_steps == [] and unchunked_tokens[-1] >= 1500, unchunked_tokens
+    assert max(unchunked_gaps) > 2 * max(chunk_steps)
 
 
 # ---- a failing request fails alone ----------------------------------------------------------

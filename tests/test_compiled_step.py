@@ -86,9 +86,10 @@ def test_compiled_step_equals_eager(tiny_model_dir, method):
     # the target as its own draft: every draft accepted; n-gram drafts: mostly rejected
     spec = {"draft_model": str(tiny_model_dir)} if method == "draft_model" else {}
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 11, 16)]
-    eager = _engine(tiny_model_dir, method, False, **spec)
+    loaded = cached_model(str(tiny_model_dir))  # one model object: graphs dynamo compiled for it are reused
+    eager = _engine(tiny_model_dir, method, False, loaded=loaded, **spec)
     assert eager.runner.compiled is None
-    compiled = _engine(tiny_model_dir, method, True, **spec)
+    compiled = _engine(tiny_model_dir, method, True, loaded=loaded, **spec)
     assert compiled.runner.compiled is not None
     want = [o.token_ids for o in eager.generate(PROMPTS, params)]
     got = compiled.generate(PROMPTS, params)
@@ -144,8 +145,32 @@ def test_default_keeps_the_compiled_step_only_where_it_measures_faster(tiny_mode
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_time_decode_measures_both_paths(tiny_model_dir):
-    engine = _engine(tiny_model_dir, "none", True)
-    eager, compiled = engine._time_decode(False, repeats=3), engine._time_decode(True, repeats=3)
-    assert eager > 0 and compiled > 0
-    assert engine.runner.num_free_blocks == engine.num_blocks
+def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
+    """_time_decode(static) times `repeats` one-token forwards of the path asked for, per forward, with
+    the first calls (which compile) left out, and leaves no sequence behind. A clock that each forward
+    moves by a cost of its path (eager 2 ms, compiled 3 ms, but 1 s for the first two calls of each,
+    as a compile would) gives exact figures; a timer that counted the wrong calls, the wrong path or
+    the total would not."""
+    import types
+
+    import rayspec.engine
+
+    engine = _engine(tiny_model_dir, "none", True, loaded=cached_model(str(tiny_model_dir)))
+    now, calls = [0.0], []
+    forward = engine._target_forward
+
+    def timed_forward(seq_ids, token_lists, **kwargs):
+        calls.append(kwargs["static"])
+        now[0] += 1.0 if len(calls) % 5 in (1, 2) else (0.003 if kwargs["static"] else 0.002)
+        return forward(seq_ids, token_lists, **kwargs)
+
+    monkeypatch.setattr(engine, "_target_forward", timed_forward)
+    monkeypatch.setattr(rayspec.engine, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    graph_calls, graph = [], engine.runner.compiled.fn  # the compiled step's own calls
+    monkeypatch.setattr(engine.runner.compiled, "fn", lambda *a, **kw: graph_calls.append(1) or graph(*a, **kw))
+    eager = engine._time_decode(False, repeats=3)
+    assert calls == [False] * 5 and not graph_calls  # eager: the compiled step never ran
+    compiled = engine._time_decode(True, repeats=3)
+    assert calls[5:] == [True] * 5 and len(graph_calls) == 5  # compiled: every forward through it
+    assert eager == pytest.approx(0.002) and compiled == pytest.approx(0.003)
+    assert engine.runner.num_free_blocks == engine.num_blocks and engine.runner.num_free_slots == engine.num_slots

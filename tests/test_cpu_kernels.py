@@ -108,3 +108,55 @@ def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, native):
     assert "dtype auto" in caplog.text
     assert loader.parse_dtype(None, torch.device("cpu")) == torch.float32
     assert loader.parse_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+# A table of the kind `choose` returns on CPUs where the fastest kernel depends on the row count
+# ("mixed"): every bucket another kernel, so a decode (1 row), a batch of decodes (2-4 rows), a
+# verification (k + 1 = 9 rows) and a prefill each run their own.
+MIXED = {1: "flinear", 2: "wxt", 4: "onednn_pad4", 9: "onednn", 32: "flinear"}
+MIXED_PROMPTS = ["List the colors: red, green, blue, red, green, blue, red, green,",
+                 "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+                 "The capital of France is"]
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_mixed_kernels_greedy_verification_equals_single_row_decode(smollm2, monkeypatch):
+    """The kernels users get by default are chosen per row count, so verification rows and a
+    single-row decode multiply by different kernels (the rest of the suite pins one,
+    tests/conftest.py). SmolLM2 under such a table: its greedy output and the logprobs of every
+    token (with the top 2) are the same, to 1e-4, whether computed one row at a time (each prompt
+    alone: "flinear"), as a batch of 3 decodes ("onednn_pad4"), or in verification rows of 9 (one
+    sequence: "onednn") and of 27 (three: "flinear"), chains and trees (an oracle drafts the target's
+    own continuation, with a wrong sibling beside each true token in a tree, so every row counts)."""
+    from engine_utils import OracleProposer, make_engine, run_to_completion
+    from rayspec import loader
+    from rayspec.sampling import SamplingParams
+
+    mixed = CpuKernels(dict(MIXED), "test: mixed")
+    monkeypatch.setattr(cpu_kernels, "choose", lambda *args, **kwargs: mixed)
+    loaded = loader.load_model(smollm2)
+    assert loaded[0].cpu_kernels is mixed and mixed.variant.startswith("mixed:")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
+    target_only = make_engine(smollm2, "none", loaded=loaded)
+    reference = [target_only.generate([p], params)[0] for p in MIXED_PROMPTS]  # one row at a time
+
+    def assert_same(outputs, how):
+        for prompt, out, ref in zip(MIXED_PROMPTS, outputs, reference):
+            assert out.token_ids == ref.token_ids, (how, prompt)
+            for got, want in zip(out.logprobs, ref.logprobs):
+                assert abs(got.logprob - want.logprob) < 1e-4, (how, prompt, got, want)
+                assert [t for t, *_ in got.top] == [t for t, *_ in want.top], (how, prompt)
+                assert all(abs(g[-1] - w[-1]) < 1e-4 for g, w in zip(got.top, want.top)), (how, prompt)
+
+    assert_same(target_only.generate(MIXED_PROMPTS, params), "a batch of decodes")
+    expected = {tuple(target_only.encode(p)): ref.token_ids for p, ref in zip(MIXED_PROMPTS, reference)}
+    wrong = min(set(range(100)) - {t for out in expected.values() for t in out})
+    for tree in (False, True):
+        engine = make_engine(smollm2, "ngram", k=8, loaded=loaded, eagle_topk=2 if tree else 1, tree_max_batch=8,
+                             proposer=OracleProposer(expected, 8, wrong, force_tree=tree))
+        assert_same([engine.generate([p], params)[0] for p in MIXED_PROMPTS], ("alone", tree))
+        ids = [engine.add_request(p, params) for p in MIXED_PROMPTS]
+        done = run_to_completion(engine)
+        assert_same([done[i] for i in ids], ("batch", tree))
+        assert engine.stats.num_accepted_tokens >= 2 * len(MIXED_PROMPTS) * 32 // 2  # most tokens from verification

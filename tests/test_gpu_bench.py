@@ -61,7 +61,7 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_dry_run_end_to_end(tmp_path):
+def test_dry_run_end_to_end(tmp_path, own_cluster):  # gpu.sh starts a Ray cluster of its own (tier cluster)
     smollm2_dir()  # the model, or a skip (a failure in strict mode)
     if not prompts_available():
         if strict():

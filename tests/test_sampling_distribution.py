@@ -160,7 +160,8 @@ def test_verify_greedy(argmax, drafts, expected):
 
 # ---- end to end on a 16-token model ------------------------------------------------------
 
-from marginals import NUM_REQUESTS, PENALIZED, PROMPT, TEMPERATURE, TOP_K, TOP_P, VOCAB, marginals
+from marginals import (ALPHA, NUM_REQUESTS, PENALIZED, PROMPT, SHIFT, TEMPERATURE, TOP_K, TOP_P, VOCAB,
+                       assert_marginals, marginals, shifted)
 
 
 @pytest.fixture(scope="module")
@@ -232,10 +233,7 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
               for i in range(NUM_REQUESTS)]
     outs = engine.generate([PROMPT] * NUM_REQUESTS, params)
     assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in outs)
-    for pos, exact in zip(range(3), exact_marginals[:3]):
-        emp = empirical([o.token_ids[pos] for o in outs], VOCAB)
-        tv, bound = tv_distance(emp, exact), tv_threshold(exact, NUM_REQUESTS)
-        assert tv < bound, f"{name}: token {pos + 1}: TV {tv:.4f} >= {bound:.4f}\n{emp}\n{exact}"
+    assert_marginals(outs, exact_marginals, name)
     repeats = sum(o.token_ids[1] == o.token_ids[2] for o in outs) / NUM_REQUESTS
     low, high = binomial_interval(exact_marginals[3], NUM_REQUESTS)
     assert low <= repeats <= high, f"{name}: P(token 3 == token 2) {repeats:.4f}, exact {exact_marginals[3]:.4f}"
@@ -252,3 +250,31 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
         assert stats.num_drafts >= NUM_REQUESTS
         assert 0.05 * stats.num_draft_tokens < stats.num_accepted_tokens < 0.95 * stats.num_draft_tokens, \
             stats.as_dict()
+
+
+def test_marginal_check_has_power(exact_marginals, exact_penalized_marginals):
+    """The check above (marginals.assert_marginals) rejects a shift of SHIFT = 0.05 TV between a
+    position's two likeliest tokens with probability >= 0.99 at NUM_REQUESTS samples, at every
+    position, plain and penalized (noncentral chi-square); and on a seeded draw of samples so
+    shifted at position 1 it does fail, while the same number drawn from the exact marginals passes."""
+    import stat_utils
+
+    for marginals_ in (exact_marginals, exact_penalized_marginals):
+        for pos in range(3):
+            exact = {t: float(v) for t, v in enumerate(marginals_[pos]) if v > 0}
+            assert stat_utils.power(exact, shifted(marginals_[pos], SHIFT), NUM_REQUESTS, ALPHA) >= 0.99, pos
+    gen = torch.Generator().manual_seed(5)
+
+    class Out:  # a RequestOutput's token_ids, all three positions drawn independently
+        def __init__(self, token_ids):
+            self.token_ids = token_ids
+
+    def draw(rows):  # [3, VOCAB] -> NUM_REQUESTS outputs
+        return [Out(t) for t in torch.multinomial(rows, NUM_REQUESTS, replacement=True, generator=gen).T.tolist()]
+
+    exact = torch.stack([m.float() for m in exact_penalized_marginals[:3]])
+    assert_marginals(draw(exact), exact_penalized_marginals, "exact draws")
+    biased = exact.clone()
+    biased[0] = torch.tensor([shifted(exact_penalized_marginals[0], SHIFT).get(t, 0.0) for t in range(VOCAB)])
+    with pytest.raises(AssertionError, match="token 1"):
+        assert_marginals(draw(biased), exact_penalized_marginals, "shifted draws")

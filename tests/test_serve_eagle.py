@@ -36,10 +36,10 @@ from rayspec.sampling import SamplingParams  # noqa: E402
 MAX_TOKENS = 32
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
 # app name -> (topology, eagle_topk)
+# (The replica-killing tests run last in this module, on "disaggregated" (its proposer) and "chain" (its
+# verifier), and wait for Serve's replacement: no apps of their own to deploy.)
 APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
-        "two_proposers": ("disaggregated", 4),  # with 2 proposer replicas
-        "killed": ("disaggregated", 4),  # its proposer replica is killed by a test
-        "verifier_killed": ("disaggregated", 4)}  # its verifier replica is killed by a test
+        "two_proposers": ("disaggregated", 4)}  # with 2 proposer replicas
 
 
 def _engine(target, **spec) -> LLMEngine:
@@ -337,39 +337,6 @@ def _replica_names(app: str, deployment: str) -> list[str]:
             if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
 
 
-def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
-    """The proposer replica's actor is killed while a request streams: the request finishes with
-    the target's own output (steps whose proposer call failed ran without drafts), and once Serve
-    has replaced the replica, requests draft again on the new one."""
-    import time
-
-    want, chunks = _stream_long_request("killed", eagle_setup, 900)  # in flight when the kill lands
-    handle = serve.get_app_handle("killed")
-    got = []
-    while len(got) < 64:  # the sequence's draft state now lives on that replica
-        got += next(chunks).delta_token_ids
-    [replica] = _replica_names("killed", "Proposer")
-    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
-    got += [t for chunk in chunks for t in chunk.delta_token_ids]
-    assert got == want.token_ids
-    stats = handle.stats.remote().result(timeout_s=60)
-    # the kill landed mid-request: the next call either failed (that step ran without drafts) or Serve
-    # routed it to the replacement once up, which lacked the sequence and was sent its features again
-    assert stats["proposer_failed_calls"] + stats["proposer_features_resent"] >= 1
-
-    request = GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    deadline = time.monotonic() + 90
-    while True:  # until the replacement replica is up and drafting
-        result = handle.generate.remote(request).result(timeout_s=120)
-        assert result.token_ids == eagle_setup["ref"][0].token_ids
-        if result.num_accepted_tokens > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert result.num_accepted_tokens > 0
-    new = _replica_names("killed", "Proposer")
-    assert new and replica not in new
-
-
 @pytest.mark.parametrize("app", ["disaggregated", "chain"])
 def test_proposer_deployment_drafts_from_sent_features(served, eagle_setup, app):
     """This test's requests (one batch) are drafted by the proposer deployment from the features
@@ -427,6 +394,39 @@ def test_eagle_proposer_evicts_the_stalest_sequence(eagle_setup):
     assert ask("b", [8, 9, 10, 12], 0).tokens  # features from the start: rebuilt (c is evicted for it)
 
 
+def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
+    """The proposer replica's actor is killed while a request streams: the request finishes with
+    the target's own output (steps whose proposer call failed ran without drafts), and once Serve
+    has replaced the replica, requests draft again on the new one."""
+    import time
+
+    want, chunks = _stream_long_request("disaggregated", eagle_setup, 900)  # in flight when the kill lands
+    handle = serve.get_app_handle("disaggregated")
+    got = []
+    while len(got) < 64:  # the sequence's draft state now lives on that replica
+        got += next(chunks).delta_token_ids
+    [replica] = _replica_names("disaggregated", "Proposer")
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    got += [t for chunk in chunks for t in chunk.delta_token_ids]
+    assert got == want.token_ids
+    stats = handle.stats.remote().result(timeout_s=60)
+    # the kill landed mid-request: the next call either failed (that step ran without drafts) or Serve
+    # routed it to the replacement once up, which lacked the sequence and was sent its features again
+    assert stats["proposer_failed_calls"] + stats["proposer_features_resent"] >= 1
+
+    request = GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    deadline = time.monotonic() + 90
+    while True:  # until the replacement replica is up and drafting
+        result = handle.generate.remote(request).result(timeout_s=120)
+        assert result.token_ids == eagle_setup["ref"][0].token_ids
+        if result.num_accepted_tokens > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert result.num_accepted_tokens > 0
+    new = _replica_names("disaggregated", "Proposer")
+    assert new and replica not in new
+
+
 def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     """The verifier replica's actor is killed while a request streams through the ingress: the
     ingress sends the request again with the tokens streamed so far, Serve's replacement replica
@@ -437,16 +437,16 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     milliseconds after the caller got the chunk that triggers it), and the ingress's failover count
     shows the request did cross the kill (it was resumed on another replica, not finished before)."""
     n = 600
-    app = serve.get_app_handle("verifier_killed")
+    app = serve.get_app_handle("chain")
 
     def failovers() -> dict:
         stats = app.stats.remote().result(timeout_s=60)
         return {k: stats[k] for k in ("num_stream_failovers", "num_request_failovers")}
 
     before = failovers()
-    [replica] = _replica_names("verifier_killed", "Verifier")
+    [replica] = _replica_names("chain", "Verifier")
     actor = ray.get_actor(replica, namespace="serve")  # looked up before: the kill lands at once
-    want, chunks = _stream_long_request("verifier_killed", eagle_setup, n)
+    want, chunks = _stream_long_request("chain", eagle_setup, n)
     got, text = [], ""
     while len(got) < 32:
         chunk = next(chunks)
@@ -460,7 +460,7 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     after = failovers()
     assert after["num_stream_failovers"] >= before["num_stream_failovers"] + 1, (before, after)  # it was resumed
     assert after["num_request_failovers"] == before["num_request_failovers"]  # and no whole request re-sent
-    new = _replica_names("verifier_killed", "Verifier")
+    new = _replica_names("chain", "Verifier")
     assert new and replica not in new
     stats = app.stats.remote().result(timeout_s=60)
     # it finished on the replacement (actor names end in the replica id the stats report)
@@ -475,7 +475,7 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     events = []
-    with httpx.stream("POST", f"{served}/verifier_killed/v1/completions", json=body, timeout=180) as resp:
+    with httpx.stream("POST", f"{served}/chain/v1/completions", json=body, timeout=180) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line.startswith("data: "):
@@ -488,11 +488,11 @@ def test_killed_verifier_replica_loses_no_request(served, eagle_setup):
     assert all("error" not in c for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want.text
     assert chunks[-1]["usage"]["completion_tokens"] == n
-    assert replica not in _replica_names("verifier_killed", "Verifier")
-    resp = httpx.get(f"{served}/verifier_killed/v1/stats", timeout=60)
+    assert replica not in _replica_names("chain", "Verifier")
+    resp = httpx.get(f"{served}/chain/v1/stats", timeout=60)
     assert resp.status_code == 200, resp.text
     stats = resp.json()
     assert stats["num_stream_failovers"] >= before["num_stream_failovers"] + 1, (before, stats)
     assert stats["num_request_failovers"] == before["num_request_failovers"]
-    new = _replica_names("verifier_killed", "Verifier")
+    new = _replica_names("chain", "Verifier")
     assert stats["num_finished"] == 1 and [stats["replica"]] == [r.rsplit("#", 1)[-1] for r in new]

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from conftest import make_tiny_model_dir
-from engine_utils import empirical, greedy_reference, run_alone, run_batch, tv_distance, tv_threshold
+from engine_utils import greedy_reference, run_alone, run_batch
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
@@ -152,7 +152,8 @@ def test_all_reduce_is_batch_invariant():
 
 def test_tp2_sampling_follows_the_target(tmp_path_factory):
     """Marginals of the first three sampled tokens at TP=2 with n-gram drafts against the exact ones
-    (a 16-token vocabulary, so they can be computed; as test_sampling_distribution does at TP=1)."""
+    (a 16-token vocabulary, so they can be computed; as test_sampling_distribution does at TP=1, with
+    the same chi-square check and power: tests/marginals.py)."""
     import marginals as sd
 
     target = make_tiny_model_dir(tmp_path_factory.mktemp("tp-v16") / "target", seed=11, vocab_size=sd.VOCAB,
@@ -170,10 +171,7 @@ def test_tp2_sampling_follows_the_target(tmp_path_factory):
         assert engine.stats.num_draft_tokens > 0
     finally:
         engine.shutdown()
-    for pos in range(3):
-        emp = empirical([o.token_ids[pos] for o in outs], sd.VOCAB)
-        tv, bound = tv_distance(emp, exact[pos]), tv_threshold(exact[pos], n)
-        assert tv < bound, f"token {pos + 1}: TV {tv:.4f} >= {bound:.4f}"
+    sd.assert_marginals(outs, exact, "TP=2")  # power: marginals.SHIFT
 
 
 # ---- a rank that dies ---------------------------------------------------------------------------
