@@ -49,13 +49,19 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             "dequantized": write_float_checkpoint(fp4, root / "dequantized")}
 
 
-@pytest.fixture
-def hub(checkpoints, tmp_path, monkeypatch):
+def _serve_hub(monkeypatch, tmp_path, repos: dict):
+    """A localhost hub holding `repos` (hub id -> directory), the process pointed at it."""
     server = FakeHub()
-    server.add_repo(TARGET, checkpoints["fp4"])
-    server.add_repo(DRAFT, checkpoints["draft_fp4"])
+    for repo_id, path in repos.items():
+        server.add_repo(repo_id, path)
     server.start()
     use_hub(monkeypatch, server.url, tmp_path / "hf-home")
+    return server
+
+
+@pytest.fixture
+def hub(checkpoints, tmp_path, monkeypatch):
+    server = _serve_hub(monkeypatch, tmp_path, {TARGET: checkpoints["fp4"], DRAFT: checkpoints["draft_fp4"]})
     yield server
     server.stop()
 
@@ -218,11 +224,7 @@ def gpt_oss(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def oss_hub(gpt_oss, tmp_path, monkeypatch):
-    server = FakeHub()
-    server.add_repo(GPT_OSS, gpt_oss["mxfp4"])
-    server.add_repo(GPT_OSS_HEAD, gpt_oss["head"])
-    server.start()
-    use_hub(monkeypatch, server.url, tmp_path / "hf-home")
+    server = _serve_hub(monkeypatch, tmp_path, {GPT_OSS: gpt_oss["mxfp4"], GPT_OSS_HEAD: gpt_oss["head"]})
     yield server
     server.stop()
 
