@@ -207,7 +207,9 @@ serve_ours() {  # $1: comma-separated apps (eagle3, baseline), $2: run name
   port_free "$PORT" || die "port $PORT is in use: give --port"
   [ -z "$NUM_GPUS_PER_APP" ] || extra+=(--num-gpus "$NUM_GPUS_PER_APP")
   [ -z "$KV_GB" ] || extra+=(--kv-cache-memory-gb "$KV_GB")
-  if [ "$DRY_RUN" = 1 ]; then extra+=(--ray-num-cpus 4); else extra+=(--ray-num-cpus "$(( $(nproc) > 12 ? $(nproc) : 12 ))"); fi
+  # the dry run drafts its whole budget: on a loaded CPU the cost-aware planner may rightly find that
+  # drafting does not pay, and the dry run is there to go through drafting and verification
+  if [ "$DRY_RUN" = 1 ]; then extra+=(--ray-num-cpus 4 --full-drafts); else extra+=(--ray-num-cpus "$(( $(nproc) > 12 ? $(nproc) : 12 ))"); fi
   log "starting rayspec ($apps) on port $PORT"
   setsid "$PY" benchmarks/gpu_serve.py serve --config "$CONFIG" --apps "$apps" --port "$PORT" "${extra[@]}" \
     > "$RESULTS/logs/serve_$name.log" 2>&1 &

@@ -40,9 +40,11 @@ def config_app_args(path: str) -> dict:
 
 
 def app_args(config: str, app: str, num_gpus: float | None = None, kv_cache_memory_gb: float | None = None,
-             num_cpus: float | None = None) -> dict:
+             num_cpus: float | None = None, full_drafts: bool = False) -> dict:
     """The args of one app: the config's (eagle3) or the config's with speculation off (baseline),
-    with the verifier's GPU share, CPU share and KV budget overridden where given."""
+    with the verifier's GPU share, CPU share and KV budget overridden where given. full_drafts:
+    cost-aware drafting off (every step drafts its whole budget), so a short CPU dry run goes
+    through drafting and verification even where the planner would find drafting does not pay."""
     if app not in APPS:
         raise ValueError(f"unknown app {app!r}: one of {APPS}")
     args = config_app_args(config)
@@ -50,6 +52,8 @@ def app_args(config: str, app: str, num_gpus: float | None = None, kv_cache_memo
         args["speculative"] = {"method": "none"}
     elif (args.get("speculative") or {}).get("method") in (None, "none"):
         raise ValueError(f"{config}: its app has no speculative method to compare with the baseline")
+    elif full_drafts:
+        args["speculative"] = {**args["speculative"], "adaptive": False}
     verifier = dict(args.get("verifier") or {})
     options = dict(verifier.get("ray_actor_options") or {})
     if num_gpus is not None:
@@ -90,13 +94,13 @@ def fetch(config: str) -> dict:
 
 
 def serve_apps(config: str, apps: list[str], port: int, num_gpus: float | None, kv_cache_memory_gb: float | None,
-               num_cpus: float | None, ray_num_cpus: int | None) -> int:
+               num_cpus: float | None, ray_num_cpus: int | None, full_drafts: bool = False) -> int:
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    built = [(app, app_args(config, app, num_gpus, kv_cache_memory_gb, num_cpus)) for app in apps]
+    built = [(app, app_args(config, app, num_gpus, kv_cache_memory_gb, num_cpus, full_drafts)) for app in apps]
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -134,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=float, default=None, help="each verifier's CPU share (default: the config's)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, help="default: the config's")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="logical CPUs of the Ray started here")
+    p.add_argument("--full-drafts", action="store_true",
+                   help="cost-aware drafting off: every step drafts its whole budget (gpu.sh --dry-run)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve_apps(args.config, [a for a in args.apps.split(",") if a], args.port, args.num_gpus,
-                          args.kv_cache_memory_gb, args.num_cpus, args.ray_num_cpus)
+                          args.kv_cache_memory_gb, args.num_cpus, args.ray_num_cpus, args.full_drafts)
     from rayspec.loader import ModelNotFoundError
 
     try:
