@@ -46,14 +46,14 @@ def test_bundled_prompt_sets(tmp_path):
 
     from rayspec.bench.prompts import PROMPT_SETS_DIR, load_prompts, prompt_sets, prompts_path
 
-    assert prompt_sets() == ["gsm8k", "humaneval", "mt_bench", "unguessable"]
+    assert prompt_sets() == ["gsm8k", "humaneval", "long_documents", "mt_bench", "unguessable"]
     for name in prompt_sets():
         assert len(load_prompts(name)) == 80 and load_prompts(f"{name}.jsonl", 3) == load_prompts(name)[:3]
     notice = (PROMPT_SETS_DIR.parent / "NOTICE.md").read_text()
     assert all(f"prompts/{name}.jsonl" in notice for name in prompt_sets()) and "Apache-2.0" in notice
     mine = bench_prompts_file(tmp_path / "mt_bench.jsonl")  # a file of that name wins over the bundled set
     assert prompts_path(mine) == mine and load_prompts(mine)[0].startswith("Repeat after me")
-    with pytest.raises(FileNotFoundError, match="gsm8k, humaneval, mt_bench, unguessable"):
+    with pytest.raises(FileNotFoundError, match="gsm8k, humaneval, long_documents, mt_bench, unguessable"):
         load_prompts("no_such_set")
     with pytest.raises(FileNotFoundError):
         load_prompts(tmp_path / "missing" / "mt_bench.jsonl")  # a path is never swapped for a bundled set

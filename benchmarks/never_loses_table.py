@@ -1,0 +1,55 @@
+"""The table of benchmarks/run_never_loses.sh: each proposer's speedup over the target alone, by prompt
+set, temperature and concurrency, from `rayspec bench sweep` JSON files; the floor the issue sets
+(0.97x) is marked. Markdown on stdout.
+
+    python benchmarks/never_loses_table.py benchmarks/results/never_loses_*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FLOOR = 0.97
+
+
+def rows(paths: list[str]) -> list[dict]:
+    out = []
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        cfg = result["config"]
+        for r in result["results"]:
+            out.append({"set": Path(cfg["prompts"]).stem, "temperature": cfg["temperature"], "method": r["method"],
+                        "k": r["num_speculative_tokens"], "concurrency": r["concurrency"], "speedup": r["speedup"],
+                        "acceptance_length": r["acceptance_length"], "greedy_match": r["greedy_match"],
+                        "cpu": result["environment"].get("cpu_model")})
+    return out
+
+
+def table(found: list[dict]) -> str:
+    lines = ["| set | T | method (k) | conc | speedup | acc. length | greedy = target |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(found, key=lambda r: (r["set"], r["temperature"], r["method"], r["concurrency"])):
+        mark = "" if r["speedup"] is None or r["speedup"] >= FLOOR else " **below 0.97**"
+        greedy = "-" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "**NO**")
+        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} ({r['k']}) | {r['concurrency']} | "
+                     f"{r['speedup']:.2f}x{mark} | {r['acceptance_length']:.2f} | {greedy} |")
+    speedups = [r["speedup"] for r in found if r["speedup"] is not None]
+    if speedups:
+        below = sum(s < FLOOR for s in speedups)
+        lines.append(f"\n{len(speedups)} runs, lowest {min(speedups):.2f}x, {below} below {FLOOR}x; "
+                     f"CPU: {', '.join(sorted({str(r['cpu']) for r in found}))}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print(table(rows(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
