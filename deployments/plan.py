@@ -92,7 +92,7 @@ def model_shape(spec: str, num_layers: int | None = None) -> ModelShape:
 
 
 def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> DraftShape:
-    """What the proposer of `spec` (a SpeculativeConfig, or the SpeculativeArgs of a serve config)
+    """What the proposer of `spec` (a SpeculativeConfig, as a serve config's `speculative`)
     loads for the target `target_model`: a draft LM's shape (draft_num_layers applied, as
     load_model does), or an EAGLE head's config; where the head is a local safetensors checkpoint
     its tensor names tell whether it has an embedding of its own (else: the target's is shared)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,31 @@ def test_async_configs_and_their_colocated_twins():
         assert twin.topology == "colocated"
         assert a.speculative == twin.speculative, async_name
         assert a.engine.num_threads == 1
-        assert a.engine.model_dump(exclude={"num_threads"}) == twin.engine.model_dump(exclude={"num_threads"})
+        assert dataclasses.replace(a.engine, num_threads=None) == dataclasses.replace(twin.engine, num_threads=None)
     draft = AppArgs.model_validate(app_args(CONFIGS / "draft_async.yaml")).speculative
     assert draft.draft_quantization == "int8" and not draft.adaptive and draft.draft_num_layers is None
+
+
+def test_draft_costs_from_a_serve_yaml():
+    """Issue 34: cost-aware drafting's fixed coefficients (SpeculativeConfig.draft_costs) set in a
+    serve config reach the engine (and a disaggregated proposer: the same `speculative`), in our
+    `speculative` and in vLLM's `speculative_config`; a wrong key is refused by name."""
+    text = """
+applications:
+  - name: rayspec
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      speculative: {method: ngram, draft_costs: {step_s: 0.02, row_s: 0.001, propose_s: 0.0005}}
+"""
+    (app,) = yaml.safe_load(text)["applications"]
+    cfg = AppArgs.model_validate(app_args_of(app))
+    want = {"step_s": 0.02, "row_s": 0.001, "propose_s": 0.0005}
+    assert cfg.speculative.draft_costs == want and cfg.engine_config().speculative.draft_costs == want
+    build_app(app_args_of(app))
+    vllm = AppArgs.model_validate({"speculative_config": {"method": "ngram", "draft_costs": want}})
+    assert vllm.engine_config().speculative.draft_costs == want
+    with pytest.raises(ValidationError, match="draft_costs: unknown keys .'step'."):
+        AppArgs.model_validate({"speculative": {"draft_costs": {"step": 0.02}}})
+    with pytest.raises(ValidationError, match="draft_costs"):
+        AppArgs.model_validate({"speculative": {"draft_costs": {"step_s": -1}}})
