@@ -196,10 +196,14 @@ def test_defaults_and_overrides():
 def test_default_config_served(smollm2, serve_url):
     """configs/default.yaml as written (real SmolLM2-135M on CPU), over HTTP with the openai client:
     the served greedy answer is the target's own (an in-process engine without speculation), and
-    the app's counters hold exactly that request's drafts."""
+    the app's counters hold exactly that request's drafts. The shared cluster counts more logical CPUs
+    than this 2-core machine has (for other modules): the app holds what `rayspec plan` counts, at
+    most 2, so it would start with Ray's detected resources too."""
     import openai
     from ray import serve
-    from ray_utils import serving
+    from ray_utils import cpus_in_use, serving
+
+    from deployments.plan import resource_plan
 
     from rayspec.config import SpeculativeConfig
     from rayspec.engine import LLMEngine
@@ -215,7 +219,11 @@ def test_default_config_served(smollm2, serve_url):
     target = LLMEngine(config)
     ref = target.generate([target.encode_chat(messages)], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     del target
+    cpus = resource_plan(AppArgs.model_validate(args)).cpus()
+    assert cpus <= 2
+    idle = cpus_in_use()
     with serving(("rayspec", build_app(args), "/")):
+        assert cpus_in_use(settle_s=10, expect=idle + cpus) == idle + cpus
         client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="x", max_retries=0, timeout=120)
         resp = client.chat.completions.create(model=args["served_model_name"], temperature=0, max_tokens=max_tokens,
                                               messages=messages)
