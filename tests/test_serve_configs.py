@@ -278,3 +278,20 @@ applications:
         AppArgs.model_validate({"speculative": {"draft_costs": {"step": 0.02}}})
     with pytest.raises(ValidationError, match="draft_costs"):
         AppArgs.model_validate({"speculative": {"draft_costs": {"step_s": -1}}})
+
+
+def test_app_args_embed_the_engine_config():
+    """One config source: the app's `speculative` and `engine` are rayspec.config's own classes, with
+    their defaults and rules (method none drafts nothing; bounds checked where they are defined)."""
+    from rayspec.config import EngineConfig, EngineSettings, SpeculativeConfig
+
+    cfg = AppArgs.model_validate({"speculative": {"method": "none"}, "engine": {"max_num_seqs": 3}})
+    assert type(cfg.speculative) is SpeculativeConfig and type(cfg.engine) is EngineSettings
+    assert cfg.speculative.num_speculative_tokens == 0
+    engine = cfg.engine_config()
+    assert type(engine) is EngineConfig and engine.max_num_seqs == 3 and engine.speculative == cfg.speculative
+    engine.speculative.num_speculative_tokens = 4  # the engine's copy: the app's settings stay
+    assert cfg.speculative.num_speculative_tokens == 0
+    assert AppArgs().speculative == SpeculativeConfig() and AppArgs().engine == EngineSettings()
+    with pytest.raises(ValidationError, match="engine.block_size"):
+        AppArgs.model_validate({"engine": {"block_size": 0}})
