@@ -15,8 +15,8 @@ import torch
 
 from engine_utils import cached_model, make_engine
 from hub_server import FakeHub, use_hub
-from deployments.plan import (Machine, draft_shape, model_shape, parse_size, read_serve_config, resource_lines,
-                              resource_plan, shape_of)
+from deployments.plan import draft_shape, model_shape, parse_size, read_serve_config, shape_of
+from deployments.resources import Machine, resource_lines, resource_plan
 from deployments.config import load_app_args
 from rayspec.cli import main
 from rayspec.config import EngineConfig, SpeculativeConfig
