@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -69,13 +70,20 @@ def main() -> None:
 
     from deployments.app import build_app
 
+    from deployments.config import load_app_args
+    from deployments.resources import resource_plan
+
     doc = yaml.safe_load(Path(a.config).read_text())
-    ray.init(address="local", num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    specs = [spec for spec in doc["applications"] if spec["name"] in a.apps]
+    # the apps are deployed side by side but take turns: Ray's logical CPUs are what `rayspec plan`
+    # counts for all of them together, each app's own count fitting this machine (no more than that)
+    cpus = math.ceil(sum(resource_plan(load_app_args(spec["args"])).cpus() for spec in specs))
+    print(f"Ray logical CPUs: {cpus:g} (the apps' num_cpus summed)", flush=True)
+    ray.init(address="local", num_cpus=cpus, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-        for spec in doc["applications"]:
-            if spec["name"] in a.apps:
-                serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
+        for spec in specs:
+            serve.run(build_app(spec["args"]), name=spec["name"], route_prefix=spec["route_prefix"])
         for app in a.apps:
             while httpx.get(f"{BASE}/{app}/v1/models", timeout=30).status_code != 200:
                 time.sleep(2)

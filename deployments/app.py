@@ -22,6 +22,7 @@ Python handle API (from a driver connected to the cluster, or from another deplo
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 
 from pydantic import SecretStr
@@ -48,7 +49,7 @@ def pin_hub_revisions(cfg: AppArgs) -> AppArgs:
     if draft:
         pinned = pin_revision(draft)
         if pinned != draft:
-            update["speculative"] = cfg.speculative.model_copy(update={"draft_model": pinned})
+            update["speculative"] = dataclasses.replace(cfg.speculative, draft_model=pinned)
     return cfg.model_copy(update=update) if update else cfg
 
 

@@ -1,11 +1,15 @@
 """Application arguments (the `args:` block of a serve config), validated with pydantic.
 
+`speculative` and `engine` are rayspec.config's own SpeculativeConfig and EngineSettings (their
+defaults and checks are defined there, once); this module adds what serving needs around them.
+
 Deployment options (replicas, autoscaling, resources) are computed here from the config and
 applied with `.options(...)` in deployments.app; the decorators carry no resources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from deployments.autoscaling import proposer_autoscaling_config
 from deployments.vllm_names import translate_vllm_args
 from rayspec.assets import assets_root
-from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.config import DEFAULT_MODEL, EngineConfig, EngineSettings, SpeculativeConfig, field_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,84 +53,6 @@ def feeds_target_features(method: str) -> bool:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class SpeculativeArgs(_Strict):
-    """Mirrors rayspec.config.SpeculativeConfig."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = Field(5, ge=0)
-    adaptive: bool = True
-    prompt_lookup_min: int = Field(2, ge=1)
-    prompt_lookup_max: int = Field(5, ge=1)
-    draft_model: str | None = None
-    draft_num_layers: int | None = Field(None, ge=1)
-    draft_dtype: str | None = None
-    draft_quantization: Literal["int8"] | None = None  # draft_model: weight-only int8 draft (vLLM: quantization)
-    draft_tensor_parallel_size: int | None = Field(None, ge=1)  # 1 or engine.tensor_parallel_size (colocated)
-    # eagle3 / eagle tree drafting (SGLang's names): branching per node (1 = a chain) and tree
-    # depth (None: num_speculative_tokens); num_speculative_tokens caps the nodes verified
-    eagle_topk: int = Field(1, ge=1)
-    num_steps: int | None = Field(None, ge=1)
-    eagle_stop_prob: float = Field(0.0, ge=0.0, lt=1.0)  # stop drafting deeper below this path probability
-    eagle_prompt_lookup: int = Field(0, ge=0)  # add an n-gram prompt-lookup branch of up to this many tokens
-    tree_max_batch: int = Field(2, ge=0)  # trees while at most this many sequences run, then chains
-    disable_by_batch_size: int | None = Field(None, ge=1)  # no drafts while this many or more run
-
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, method: str) -> str:
-        from rayspec.proposers import PROPOSERS
-
-        if method not in PROPOSERS:
-            raise ValueError(f"unknown speculative method {method!r}; registered: {sorted(PROPOSERS)}")
-        return method
-
-    @field_validator("draft_model")
-    @classmethod
-    def _local_draft(cls, spec: str | None) -> str | None:
-        return resolve_local_path(spec)
-
-    @model_validator(mode="after")
-    def _lookup_range(self):
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
-        if feeds_target_features(self.method) and not self.draft_model:
-            raise ValueError(f"method {self.method!r} needs the EAGLE head's location in draft_model")
-        if self.draft_quantization is not None and self.method != "draft_model":
-            raise ValueError(f"draft_quantization is for method draft_model (a draft LM), not {self.method!r}")
-        return self
-
-    def to_config(self) -> SpeculativeConfig:
-        return SpeculativeConfig(**self.model_dump())
-
-
-class EngineArgs(_Strict):
-    """Mirrors the engine fields of rayspec.config.EngineConfig."""
-
-    max_model_len: int = Field(2048, ge=2)
-    max_num_seqs: int = Field(16, ge=1)
-    kv_cache_memory_gb: float = Field(2.0, gt=0)
-    dtype: str | None = None
-    device: str | None = None  # None: cuda when Ray gave the replica a GPU, else cpu
-    num_threads: int | None = Field(None, ge=1)  # torch CPU threads per replica
-    # requests a verifier replica's engine keeps waiting for a KV slot before it answers 429;
-    # None: what the verifier's max_ongoing_requests leaves past the running ones
-    max_num_waiting: int | None = Field(None, ge=0)
-    # chunked prefill: target tokens per engine step (decode/verify rows first, then prompt chunks);
-    # None: whole prompts in one step (unbounded prefill memory)
-    max_num_batched_tokens: int | None = Field(2048, ge=1)
-    # tensor parallelism: the verifier replica reserves one placement group bundle per rank
-    # (verifier.placement_group_strategy, STRICT_PACK by default) and starts ranks 1..N-1 there
-    tensor_parallel_size: int = Field(1, ge=1)
-    # the paged KV cache: positions per block, and automatic prefix caching (vLLM's names)
-    block_size: int = Field(16, ge=1)
-    enable_prefix_caching: bool = True
-    # the compiled step (torch.compile; CUDA graphs on CUDA); None: off on CPU, on CUDA what a timed
-    # decode forward finds faster when the engine is built (rayspec.compiled)
-    compile: bool | None = None
-    # the compiled step's attention reads the paged KV pool in place (rayspec.paged_attention)
-    paged_attention: bool = False
 
 
 class RayActorOptions(BaseModel):
@@ -237,10 +163,10 @@ INGRESS_RESERVE = 32  # Serve's max_ongoing_requests for the ingress: its admiss
 
 
 class AppArgs(_Strict):
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     served_model_name: str | None = None  # the `model` clients send; default: `model`
-    speculative: SpeculativeArgs = Field(default_factory=SpeculativeArgs)
-    engine: EngineArgs = Field(default_factory=EngineArgs)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
     topology: Literal["colocated", "disaggregated"] = "colocated"
     ingress: DeploymentArgs = Field(default_factory=DeploymentArgs)
     verifier: DeploymentArgs = Field(default_factory=DeploymentArgs)
@@ -290,8 +216,8 @@ class AppArgs(_Strict):
     @classmethod
     def _vllm_dialect(cls, data: Any) -> Any:
         """vLLM's names onto ours: `speculative_config`, engine keys at the top level (deployments/vllm_names.py)."""
-        return translate_vllm_args(data, app_fields=set(cls.model_fields), engine_fields=set(EngineArgs.model_fields),
-                                   spec_fields=set(SpeculativeArgs.model_fields))
+        return translate_vllm_args(data, app_fields=set(cls.model_fields), engine_fields=field_names(EngineSettings),
+                                   spec_fields=field_names(SpeculativeConfig))
 
     @field_validator("api_key")
     @classmethod
@@ -304,6 +230,14 @@ class AppArgs(_Strict):
     @classmethod
     def _local_model(cls, spec: str) -> str:
         return resolve_local_path(spec)
+
+    @field_validator("speculative")
+    @classmethod
+    def _served_proposer(cls, spec: SpeculativeConfig) -> SpeculativeConfig:
+        if feeds_target_features(spec.method) and not spec.draft_model:
+            raise ValueError(f"method {spec.method!r} needs the EAGLE head's location in draft_model")
+        local = resolve_local_path(spec.draft_model)
+        return spec if local == spec.draft_model else dataclasses.replace(spec, draft_model=local)
 
     @model_validator(mode="after")
     def _topology(self):
@@ -338,10 +272,11 @@ class AppArgs(_Strict):
         return self.served_model_name or self.model
 
     def engine_config(self) -> EngineConfig:
-        engine = self.engine.model_dump()
+        engine = dataclasses.asdict(self.engine)
         if engine["max_num_waiting"] is None:  # all a verifier replica takes in beyond its running ones
             engine["max_num_waiting"] = max(0, self.verifier_max_ongoing - self.engine.max_num_seqs)
-        return EngineConfig(model=self.model, speculative=self.speculative.to_config(), **engine)
+        # a copy of the speculative settings: the engine's may be changed without changing these
+        return EngineConfig(model=self.model, speculative=dataclasses.replace(self.speculative), **engine)
 
     # ---- deployment options -------------------------------------------------------------
     @property

@@ -27,8 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from deployments.config import AppArgs, DeploymentArgs, EngineArgs
+from deployments.config import AppArgs, DeploymentArgs
 from deployments.vllm_names import _as_object, _fields, _unknown
+from rayspec.config import EngineSettings, field_names
 
 APP_IMPORT_PATH = "deployments.app:build_app"
 LLM_APP_IMPORT_PATH = "deployments.app:build_llm_app"
@@ -130,7 +131,7 @@ def translate_llm_app_args(args: Any) -> dict:
     put("served_model_name", loading["model_id"])
 
     engine = _as_object(cfg.get("engine_kwargs") or {}, "engine_kwargs")
-    accepted = _fields(EngineArgs) | {"speculative_config", "kv_cache_memory_bytes", "gpu_memory_utilization"}
+    accepted = field_names(EngineSettings) | {"speculative_config", "kv_cache_memory_bytes", "gpu_memory_utilization"}
     unknown = set(engine) - accepted
     if unknown:
         raise _unknown("engine_kwargs", unknown, accepted)

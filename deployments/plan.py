@@ -7,6 +7,8 @@ sets the figures against a GPU size. Ray's fractional `num_gpus` is a scheduling
 memory limit: replicas packed onto one GPU share its memory, so the worst packing is checked too.
 A tensor-parallel verifier replica is N processes, one per placement-group bundle (rank 0 is the
 replica itself): each is planned and checked against a GPU of its own (its bundle's share).
+
+It also prints what each deployment asks Ray to schedule, against this machine (deployments.resources).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from deployments.config import AppArgs, load_app_args
 from deployments.dialects import APP_IMPORT_PATHS, app_args_of
+from deployments.resources import Machine, ResourcePlan, resource_lines, resource_plan, resources_json
 from rayspec import loader
 from rayspec.memory import (GB, DraftShape, ModelShape, ProcessPlan, as_shape, causal_lm_weights, engine_plan,
                             generic_weights, proposer_plan)
@@ -92,7 +95,7 @@ def model_shape(spec: str, num_layers: int | None = None) -> ModelShape:
 
 
 def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> DraftShape:
-    """What the proposer of `spec` (a SpeculativeConfig, or the SpeculativeArgs of a serve config)
+    """What the proposer of `spec` (a SpeculativeConfig, as a serve config's `speculative`)
     loads for the target `target_model`: a draft LM's shape (draft_num_layers applied, as
     load_model does), or an EAGLE head's config; where the head is a local safetensors checkpoint
     its tensor names tell whether it has an embedding of its own (else: the target's is shared)."""
@@ -185,6 +188,8 @@ class DeploymentPlan:
         return int((self.share if share is None else share) * gpu_memory)
 
 
+# ---- the memory plan of an application -------------------------------------------------------------
+
 @dataclass
 class AppPlan:
     config: str
@@ -192,6 +197,7 @@ class AppPlan:
     args: AppArgs
     target: ModelArgs
     draft: DraftShape
+    resources: ResourcePlan
     deployments: list[DeploymentPlan] = field(default_factory=list)
     generic: bool = False  # the target runs on the generic path
     checkpoints: list["CheckpointSize"] = field(default_factory=list)  # the quantized ones
@@ -225,7 +231,7 @@ def plan_app(config: str, name: str, args: dict | AppArgs) -> AppPlan:
     target = model_shape(cfg.model)
     draft = draft_shape(cfg.speculative, cfg.model, target)
     engine = cfg.engine_config()
-    app = AppPlan(config, name, cfg, target.args, draft, generic=target.generic is not None)
+    app = AppPlan(config, name, cfg, target.args, draft, resource_plan(cfg), generic=target.generic is not None)
 
     def device(deployment) -> str:  # as deployments.config.replica_device: CUDA when Ray gives a GPU
         return cfg.engine.device or ("cuda" if deployment.ray_actor_options.num_gpus else "cpu")
@@ -410,7 +416,7 @@ def _process_rows(p: ProcessPlan, indent: str = "  ") -> list[str]:
     return [f"{indent}{name:<30}{fmt_bytes(n):>11}  {detail}".rstrip() for name, n, detail in rows]
 
 
-def format_app(app: AppPlan, gpu_memory: int | None) -> str:
+def format_app(app: AppPlan, gpu_memory: int | None, machine: Machine | None = None) -> str:
     cfg = app.args
     out = [f"{app.config}: application {app.name!r}, topology {cfg.topology}"]
     out += _describe_models(app)
@@ -472,6 +478,7 @@ def format_app(app: AppPlan, gpu_memory: int | None) -> str:
                    f"(GPUs of all replicas: {gpus:g})")
     if app.fit is not None:
         out += _fit_lines(app)
+    out += [""] + resource_lines(app.resources, machine or Machine.detected())
     out += measured_step_lines(app.target)
     return "\n".join(out)
 
@@ -525,7 +532,7 @@ def _process_json(p: ProcessPlan, budget: int | None) -> dict:
     }
 
 
-def app_json(app: AppPlan, gpu_memory: int | None) -> dict:
+def app_json(app: AppPlan, gpu_memory: int | None, machine: Machine | None = None) -> dict:
     """Per deployment: its replica's process (with tp: rank 0) at the top level, `followers` the
     figures of each of ranks 1..N-1 (None without tp)."""
     deployments = []
@@ -541,6 +548,7 @@ def app_json(app: AppPlan, gpu_memory: int | None) -> dict:
     return {"config": app.config, "application": app.name, "topology": app.args.topology, "model": app.args.model,
             "method": app.args.speculative.method, "target": dataclasses.asdict(app.target), "generic": app.generic,
             "gpu_memory": gpu_memory, "deployments": deployments, "fits": fits,
+            "resources": resources_json(app.resources, machine or Machine.detected()),
             "checkpoints": [{**dataclasses.asdict(c), "dtype": str(c.dtype).removeprefix("torch.")}
                             for c in app.checkpoints],
             "fit": None if app.fit is None else [

@@ -59,7 +59,7 @@ def make_proposer(args):
     context = ProposerContext(cfg.model, cfg.engine.max_model_len, cfg.proposer_num_slots(), device,
                               parse_dtype(cfg.engine.dtype, device),
                               max_num_batched_tokens=cfg.engine.max_num_batched_tokens)
-    return build_proposer(cfg.speculative.to_config(), context), device
+    return build_proposer(cfg.speculative, context), device
 
 
 def feature_width(proposer) -> int | None:

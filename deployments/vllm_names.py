@@ -52,7 +52,7 @@ def infer_vllm_method(model: str) -> str:
 
 def translate_speculative_config(spec: Any, spec_fields: set[str]) -> dict:
     """vLLM's speculative_config (a mapping or its JSON) -> our `speculative` keys (`spec_fields`:
-    SpeculativeArgs' fields)."""
+    rayspec.config.SpeculativeConfig's fields)."""
     from rayspec.proposers import PROPOSERS
 
     spec = _as_object(spec, "speculative_config")
@@ -117,7 +117,7 @@ def translate_vllm_engine(engine: dict, where: str) -> dict:
 
 def translate_vllm_args(data: Any, *, app_fields: set[str], engine_fields: set[str], spec_fields: set[str]) -> Any:
     """App args that may use vLLM's names -> rayspec's (AppArgs' before-validator, which passes the
-    field names of AppArgs, EngineArgs and SpeculativeArgs). Anything else is left to AppArgs, whose
+    field names of AppArgs, EngineSettings and SpeculativeConfig). Anything else is left to AppArgs, whose
     unknown-key errors then name what is left."""
 
     if not isinstance(data, dict):

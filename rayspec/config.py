@@ -1,64 +1,84 @@
-"""Engine and speculation configuration (plain dataclasses, checked on construction)."""
+"""Engine and speculation configuration: the one definition of each setting, its default and its checks.
+
+Pydantic dataclasses: every construction (a YAML's mapping through deployments.config.AppArgs, a
+keyword call, `dataclasses.replace`) is validated the same way, types coerced and bounds checked
+(a bad value raises pydantic's ValidationError, a ValueError naming the field), and they stay
+plain dataclasses for the core (`dataclasses.fields` / `asdict` / `replace`, pickled to workers).
+Ray is not needed: deployments.config embeds these in the serve app's args.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import field
+from typing import Annotated
 
 import torch
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+# unknown keys are errors (a misspelt setting must not pass silently as its default)
+_STRICT = ConfigDict(extra="forbid")
+
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
 
 
-@dataclass
+def field_names(cls) -> set[str]:
+    """The settings a config class takes (deployments' dialects check keys against these)."""
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+@dataclass(config=_STRICT)
 class SpeculativeConfig:
     method: str = "ngram"  # a name in rayspec.proposers.PROPOSERS
-    num_speculative_tokens: int = 5  # the maximum draft length k
+    num_speculative_tokens: NonNegative = 5  # the maximum draft length k (method none: 0)
     # cost-aware drafting (rayspec.drafting): per step and sequence, draft only what pays (k for
     # chains, the node budget for trees, 0 when nothing does). False: always the full budget
     adaptive: bool = True
     # the step costs the planner weighs: None, timed online (host timers, calibrated at warm-up);
     # or fixed coefficients (rayspec.drafting.ModelledCosts: step_s, row_s, row_context_s,
     # propose_s, propose_depth_s, propose_depth_batch_s), the same plans on every machine
-    draft_costs: dict | None = None
+    draft_costs: dict[str, float] | None = None
     # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
+    prompt_lookup_min: Positive = 2
+    prompt_lookup_max: Positive = 5
     # draft_model: the draft LM; eagle3 / eagle: the head (hub id or directory)
     draft_model: str | None = None  # hub id, directory or .gguf; None: the target's own checkpoint
-    draft_num_layers: int | None = None  # keep only the first N layers of the draft checkpoint
+    draft_num_layers: Positive | None = None  # keep only the first N layers of the draft checkpoint
     draft_dtype: str | None = None
     # draft_model: "int8" loads the draft with weight-only int8 linears (rayspec.quantize): a quarter
     # of float32's bytes per decoded token; the target's own checkpoint so is a cheap, close draft
     draft_quantization: str | None = None
     # draft_model split over the target's tensor-parallel ranks (vLLM's name): 1 (or None) keeps it
     # whole on rank 0's device; otherwise it must equal EngineConfig.tensor_parallel_size
-    draft_tensor_parallel_size: int | None = None
+    draft_tensor_parallel_size: Positive | None = None
     # eagle3 / eagle tree drafting (names as SGLang's): branching per node (1 = a chain) and
     # tree depth (None: num_speculative_tokens); num_speculative_tokens caps the tree's nodes
-    eagle_topk: int = 1
-    num_steps: int | None = None
+    eagle_topk: Positive = 1
+    num_steps: Positive | None = None
     # tree drafts stop growing deeper once the frontier's summed path probability (the head's
     # own estimate of reaching that depth) is below this: a head step costs more than it returns
     # there. 0: always num_steps deep.
-    eagle_stop_prob: float = 0.0
+    eagle_stop_prob: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     # EAGLE trees also take the n-gram prompt-lookup continuation (prompt_lookup_min/max)
     # of up to this many tokens as one more branch, verified first; the node budget stays
     # num_speculative_tokens. 0: off. Repetitive text (code, quoting the prompt) gains most.
-    eagle_prompt_lookup: int = 0
+    eagle_prompt_lookup: NonNegative = 0
     # trees only while at most this many sequences run: a tree multiplies the verified rows,
     # cheap at batch 1, not at batch 8 (there chains with the adaptive k take over)
-    tree_max_batch: int = 2
+    tree_max_batch: NonNegative = 2
     # no drafts at all while this many sequences or more run (as vLLM's
     # speculative_disable_by_batch_size): large batches already use the target's compute well
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: Positive | None = None
 
     def __post_init__(self):
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
-        if self.eagle_topk < 1 or (self.num_steps is not None and self.num_steps < 1):
-            raise ValueError("eagle_topk and num_steps must be >= 1")
-        if self.eagle_prompt_lookup < 0:
-            raise ValueError("eagle_prompt_lookup must be >= 0")
-        if not 0.0 <= self.eagle_stop_prob < 1.0:
-            raise ValueError("eagle_stop_prob must be in [0, 1)")
+        from rayspec.proposers import PROPOSERS
+
+        if self.method not in PROPOSERS:
+            raise ValueError(f"unknown speculative method {self.method!r}; registered: {sorted(PROPOSERS)}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.draft_quantization is not None:
             from rayspec.quantize import check_scheme
 
@@ -73,29 +93,32 @@ class SpeculativeConfig:
             self.num_speculative_tokens = 0
 
 
-@dataclass
-class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    device: str | None = None  # None: cuda when visible, else cpu
+@dataclass(config=_STRICT)
+class EngineSettings:
+    """How the engine runs: a serve config's `engine:` section (EngineConfig adds what it runs)."""
+
+    device: str | None = None  # None: cuda when visible (served: when Ray gave the replica a GPU), else cpu
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    max_model_len: int = 2048
-    max_num_seqs: int = 16
-    kv_cache_memory_gb: float = 2.0  # target + draft KV budget; bounds the concurrent sequences
-    num_threads: int | None = None  # torch intra-op threads on CPU
+    max_model_len: Annotated[int, Field(ge=2)] = 2048
+    max_num_seqs: Positive = 16
+    kv_cache_memory_gb: Annotated[float, Field(gt=0)] = 2.0  # target + draft KV budget; bounds the concurrent sequences
+    # torch intra-op threads on CPU (served: per replica; Ray's num_cpus is a scheduling share, not this)
+    num_threads: Positive | None = None
     # requests waiting for a KV slot past which add_request refuses new ones (EngineOverloadedError);
-    # None: unbounded. A resumed request (a failover from a lost replica) is always taken.
-    max_num_waiting: int | None = None
+    # None: unbounded (served: what the verifier's max_ongoing_requests leaves past the running ones,
+    # after which the replica answers 429). A resumed request (a failover from a lost replica) is always taken.
+    max_num_waiting: NonNegative | None = None
     # chunked prefill (vLLM's name): at most this many tokens go through the target in one step,
     # decode and verification rows first, then prompt chunks (a long prompt takes several steps,
     # interleaved with the running requests' decoding). Bounds prefill activations and attention
     # scores to one chunk's worth. None: no chunking (a whole prompt per step).
-    max_num_batched_tokens: int | None = 2048
+    max_num_batched_tokens: Positive | None = 2048
     # tensor parallelism (vLLM's name): the target's layers split over this many ranks (processes,
-    # one device each); rank 0 runs the engine, the others only forwards (rayspec.parallel)
-    tensor_parallel_size: int = 1
+    # one device each); rank 0 runs the engine, the others only forwards (rayspec.parallel). Served,
+    # the verifier replica reserves one placement group bundle per rank (verifier.placement_group_strategy)
+    tensor_parallel_size: Positive = 1
     # the paged KV cache: positions per block; kv_cache_memory_gb is a pool of such blocks
-    block_size: int = 16
+    block_size: Positive = 16
     # automatic prefix caching (vLLM's name): full blocks of verified tokens are kept (LRU) and shared
     # by later requests whose prompts start with the same tokens
     enable_prefix_caching: bool = True
@@ -110,29 +133,31 @@ class EngineConfig:
     paged_attention: bool = False
 
     def __post_init__(self):
-        if isinstance(self.speculative, dict):
-            self.speculative = SpeculativeConfig(**self.speculative)
-        if self.max_model_len < 2 or self.max_num_seqs < 1 or self.kv_cache_memory_gb <= 0:
-            raise ValueError("max_model_len >= 2, max_num_seqs >= 1 and kv_cache_memory_gb > 0 required")
-        if self.max_num_waiting is not None and self.max_num_waiting < 0:
-            raise ValueError("max_num_waiting must be >= 0 (or None: unbounded)")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.paged_attention and self.compile is False:
+            raise ValueError("paged_attention is the compiled step's attention: it needs compile true (or unset)")
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(config=_STRICT)
+class EngineConfig(EngineSettings):
+    """Everything an LLMEngine is built from: the model, its proposer's settings, how it runs."""
+
+    model: str = DEFAULT_MODEL
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
         draft_tp = self.speculative.draft_tensor_parallel_size
         if draft_tp not in (None, 1, self.tensor_parallel_size):
             raise ValueError(f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
                              f"({self.tensor_parallel_size}), not {draft_tp}")
         if draft_tp not in (None, 1) and self.speculative.method != "draft_model":
             raise ValueError("draft_tensor_parallel_size > 1 applies to method draft_model only")
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1 (or None: no chunked prefill)")
-        if self.paged_attention and self.compile is False:
-            raise ValueError("paged_attention is the compiled step's attention: it needs compile true (or unset)")
 
 
-@dataclass
+@dataclasses.dataclass
 class ProposerContext:
     """What a proposer may need from the engine it serves."""
 

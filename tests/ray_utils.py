@@ -106,6 +106,21 @@ def serving(*apps):
         delete_apps(names)
 
 
+def cpus_in_use(settle_s: float = 0.0, expect: float | None = None) -> float:
+    """Logical CPUs of the cluster that actors hold now; with `expect`, polled up to settle_s until it
+    is that (Ray's available count trails placement by a moment)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        used = ray.cluster_resources().get("CPU", 0.0) - ray.available_resources().get("CPU", 0.0)
+        if expect is None or abs(used - expect) < 1e-6 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
 def delete_apps(names=None) -> None:
     """Delete these apps (all of them: None) from the shared Serve instance, if it runs."""
     from ray import serve

@@ -6,6 +6,7 @@ the tiny model beside the same app written our way (one local Ray for the module
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ CONFIGS = REPO / "configs"
 
 
 def spec_of(speculative_config, **args) -> dict:
-    return AppArgs.model_validate({"speculative_config": speculative_config, **args}).speculative.model_dump()
+    return dataclasses.asdict(AppArgs.model_validate({"speculative_config": speculative_config, **args}).speculative)
 
 
 # ---- vLLM's speculative_config --------------------------------------------------------------------
@@ -295,13 +296,13 @@ def test_rayspec_serve_flags_override_the_config(tmp_path):
 def test_rayspec_serve_engine_flags_come_from_the_engine_config():
     """One list of engine settings: every scalar EngineConfig field is a `rayspec serve` flag and a key
     of the serve app's engine args, and a flag reaches the engine args."""
-    from deployments.config import EngineArgs
     from rayspec.cli import engine_flag_fields
+    from rayspec.config import EngineSettings, field_names
 
     names = {name for name, _, _ in engine_flag_fields()}
     assert {"max_model_len", "max_num_seqs", "kv_cache_memory_gb", "block_size", "enable_prefix_caching",
             "max_num_batched_tokens", "tensor_parallel_size", "dtype"} <= names
-    assert names <= set(EngineArgs.model_fields), names - set(EngineArgs.model_fields)
+    assert names <= field_names(EngineSettings), names - field_names(EngineSettings)
     cfg = parse_serve("m", "--kv-cache-memory-gb", "0.5", "--block-size", "32", "--no-enable-prefix-caching",
                       "--max-num-batched-tokens", "512")[0]
     assert (cfg.engine.kv_cache_memory_gb, cfg.engine.block_size, cfg.engine.enable_prefix_caching,

@@ -15,7 +15,9 @@ import torch
 
 from engine_utils import cached_model, make_engine
 from hub_server import FakeHub, use_hub
-from deployments.plan import draft_shape, model_shape, parse_size, shape_of
+from deployments.plan import draft_shape, model_shape, parse_size, read_serve_config, shape_of
+from deployments.resources import Machine, resource_lines, resource_plan
+from deployments.config import load_app_args
 from rayspec.cli import main
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.loader import READ_CHUNK_BYTES, empty_model
@@ -148,6 +150,62 @@ def test_cli_on_the_default_config(smollm2, capsys):
     out = capsys.readouterr().out
     assert "Verifier: 1 replica, no num_gpus: cpu, float32 (host memory; no GPU)" in out
     assert "eagle3 head KV cache" in out and "verdict" not in out  # no GPU deployment, no GPU verdict
+    assert "  Verifier: 1 replica x 1 CPU, 0 GPUs" in out and "to start: 1.5 CPUs, 0 GPUs; this machine has" in out
+
+
+CPU_MACHINE = Machine(cpus=2, gpus=0)  # this project's CI machine: 2 cores, no GPU
+
+
+def cpu_only_configs() -> list[Path]:
+    """The shipped serve configs none of whose deployments asks for a GPU (no model is read)."""
+    out = []
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        if path.name == "cluster.yaml":  # a cluster launcher config, not a serve config
+            continue
+        plans = [resource_plan(load_app_args(args)) for _, args in read_serve_config(path)]
+        if all(plan.gpus(at_max=True) == 0 for plan in plans):
+            out.append(path)
+    return out
+
+
+def test_every_cpu_only_config_starts_on_two_cpus():
+    """Issue 37, item 7: `serve run` of each CPU-only config in configs/ gets its replicas placed on a
+    2-CPU machine with Ray's detected resources: the CPUs its deployments ask for (Ray's count, from
+    the options build_app gives Serve) sum to at most 2. Above that a replica waits to be scheduled
+    forever (configs/eagle3_async.yaml asked for 2.5)."""
+    configs = cpu_only_configs()
+    assert {"default.yaml", "baseline.yaml", "eagle3_async.yaml", "draft_async.yaml",
+            "eagle3_async_paired.yaml"} <= {p.name for p in configs}
+    for path in configs:
+        for name, args in read_serve_config(path):
+            plan = resource_plan(load_app_args(args))
+            assert plan.fits(CPU_MACHINE), (path.name, plan.cpus())
+            assert resource_lines(plan, CPU_MACHINE)[-1 if plan.cpus(True) == plan.cpus() else -2].endswith("fits")
+
+
+def test_resource_count_per_deployment_and_what_the_machine_lacks():
+    """The count follows the options Serve gets: defaults (ingress 0.5, verifier 1, proposer 1), a
+    pool proposer, a paired proposer's bundle in the verifier's placement group, GPUs per bundle, autoscaling's
+    start and max; a machine without them is told so, by how much."""
+    pool = resource_plan(load_app_args({"topology": "disaggregated", "speculative": {"method": "draft_model"}}))
+    assert [(d.name, d.replicas, d.cpus, d.gpus) for d in pool.deployments] == [
+        ("OpenAIIngress", 1, 0.5, 0), ("Verifier", 1, 1, 0), ("Proposer", 1, 1, 0)]
+    assert pool.cpus() == 2.5 and not pool.fits(CPU_MACHINE)
+    lines = resource_lines(pool, CPU_MACHINE)
+    assert "to start: 2.5 CPUs, 0 GPUs; this machine has 2 CPUs and 0 GPUs: does not fit (0.5 CPUs short)" in lines[-1]
+    paired = resource_plan(load_app_args({
+        "topology": "disaggregated", "proposer_placement": "paired", "speculative": {"method": "draft_model"},
+        "engine": {"tensor_parallel_size": 2},
+        "verifier": {"ray_actor_options": {"num_cpus": 2, "num_gpus": 1}},
+        "proposer": {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0.5}}}))
+    (_, verifier) = paired.deployments  # no Proposer deployment: its bundle is the verifier's last
+    assert (verifier.bundles, verifier.cpus, verifier.gpus) == (3, 5, 2.5)
+    assert not paired.fits(Machine(cpus=16, gpus=2)) and paired.fits(Machine(cpus=16, gpus=3))
+    assert "0.5 GPUs short" in resource_lines(paired, Machine(cpus=16, gpus=2))[-1]
+    scaled = resource_plan(load_app_args({"verifier": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}}))
+    assert (scaled.cpus(), scaled.cpus(at_max=True)) == (1.5, 3.5)
+    assert scaled.fits(CPU_MACHINE) and not scaled.fits(CPU_MACHINE, at_max=True)
+    assert "another node" in resource_lines(scaled, CPU_MACHINE)[-1]
 
 
 def test_cli_refuses_unknown_app_and_size(capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -195,10 +196,14 @@ def test_defaults_and_overrides():
 def test_default_config_served(smollm2, serve_url):
     """configs/default.yaml as written (real SmolLM2-135M on CPU), over HTTP with the openai client:
     the served greedy answer is the target's own (an in-process engine without speculation), and
-    the app's counters hold exactly that request's drafts."""
+    the app's counters hold exactly that request's drafts. The shared cluster counts more logical CPUs
+    than this 2-core machine has (for other modules): the app holds what `rayspec plan` counts, at
+    most 2, so it would start with Ray's detected resources too."""
     import openai
     from ray import serve
-    from ray_utils import serving
+    from ray_utils import cpus_in_use, serving
+
+    from deployments.resources import resource_plan
 
     from rayspec.config import SpeculativeConfig
     from rayspec.engine import LLMEngine
@@ -214,7 +219,11 @@ def test_default_config_served(smollm2, serve_url):
     target = LLMEngine(config)
     ref = target.generate([target.encode_chat(messages)], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     del target
+    cpus = resource_plan(AppArgs.model_validate(args)).cpus()
+    assert cpus <= 2
+    idle = cpus_in_use()
     with serving(("rayspec", build_app(args), "/")):
+        assert cpus_in_use(settle_s=10, expect=idle + cpus) == idle + cpus
         client = openai.OpenAI(base_url=f"{serve_url}/v1", api_key="x", max_retries=0, timeout=120)
         resp = client.chat.completions.create(model=args["served_model_name"], temperature=0, max_tokens=max_tokens,
                                               messages=messages)
@@ -241,6 +250,48 @@ def test_async_configs_and_their_colocated_twins():
         assert twin.topology == "colocated"
         assert a.speculative == twin.speculative, async_name
         assert a.engine.num_threads == 1
-        assert a.engine.model_dump(exclude={"num_threads"}) == twin.engine.model_dump(exclude={"num_threads"})
+        assert dataclasses.replace(a.engine, num_threads=None) == dataclasses.replace(twin.engine, num_threads=None)
     draft = AppArgs.model_validate(app_args(CONFIGS / "draft_async.yaml")).speculative
     assert draft.draft_quantization == "int8" and not draft.adaptive and draft.draft_num_layers is None
+
+
+def test_draft_costs_from_a_serve_yaml():
+    """Issue 34: cost-aware drafting's fixed coefficients (SpeculativeConfig.draft_costs) set in a
+    serve config reach the engine (and a disaggregated proposer: the same `speculative`), in our
+    `speculative` and in vLLM's `speculative_config`; a wrong key is refused by name."""
+    text = """
+applications:
+  - name: rayspec
+    route_prefix: /
+    import_path: deployments.app:build_app
+    args:
+      speculative: {method: ngram, draft_costs: {step_s: 0.02, row_s: 0.001, propose_s: 0.0005}}
+"""
+    (app,) = yaml.safe_load(text)["applications"]
+    cfg = AppArgs.model_validate(app_args_of(app))
+    want = {"step_s": 0.02, "row_s": 0.001, "propose_s": 0.0005}
+    assert cfg.speculative.draft_costs == want and cfg.engine_config().speculative.draft_costs == want
+    build_app(app_args_of(app))
+    vllm = AppArgs.model_validate({"speculative_config": {"method": "ngram", "draft_costs": want}})
+    assert vllm.engine_config().speculative.draft_costs == want
+    with pytest.raises(ValidationError, match="draft_costs: unknown keys .'step'."):
+        AppArgs.model_validate({"speculative": {"draft_costs": {"step": 0.02}}})
+    with pytest.raises(ValidationError, match="draft_costs"):
+        AppArgs.model_validate({"speculative": {"draft_costs": {"step_s": -1}}})
+
+
+def test_app_args_embed_the_engine_config():
+    """One config source: the app's `speculative` and `engine` are rayspec.config's own classes, with
+    their defaults and rules (method none drafts nothing; bounds checked where they are defined)."""
+    from rayspec.config import EngineConfig, EngineSettings, SpeculativeConfig
+
+    cfg = AppArgs.model_validate({"speculative": {"method": "none"}, "engine": {"max_num_seqs": 3}})
+    assert type(cfg.speculative) is SpeculativeConfig and type(cfg.engine) is EngineSettings
+    assert cfg.speculative.num_speculative_tokens == 0
+    engine = cfg.engine_config()
+    assert type(engine) is EngineConfig and engine.max_num_seqs == 3 and engine.speculative == cfg.speculative
+    engine.speculative.num_speculative_tokens = 4  # the engine's copy: the app's settings stay
+    assert cfg.speculative.num_speculative_tokens == 0
+    assert AppArgs().speculative == SpeculativeConfig() and AppArgs().engine == EngineSettings()
+    with pytest.raises(ValidationError, match="engine.block_size"):
+        AppArgs.model_validate({"engine": {"block_size": 0}})
