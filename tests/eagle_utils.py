@@ -54,7 +54,7 @@ def copy_head(target_dir, draft_tokens: list[int]):
 
 
 def oracle_head(target_dir, num_target_layers: int, hidden: int, sequences: list[list[int]], kind: str = "eagle3"):
-    """An EAGLE-3 head set by hand to draft the target's own greedy continuations: a bigram table
+    """An EAGLE-3 (or, kind "eagle", EAGLE-1) head set by hand to draft the target's own greedy continuations: a bigram table
     "after token t comes next[t]" read off `sequences` (prompts + their greedy outputs; a token seen
     before several others keeps its most frequent successor), built as copy_head is (attention copies
     the current token's normed embedding) with lm_head rows that map each token's embedding to its
@@ -68,8 +68,11 @@ def oracle_head(target_dir, num_target_layers: int, hidden: int, sequences: list
     for seq in sequences:
         for a, b in zip(seq, seq[1:]):
             follows.setdefault(a, Counter())[b] += 1
-    emb = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"].float()
+    weights = load_file(str(target_dir / "model.safetensors"))
+    emb = weights["model.embed_tokens.weight"].float()
     vocab = emb.shape[0]
+    if kind == "eagle":
+        return _oracle_eagle1(target_dir, num_target_layers, hidden, follows, emb, weights["lm_head.weight"].float())
     config = new_eagle_config(kind, target_dir, num_target_layers, hidden, draft_vocab_size=vocab)
     torch.manual_seed(0)
     head = build_head(config)
@@ -93,4 +96,27 @@ def oracle_head(target_dir, num_target_layers: int, hidden: int, sequences: list
             head.lm_head.weight[counts.most_common(1)[0][0], :width] += normed[t, :width]
         head.d2t.zero_()
         head.t2d.fill_(True)
+    return head
+
+
+def _oracle_eagle1(target_dir, num_target_layers, hidden, follows, emb, lm_head):
+    """EAGLE-1 form of oracle_head: its logits are the target's LM head applied to its output, so fc
+    maps each token's embedding to (a multiple of) its successor's LM-head row (least squares over
+    the table: exact while it has at most `hidden` tokens) and the layers pass that through
+    (attention and MLP outputs zeroed); the target feature half of fc is zero."""
+    config = new_eagle_config("eagle", target_dir, num_target_layers, hidden)
+    torch.manual_seed(0)
+    head = build_head(config)
+    tokens = sorted(follows)
+    rows = torch.stack([lm_head[follows[t].most_common(1)[0][0]] for t in tokens])  # [n, H]
+    rows = 4.0 * rows / rows.norm(dim=-1, keepdim=True)
+    fit = torch.linalg.lstsq(emb[tokens], rows).solution  # [H, H]: emb[t] @ fit ~ rows
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        if head.fc.bias is not None:
+            head.fc.bias.zero_()
+        head.fc.weight[:, :emb.shape[1]] = fit.T
+        for layer in head.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
     return head
