@@ -140,6 +140,27 @@ def test_remote_proposer_carries_features_and_trees(eagle_setup):
     assert remote.num_resent == 0 and not remote._sent  # one replica: never resent; host copies freed
 
 
+def test_remote_eagle1_proposer_drafts_chains_from_the_last_hidden_state(eagle_setup):
+    """EAGLE-1 (method "eagle") through the proposer deployment's class and RemoteProposer, as the
+    "chain" app serves it, without Ray: the verifier sends the target's last hidden state, the oracle
+    head's chains come back, most are accepted, and the output is the target's own greedy output."""
+    spec = _spec(eagle_setup["head1"], 1, "eagle")
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=spec,
+                     engine={**ENGINE, "device": "cpu"})
+    handle = _LocalHandle(Proposer.func_or_class(args))
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", direct=False)
+    assert remote.feature_layers == ()
+    engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
+                                    speculative=SpeculativeConfig(**spec)), proposer=remote)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in eagle_setup["ref"]]
+    sent = [r for name, args in handle.calls if name == "propose" for r in args[0]]
+    assert sent and sent[0].features.shape[-1] == 64  # the last hidden state, one position per row
+    stats = engine.stats
+    print("eagle1 remote", stats.as_dict())
+    assert stats.num_accepted_tokens > stats.num_draft_tokens / 2, stats.as_dict()
+
+
 @pytest.mark.parametrize("route", ["replaced", "round-robin"])
 def test_remote_eagle_proposer_survives_other_replicas(eagle_setup, route):
     """Several proposer replicas: the verifier's calls may land on a replica that lacks a
