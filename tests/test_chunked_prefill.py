@@ -14,8 +14,7 @@ import torch
 
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, make_engine, run_to_completion, submit_all
-from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
-from rayspec.eagle.head import attach_target, build_head
+from rayspec.eagle.checkpoint import save_eagle_head
 from rayspec.runner import catch_up_pieces, prefill_groups
 from rayspec.sampling import SamplingParams
 
@@ -45,10 +44,19 @@ def target(target_dir):
 
 
 @pytest.fixture(scope="module")
-def head_dir(target_dir, target, tmp_path_factory) -> Path:
-    torch.manual_seed(2)
-    head = build_head(new_eagle_config("eagle3", target_dir, LAYERS, HIDDEN))
-    attach_target(head, target[0], has_own_embedding=False)
+def target_only(target_dir, target) -> list[list[int]]:
+    """Target-only greedy outputs of PROMPTS, 24 tokens each."""
+    engine = make_engine(target_dir, "none", loaded=target)
+    return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))]
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, target_only, tmp_path_factory) -> Path:
+    """An oracle head (eagle_utils.oracle_head): it drafts the target's greedy continuations of PROMPTS,
+    so accepted tree paths (and the head's features of accepted tokens) meet chunked prefill."""
+    from eagle_utils import oracle_head
+
+    head = oracle_head(target_dir, LAYERS, HIDDEN, [p[-1:] + r for p, r in zip(PROMPTS, target_only)])
     return save_eagle_head(head, tmp_path_factory.mktemp("chunk-head") / "head", dtype=torch.float32)
 
 
@@ -90,7 +98,7 @@ def _same_logprobs(got, ref) -> None:
 # ---- exactness ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3"])
-def test_chunked_prefill_changes_nothing(target_dir, target, draft_dir, head_dir, method):
+def test_chunked_prefill_changes_nothing(target_dir, target, draft_dir, head_dir, target_only, method):
     """Greedy outputs, logprobs and prompt logprobs with small budgets (prompts in 2-12 chunks,
     requests joining mid-decode) equal those of whole-prompt prefill, token for token."""
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, prompt_logprobs=1)
@@ -112,8 +120,13 @@ def test_chunked_prefill_changes_nothing(target_dir, target, draft_dir, head_dir
             _same_logprobs(got.prompt_logprobs, ref.prompt_logprobs)
         # the long prompts really were split: some step prefilled a chunk shorter than its prompt
         assert any(0 < n < len(PROMPTS[3]) and padded <= budget for forwards in steps for n, padded in forwards)
-    if method in ("ngram", "draft_model"):  # drafts both accepted and rejected (the random head's: rejected)
+    assert [r.token_ids for r in reference] == target_only
+    if method in ("ngram", "draft_model"):  # drafts both accepted and rejected
         assert 0 < ref_engine.stats.num_accepted_tokens < ref_engine.stats.num_draft_tokens
+    if method == "eagle3":  # the oracle head: most drafted paths accepted (mean accepted length > 1.5)
+        stats = engine.stats
+        print(method, stats.as_dict())
+        assert stats.num_accepted_tokens > 1.5 * stats.num_drafts, stats.as_dict()
 
 
 def test_budget_holds_per_step_and_per_forward(target_dir, target):

@@ -632,3 +632,132 @@ def test_biased_tree_verification_is_detected(target_dir, loaded, target, exact,
     print(f"biased tree: against the target {against_target}; against the biased model {against_model}")
     assert against_target.p_value < ALPHA, f"a 0.02-TV bias went undetected: {against_target}"
     assert against_model.impossible == 0 and against_model.p_value > ALPHA, against_model
+
+
+# ---- a wrong draft distribution q in the verifier is caught -------------------------------------
+# The sampled-chain proposers (draft_model, EAGLE chains) hand over their drafts with q, the
+# distribution each token was drawn from; verify_sampled accepts x with min(1, p(x) / q(x)) and
+# recovers from max(0, p - q). Here the drafts keep the tokens the real q drew, but the verifier is
+# handed a distorted q' = normalise(q ** Q_GAMMA) (as if the drafter sampled at 2/3 or 1/2 of its
+# temperature):
+# still a usable distribution (sums to 1, positive at every drafted token), so nothing falls back to
+# the point-mass rule. The exact distribution of the engine's continuations under that wrong q' is
+# computed from the q rows the run itself drew from (`sampled_chain_distribution`; contexts the run
+# never reached, whose mass is negligible, count as fair), which gives the bias's exact TV and the
+# test's exact power; with q' = q the same model gives back the target (checked). An EAGLE head's q
+# depends on the step history, not only on the tokens (the head's cache holds its own states for
+# accepted drafts), so q rows are keyed by the context and where its drafting steps started.
+# Measured (ALPHA = 1e-3 / 11, N_Q = 2000): draft_model TV 0.070, chi^2(q'||p) 0.046, power 0.994;
+# EAGLE-1 TV 0.084, chi^2 0.052, power 0.999 (asserted per run, printed). Scaled down, a wrong-q bias
+# of either shape is still detected with power 0.99 at 2000 samples from TV 0.07 (draft_model) and
+# 0.077 (EAGLE-1); the proposer runs above (N = 12000 samples) detect such shapes from TV ~0.03.
+
+Q_GAMMA = {"draft_model": 1.5, "eagle": 2.0}  # the EAGLE-1 head's q is closer to the target's: sharpened more
+N_Q = int(2000 * _SCALE)  # samples per wrong-q run
+
+
+def sampled_chain_distribution(target: Target, q_rows: dict, distort=None) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the engine's LENGTH-token continuations when each step drafts a
+    sampled chain of min(K, tokens left - 1) tokens, token j drawn from q_rows[ctx + drafts[:j]]
+    (the proposer's q after prompt + that context) and verified against distort(q) (None: q)."""
+    dist: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def walk(ctx, budget, starts):
+        p = target.probs(ctx)
+        q = q_rows.get((ctx, starts))
+        if budget == 0 or q is None:  # the bonus; or a context the run never drafted at: a fair step
+            for y in range(VOCAB):
+                if p[y] > 0:
+                    yield (y,), float(p[y])
+            return
+        seen = q if distort is None else distort(q)
+        accept = torch.where(q > 0, (p / seen).clamp(max=1), torch.zeros_like(q))
+        for x in range(VOCAB):
+            if q[x] * accept[x] > 0:
+                for tail, w in walk(ctx + (x,), budget - 1, starts):
+                    yield (x,) + tail, float(q[x] * accept[x]) * w
+        rejected = float((q * (1 - accept)).sum())
+        if rejected > 0:
+            residual = (p - seen).clamp_min(0)
+            residual = residual / residual.sum() if residual.sum() > 0 else p
+            for y in range(VOCAB):
+                if residual[y] > 0:
+                    yield (y,), rejected * float(residual[y])
+
+    def step(ctx, left, weight, starts):
+        if left == 0:
+            dist[ctx] += weight
+            return
+        budget = min(K, left - 1)
+        starts = starts + (len(ctx),) if budget else starts
+        for emitted, w in walk(ctx, budget, starts):
+            step(ctx + emitted, left - len(emitted), weight * w, starts)
+
+    for first, w in enumerate(target.probs(())):  # prefill
+        if w > 0:
+            step((first,), LENGTH - 1, float(w), ())
+    return dict(dist)
+
+
+def _sharpen(q: torch.Tensor, gamma: float) -> torch.Tensor:
+    """q' = normalise(q ** gamma), over the last dimension."""
+    q = q.double() ** gamma
+    return q / q.sum(-1, keepdim=True)
+
+
+def _hand_over_wrong_q(engine, target: Target, q_rows: dict, gamma: float) -> None:
+    """The proposer's drafts reach the verifier with _sharpen(q, gamma) in place of q; every q row
+    drawn from is recorded in q_rows ((context after the prompt, where each of its drafting steps
+    started) -> [VOCAB] float64; "deviation": the largest TV between two rows under one key)."""
+    propose, starts = engine.proposer.propose, {}
+
+    def wrong_q(requests):
+        drafts = propose(requests)
+        for r, d in zip(requests, drafts):
+            if d.probs is None:
+                continue
+            ctx = tuple(r.token_ids[len(target.prompt):])
+            steps = starts[r.seq_id] = starts.get(r.seq_id, ()) + (len(ctx),)
+            for j, row in enumerate(d.probs):
+                key, row = (ctx + tuple(d.tokens[:j]), steps), row.detach().double().cpu()
+                first = q_rows.setdefault(key, row)
+                q_rows["deviation"] = max(q_rows.get("deviation", 0.0), float((first - row).abs().sum()) / 2)
+            d.probs = _sharpen(d.probs, gamma).to(d.probs.dtype)
+        return drafts
+
+    engine.proposer.propose = wrong_q
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_wrong_draft_probabilities_are_detected(target_dir, loaded, target, exact, draft_dir, heads, method):
+    """draft_model and EAGLE-1 sampled chains whose q reaches verify_sampled sharpened: the
+    continuations are rejected by the chi-square test the proposer runs pass (same ALPHA), and fit
+    the distribution the wrong q predicts; the bias is large enough that N_Q samples detect it with
+    power >= 0.99 (asserted from the exact model)."""
+    draft = str(draft_dir) if method == "draft_model" else str(heads[method])
+    engine = _engine(target_dir, loaded, method=method, draft_model=draft)
+    q_rows: dict = {}
+    gamma = Q_GAMMA[method]
+    _hand_over_wrong_q(engine, target, q_rows, gamma)
+    samples = sample_continuations(engine, target, N_Q, seed_base=70_000_000 + (method == "eagle") * 10_000_000)
+    assert q_rows.pop("deviation") < 1e-4  # q is a function of the key: the model below is exact
+    fair = sampled_chain_distribution(target, q_rows)
+    model = sampled_chain_distribution(target, q_rows, functools.partial(_sharpen, gamma=gamma))
+    tv, power = stat_utils.tv(exact, model), stat_utils.power(exact, model, N_Q, ALPHA)
+    against_target = stat_utils.chi_square_test(samples, exact)
+    against_model = stat_utils.chi_square_test(samples, model)
+    print(f"wrong q ({method}): {len(q_rows)} q rows; bias TV {tv:.4f}, chi2 divergence "
+          f"{stat_utils.noncentrality(exact, model, N_Q) / N_Q:.5f}, power {power:.4f} at n = {N_Q}; against the "
+          f"target {against_target}; against the wrong-q model {against_model}")
+    # a bias of this shape scaled by t (p + t (model - p)): the TV from which N_Q samples detect it
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        t = (low + high) / 2
+        q_t = {c: exact.get(c, 0.0) + t * (model.get(c, 0.0) - exact.get(c, 0.0)) for c in set(exact) | set(model)}
+        low, high = (t, high) if stat_utils.power(exact, q_t, N_Q, ALPHA) < 0.99 else (low, t)
+    print(f"wrong q ({method}): at n = {N_Q}, this shape is detected with power 0.99 from TV {high * tv:.4f}")
+    assert stat_utils.tv(fair, exact) < 1e-6  # the model with the real q is the target
+    assert engine.stats.num_accepted_tokens > N_Q / 10 and engine.stats.acceptance_rate < 0.9
+    assert power >= 0.99, power
+    assert against_target.p_value < ALPHA, f"a {tv:.3f}-TV bias from a wrong q went undetected: {against_target}"
+    assert against_model.impossible == 0 and against_model.p_value > ALPHA, against_model

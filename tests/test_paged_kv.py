@@ -140,13 +140,13 @@ def target(target_dir):
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(target_dir, target, tmp_path_factory):
-    from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
-    from rayspec.eagle.head import attach_target, build_head
+def eagle_dir(target_dir, reference, tmp_path_factory):
+    """An oracle head (eagle_utils.oracle_head): its drafts are the target's greedy continuations, so
+    accepted tree paths (and the head's cache blocks of accepted nodes) are exercised."""
+    from eagle_utils import oracle_head
+    from rayspec.eagle.checkpoint import save_eagle_head
 
-    torch.manual_seed(1)
-    head = build_head(new_eagle_config("eagle3", target_dir, LAYERS, HIDDEN))
-    attach_target(head, target[0], has_own_embedding=False)
+    head = oracle_head(target_dir, LAYERS, HIDDEN, [p + r for p, r in zip(PROMPTS, reference)])
     return save_eagle_head(head, tmp_path_factory.mktemp("paged-eagle3") / "head")
 
 
@@ -188,8 +188,11 @@ def test_greedy_equals_target_only_with_shared_prefixes(target_dir, target, draf
     assert engine.runner.blocks.num_cached_blocks > 0
     again = engine.generate([PROMPTS[0]], GREEDY)[0]  # its whole prompt cached (all but its last block)
     assert again.token_ids == reference[0] and again.num_cached_tokens == (len(PROMPTS[0]) - 1) // BS * BS
-    if name == "eagle3-tree":  # the head's cache too
+    if name == "eagle3-tree":  # the head's cache too; most drafted paths accepted
         assert engine.proposer.runner.blocks.num_cached_blocks > 0
+        stats = engine.stats
+        print(f"{name}: {stats.as_dict()}")
+        assert stats.num_accepted_tokens > 1.5 * stats.num_drafts, stats.as_dict()
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "draft_model", "eagle3-tree"])

@@ -1,8 +1,10 @@
-"""EAGLE-3 served on Ray Serve, colocated and disaggregated (tiny random target, hand-set head).
+"""EAGLE-3 and EAGLE-1 served on Ray Serve, colocated and disaggregated (tiny random target,
+hand-set heads).
 
 Greedy outputs over the Python handle and over HTTP must equal the target's own greedy output
 (an in-process engine without speculation) while the head drafts token trees (eagle_topk 4) or
-chains (eagle_topk 1). Disaggregated, the verifier's engine sends the target features of every
+chains (eagle_topk 1; the "chain" app serves EAGLE-1, method "eagle", with an oracle head that
+drafts the target's greedy continuations). Disaggregated, the verifier's engine sends the target features of every
 committed token to the proposer deployment and gets drafts back, token trees with their parents.
 """
 
@@ -20,7 +22,7 @@ import ray
 import ray.serve as serve
 
 from conftest import make_tiny_model_dir  # noqa: E402
-from eagle_utils import PROMPTS, TARGET_LAYERS, copy_head  # noqa: E402
+from eagle_utils import PROMPTS, TARGET_LAYERS, copy_head, oracle_head  # noqa: E402
 from ray_utils import serving  # noqa: E402
 from serve_utils import tiny_args  # noqa: E402
 
@@ -35,11 +37,12 @@ from rayspec.sampling import SamplingParams  # noqa: E402
 
 MAX_TOKENS = 32
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
-# app name -> (topology, eagle_topk)
+# app name -> (topology, eagle_topk); "chain" serves EAGLE-1 (EAGLE_1_APPS), the others EAGLE-3
 # (The replica-killing tests run last in this module, on "disaggregated" (its proposer) and "chain" (its
 # verifier), and wait for Serve's replacement: no apps of their own to deploy.)
 APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
         "two_proposers": ("disaggregated", 4)}  # with 2 proposer replicas
+EAGLE_1_APPS = {"chain"}
 
 
 def _engine(target, **spec) -> LLMEngine:
@@ -55,11 +58,14 @@ def eagle_setup(tmp_path_factory):
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     draft_tokens = sorted({t for o in ref for t in o.token_ids} | set(range(3, 67)))
     head_dir = save_eagle_head(copy_head(target, draft_tokens), root / "head")
-    return {"target": target, "head": head_dir, "ref": ref}
+    # EAGLE-1: an oracle head (its drafts are the target's greedy continuations of these prompts)
+    head1 = save_eagle_head(oracle_head(target, TARGET_LAYERS, 64, [o.token_ids for o in ref], kind="eagle"),
+                            root / "head1")
+    return {"target": target, "head": head_dir, "head1": head1, "ref": ref}
 
 
-def _spec(head_dir, topk: int) -> dict:
-    return {"method": "eagle3", "draft_model": str(head_dir), "num_speculative_tokens": 4, "eagle_topk": topk,
+def _spec(head_dir, topk: int, method: str = "eagle3") -> dict:
+    return {"method": method, "draft_model": str(head_dir), "num_speculative_tokens": 4, "eagle_topk": topk,
             "num_steps": 3, "adaptive": False, "tree_max_batch": 8}
 
 
@@ -132,6 +138,27 @@ def test_remote_proposer_carries_features_and_trees(eagle_setup):
     name, (requests, released) = handle.calls[-1]
     assert name == "propose" and not requests and released
     assert remote.num_resent == 0 and not remote._sent  # one replica: never resent; host copies freed
+
+
+def test_remote_eagle1_proposer_drafts_chains_from_the_last_hidden_state(eagle_setup):
+    """EAGLE-1 (method "eagle") through the proposer deployment's class and RemoteProposer, as the
+    "chain" app serves it, without Ray: the verifier sends the target's last hidden state, the oracle
+    head's chains come back, most are accepted, and the output is the target's own greedy output."""
+    spec = _spec(eagle_setup["head1"], 1, "eagle")
+    args = tiny_args(eagle_setup["target"], topology="disaggregated", speculative=spec,
+                     engine={**ENGINE, "device": "cpu"})
+    handle = _LocalHandle(Proposer.func_or_class(args))
+    remote = RemoteProposer(handle, device="cpu", affinity="verifier-a", direct=False)
+    assert remote.feature_layers == ()
+    engine = LLMEngine(EngineConfig(model=str(eagle_setup["target"]), **ENGINE,
+                                    speculative=SpeculativeConfig(**spec)), proposer=remote)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in eagle_setup["ref"]]
+    sent = [r for name, args in handle.calls if name == "propose" for r in args[0]]
+    assert sent and sent[0].features.shape[-1] == 64  # the last hidden state, one position per row
+    stats = engine.stats
+    print("eagle1 remote", stats.as_dict())
+    assert stats.num_accepted_tokens > stats.num_draft_tokens / 2, stats.as_dict()
 
 
 @pytest.mark.parametrize("route", ["replaced", "round-robin"])
@@ -271,7 +298,9 @@ def test_remote_proposer_backs_off_after_failures():
 def served(eagle_setup, serve_url):
     apps = []
     for name, (topology, topk) in APPS.items():
-        args = tiny_args(eagle_setup["target"], topology=topology, speculative=_spec(eagle_setup["head"], topk),
+        spec = (_spec(eagle_setup["head1"], topk, "eagle") if name in EAGLE_1_APPS
+                else _spec(eagle_setup["head"], topk))
+        args = tiny_args(eagle_setup["target"], topology=topology, speculative=spec,
                          engine=ENGINE)
         if name == "two_proposers":
             args["proposer"] = {**args["proposer"], "num_replicas": 2}
@@ -290,6 +319,9 @@ def test_greedy_matches_target_alone(served, eagle_setup, app):
     assert [r.token_ids for r in results] == [o.token_ids for o in ref]
     assert sum(r.num_draft_tokens for r in results) > 0
     assert sum(r.num_accepted_tokens for r in results) > 0
+    if app in EAGLE_1_APPS:  # the oracle head: most of its drafts accepted
+        print(app, [(r.num_draft_tokens, r.num_accepted_tokens) for r in results])
+        assert sum(r.num_accepted_tokens for r in results) > sum(r.num_draft_tokens for r in results) / 2
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     resp = httpx.post(f"{served}/{app}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -350,7 +382,10 @@ def test_proposer_deployment_drafts_from_sent_features(served, eagle_setup, app)
     assert [r.token_ids for r in results] == [o.token_ids for o in eagle_setup["ref"]]
     assert sum(r.num_accepted_tokens for r in results) > 0
     stats = proposer.stats.remote().result(timeout_s=60)
-    assert stats["method"] == "eagle3" and stats["feature_layers"] == [2, 4, 5]
+    if app in EAGLE_1_APPS:  # EAGLE-1: the target's last hidden state
+        assert stats["method"] == "eagle" and stats["feature_layers"] == [], stats
+    else:
+        assert stats["method"] == "eagle3" and stats["feature_layers"] == [2, 4, 5]
     calls = stats["num_calls"] - before["num_calls"]
     assert calls > 0 and stats["num_requests"] - before["num_requests"] > calls  # batched: several sequences a call
     trees = stats["num_tree_drafts"] - before["num_tree_drafts"]
