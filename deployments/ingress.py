@@ -33,6 +33,7 @@ from deployments.openai_protocol import (AutoToolCallStream, ChatCompletionReque
                                          auto_tool_message, chat_logprobs, completion_logprobs, finish_reason, new_id,
                                          now, sum_usage, tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.sse import SSE_HEADERS
 from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 from rayspec.tool_parsers import ToolCallParser, get_parser
 
@@ -417,7 +418,7 @@ class OpenAIIngress:
             raise mapped from None
         self.verifier_answered = True
         return StreamingResponse(self._sse_events(streams, firsts, body, chat, parser),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _sse_events(self, streams, firsts, body, chat: bool,
                           parser: ToolCallParser | None = None) -> AsyncIterator[str]:
