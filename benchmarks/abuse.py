@@ -23,8 +23,9 @@ Usage, against a running server:
     serve run configs/default.yaml &
     python benchmarks/abuse.py --url http://127.0.0.1:8000 --model smollm2-135m-instruct \
         --output-json benchmarks/results/abuse_default_overload.json
-or let it start one (`serve run CONFIG` in a subprocess, stopped at the end):
-    python benchmarks/abuse.py --serve-config configs/default.yaml --output-json ...
+or let it start one (`serve run --address local CONFIG` in a subprocess, on a Ray cluster of its own,
+on --port; stopped at the end; its processes' memory counted):
+    python benchmarks/abuse.py --serve-config configs/default.yaml --port 8437 --output-json ...
 `--dry-run`: tiny counts and bodies (2 good clients x 2 requests of 8 tokens, 2 big 1 MiB bodies,
 2 idle streams, 4 hammer clients) for CI (tests/test_abuse_bench.py, against an app whose body limit
 is below 1 MiB).
@@ -68,14 +69,20 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def _proc_rss_mib() -> dict[str, float]:
-    """RSS (MiB) of this machine's Serve replica and proxy processes by role, summed per role."""
+def _proc_rss_mib(root_pid: int | None = None) -> dict[str, float]:
+    """RSS (MiB) of the Serve replica and proxy processes by role, summed per role: those under
+    root_pid (the process that started the Ray cluster: other clusters on a shared machine are not
+    counted), else every one on this machine."""
     totals: dict[str, float] = {}
     if psutil is not None:
         procs = []
-        for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        try:
+            candidates = psutil.Process(root_pid).children(recursive=True) if root_pid else psutil.process_iter()
+        except psutil.NoSuchProcess:
+            candidates = []
+        for proc in candidates:
             try:
-                procs.append((" ".join(proc.info["cmdline"] or []), proc.info["memory_info"].rss))
+                procs.append((" ".join(proc.cmdline() or []), proc.memory_info().rss))
             except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
                 continue
     else:
@@ -99,13 +106,13 @@ def _proc_rss_mib() -> dict[str, float]:
 class MemoryWatch:
     """Samples _proc_rss_mib every `interval` s in the background; peak per role."""
 
-    def __init__(self, interval: float = 0.5):
-        self.interval, self.peak, self.first = interval, {}, None
+    def __init__(self, root_pid: int | None, interval: float = 0.5):
+        self.root_pid, self.interval, self.peak, self.first = root_pid, interval, {}, None
         self._task = None
 
     async def _run(self):
         while True:
-            sample = await asyncio.to_thread(_proc_rss_mib)
+            sample = await asyncio.to_thread(_proc_rss_mib, self.root_pid)
             if self.first is None:
                 self.first = sample
             for role, mib in sample.items():
@@ -290,7 +297,7 @@ async def run(url: str, model: str, args) -> dict:
                                 "idle": args.idle, "idle_max_tokens": args.idle_max_tokens, "hammer": args.hammer},
                     "cpu_model": cpu_model(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     started = time.monotonic()
-    with MemoryWatch() as memory:
+    with MemoryWatch(args.memory_root_pid) as memory:
         good = await _good_phase(url, model, args)
     report["unloaded"] = {**summarize_good(good), "seconds": round(time.monotonic() - started, 1),
                           "memory": memory.report()}
@@ -300,7 +307,7 @@ async def run(url: str, model: str, args) -> dict:
     big, idle, hammer = Counter(), Counter(), Counter()
     body_bytes = int(args.body_mib * 2**20)
     started = time.monotonic()
-    with MemoryWatch() as memory:
+    with MemoryWatch(args.memory_root_pid) as memory:
         abusers = [asyncio.create_task(big_body_client(url, model, body_bytes, i % 2 == 1, stop, big, args.timeout))
                    for i in range(args.big)]
         abusers += [asyncio.create_task(idle_stream(url, model, args.idle_max_tokens, stop, idle, args.timeout))
@@ -346,7 +353,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--serve-config", help="start `serve run CONFIG` first (stopped at the end)")
+    p.add_argument("--serve-config", help="start `serve run CONFIG` first, on a Ray cluster of its own, its HTTP "
+                                           "port set to --port (stopped at the end)")
+    p.add_argument("--port", type=int, default=8000, help="with --serve-config: the port it serves on")
+    p.add_argument("--memory-root-pid", type=int,
+                   help="count the memory of Ray processes under this process only (default: the server "
+                        "--serve-config starts; else every Ray process on this machine)")
     p.add_argument("--good", type=int, default=16)
     p.add_argument("--good-requests", type=int, default=3, help="streamed completions per well-behaved client")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -367,15 +379,28 @@ def main(argv=None) -> int:
         args.abuse_head_start, args.timeout = 0.5, min(args.timeout, 60.0)
     server = None
     if args.serve_config:
-        server = subprocess.Popen(["serve", "run", args.serve_config], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        import tempfile
+
+        import yaml
+
+        config = yaml.safe_load(Path(args.serve_config).read_text())
+        config.setdefault("http_options", {}).update(port=args.port)
+        host = config["http_options"].get("host", "127.0.0.1")
+        args.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{args.port}"
+        path = Path(tempfile.mkdtemp()) / Path(args.serve_config).name
+        path.write_text(yaml.safe_dump(config))
+        log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - open while the server runs
+        server = subprocess.Popen(["serve", "run", "--address", "local", str(path)], stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        if args.memory_root_pid is None:
+            args.memory_root_pid = server.pid
     try:
         if server is not None:
             _wait_up(args.url, 900)
         report = asyncio.run(run(args.url.rstrip("/"), args.model, args))
     finally:
         if server is not None:
-            server.terminate()
+            server.send_signal(2)  # SIGINT: serve run shuts its apps and its cluster down
             try:
                 server.wait(60)
             except subprocess.TimeoutExpired:

@@ -61,6 +61,13 @@ app.add_middleware(AdmissionGate, state=_replica_admission)
 app.add_middleware(RequireApiKey, expected=_replica_key_digest)
 
 
+def _ingress_replica_id() -> str | None:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve
+        return None
+
+
 HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
 HEALTH_PROBE_S = 2.0  # how often the ingress asks a verifier for its health (whatever /health's traffic)
 HEALTH_STALE_S = 3 * HEALTH_PROBE_S + HEALTH_TIMEOUT_S  # /health is 503 when no probe succeeded this recently
@@ -245,8 +252,9 @@ class OpenAIIngress:
                 stream.cancel()
 
     async def stats(self) -> dict:
-        # + this ingress replica's failovers and admission counts
-        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict(), **self.admission.as_dict()}
+        # + this ingress replica's failovers and admission counts, and which replica it is (its counts are its own)
+        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict(), **self.admission.as_dict(),
+                "ingress_replica": _ingress_replica_id()}
 
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")

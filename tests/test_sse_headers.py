@@ -1,7 +1,7 @@
 """Streamed responses tell a reverse proxy not to buffer them (deployments/sse.py): every SSE
 response of the ingress carries `X-Accel-Buffering: no` and `Cache-Control: no-cache` besides its
 `text/event-stream` type. Without Ray: the ingress class's stream response over stubbed verifier
-streams (served apps check the same headers over HTTP: tests/test_serve_failover.py)."""
+streams (tests/test_serve_faults.py checks the same headers over HTTP)."""
 
 from __future__ import annotations
 
