@@ -337,12 +337,15 @@ def verdict(report: dict, itl_ratio_bound: float = 2.0) -> dict:
             "big_bodies_all_4xx_or_cut": abusive_ok, "idle_streams_4xx_cut_or_bounded": idle_ok}
 
 
-def _wait_up(url: str, timeout: float) -> None:
+def _wait_up(url: str, timeout: float, server=None) -> bool:
+    """Until url/health answers 200 (True), or the server process ended (False: start it again)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            return False
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(2)
@@ -390,13 +393,17 @@ def main(argv=None) -> int:
         path = Path(tempfile.mkdtemp()) / Path(args.serve_config).name
         path.write_text(yaml.safe_dump(config))
         log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - open while the server runs
-        server = subprocess.Popen(["serve", "run", "--address", "local", str(path)], stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        for attempt in range(3):  # a loaded machine: Ray's node start gives up after 30 s
+            server = subprocess.Popen(["serve", "run", "--address", "local", str(path)], stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+            if _wait_up(args.url, 900, server):
+                break
+            print(f"the server did not start (attempt {attempt + 1}; log {log.name})", file=sys.stderr)
+        else:
+            raise RuntimeError(f"the server did not start: {log.name}")
         if args.memory_root_pid is None:
             args.memory_root_pid = server.pid
     try:
-        if server is not None:
-            _wait_up(args.url, 900)
         report = asyncio.run(run(args.url.rstrip("/"), args.model, args))
     finally:
         if server is not None:

@@ -462,7 +462,7 @@ def test_abuse_benchmark_dry_run(served, tmp_path):
     started = time.monotonic()
     assert abuse.main(["--dry-run", "--url", f"{served}/faults", "--model", "tiny", "--output-json", str(out),
                        "--memory-root-pid", str(os.getpid())]) == 0  # the shared cluster's processes: ours
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 90  # ~15 s on an idle 2-core machine; margin for a loaded one
     report = json.loads(out.read_text())
     for phase in ("unloaded", "loaded"):
         assert report[phase]["errors"] == 0 and report[phase]["requests"] == 4, report[phase]
