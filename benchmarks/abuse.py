@@ -23,8 +23,8 @@ Usage, against a running server:
     serve run configs/default.yaml &
     python benchmarks/abuse.py --url http://127.0.0.1:8000 --model smollm2-135m-instruct \
         --output-json benchmarks/results/abuse_default_overload.json
-or let it start one (`serve run --address local CONFIG` in a subprocess, on a Ray cluster of its own,
-on --port; stopped at the end; its processes' memory counted):
+or let it start one (the config's apps on a Ray cluster of its own, started in this process as
+`serve run` would, on --port; stopped at the end; its processes' memory counted):
     python benchmarks/abuse.py --serve-config configs/default.yaml --port 8437 --output-json ...
 `--dry-run`: tiny counts and bodies (2 good clients x 2 requests of 8 tokens, 2 big 1 MiB bodies,
 2 idle streams, 4 hammer clients) for CI (tests/test_abuse_bench.py, against an app whose body limit
@@ -337,6 +337,38 @@ def verdict(report: dict, itl_ratio_bound: float = 2.0) -> dict:
             "big_bodies_all_4xx_or_cut": abusive_ok, "idle_streams_4xx_cut_or_bounded": idle_ok}
 
 
+def start_server(config_path: str, port: int) -> str:
+    """The Serve config's applications on a Ray cluster of their own, started in this process (as
+    `serve run` would, its HTTP proxy on `port`); the base URL once /health answers."""
+    import ray
+    import yaml
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = yaml.safe_load(Path(config_path).read_text())
+    http = {**config.get("http_options", {}), "port": port}
+    host = http.get("host", "127.0.0.1")
+    for attempt in range(3):  # a loaded machine: Ray's node start gives up after 30 s
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as err:  # noqa: BLE001
+            print(f"Ray did not start (attempt {attempt + 1}): {err}", file=sys.stderr)
+            ray.shutdown()
+    else:
+        raise RuntimeError("Ray did not start")
+    serve.start(http_options=http, proxy_location=config.get("proxy_location", "HeadOnly"))
+    for app in config["applications"]:
+        if app.get("import_path", "deployments.app:build_app") != "deployments.app:build_app":
+            raise ValueError(f"{app['name']}: only deployments.app:build_app apps are started here")
+        serve.run(build_app(app.get("args", {})), name=app["name"], route_prefix=app.get("route_prefix", "/"))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    if not _wait_up(url, 900):
+        raise RuntimeError(f"{url} did not become healthy")
+    return url
+
+
 def _wait_up(url: str, timeout: float, server=None) -> bool:
     """Until url/health answers 200 (True), or the server process ended (False: start it again)."""
     deadline = time.monotonic() + timeout
@@ -356,8 +388,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--serve-config", help="start `serve run CONFIG` first, on a Ray cluster of its own, its HTTP "
-                                           "port set to --port (stopped at the end)")
+    p.add_argument("--serve-config", help="serve this config's apps first, on a Ray cluster of its own started "
+                                           "here, HTTP on --port (stopped at the end)")
     p.add_argument("--port", type=int, default=8000, help="with --serve-config: the port it serves on")
     p.add_argument("--memory-root-pid", type=int,
                    help="count the memory of Ray processes under this process only (default: the server "
@@ -380,38 +412,21 @@ def main(argv=None) -> int:
         args.good, args.good_requests, args.max_tokens = 2, 2, 8
         args.big, args.body_mib, args.idle, args.idle_max_tokens, args.hammer = 2, 1, 2, 16, 4
         args.abuse_head_start, args.timeout = 0.5, min(args.timeout, 60.0)
-    server = None
+    started_here = False
     if args.serve_config:
-        import tempfile
-
-        import yaml
-
-        config = yaml.safe_load(Path(args.serve_config).read_text())
-        config.setdefault("http_options", {}).update(port=args.port)
-        host = config["http_options"].get("host", "127.0.0.1")
-        args.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{args.port}"
-        path = Path(tempfile.mkdtemp()) / Path(args.serve_config).name
-        path.write_text(yaml.safe_dump(config))
-        log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - open while the server runs
-        for attempt in range(3):  # a loaded machine: Ray's node start gives up after 30 s
-            server = subprocess.Popen(["serve", "run", "--address", "local", str(path)], stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-            if _wait_up(args.url, 900, server):
-                break
-            print(f"the server did not start (attempt {attempt + 1}; log {log.name})", file=sys.stderr)
-        else:
-            raise RuntimeError(f"the server did not start: {log.name}")
+        args.url = start_server(args.serve_config, args.port)
+        started_here = True
         if args.memory_root_pid is None:
-            args.memory_root_pid = server.pid
+            args.memory_root_pid = os.getpid()  # the Ray cluster's processes are this one's children
     try:
         report = asyncio.run(run(args.url.rstrip("/"), args.model, args))
     finally:
-        if server is not None:
-            server.send_signal(2)  # SIGINT: serve run shuts its apps and its cluster down
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        if started_here:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
     report["command"] = " ".join([Path(sys.argv[0]).name if argv is None else "abuse.py", *(argv or sys.argv[1:])])
     report["note"] = args.note
     report["verdict"] = verdict(report)
