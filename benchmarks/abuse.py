@@ -349,7 +349,7 @@ def start_server(config_path: str, port: int) -> str:
     config = yaml.safe_load(Path(config_path).read_text())
     http = {**config.get("http_options", {}), "port": port}
     host = http.get("host", "127.0.0.1")
-    for attempt in range(3):  # a loaded machine: Ray's node start gives up after 30 s
+    for attempt in range(6):  # a loaded machine: the raylet gives up waiting for its agents after ~15 s
         try:
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
             break
