@@ -49,15 +49,8 @@ def shared_cluster() -> dict:
     saved = {key: os.environ.get(key) for key in CLUSTER_ENV}
     os.environ.update(CLUSTER_ENV)
     try:
-        for attempt in range(3):
-            try:
-                ray.init(address="local", num_cpus=NUM_CPUS, num_gpus=0, include_dashboard=False, log_to_driver=False,
-                         _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-                break
-            except Exception:  # noqa: BLE001 - on a loaded machine the raylet gives up on its agents' start
-                ray.shutdown()
-                if attempt == 2:
-                    raise
+        ray.init(address="local", num_cpus=NUM_CPUS, num_gpus=0, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     finally:
         for key, value in saved.items():
             if value is None:
