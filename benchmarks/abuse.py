@@ -363,19 +363,17 @@ def start_server(config_path: str, port: int) -> str:
     return url
 
 
-def _wait_up(url: str, timeout: float, server=None) -> bool:
-    """Until url/health answers 200 (True), or the server process ended (False: start it again)."""
+def _wait_up(url: str, timeout: float) -> bool:
+    """Until url/health answers 200 (True), or timeout seconds (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server is not None and server.poll() is not None:
-            return False
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise TimeoutError(f"{url} did not become healthy in {timeout:.0f} s")
+    return False
 
 
 def main(argv=None) -> int:
