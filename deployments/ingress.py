@@ -33,6 +33,7 @@ from deployments.openai_protocol import (AutoToolCallStream, ChatCompletionReque
                                          auto_tool_message, chat_logprobs, completion_logprobs, finish_reason, new_id,
                                          now, sum_usage, tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.sse import SSE_HEADERS
 from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 from rayspec.tool_parsers import ToolCallParser, get_parser
 
@@ -58,6 +59,13 @@ def _replica_body_limit() -> int:
 app.add_middleware(BodyLimit, max_bytes=_replica_body_limit)
 app.add_middleware(AdmissionGate, state=_replica_admission)
 app.add_middleware(RequireApiKey, expected=_replica_key_digest)
+
+
+def _ingress_replica_id() -> str | None:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve
+        return None
 
 
 HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
@@ -244,8 +252,9 @@ class OpenAIIngress:
                 stream.cancel()
 
     async def stats(self) -> dict:
-        # + this ingress replica's failovers and admission counts
-        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict(), **self.admission.as_dict()}
+        # + this ingress replica's failovers and admission counts, and which replica it is (its counts are its own)
+        return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict(), **self.admission.as_dict(),
+                "ingress_replica": _ingress_replica_id()}
 
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")
@@ -417,7 +426,7 @@ class OpenAIIngress:
             raise mapped from None
         self.verifier_answered = True
         return StreamingResponse(self._sse_events(streams, firsts, body, chat, parser),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _sse_events(self, streams, firsts, body, chat: bool,
                           parser: ToolCallParser | None = None) -> AsyncIterator[str]:

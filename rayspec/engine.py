@@ -491,7 +491,7 @@ class LLMEngine:
             if reuse and self.feature_layers is not None:
                 # a cached prefix has no target features: an EAGLE head must hold its own keys for it
                 prefix = getattr(self.proposer, "cached_prefix", None)
-                limit = prefix(seq.request_id, seq.token_ids) if prefix is not None else None
+                limit = prefix(seq.request_id, seq.token_ids, seq.params.cache_salt) if prefix is not None else None
                 reuse = limit is not None
             cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
                                           seq.params.cache_salt)

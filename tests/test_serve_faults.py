@@ -11,12 +11,16 @@
   replica is idle again: no running or waiting request, every KV slot free.
 - 100 streams whose clients go away after their first chunk leave the engines idle, each counted
   as an abort.
+- Failover beyond greedy streams: sampled streams, non-streamed requests (sent again whole), and the
+  colocated topology (the `bounded` app's only verifier replica killed: the stream resumes on the
+  replacement). Each kill test asserts that the ingress replicas counted a failover.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -37,6 +41,7 @@ from rayspec.sampling import SamplingParams
 NUM_CLIENTS = 16
 FAULT_TOKENS = 320  # long enough that every stream is mid-way when the kill lands
 DEADLINE_S = 180.0  # no stream may take longer, kill or not
+ABUSE_BODY_LIMIT = 256 << 10  # the faults app's: below benchmarks/abuse.py --dry-run's 1 MiB bodies
 PROMPTS = [f"{i} one two three four five {i} one two three four five {i} six" for i in range(NUM_CLIENTS)]
 
 BOUNDED = {"engine": {"max_num_seqs": 2, "max_num_waiting": 0},
@@ -49,7 +54,8 @@ def _faults_args(target, draft) -> dict:
                      speculative={"method": "draft_model", "draft_model": str(draft), "num_speculative_tokens": 3,
                                   "adaptive": False},
                      engine={"max_num_seqs": NUM_CLIENTS},  # either replica can run every stream at once
-                     ingress={"num_replicas": 2}, verifier={"num_replicas": 2})
+                     ingress={"num_replicas": 2}, verifier={"num_replicas": 2},
+                     max_request_body_bytes=ABUSE_BODY_LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +115,26 @@ def _idle(app: str, count: int) -> bool:
     stats = _verifier_stats(app, count)
     return all(s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_slots"] == s["num_slots"]
                for s in stats.values())
+
+
+def _failovers(app: str, count: int) -> dict[str, dict]:
+    """Failover counts of every ingress replica (each counts its own): replica id -> counts."""
+    handle = serve.get_app_handle(app)
+    seen: dict[str, dict] = {}
+    for _ in range(50):
+        for stats in [r.result(timeout_s=60) for r in [handle.stats.remote() for _ in range(4 * count)]]:
+            seen[stats["ingress_replica"]] = {k: stats[k] for k in ("num_stream_failovers", "num_request_failovers")}
+        if len(seen) >= count:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"only {len(seen)} of {count} ingress replicas answered")
+
+
+def _failovers_since(app: str, before: dict[str, dict], count: int) -> dict[str, int]:
+    """Failovers the ingress replicas counted since `before` (a replica not in it counts from 0)."""
+    after = _failovers(app, count)
+    return {key: sum(a[key] - before.get(rid, {}).get(key, 0) for rid, a in after.items())
+            for key in ("num_stream_failovers", "num_request_failovers")}
 
 
 def _run_with_fault(url: str, max_tokens: int, fault=None, after_events: int = 12) -> list[dict]:
@@ -220,14 +246,144 @@ def test_killed_verifier_replica_under_load(served, reference):
     want = reference(FAULT_TOKENS)
     verifiers = _replicas("faults", "Verifier")
     victim = verifiers[0]
+    before = _failovers("faults", 2)
     results = _run_with_fault(f"{served}/faults/v1/completions", FAULT_TOKENS, lambda: _kill(victim))
     _assert_complete(results, want)
+    # the victim's streams did fail over (not: the router had sent it none)
+    assert _failovers_since("faults", before, 2)["num_stream_failovers"] >= 1
     _wait_replaced("faults", "Verifier", victim, 2)
     wait_for(lambda: _idle("faults", 2), timeout=60)
     # the proposer dropped what the lost replica's sequences held as soon as others needed the slots,
     # and drafts are still accepted after the fault
     results = _run_with_fault(f"{served}/faults/v1/completions", 24)
     _assert_complete(results, reference(24))
+
+
+async def _sampled_stream(client, url: str, prompt: str, max_tokens: int, progress: list[int], index: int) -> dict:
+    """A seeded sampled streamed completion: {status, done, error, tokens (usage), headers}."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.9, "top_p": 0.95,
+            "seed": 1000 + index, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = {"status": None, "done": False, "error": None, "tokens": None, "text": "", "headers": None}
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            out["status"], out["headers"] = resp.status_code, dict(resp.headers)
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    out["done"] = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    out["error"] = event
+                elif event.get("usage"):
+                    out["tokens"] = event["usage"]["completion_tokens"]
+                out["text"] += "".join(c.get("text", "") for c in event.get("choices", []))
+                progress[index] += 1
+    except (httpx.RemoteProtocolError, httpx.ReadError) as err:
+        out["error"] = repr(err)
+    return out
+
+
+def test_killed_verifier_replica_under_sampled_load(served):
+    """Sampled (temperature 0.9, seeded) streams while a verifier replica dies: every stream ends
+    with [DONE], no error, exactly max_tokens tokens (the resumed ones continue from the tokens they
+    had, counted once); the ingress replicas counted the failovers. (A seeded stream that failed over
+    is not the seed's unfaulted output: its random stream restarts on the new replica.) The SSE
+    responses carry the no-buffering headers (deployments/sse.py)."""
+    victim = _replicas("faults", "Verifier")[0]
+    before = _failovers("faults", 2)
+    url = f"{served}/faults/v1/completions"
+
+    async def main():
+        progress = [0] * NUM_CLIENTS
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            tasks = [asyncio.create_task(_sampled_stream(client, url, p, FAULT_TOKENS, progress, i))
+                     for i, p in enumerate(PROMPTS)]
+            started = time.monotonic()
+            while min(progress) < 12 and not all(t.done() for t in tasks):
+                assert time.monotonic() - started < DEADLINE_S, "streams did not start"
+                await asyncio.sleep(0.02)
+            assert not any(t.done() for t in tasks), "a stream ended before the fault"
+            await asyncio.to_thread(_kill, victim)
+            return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+
+    results = asyncio.run(main())
+    for i, r in enumerate(results):
+        assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
+        assert r["tokens"] == FAULT_TOKENS and r["text"], (i, r["tokens"])
+        assert r["headers"]["x-accel-buffering"] == "no" and r["headers"]["cache-control"] == "no-cache"
+    assert _failovers_since("faults", before, 2)["num_stream_failovers"] >= 1
+    _wait_replaced("faults", "Verifier", victim, 2)
+    wait_for(lambda: _idle("faults", 2), timeout=60)
+
+
+def test_killed_verifier_replica_under_non_streamed_load(served, reference):
+    """Non-streamed requests while a verifier replica dies (once both replicas run some): each
+    request on it is sent again whole, and every response is a 200 with the target's greedy output
+    and its usage; the ingress replicas counted request failovers."""
+    want = reference(FAULT_TOKENS)
+    victim = _replicas("faults", "Verifier")[0]
+    before = _failovers("faults", 2)
+    url = f"{served}/faults/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            tasks = [asyncio.create_task(client.post(url, json={
+                "model": "tiny", "prompt": p, "max_tokens": FAULT_TOKENS, "temperature": 0, "ignore_eos": True}))
+                for p in PROMPTS]
+
+            def both_running() -> bool:
+                stats = _verifier_stats("faults", 2)
+                return all(s["num_running"] > 0 for s in stats.values())
+
+            await asyncio.to_thread(wait_for, both_running, DEADLINE_S, 0.1)
+            await asyncio.sleep(1.0)  # some tokens in: the lost work is real
+            assert not any(t.done() for t in tasks), "a request ended before the fault"
+            await asyncio.to_thread(_kill, victim)
+            return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+
+    responses = asyncio.run(main())
+    for i, resp in enumerate(responses):
+        assert resp.status_code == 200, (i, resp.text)
+        body = resp.json()
+        assert body["choices"][0]["text"] == want[i], i
+        assert body["usage"]["completion_tokens"] == FAULT_TOKENS
+    assert _failovers_since("faults", before, 2)["num_request_failovers"] >= 1
+    _wait_replaced("faults", "Verifier", victim, 2)
+    wait_for(lambda: _idle("faults", 2), timeout=60)
+
+
+def test_killed_colocated_verifier_replica(served, reference):
+    """The colocated topology (the `bounded` app: the n-gram proposer inside the verifier's engine,
+    one verifier replica): its replica dies mid-stream; the stream waits for Serve's replacement,
+    resumes there and completes unbroken with the target's greedy output; the ingress counted the
+    failover. One stream: the app queues one request per caller for the verifier."""
+    want = reference(FAULT_TOKENS)
+    [victim] = _replicas("bounded", "Verifier")
+    before = _failovers("bounded", 1)
+    url = f"{served}/bounded/v1/completions"
+
+    async def main():
+        progress = [0]
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            task = asyncio.create_task(astream_completion(client, url, PROMPTS[0], FAULT_TOKENS, progress, 0))
+            started = time.monotonic()
+            while progress[0] < 12 and not task.done():
+                assert time.monotonic() - started < DEADLINE_S, "the stream did not start"
+                await asyncio.sleep(0.02)
+            assert not task.done(), "the stream ended before the fault"
+            await asyncio.to_thread(_kill, victim)
+            return await asyncio.wait_for(task, DEADLINE_S)
+
+    result = asyncio.run(main())
+    assert result["status"] == 200 and result["error"] is None and result["done"], result
+    assert result["text"] == want[0]
+    _wait_replaced("bounded", "Verifier", victim, 1)
+    assert _failovers_since("bounded", before, 1)["num_stream_failovers"] >= 1
+    wait_for(lambda: _idle("bounded", 1), timeout=60)
 
 
 def test_killed_ingress_replica_under_load(served, reference):
@@ -288,3 +444,34 @@ def test_hundred_abandoned_streams_leave_the_engines_idle(served):
     count = lambda key, stats: sum(s[key] for s in stats.values())  # noqa: E731
     assert count("num_aborted", after) - count("num_aborted", before) == 100
     assert count("num_finished", after) == count("num_finished", before)
+
+
+def test_abuse_benchmark_dry_run(served, tmp_path):
+    """benchmarks/abuse.py --dry-run against the faults app (after its faults: replicas replaced):
+    2 well-behaved streaming clients beside 2 clients sending 1 MiB bodies (past the app's 256 KiB
+    limit), 2 streams never read and 4 clients hammering /tokenize and /health. The well-behaved
+    clients see no error in either phase; every big body gets a 413 or is cut; /tokenize and /health
+    answer 200; the report has the processes' memory and the ITL ratio. Well under a minute."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import abuse
+
+    out = tmp_path / "abuse.json"
+    started = time.monotonic()
+    assert abuse.main(["--dry-run", "--url", f"{served}/faults", "--model", "tiny", "--output-json", str(out),
+                       "--memory-root-pid", str(os.getpid())]) == 0  # the shared cluster's processes: ours
+    assert time.monotonic() - started < 90  # ~15 s on an idle 2-core machine; margin for a loaded one
+    report = json.loads(out.read_text())
+    for phase in ("unloaded", "loaded"):
+        assert report[phase]["errors"] == 0 and report[phase]["requests"] == 4, report[phase]
+        assert report[phase]["itl_ms_median"] is not None
+        assert {"ingress", "verifier"} <= set(report[phase]["memory"]["peak_mib"]), report[phase]["memory"]
+    big = report["abusive"]["big_bodies"]
+    assert big and all(k == "413" or k.startswith("cut") for k in big), big
+    hammer = report["abusive"]["tokenize_health"]
+    assert hammer and set(hammer) <= {"tokenize 200", "health 200"}, hammer
+    idle = report["abusive"]["idle_streams"]
+    assert sum(idle.values()) == 2, idle
+    assert report["itl_ratio_loaded_vs_unloaded"] is not None and report["verdict"]["good_clients_no_error"]

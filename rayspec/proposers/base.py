@@ -67,12 +67,13 @@ class Proposer(ABC):
     # None: no target features needed; () the final hidden state; (i, j, ...) the inputs of those layers
     feature_layers: tuple[int, ...] | None = None
 
-    def cached_prefix(self, seq_id: str, token_ids: list[int]) -> int | None:
+    def cached_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None = None) -> int | None:
         """A proposer drafting from target features (feature_layers) whose own cache can start a new
         sequence on a cached prefix: take that place now and return how many of token_ids' positions
         it covers (the target's cached prefix may then reach that far, not further: the head needs
         the features of every position past its own). None: it cannot (the target computes every
-        prompt token for it)."""
+        prompt token for it). `cache_salt` (the request's): its own cache is looked up, and
+        registered, among that salt's sequences only, as the target's is."""
         return None
 
     def trim_prefix(self, seq_id: str, num_tokens: int) -> None:

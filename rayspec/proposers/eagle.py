@@ -39,6 +39,8 @@ from rayspec.runner import (DEFAULT_BLOCK_SIZE, ModelRunner, TreeQuery, catch_up
                             proposer_num_blocks)
 from rayspec.sampling import logits_to_probs, make_generator
 
+_UNKNOWN = object()  # a sequence whose cache_salt the head was not told
+
 
 class _Node:
     __slots__ = ("token", "parent", "score", "depth", "hidden", "fed")
@@ -115,6 +117,7 @@ class EagleProposer(Proposer):
                                   block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
         self._generators: dict[str, torch.Generator] = {}
+        self._salts: dict[str, str | None] = {}  # seq id -> its cache_salt, for the head's prefix cache
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
         self._clock = itertools.count()
         # the stop rule's early exit reads the device after each depth: only where that is free
@@ -133,6 +136,7 @@ class EagleProposer(Proposer):
         self.runner.free(seq_id)
         self._features.pop(seq_id, None)
         self._generators.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
         self.paths.pop(seq_id, None)
@@ -152,14 +156,21 @@ class EagleProposer(Proposer):
     def _pair_tokens(token_ids: list[int]) -> list[int]:
         return [(a << 32) | b for a, b in zip(token_ids, token_ids[1:])]
 
-    def cached_prefix(self, seq_id: str, token_ids: list[int]) -> int | None:
+    # Salted like the target's (cache_salt, one hash-chain root per salt): a tenant finds only its
+    # salt's pairs in the head's cache too. A sequence the head starts without being told its salt
+    # (the engine asks cached_prefix only of requests that may reuse a prefix: not those asking
+    # prompt logprobs) registers its pairs unsalted; nobody can find them through the head alone,
+    # since a new sequence's cached prefix is the shorter of the head's and the target's (salted)
+    # lookups (LLMEngine._admit).
+    def cached_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None = None) -> int | None:
         if not self.runner.prefix_caching:
             return None
         if self.runner.has(seq_id):
             self.release(seq_id)
         if self.runner.num_free_slots == 0:
             return 0
-        cached = self.runner.allocate(seq_id, self._pair_tokens(token_ids))
+        cached = self.runner.allocate(seq_id, self._pair_tokens(token_ids), cache_salt=cache_salt)
+        self._salts[seq_id] = cache_salt
         self._features[seq_id] = []
         self._last_used[seq_id] = next(self._clock)
         return cached
@@ -203,7 +214,7 @@ class EagleProposer(Proposer):
         if self.runner.num_free_slots == 0:  # sequences left behind by another verifier's routing
             stale = min((s for s in self._last_used if s in self._features), key=self._last_used.get)
             self.release(stale)  # if it comes back, it is caught up through resend_features_from
-        self.runner.allocate(seq_id)
+        self.runner.allocate(seq_id, cache_salt=self._salts.get(seq_id))
         self._features[seq_id] = []
 
     def accept_features(self, req: ProposeRequest) -> bool:
@@ -214,7 +225,10 @@ class EagleProposer(Proposer):
     def _take_features(self, req: ProposeRequest) -> bool:
         """Buffer the request's features; False when they do not continue what this proposer holds."""
         if self.runner.has(req.seq_id) and req.features_start == 0 and req.features is not None:
+            salt = self._salts.get(req.seq_id, _UNKNOWN)
             self.release(req.seq_id)  # features from the start again (a resend): rebuild from scratch
+            if salt is not _UNKNOWN:  # (the same sequence: its salt stays)
+                self._salts[req.seq_id] = salt
         if not self.runner.has(req.seq_id):
             if req.features_start > 0:  # a sequence that started elsewhere
                 return False

@@ -1,0 +1,433 @@
+"""Overload and abuse (#35, "Done when"): well-behaved streaming clients beside abusive ones.
+
+Two phases against one server, the same well-behaved workload in each:
+1. unloaded: `--good` streaming clients alone, each sending `--good-requests` streamed completions
+   one after the other (greedy, `--max-tokens` tokens each, ignore_eos);
+2. loaded: the same, while at the same time
+   - `--big` clients send request bodies of `--body-mib` MiB, one after the other (half with a
+     Content-Length, half chunked without one), each expecting a 413;
+   - `--idle` clients open a streamed completion (`--idle-max-tokens` tokens) and never read it;
+     when phase 2 ends each finds out what happened to its stream (read to the end: complete,
+     cut by the server, or refused with a status);
+   - `--hammer` clients send POST /tokenize and GET /health alternately, as fast as they get answers.
+
+Reported (JSON, `--output-json`): per phase the well-behaved clients' errors (any status but 200, an
+error event, a stream without [DONE], a connection error), time to first token and inter-token
+latency (per stream: (last chunk - first chunk) / (tokens - 1), from the usage every chunk carries;
+the median over streams, and p90), and the loaded/unloaded ratio of the median ITL; the abusive
+requests' outcomes by status code or cut; the peak resident memory (RSS) of the ingress, verifier
+and Serve proxy processes over each phase (psutil, processes on this machine), and the CPU model and
+load average (the machine may be shared: the ratio is then noisy).
+
+Usage, against a running server:
+    serve run configs/default.yaml &
+    python benchmarks/abuse.py --url http://127.0.0.1:8000 --model smollm2-135m-instruct \
+        --output-json benchmarks/results/abuse_default_overload.json
+or let it start one (the config's apps on a Ray cluster of its own, started in this process as
+`serve run` would, on --port; stopped at the end; its processes' memory counted):
+    python benchmarks/abuse.py --serve-config configs/default.yaml --port 8437 --output-json ...
+`--dry-run`: tiny counts and bodies (2 good clients x 2 requests of 8 tokens, 2 big 1 MiB bodies,
+2 idle streams, 4 hammer clients) for CI (tests/test_abuse_bench.py, against an app whose body limit
+is below 1 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+try:
+    import psutil
+except ImportError:  # /proc then
+    psutil = None
+
+PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+           "Explain how a bicycle stays upright, step by step.",
+           "List ten fruits and one fact about each.",
+           "Describe the water cycle to a ten-year-old.",
+           "What are the pros and cons of working from home?",
+           "Give me a recipe for pancakes with a twist."]
+ROLES = (("OpenAIIngress", "ingress"), ("Verifier", "verifier"), ("ProxyActor", "proxy"))
+
+
+# ---- machine ----------------------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except Exception:  # noqa: BLE001
+        return platform.processor() or "unknown"
+
+
+def _proc_rss_mib(root_pid: int | None = None) -> dict[str, float]:
+    """RSS (MiB) of the Serve replica and proxy processes by role, summed per role: those under
+    root_pid (the process that started the Ray cluster: other clusters on a shared machine are not
+    counted), else every one on this machine."""
+    totals: dict[str, float] = {}
+    if psutil is not None:
+        procs = []
+        try:
+            candidates = psutil.Process(root_pid).children(recursive=True) if root_pid else psutil.process_iter()
+        except psutil.NoSuchProcess:
+            candidates = []
+        for proc in candidates:
+            try:
+                procs.append((" ".join(proc.cmdline() or []), proc.memory_info().rss))
+            except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
+                continue
+    else:
+        procs = []
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+                procs.append((title, pages * os.sysconf("SC_PAGE_SIZE")))
+            except (OSError, ValueError, IndexError):
+                continue
+    for title, rss in procs:
+        if not title.startswith("ray::"):
+            continue
+        role = next((r for key, r in ROLES if key in title), None)
+        if role is not None:
+            totals[role] = totals.get(role, 0.0) + rss / 2**20
+    return totals
+
+
+class MemoryWatch:
+    """Samples _proc_rss_mib every `interval` s in the background; peak per role."""
+
+    def __init__(self, root_pid: int | None, interval: float = 0.5):
+        self.root_pid, self.interval, self.peak, self.first = root_pid, interval, {}, None
+        self._task = None
+
+    async def _run(self):
+        while True:
+            sample = await asyncio.to_thread(_proc_rss_mib, self.root_pid)
+            if self.first is None:
+                self.first = sample
+            for role, mib in sample.items():
+                self.peak[role] = max(self.peak.get(role, 0.0), mib)
+            await asyncio.sleep(self.interval)
+
+    def __enter__(self):
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc):
+        self._task.cancel()
+
+    def report(self) -> dict:
+        return {"start_mib": {k: round(v, 1) for k, v in sorted((self.first or {}).items())},
+                "peak_mib": {k: round(v, 1) for k, v in sorted(self.peak.items())}}
+
+
+# ---- well-behaved clients ---------------------------------------------------------------------------
+def _stream_body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+async def good_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion: {ok, error, ttft_s, itl_s, tokens}."""
+    out = {"ok": False, "error": None, "ttft_s": None, "itl_s": None, "tokens": 0}
+    started = time.monotonic()
+    first = last = None
+    first_tokens = tokens = 0
+    done = False
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=_stream_body(model, prompt, max_tokens)) as resp:
+            if resp.status_code != 200:
+                out["error"] = f"status {resp.status_code}"
+                await resp.aread()
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    out["error"] = f"error event {event['error'].get('code')}"
+                    return out
+                usage = event.get("usage") or {}
+                if not event.get("choices") or "completion_tokens" not in usage:
+                    continue
+                now = time.monotonic()
+                tokens = usage["completion_tokens"]
+                if first is None:
+                    first, first_tokens = now, tokens
+                last = now
+    except httpx.HTTPError as err:
+        out["error"] = f"{type(err).__name__}"
+        return out
+    out["tokens"] = tokens
+    if not done:
+        out["error"] = "no [DONE]"
+        return out
+    out["ok"] = True
+    out["ttft_s"] = first - started if first is not None else None
+    if first is not None and tokens > first_tokens:
+        out["itl_s"] = (last - first) / (tokens - first_tokens)
+    return out
+
+
+async def good_client(url: str, model: str, index: int, requests: int, max_tokens: int, timeout: float) -> list[dict]:
+    results = []
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for r in range(requests):
+            results.append(await good_stream(client, url, model, PROMPTS[(index + r) % len(PROMPTS)], max_tokens))
+    return results
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
+
+
+def summarize_good(results: list[dict]) -> dict:
+    itls = [r["itl_s"] for r in results if r["itl_s"] is not None]
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    errors = Counter(r["error"] for r in results if r["error"] is not None)
+    return {"requests": len(results), "errors": sum(errors.values()), "error_kinds": dict(errors),
+            "tokens": sum(r["tokens"] for r in results),
+            "itl_ms_median": None if not itls else round(1e3 * _pct(itls, 0.5), 2),
+            "itl_ms_p90": None if not itls else round(1e3 * _pct(itls, 0.9), 2),
+            "ttft_s_median": None if not ttfts else round(_pct(ttfts, 0.5), 3),
+            "ttft_s_p90": None if not ttfts else round(_pct(ttfts, 0.9), 3)}
+
+
+# ---- abusive clients -------------------------------------------------------------------------------
+async def big_body_client(url: str, model: str, body_bytes: int, chunked: bool, stop: asyncio.Event,
+                          outcomes: Counter, timeout: float) -> None:
+    """Bodies of body_bytes, one after the other until stop: each outcome counted (status, or cut)."""
+    piece = b" " * (1 << 20)
+
+    async def body():
+        yield b'{"model": "' + model.encode() + b'", "prompt": "'
+        left = body_bytes
+        while left > 0:
+            n = min(left, len(piece))
+            yield piece[:n]
+            left -= n
+        yield b'", "max_tokens": 1}'
+
+    overhead = len(b'{"model": "' + model.encode() + b'", "prompt": "') + len(b'", "max_tokens": 1}')
+    headers = {"content-type": "application/json"}
+    if not chunked:
+        headers["content-length"] = str(body_bytes + overhead)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        while not stop.is_set():
+            try:
+                resp = await client.post(f"{url}/v1/completions", content=body(), headers=headers)
+                outcomes[str(resp.status_code)] += 1
+            except httpx.HTTPError as err:  # the server closed the connection mid-body
+                outcomes[f"cut ({type(err).__name__})"] += 1
+            await asyncio.sleep(0)
+
+
+async def idle_stream(url: str, model: str, max_tokens: int, stop: asyncio.Event, outcomes: Counter,
+                      timeout: float) -> None:
+    """Opens a streamed completion and reads nothing of it until stop; then reads what is left:
+    complete ([DONE]), cut (the connection ended early), or the status it was refused with."""
+    body = _stream_body(model, PROMPTS[0], max_tokens)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, read=timeout)) as client:
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    outcomes[str(resp.status_code)] += 1
+                    return
+                await stop.wait()
+                text = b""
+                try:
+                    async for part in resp.aiter_bytes():
+                        text += part
+                except httpx.HTTPError as err:
+                    outcomes[f"200 then cut ({type(err).__name__})"] += 1
+                    return
+                if b"data: [DONE]" in text:
+                    outcomes["200 complete" + (" with error event" if b'"error"' in text else "")] += 1
+                else:
+                    outcomes["200 then cut (ended early)"] += 1
+    except httpx.HTTPError as err:
+        outcomes[f"cut ({type(err).__name__})"] += 1
+
+
+async def hammer_client(url: str, model: str, index: int, stop: asyncio.Event, outcomes: Counter,
+                        timeout: float) -> None:
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        i = index
+        while not stop.is_set():
+            i += 1
+            try:
+                if i % 2:
+                    resp = await client.post(f"{url}/tokenize", json={"model": model, "prompt": PROMPTS[i % len(PROMPTS)]})
+                    outcomes[f"tokenize {resp.status_code}"] += 1
+                else:
+                    resp = await client.get(f"{url}/health")
+                    outcomes[f"health {resp.status_code}"] += 1
+            except httpx.HTTPError as err:
+                outcomes[f"{'tokenize' if i % 2 else 'health'} {type(err).__name__}"] += 1
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+async def _good_phase(url: str, model: str, args) -> list[dict]:
+    runs = await asyncio.gather(*(good_client(url, model, i, args.good_requests, args.max_tokens, args.timeout)
+                                  for i in range(args.good)))
+    return [r for run in runs for r in run]
+
+
+async def run(url: str, model: str, args) -> dict:
+    report: dict = {"url": url, "model": model,
+                    "clients": {"good": args.good, "good_requests_each": args.good_requests,
+                                "max_tokens": args.max_tokens, "big": args.big, "body_mib": args.body_mib,
+                                "idle": args.idle, "idle_max_tokens": args.idle_max_tokens, "hammer": args.hammer},
+                    "cpu_model": cpu_model(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    started = time.monotonic()
+    with MemoryWatch(args.memory_root_pid) as memory:
+        good = await _good_phase(url, model, args)
+    report["unloaded"] = {**summarize_good(good), "seconds": round(time.monotonic() - started, 1),
+                          "memory": memory.report()}
+    report["loadavg_after_unloaded"] = os.getloadavg()
+
+    stop = asyncio.Event()
+    big, idle, hammer = Counter(), Counter(), Counter()
+    body_bytes = int(args.body_mib * 2**20)
+    started = time.monotonic()
+    with MemoryWatch(args.memory_root_pid) as memory:
+        abusers = [asyncio.create_task(big_body_client(url, model, body_bytes, i % 2 == 1, stop, big, args.timeout))
+                   for i in range(args.big)]
+        abusers += [asyncio.create_task(idle_stream(url, model, args.idle_max_tokens, stop, idle, args.timeout))
+                    for _ in range(args.idle)]
+        abusers += [asyncio.create_task(hammer_client(url, model, i, stop, hammer, args.timeout))
+                    for i in range(args.hammer)]
+        await asyncio.sleep(args.abuse_head_start)  # the abuse is under way before the clients come
+        good = await _good_phase(url, model, args)
+        loaded_s = time.monotonic() - started
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*abusers, return_exceptions=True), args.timeout + 60)
+    report["loaded"] = {**summarize_good(good), "seconds": round(loaded_s, 1), "memory": memory.report()}
+    report["loadavg_end"] = os.getloadavg()
+    report["abusive"] = {"big_bodies": dict(big), "idle_streams": dict(idle), "tokenize_health": dict(hammer)}
+    un, lo = report["unloaded"]["itl_ms_median"], report["loaded"]["itl_ms_median"]
+    report["itl_ratio_loaded_vs_unloaded"] = round(lo / un, 3) if un and lo else None
+    return report
+
+
+def verdict(report: dict, itl_ratio_bound: float = 2.0) -> dict:
+    """The issue's criteria, each True or False."""
+    abusive_ok = all(k.startswith(("4", "cut", "200 then cut")) for k in report["abusive"]["big_bodies"])
+    idle_ok = all(k.startswith(("4", "cut", "200 then cut", "200 complete")) for k in report["abusive"]["idle_streams"])
+    ratio = report["itl_ratio_loaded_vs_unloaded"]
+    return {"good_clients_no_error": report["unloaded"]["errors"] == 0 and report["loaded"]["errors"] == 0,
+            f"itl_ratio_within_{itl_ratio_bound:g}x": ratio is not None and ratio <= itl_ratio_bound,
+            "big_bodies_all_4xx_or_cut": abusive_ok, "idle_streams_4xx_cut_or_bounded": idle_ok}
+
+
+def start_server(config_path: str, port: int) -> str:
+    """The Serve config's applications on a Ray cluster of their own, started in this process (as
+    `serve run` would, its HTTP proxy on `port`); the base URL once /health answers."""
+    import ray
+    import yaml
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = yaml.safe_load(Path(config_path).read_text())
+    http = {**config.get("http_options", {}), "port": port}
+    host = http.get("host", "127.0.0.1")
+    # one try: a failed start leaves its GCS and agents running until this process ends (on a loaded
+    # machine the raylet may give up waiting for its dashboard agent: start again later)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options=http, proxy_location=config.get("proxy_location", "HeadOnly"))
+    for app in config["applications"]:
+        if app.get("import_path", "deployments.app:build_app") != "deployments.app:build_app":
+            raise ValueError(f"{app['name']}: only deployments.app:build_app apps are started here")
+        serve.run(build_app(app.get("args", {})), name=app["name"], route_prefix=app.get("route_prefix", "/"))
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    if not _wait_up(url, 900):
+        raise RuntimeError(f"{url} did not become healthy")
+    return url
+
+
+def _wait_up(url: str, timeout: float) -> bool:
+    """Until url/health answers 200 (True), or timeout seconds (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--serve-config", help="serve this config's apps first, on a Ray cluster of its own started "
+                                           "here, HTTP on --port (stopped at the end)")
+    p.add_argument("--port", type=int, default=8000, help="with --serve-config: the port it serves on")
+    p.add_argument("--memory-root-pid", type=int,
+                   help="count the memory of Ray processes under this process only (default: the server "
+                        "--serve-config starts; else every Ray process on this machine)")
+    p.add_argument("--good", type=int, default=16)
+    p.add_argument("--good-requests", type=int, default=3, help="streamed completions per well-behaved client")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--big", type=int, default=20)
+    p.add_argument("--body-mib", type=float, default=200)
+    p.add_argument("--idle", type=int, default=50)
+    p.add_argument("--idle-max-tokens", type=int, default=512)
+    p.add_argument("--hammer", type=int, default=64)
+    p.add_argument("--abuse-head-start", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--dry-run", action="store_true", help="tiny counts and bodies (CI)")
+    p.add_argument("--note", default="", help="free text kept in the JSON (e.g. the machine's other load)")
+    p.add_argument("--output-json")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.good, args.good_requests, args.max_tokens = 2, 2, 8
+        args.big, args.body_mib, args.idle, args.idle_max_tokens, args.hammer = 2, 1, 2, 16, 4
+        args.abuse_head_start, args.timeout = 0.5, min(args.timeout, 60.0)
+    started_here = False
+    if args.serve_config:
+        args.url = start_server(args.serve_config, args.port)
+        started_here = True
+        if args.memory_root_pid is None:
+            args.memory_root_pid = os.getpid()  # the Ray cluster's processes are this one's children
+    try:
+        report = asyncio.run(run(args.url.rstrip("/"), args.model, args))
+    finally:
+        if started_here:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+    report["command"] = " ".join([Path(sys.argv[0]).name if argv is None else "abuse.py", *(argv or sys.argv[1:])])
+    report["note"] = args.note
+    report["verdict"] = verdict(report)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output_json:
+        Path(args.output_json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
