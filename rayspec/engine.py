@@ -1,5 +1,7 @@
 """LLMEngine: continuous batching with speculative decoding.
 
+(Over 500 lines: propose/verify/commit use state servers swap in place, engine.proposer and .stats.)
+
 One `step()` is schedule -> run -> postprocess:
   schedule  the Scheduler (rayspec/scheduler.py) reserves the running requests' KV for this
             step's verification (preempting the youngest when the block pool runs out), admits
@@ -21,13 +23,13 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
-from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
+from rayspec.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.compiled import default_compile
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
@@ -35,6 +37,8 @@ from rayspec.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInp
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
+from rayspec.outputs import (EngineOverloadedError, InvalidGrammarError, InvalidRequestError,  # noqa: F401 (re-exported)
+                             RequestOutput, request_output)
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import verify, verify_tree_parents
 from rayspec.runner import ModelRunner, TreeQuery, packed_offsets, prefill_groups
@@ -47,49 +51,6 @@ from rayspec.warm_up import calibrate_costs, compile_buckets, keep_compiled_step
 
 
 logger = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (too long, bad token ids, duplicate id, ...)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (EngineConfig.max_num_waiting): the request was not taken; try later."""
-
-
-class InvalidGrammarError(InvalidRequestError):
-    """The request's output constraint cannot be compiled (malformed, past llguidance's limits, or
-    slower to compile than rayspec.structured.COMPILE_TIMEOUT_S)."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    text: str  # all output text so far
-    delta_text: str  # text added by this step
-    token_ids: list[int]  # all output tokens so far
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_steps: int
-    # with SamplingParams.logprobs: one entry per token of token_ids (None for a resumed request's earlier ones)
-    logprobs: list[TokenLogprob | None] | None = None
-    # with SamplingParams.prompt_logprobs: one per prompt token (the first has logprob None)
-    prompt_logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # finish_reason "error": what failed (the engine went on with the others)
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's cached_tokens)
-    # what this output adds to the request's previous one: its tokens, and their logprobs (with
-    # SamplingParams.logprobs). A server streams these; with `LLMEngine.delta_outputs` they are all
-    # an unfinished output holds (text "", token_ids [], logprobs None): no copy of what came before
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprob | None] | None = None
-    num_output_tokens: int = -1  # all output tokens so far (-1: len(token_ids))
-
-    def __post_init__(self):
-        if self.num_output_tokens < 0:
-            self.num_output_tokens = len(self.token_ids)
 
 
 @dataclass
@@ -162,7 +123,7 @@ class LLMEngine:
                                   max_num_batched_tokens=config.max_num_batched_tokens, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   compile=self.compile)
-        self.proposer = proposer if proposer is not None else build_proposer(spec, context)
+        self._proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
         self._warmed_up = False
@@ -347,6 +308,15 @@ class LLMEngine:
         if self.ranks is not None:
             self.ranks.shutdown()
             self.ranks = None
+
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        """(a proposer wrapped after the engine was built, e.g. in pre-drafting: the scheduler follows)"""
+        self._proposer = self.scheduler.proposer = proposer
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -714,19 +684,7 @@ class LLMEngine:
         return feats, start
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        delta = seq.take_new_text()  # text keeps back a possible stop-string start, like delta
-        n, start = seq.num_output_tokens, seq.num_reported_tokens
-        seq.num_reported_tokens = n
-        whole = seq.finished or not self.delta_outputs
-        return RequestOutput(
-            request_id=seq.request_id, text=seq.sent_text if whole else "", delta_text=delta,
-            token_ids=seq.output_token_ids if whole else [], finished=seq.finished, finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None and whole else None,
-            prompt_logprobs=seq.prompt_logprobs, error=seq.error, num_cached_tokens=seq.num_cached_tokens or 0,
-            delta_token_ids=seq.token_ids[len(seq.token_ids) - (n - start):] if n > start else [],
-            delta_logprobs=seq.logprobs[start:n] if seq.logprobs is not None else None, num_output_tokens=n)
+        return request_output(seq, whole=seq.finished or not self.delta_outputs)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
