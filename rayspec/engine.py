@@ -505,26 +505,6 @@ class LLMEngine:
         probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
-    def _draft_len(self, seq: Sequence, k: int) -> int:
-        """k, capped by the request's own num_speculative_tokens and the tokens it has left."""
-        if seq.params.num_speculative_tokens is not None:
-            k = min(k, seq.params.num_speculative_tokens)
-        return max(0, min(k, seq.remaining_tokens - 1))
-
-    def _draft_lens(self, seqs: list[Sequence], tree: bool) -> list[int]:
-        """Per sequence, the draft budget of this step: the full one, or with `adaptive` what pays
-        (rayspec.drafting). A seeded sampled request's budget depends on its own history alone
-        (its random stream is consumed per drafted token): the full budget under measured costs,
-        planned as if alone under modelled ones."""
-        caps = [self._draft_len(s, self.max_k) for s in seqs]
-        if not self.adaptive:
-            return caps
-        modelled = self.planner.costs.deterministic
-        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
-        return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
-                                            pinned=own and not modelled, isolated=own and modelled)
-                                  for s, cap, own in zip(seqs, caps, seeded)], tree)
-
     def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
         """_decode_step, leaving no trace when it raises before a sequence took its tokens (see
         _guarded): the target's cache lengths and the features not yet drafted from go back; a
@@ -588,6 +568,26 @@ class LLMEngine:
         if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
             raise RuntimeError(f"the proposer lost the target features of {lost}")
         return drafts, propose_s
+
+    def _draft_len(self, seq: Sequence, k: int) -> int:
+        """k, capped by the request's own num_speculative_tokens and the tokens it has left."""
+        if seq.params.num_speculative_tokens is not None:
+            k = min(k, seq.params.num_speculative_tokens)
+        return max(0, min(k, seq.remaining_tokens - 1))
+
+    def _draft_lens(self, seqs: list[Sequence], tree: bool) -> list[int]:
+        """Per sequence, the draft budget of this step: the full one, or with `adaptive` what pays
+        (rayspec.drafting). A seeded sampled request's budget depends on its own history alone
+        (its random stream is consumed per drafted token): the full budget under measured costs,
+        planned as if alone under modelled ones."""
+        caps = [self._draft_len(s, self.max_k) for s in seqs]
+        if not self.adaptive:
+            return caps
+        modelled = self.planner.costs.deterministic
+        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
+                                            pinned=own and not modelled, isolated=own and modelled)
+                                  for s, cap, own in zip(seqs, caps, seeded)], tree)
 
     # ---- verify ---------------------------------------------------------------------------
     def _verify(self, proposal: Proposal) -> Verdict:
