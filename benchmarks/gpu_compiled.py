@@ -74,7 +74,7 @@ def syncs(root: Path) -> None:
              ("baseline, batch 8", 8, "none", {})]
     for label, batch, method, spec in cases:
         engine = engine_for(target_dir, loaded, method, **spec)
-        per_step, decode = [], engine._decode
+        per_step, decode = [], engine._decode_step
 
         def counted(seqs, decode=decode, per_step=per_step):
             torch.cuda.synchronize()
@@ -88,7 +88,7 @@ def syncs(root: Path) -> None:
             cuda = [w for w in caught if "synchroniz" in str(w.message)]
             per_step.append((len(seqs), len(cuda), reads.count, sorted({str(w.filename).split("/")[-1] + ":" + str(w.lineno) for w in cuda})))
 
-        engine._decode = counted
+        engine._decode_step = counted
         engine.generate(prompts(batch, VOCAB), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
         full = [s for s in per_step if s[0] == batch]
         record("syncs", {"case": label, "steps": len(full), "cuda_syncs_per_step_max": max(s[1] for s in full),

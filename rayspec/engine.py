@@ -1,16 +1,17 @@
 """LLMEngine: continuous batching with speculative decoding.
 
-One `step()`:
-  1. reserve KV blocks for the running requests' verification (preempting the youngest when the
-     block pool runs out), admit waiting requests while their prompts' blocks are free (a cached
-     prefix shared); prefill prompts in chunks within the
-     step's prompt-token budget (`max_num_batched_tokens`; prompts cut at fixed places): a long
-     prompt takes several steps, interleaved with the running requests' decoding, and samples
-     its first token with its last chunk;
-  2. for every running sequence whose prefill is done: pick the draft budget that pays
-     (rayspec.drafting, zero when none does), ask the proposer for drafts (one batched call),
-     verify all of them in one target forward,
-     keep the accepted prefix plus one recovered/bonus token, and trim the KV cache.
+(Over 500 lines: propose/verify/commit use state servers swap in place, engine.proposer and .stats.)
+
+One `step()` is schedule -> run -> postprocess:
+  schedule  the Scheduler (rayspec/scheduler.py) reserves the running requests' KV for this
+            step's verification (preempting the youngest when the block pool runs out), admits
+            waiting requests, and cuts unfinished prompts into the step's prefill chunks;
+  run       the chunks are prefilled (a prompt's last chunk samples its first token); the requests
+            whose prefill is done decode: propose (pick the draft budget that pays,
+            rayspec.drafting, and ask the proposer for drafts in one batched call) -> verify (one
+            target forward over every draft, then rayspec.rejection.verify) -> commit (keep the
+            accepted rows' KV and features, append the emitted tokens, record logprobs and stats);
+  postprocess  outputs for the requests that took tokens; finished ones are released.
 Requests join and leave between steps. A forward that raises is retried in halves, so an
 error one request causes (an out-of-memory on its prompt, a processor that fails) finishes that
 request with finish_reason "error" and the others go on.
@@ -22,14 +23,13 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
-from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
+from rayspec.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.compiled import default_compile
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
@@ -37,60 +37,51 @@ from rayspec.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInp
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
+from rayspec.outputs import (EngineOverloadedError, InvalidGrammarError, InvalidRequestError,  # noqa: F401 (re-exported)
+                             RequestOutput, request_output)
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
-from rayspec.rejection import (verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents,
-                               verify_tree_sampled)
-from rayspec.runner import ModelRunner, TreeQuery, last_rows, packed_offsets, prefill_groups
+from rayspec.rejection import verify, verify_tree_parents
+from rayspec.runner import ModelRunner, TreeQuery, packed_offsets, prefill_groups
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
-from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
+from rayspec.scheduler import ScheduledStep, Scheduler
+from rayspec.sequence import IncrementalDetokenizer, Sequence
 from rayspec.structured import GrammarCompiler
 from rayspec.tools import inline_tools, template_messages
+from rayspec.warm_up import calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees, time_decode
 
 
 logger = logging.getLogger(__name__)
 
 
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (too long, bad token ids, duplicate id, ...)."""
+@dataclass
+class Proposal:
+    """propose -> verify: what a decode step sends the target, per sequence."""
+    seqs: list[Sequence]
+    drafts: list[Draft]  # a chain, or a tree (parents); empty where nothing was drafted
+    draft_lens: list[int]  # the budget the proposer was asked for (0: not asked)
+    tree: bool  # the proposer was asked for trees (a small batch), else chains
+    pending: list[list[int]]  # the tokens without target KV yet (normally the last one), before the draft
+    propose_s: float  # seconds in the proposer
 
+    @property
+    def inputs(self) -> list[list[int]]:
+        """Each sequence's verification row: its pending tokens, then its draft."""
+        return [p + d.tokens for p, d in zip(self.pending, self.drafts)]
 
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (EngineConfig.max_num_waiting): the request was not taken; try later."""
-
-
-class InvalidGrammarError(InvalidRequestError):
-    """The request's output constraint cannot be compiled (malformed, past llguidance's limits, or
-    slower to compile than rayspec.structured.COMPILE_TIMEOUT_S)."""
+    @property
+    def has_tree(self) -> bool:
+        return any(not d.is_chain for d in self.drafts)
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    text: str  # all output text so far
-    delta_text: str  # text added by this step
-    token_ids: list[int]  # all output tokens so far
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_steps: int
-    # with SamplingParams.logprobs: one entry per token of token_ids (None for a resumed request's earlier ones)
-    logprobs: list[TokenLogprob | None] | None = None
-    # with SamplingParams.prompt_logprobs: one per prompt token (the first has logprob None)
-    prompt_logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # finish_reason "error": what failed (the engine went on with the others)
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's cached_tokens)
-    # what this output adds to the request's previous one: its tokens, and their logprobs (with
-    # SamplingParams.logprobs). A server streams these; with `LLMEngine.delta_outputs` they are all
-    # an unfinished output holds (text "", token_ids [], logprobs None): no copy of what came before
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[TokenLogprob | None] | None = None
-    num_output_tokens: int = -1  # all output tokens so far (-1: len(token_ids))
-
-    def __post_init__(self):
-        if self.num_output_tokens < 0:
-            self.num_output_tokens = len(self.token_ids)
+class Verdict:
+    """verify -> commit: what a decode step keeps, per sequence (rayspec.rejection.verify)."""
+    emitted: list[list[int]]  # the accepted drafts, then the recovered or bonus token
+    kept_rows: list[list[int]]  # the verification rows whose KV stays (pending, then accepted drafts)
+    raw_logits: torch.Tensor  # [N, vocab] the target's unprocessed logits over the packed rows (logprobs)
+    features: torch.Tensor | None  # [N, F] the target features of those rows (EAGLE heads), else None
+    starts: list[int]  # sequence i's rows begin at starts[i]
+    row_context: int  # sum over rows of the context each attends to (the planner's cost fit)
 
 
 class LLMEngine:
@@ -132,7 +123,7 @@ class LLMEngine:
                                   max_num_batched_tokens=config.max_num_batched_tokens, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                   compile=self.compile)
-        self.proposer = proposer if proposer is not None else build_proposer(spec, context)
+        self._proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers
         self._warmed_up = False
@@ -149,137 +140,37 @@ class LLMEngine:
         # unfinished outputs carry only what they add (RequestOutput.delta_*), not copies of the
         # whole output so far: a server that streams sets this (deployments.engine_loop)
         self.delta_outputs = False
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(self.runner, self.proposer, self.max_k, config.max_num_batched_tokens,
+                                   self.feature_layers)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
-        self._committing = False  # _decode past the point where sequences take tokens
+        self._committing = False  # _decode_step past the point where sequences take tokens
         self.num_steps = 0
-        self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
         if self.runner.compiled is not None:
             self.warm_up()
         if self.adaptive and not costs.deterministic:
-            self._calibrate_costs(costs)
-
-    def _calibrate_costs(self, costs: MeasuredCosts, context: int = 32, repeats: int = 3) -> None:
-        """Seed the planner's verification cost fit: a dummy sequence of `context` tokens verifies 1,
-        2 and 1 + num_speculative_tokens rows (forward and logits, the median of `repeats` each).
-        The engine's own steps refine the fit from then on."""
-        seq_id = "__calibrate_costs"
-        if self.runner.num_free_slots == 0:
-            return
-        self.runner.allocate(seq_id)
-        try:
-            with torch.inference_mode():
-                self._target_forward([seq_id], [[0] * context], packed=True)
-                for rows in (1, 2, 1 + self.max_k, 1):
-                    times = []
-                    for _ in range(repeats):
-                        self.runner.set_cached_len(seq_id, context)
-                        started = time.perf_counter()
-                        hidden, _ = self._target_forward([seq_id], [[0] * rows], packed=True, static=True)
-                        to_host(self.model.logits(hidden).argmax(-1))
-                        times.append(time.perf_counter() - started)
-                    costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2])
-        finally:
-            self.runner.free(seq_id)
+            calibrate_costs(self, costs)
 
     @torch.inference_mode()  # as step(): grad mode is part of what a compiled graph is guarded on
     def warm_up(self) -> list[tuple[int, int]]:
-        """With the compiled step: compile (and on CUDA capture) the shapes a step takes most, before
-        the first request: every batch bucket up to max_num_seqs at 1 row (decoding) and at the
-        verification's rows (1 + num_speculative_tokens, bucketed). Other shapes compile when first
-        seen. Where `compile` was left to its default, a decode forward is first timed eager and
-        compiled, and the compiled step is kept only if it is the faster here (it measured 3.4x
-        faster for SmolLM2's shapes on an H200 and 0.76x for Llama-3.1-8B's). Runs once (the
-        engine calls it when built). Returns the (batch, rows) buckets compiled."""
-        from rayspec.compiled import bucket
-
-        compiled = self.runner.compiled
-        if compiled is None or self._warmed_up:
+        """With the compiled step: compile the shapes a step takes most before the first request
+        (rayspec.warm_up; other shapes compile when first seen), where `compile` was left to its
+        default only if the compiled step is the faster here. Runs once (the engine calls it when
+        built). Returns the (batch, rows) buckets compiled."""
+        if self.runner.compiled is None or self._warmed_up:
             return []
         self._warmed_up = True
-        if self.config.compile is None:
-            eager_s, compiled_s = self._time_decode(False), self._time_decode(True)
-            self.compile_timings = {"eager_s": eager_s, "compiled_s": compiled_s}
-            if compiled_s >= eager_s:
-                logger.info("compiled step off: a decode forward took %.2f ms compiled, %.2f ms eager",
-                            compiled_s * 1e3, eager_s * 1e3)
-                self.runner.compiled, self.compile = None, False
-                proposer_runner = getattr(self.proposer, "runner", None)  # the proposer follows the target
-                if proposer_runner is not None:
-                    proposer_runner.set_compile(False)
-                return []
-        if self.runner.paged_attention and not self._paged_attention_agrees():
+        if self.config.compile is None and not keep_compiled_step(self):
+            return []
+        if self.runner.paged_attention and not paged_attention_agrees(self.runner):
             self.runner.paged_attention = False
-        done = []
-        for rows in sorted({1, bucket(1 + self.max_k)}):
-            b = 1
-            while b <= bucket(self.config.max_num_seqs) and compiled.fits(b, rows):
-                ids = [f"__warm_up_{i}" for i in range(min(b, self.runner.num_free_slots))]
-                if len(ids) < b:
-                    break
-                try:
-                    for i in ids:
-                        self.runner.allocate(i)
-                    self._target_forward(ids, [[0] * rows for _ in ids], packed=True, static=True)
-                    done.append((b, rows))
-                finally:
-                    for i in ids:
-                        self.runner.free(i)
-                b *= 2
-        self._sync()
+        done = compile_buckets(self)
         logger.info("compiled step warmed up for (batch, rows) %s", done)
         return done
 
-    def _paged_attention_agrees(self, context: int = 40, tolerance: float = 0.02) -> bool:
-        """Paged attention's self-check (EngineConfig.paged_attention): one decode forward of a dummy
-        sequence through the compiled step with attention gathering the keys and reading the pool in
-        place; they must agree to `tolerance` of the hidden states' largest magnitude (bfloat16
-        kernels differ in their last bits, a wrong mask by far more). Where they do not, paged
-        attention is turned off with an error in the log, so a kernel fault costs speed, not
-        correctness."""
-        seq_id, hiddens = "__paged_check", []
-        self.runner.allocate(seq_id)
-        try:
-            prompt = [(7 * i + 3) % self.runner.model.args.vocab_size for i in range(context)]
-            self.runner.forward_hidden([seq_id], [prompt])
-            for paged in (False, True):
-                self.runner.paged_attention = paged
-                self.runner.set_cached_len(seq_id, context)
-                hiddens.append(self.runner.forward_hidden([seq_id], [[5]], packed=True, static=True)[0].float())
-        finally:
-            self.runner.paged_attention = True
-            self.runner.free(seq_id)
-        gather, paged = hiddens
-        diff, scale = (paged - gather).abs().max().item(), gather.abs().max().item()
-        if not diff <= tolerance * max(scale, 1e-6):  # (NaN fails too)
-            logger.error("paged attention off: its decode forward differs from the gather's by %.4g (hidden "
-                         "states up to %.4g); please report this GPU and torch version", diff, scale)
-            return False
-        logger.info("paged attention on: agrees with the gather to %.3g (hidden states up to %.3g)", diff, scale)
-        return True
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _time_decode(self, static: bool, repeats: int = 10) -> float:
-        """Seconds per one-token forward of a dummy sequence (the first calls, which compile, untimed)."""
-        seq_id = "__time_decode"
-        self.runner.allocate(seq_id)
-        try:
-            for _ in range(2):
-                self._target_forward([seq_id], [[0]], packed=True, static=static)
-            self._sync()
-            started = time.perf_counter()
-            for _ in range(repeats):
-                self._target_forward([seq_id], [[0]], packed=True, static=static)
-            self._sync()
-            return (time.perf_counter() - started) / repeats
-        finally:
-            self.runner.free(seq_id)
+        return time_decode(self, static, repeats)
 
     def _kv_plan(self, model: CausalLM, spec, in_process: bool = True):
         """in_process: the proposer (a draft model's cache) shares this process's KV budget; a
@@ -389,7 +280,7 @@ class LLMEngine:
             if seq.logprobs is not None:  # those tokens' logprobs were handed out by the other engine
                 seq.logprobs.extend([None] * seq.num_output_tokens)
         self._requests[request_id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return request_id
 
     def prepare_grammar(self, spec):
@@ -418,22 +309,41 @@ class LLMEngine:
             self.ranks.shutdown()
             self.ranks = None
 
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        """(a proposer wrapped after the engine was built, e.g. in pre-drafting: the scheduler follows)"""
+        self._proposer = self.scheduler.proposer = proposer
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.scheduler.running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences sent back to waiting because the KV blocks ran out."""
+        return self.scheduler.num_preemptions
 
     def _release(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        self.scheduler.remove(seq)
         self.runner.free(seq.request_id)
         self.proposer.release(seq.request_id)
         self._requests.pop(seq.request_id, None)
@@ -441,15 +351,22 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step: schedule (scheduler.py), run its prefill chunks and decode, postprocess."""
         self.num_steps += 1
-        decoding = self._reserve([s for s in self.running if s.prefilled])
-        self._admit()
-        chunks = self._prefill_chunks([s for s in self.running if not s.prefilled])
+        scheduled = self.scheduler.schedule()
+        touched = self._run(scheduled)
+        return self._postprocess(touched)
+
+    def _run(self, scheduled: ScheduledStep) -> list[Sequence]:
+        """The step's forwards; returns the sequences that took tokens (or failed)."""
         touched: list[Sequence] = []
-        if chunks:
-            touched += self._prefill(chunks)
-        if decoding:
-            self._guarded(self._decode_batch, decoding, touched)
+        if scheduled.prefill:
+            touched += self._prefill(scheduled.prefill)
+        if scheduled.decode:
+            self._guarded(self._decode_batch, scheduled.decode, touched)
+        return touched
+
+    def _postprocess(self, touched: list[Sequence]) -> list[RequestOutput]:
         for seq in self.running:  # their verified full blocks may serve later prompts (prefix caching)
             self.runner.commit(seq.request_id, seq.token_ids)
         outputs = [self._output(s) for s in touched]
@@ -477,95 +394,6 @@ class LLMEngine:
                 self.proposer.commit_finished(requests)
             except Exception as err:  # noqa: BLE001 - only a later request's cache hit is lost
                 logger.warning("caching the head's prefix of %d finished request(s) failed: %r", len(requests), err)
-
-    def _admit(self) -> None:
-        """Running sequences take waiting ones while max_num_seqs allows and the KV blocks of the
-        prompt (its cached prefix shared) are free, with one block to spare per running sequence:
-        admitting one only to preempt it at the next verification would waste its prefill."""
-        blocks = self.runner.blocks
-        while self.waiting and self.runner.num_free_slots > 0:
-            seq = self.waiting[0]
-            # prompt logprobs need every prompt row computed: no cached prefix for those
-            reuse = seq.params.prompt_logprobs is None or bool(seq.output_token_ids)
-            limit = None
-            if reuse and self.feature_layers is not None:
-                # a cached prefix has no target features: an EAGLE head must hold its own keys for it
-                prefix = getattr(self.proposer, "cached_prefix", None)
-                limit = prefix(seq.request_id, seq.token_ids, seq.params.cache_salt) if prefix is not None else None
-                reuse = limit is not None
-            cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
-                                          seq.params.cache_salt)
-            need = blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
-            if need + len(self.running) > self.runner.num_free_blocks:
-                self.runner.free(seq.request_id)
-                if limit is not None:  # (the head's place, taken by cached_prefix)
-                    self.proposer.release(seq.request_id)
-                break
-            if limit is not None:
-                self.proposer.trim_prefix(seq.request_id, cached)  # (the target's prefix may be shorter)
-            seq.prefill_start = cached
-            seq.features, seq.features_start = [], cached
-            self.runner.grow(seq.request_id, len(seq.token_ids))
-            self.waiting.popleft()
-            if seq.num_cached_tokens is None:  # (a preempted one reports its first admission's)
-                seq.num_cached_tokens = cached
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-
-    def _reserve(self, seqs: list[Sequence]) -> list[Sequence]:
-        """KV blocks for this step's verification of every sequence in seqs (its tokens and up to
-        max_k drafts), oldest first; when the pool runs out, the youngest running sequence is
-        preempted (see _preempt). Returns those of seqs still running."""
-        cap = self.runner.capacity
-        for seq in seqs:
-            if seq.status is not Status.RUNNING:
-                continue
-            while not self.runner.grow(seq.request_id, min(len(seq.token_ids) + self.max_k, cap)):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-        return [s for s in seqs if s.status is Status.RUNNING]
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's KV cache and put it first in line, its tokens kept: admitted
-        again, it is prefilled over prompt and output (its verified blocks likely still cached) and
-        goes on where it stopped, as a resumed request does."""
-        logger.info("KV cache full: request %s preempted (%d tokens), to be recomputed", seq.request_id,
-                    len(seq.token_ids))
-        self.running.remove(seq)
-        self.runner.commit(seq.request_id, seq.token_ids)
-        self.runner.free(seq.request_id)
-        self.proposer.release(seq.request_id)
-        seq.prefilled, seq.status = False, Status.WAITING
-        seq.features, seq.features_start = [], 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
-    def _prefill_chunks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens to prefill this step), in admission order, at most
-        max_num_batched_tokens in all (None: whole prompts).
-
-        A prompt is cut at fixed places, every max_num_batched_tokens tokens from its start, and a
-        step takes whole pieces while they fit (the first that does not waits for the next step,
-        and the ones behind it too). So where a prompt is cut never depends on what else runs:
-        with a speculative method or without, joining an idle engine or a busy one, its KV cache is
-        computed from the same pieces, which in bfloat16 is what keeps speculation equal to
-        target-only decoding (other cuts compute other roundings). Verification rows are a forward
-        of their own, never cut."""
-        size = self.config.max_num_batched_tokens
-        budget, chunks = size, []
-        for seq in seqs:
-            done = self.runner.cached_len(seq.request_id)
-            n = len(seq.token_ids) - done
-            if size is not None:
-                n = min(n, size - done % size)  # up to the prompt's next cut
-                if n > budget:
-                    break
-                budget -= n
-            chunks.append((seq, n))
-        return chunks
 
     def _guarded(self, run, items: list, touched: list[Sequence]) -> None:
         """touched += run(items); when it raises, retry the two halves on their own, down to one
@@ -652,28 +480,94 @@ class LLMEngine:
                     if c == seq.prefill_start:
                         seq.features, seq.features_start = [], c
                     seq.features.append(features[rows].clone())
-                if i not in complete:
-                    continue
-                raw = last[complete.index(i)][None]  # [1, vocab]
-                logits = raw
-                if needs_processing(seq.params):
-                    logits = process_rows(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, [[]],
-                                          seq.grammar, seq.eos_token_ids)
-                tok = int(logits[0].argmax()) if seq.params.greedy else self._sample(seq, logits[0])
-                seq.prefilled = True
-                seq.append_tokens([tok])
-                self._record_logprobs(seq, raw, [tok])
-                done.append(seq)
+                if i in complete:
+                    self._first_token(seq, last[complete.index(i)][None])
+                    done.append(seq)
             except Exception as err:  # noqa: BLE001 - this request's processing failed; the others go on
                 logger.error("request %s failed in its prefill: %r", seq.request_id, err, exc_info=err)
                 self._fail(seq, err)
                 done.append(seq)
         return done
 
+    def _first_token(self, seq: Sequence, raw: torch.Tensor) -> None:
+        """The token after a finished prefill, from raw: [1, vocab] the last prompt row's logits."""
+        logits = raw
+        if needs_processing(seq.params):
+            logits = process_rows(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, [[]],
+                                  seq.grammar, seq.eos_token_ids)
+        tok = int(logits[0].argmax()) if seq.params.greedy else self._sample(seq, logits[0])
+        seq.prefilled = True
+        seq.append_tokens([tok])
+        self._record_logprobs(seq, raw, [tok])
+
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
         probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
         return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
+        """_decode_step, leaving no trace when it raises before a sequence took its tokens (see
+        _guarded): the target's cache lengths and the features not yet drafted from go back; a
+        proposer that already caught up on those features rewinds when they come again."""
+        saved = [(s.features, s.features_start, self.runner.cached_len(s.request_id)) for s in seqs]
+        self._committing = False
+        try:
+            self._decode_step(seqs)
+        except Exception as err:
+            if self._committing:
+                raise _Applied() from err
+            for seq, (features, start, cached) in zip(seqs, saved):
+                seq.features, seq.features_start = features, start
+                self.runner.set_cached_len(seq.request_id, cached)
+            raise
+        return seqs
+
+    def _decode_step(self, seqs: list[Sequence]) -> None:
+        """Speculative decoding of the running sequences: propose -> verify -> commit."""
+        started = time.perf_counter()
+        proposal = self._propose(seqs)
+        verdict = self._verify(proposal)
+        self._commit(proposal, verdict)
+        self._observe_costs(proposal, verdict, time.perf_counter() - started)
+
+    # ---- propose --------------------------------------------------------------------------
+    def _propose(self, seqs: list[Sequence]) -> Proposal:
+        tree, draft_lens = self._plan_drafts(seqs)
+        drafts, propose_s = self._ask_proposer(seqs, draft_lens, tree)
+        # under a grammar, draft what it forces even where the proposer was not asked (a large
+        # batch, see disable_by_batch_size): those tokens are all but sure to be accepted
+        drafts = [grammar_draft(s.grammar, d, max(n, self._draft_len(s, self.max_k))) if s.grammar is not None else d
+                  for s, d, n in zip(seqs, drafts, draft_lens)]
+        # the tokens without target KV yet (normally just the last one), verified before the drafts
+        pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]
+        return Proposal(seqs, drafts, draft_lens, tree, pending, propose_s)
+
+    def _plan_drafts(self, seqs: list[Sequence]) -> tuple[bool, list[int]]:
+        """(trees or chains, each sequence's draft budget): small batches verify token trees (of up
+        to max_k nodes), larger ones chains, the largest (disable_by_batch_size) nothing; the
+        planner sizes either per sequence."""
+        if self.max_k == 0 or (self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size):
+            return False, [0] * len(seqs)
+        tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
+        return tree, self._draft_lens(seqs, tree)
+
+    def _ask_proposer(self, seqs: list[Sequence], draft_lens: list[int], tree: bool) -> tuple[list[Draft], float]:
+        """One batched proposer call: (a draft per sequence, seconds it took)."""
+        if not any(draft_lens):
+            return [Draft([]) for _ in seqs], 0.0
+        requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature, s.params.top_k,
+                                   s.params.top_p, s.params.seed, *self._take_features(s), tree=tree)
+                    for s, n in zip(seqs, draft_lens)]
+        started = time.perf_counter()
+        # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
+        # and verification rows this step did not budget for
+        drafts = [d if len(d.tokens) <= n else _cut(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
+        propose_s = time.perf_counter() - started
+        self.stats.propose_seconds += propose_s
+        lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
+        if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
+            raise RuntimeError(f"the proposer lost the target features of {lost}")
+        return drafts, propose_s
 
     def _draft_len(self, seq: Sequence, k: int) -> int:
         """k, capped by the request's own num_speculative_tokens and the tokens it has left."""
@@ -695,136 +589,90 @@ class LLMEngine:
                                             pinned=own and not modelled, isolated=own and modelled)
                                   for s, cap, own in zip(seqs, caps, seeded)], tree)
 
-    def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
-        """_decode, leaving no trace when it raises before a sequence took its tokens (see _guarded):
-        the target's cache lengths and the features not yet drafted from go back; a proposer that
-        already caught up on those features rewinds when they come again."""
-        saved = [(s.features, s.features_start, self.runner.cached_len(s.request_id)) for s in seqs]
-        self._committing = False
-        try:
-            self._decode(seqs)
-        except Exception as err:
-            if self._committing:
-                raise _Applied() from err
-            for seq, (features, start, cached) in zip(seqs, saved):
-                seq.features, seq.features_start = features, start
-                self.runner.set_cached_len(seq.request_id, cached)
-            raise
-        return seqs
-
-    def _decode(self, seqs: list[Sequence]) -> None:
-        step_start = time.perf_counter()
-        # small batches verify token trees (of up to max_k nodes), larger ones chains; the planner
-        # sizes either per sequence
-        use_tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
-        if self.max_k == 0 or (self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size):
-            use_tree, draft_lens = False, [0] * len(seqs)
-        else:
-            draft_lens = self._draft_lens(seqs, use_tree)
-        propose_s = 0.0
-        if any(draft_lens):
-            requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature,
-                                       s.params.top_k, s.params.top_p, s.params.seed,
-                                       *self._take_features(s), tree=use_tree)
-                        for s, n in zip(seqs, draft_lens)]
-            started = time.perf_counter()
-            # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
-            # and verification rows this step did not budget for
-            drafts = [d if len(d.tokens) <= n else _cut(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
-            propose_s = time.perf_counter() - started
-            self.stats.propose_seconds += propose_s
-            lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
-            if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
-                raise RuntimeError(f"the proposer lost the target features of {lost}")
-        else:
-            drafts = [Draft([]) for _ in seqs]
-        # under a grammar, draft what it forces even where the proposer was not asked (a large
-        # batch, see disable_by_batch_size): those tokens are all but sure to be accepted
-        drafts = [grammar_draft(s.grammar, d, max(n, self._draft_len(s, self.max_k))) if s.grammar is not None else d
-                  for s, d, n in zip(seqs, drafts, draft_lens)]
+    # ---- verify ---------------------------------------------------------------------------
+    def _verify(self, proposal: Proposal) -> Verdict:
+        """One target forward over every sequence's pending tokens and drafts (token trees under a
+        tree mask), then the rejection rule (rayspec.rejection.verify)."""
+        seqs, inputs = proposal.seqs, proposal.inputs
         ids = [s.request_id for s in seqs]
-        # the tokens without target KV yet (normally just the last one), then the drafts
-        pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]
-        inputs = [p + d.tokens for p, d in zip(pending, drafts)]
-        # token trees (EAGLE greedy) are verified in the same forward under a tree mask
         trees = None
-        if any(not d.is_chain for d in drafts):
-            trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(pending, drafts)]
+        if proposal.has_tree:
+            trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(proposal.pending, proposal.drafts)]
         row_context = sum(len(inp) * (self.runner.cached_len(i) + len(inp)) for i, inp in zip(ids, inputs))
         # packed: rows of different lengths cost only their real tokens (no padding computed)
         hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True)  # [N, H], [N, F]
         raw = self.model.logits(hidden)  # [N, vocab]
         lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
-        logits = process_verification_logits(raw, seqs, pending, drafts, starts, lengths)
-        offsets = [len(p) - 1 for p in pending]
-        flat = None
+        logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
+        target_argmax = None
         if any(s.params.greedy for s in seqs):  # one read: the target's choice at every row
-            (flat,) = to_host(logits.argmax(-1))
-            flat = flat.tolist()
+            (target_argmax,) = to_host(logits.argmax(-1))
+            target_argmax = target_argmax.tolist()
         self._committing = True  # from here sequences take their tokens: a failure cannot be retried
-        verdicts: list[tuple[list[int], list[int]]] = []  # (emitted tokens, kept rows) per sequence
-        for i, seq in enumerate(seqs):
-            draft, b, n_rows, o = drafts[i], starts[i], lengths[i], offsets[i]
-            if not draft.is_chain:
-                if seq.params.greedy:
-                    emitted, path = verify_tree_greedy(flat[b: b + n_rows], len(pending[i]), draft)
-                else:
-                    emitted, path = verify_tree_sampled(self._row_probs(seq, logits[b: b + n_rows]),
-                                                        len(pending[i]), draft, seq.generator)
-                rows = list(range(len(pending[i]))) + [len(pending[i]) + j for j in path]
-            else:
-                n = len(draft.tokens)  # rows o..o+n: the last pending token, then the drafts
-                if seq.params.greedy:
-                    emitted = verify_greedy([flat[b + o: b + o + n + 1]], [draft.tokens])[0]
-                else:
-                    probs = logits_to_probs(logits[b + o: b + o + n + 1], seq.params.temperature,
-                                            seq.params.top_k, seq.params.top_p)
-                    emitted = verify_sampled(probs, draft.tokens, draft.probs, seq.generator)
-                rows = list(range(len(pending[i]) + len(emitted) - 1))
-            verdicts.append((emitted, rows))
-        if trees is not None:  # the accepted nodes' KV follows each prefix (one copy for the batch)
-            self.runner.keep_paths([(s.request_id, rows) for s, (_, rows) in zip(seqs, verdicts)])
-        else:
-            for s, inp, (_, rows) in zip(seqs, inputs, verdicts):
-                self.runner.set_cached_len(s.request_id, self.runner.cached_len(s.request_id) - len(inp) + len(rows))
-        if features is not None:  # the kept rows' features, gathered in one index_select
-            (index,) = to_device(np.asarray([starts[i] + r for i, (_, rows) in enumerate(verdicts) for r in rows],
-                                            dtype=np.int64), device=features.device)
-            kept = features.index_select(0, index).split([len(rows) for _, rows in verdicts])
-            for seq, part in zip(seqs, kept):
-                seq.features.append(part)
-        for i, seq in enumerate(seqs):
-            draft, (emitted, rows) = drafts[i], verdicts[i]
-            num_accepted = len(emitted) - 1
-            kept = seq.append_tokens(emitted)
-            # emitted token j was predicted by row rows[len(pending) - 1 + j] (chain and tree alike)
-            if seq.logprobs is not None:
-                predicted_by = rows[len(pending[i]) - 1:][:kept]
-                self._record_logprobs(seq, raw[starts[i]: starts[i] + lengths[i]][predicted_by], emitted[:kept])
-            seq.num_steps += 1
-            seq.num_draft_tokens += len(draft.tokens)
-            seq.num_accepted_tokens += num_accepted
-            if draft_lens[i] and seq.grammar is None:  # (a grammar's forced tokens say nothing of the proposer)
-                self.planner.observe(seq.drafting, use_tree, seq.params.greedy, draft_depth(draft), num_accepted)
-            self.stats.observe(len(draft.tokens), num_accepted)
+        emitted, kept_rows = verify(logits, target_argmax, starts, [len(p) for p in proposal.pending],
+                                    proposal.drafts, [s.params for s in seqs], [s.generator for s in seqs])
+        return Verdict(emitted, kept_rows, raw, features, starts, row_context)
+
+    # ---- commit ---------------------------------------------------------------------------
+    def _commit(self, proposal: Proposal, verdict: Verdict) -> None:
+        """The kept rows' KV and features stay; each sequence takes its emitted tokens."""
+        self._keep_kv(proposal, verdict)
+        self._keep_features(proposal, verdict)
+        for i, seq in enumerate(proposal.seqs):
+            rows = slice(verdict.starts[i], verdict.starts[i] + len(proposal.pending[i]) + len(proposal.drafts[i].tokens))
+            self._take_tokens(seq, proposal.drafts[i], bool(proposal.draft_lens[i]), proposal.tree,
+                              len(proposal.pending[i]), verdict.emitted[i], verdict.kept_rows[i], verdict.raw_logits[rows])
+
+    def _keep_kv(self, proposal: Proposal, verdict: Verdict) -> None:
+        if proposal.has_tree:  # the accepted nodes' KV follows each prefix (one copy for the batch)
+            self.runner.keep_paths([(s.request_id, rows) for s, rows in zip(proposal.seqs, verdict.kept_rows)])
+            return
+        for s, inp, rows in zip(proposal.seqs, proposal.inputs, verdict.kept_rows):
+            self.runner.set_cached_len(s.request_id, self.runner.cached_len(s.request_id) - len(inp) + len(rows))
+
+    def _keep_features(self, proposal: Proposal, verdict: Verdict) -> None:
+        """The kept rows' target features (an EAGLE head's input), gathered in one index_select."""
+        features = verdict.features  # [N, F] or None
+        if features is None:
+            return
+        index = [start + r for start, rows in zip(verdict.starts, verdict.kept_rows) for r in rows]
+        (index,) = to_device(np.asarray(index, dtype=np.int64), device=features.device)
+        kept = features.index_select(0, index).split([len(rows) for rows in verdict.kept_rows])
+        for seq, part in zip(proposal.seqs, kept):
+            seq.features.append(part)
+
+    def _take_tokens(self, seq: Sequence, draft: Draft, asked: bool, tree: bool, num_pending: int,
+                     emitted: list[int], rows: list[int], raw_logits: torch.Tensor) -> None:
+        """raw_logits: [rows verified, vocab], the sequence's unprocessed target logits (logprobs).
+        asked: the proposer was asked for this draft (its acceptance informs the planner)."""
+        num_accepted = len(emitted) - 1
+        kept = seq.append_tokens(emitted)
+        # emitted token j was predicted by row rows[num_pending - 1 + j] (chain and tree alike)
+        if seq.logprobs is not None:
+            predicted_by = rows[num_pending - 1:][:kept]
+            self._record_logprobs(seq, raw_logits[predicted_by], emitted[:kept])
+        seq.num_steps += 1
+        seq.num_draft_tokens += len(draft.tokens)
+        seq.num_accepted_tokens += num_accepted
+        if asked and seq.grammar is None:  # (a grammar's forced tokens say nothing of the proposer)
+            self.planner.observe(seq.drafting, tree, seq.params.greedy, draft_depth(draft), num_accepted)
+        self.stats.observe(len(draft.tokens), num_accepted)
+
+    def _observe_costs(self, proposal: Proposal, verdict: Verdict, seconds: float) -> None:
+        """The step's measured cost, for the planner's fit (MeasuredCosts; modelled costs ignore it)."""
         costs = self.planner.costs
-        costs.observe_verify(len(seqs), sum(lengths), row_context, time.perf_counter() - step_start - propose_s)
-        if propose_s:
-            drafting = [n for n in draft_lens if n]
-            costs.observe_propose(max(self.planner.proposer_depth(n, use_tree) for n in drafting), len(drafting),
-                                  propose_s)
+        num_rows = sum(len(inp) for inp in proposal.inputs)
+        costs.observe_verify(len(proposal.seqs), num_rows, verdict.row_context, seconds - proposal.propose_s)
+        if proposal.propose_s:
+            drafting = [n for n in proposal.draft_lens if n]
+            depth = max(self.planner.proposer_depth(n, proposal.tree) for n in drafting)
+            costs.observe_propose(depth, len(drafting), proposal.propose_s)
 
     def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""
         if seq.logprobs is not None and tokens:
             seq.logprobs += compute_logprobs(logits, tokens, seq.params.logprobs, self.tokenizer)
-
-    @staticmethod
-    def _row_probs(seq: Sequence, row_logits: torch.Tensor):
-        """row -> the processed target distribution there (computed only for rows a walk visits)."""
-        p = seq.params
-        return lambda r: logits_to_probs(row_logits[r][None], p.temperature, p.top_k, p.top_p)[0]
 
     @staticmethod
     def _take_features(seq: Sequence) -> tuple[torch.Tensor | None, int]:
@@ -836,19 +684,7 @@ class LLMEngine:
         return feats, start
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        delta = seq.take_new_text()  # text keeps back a possible stop-string start, like delta
-        n, start = seq.num_output_tokens, seq.num_reported_tokens
-        seq.num_reported_tokens = n
-        whole = seq.finished or not self.delta_outputs
-        return RequestOutput(
-            request_id=seq.request_id, text=seq.sent_text if whole else "", delta_text=delta,
-            token_ids=seq.output_token_ids if whole else [], finished=seq.finished, finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens, num_steps=seq.num_steps,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None and whole else None,
-            prompt_logprobs=seq.prompt_logprobs, error=seq.error, num_cached_tokens=seq.num_cached_tokens or 0,
-            delta_token_ids=seq.token_ids[len(seq.token_ids) - (n - start):] if n > start else [],
-            delta_logprobs=seq.logprobs[start:n] if seq.logprobs is not None else None, num_output_tokens=n)
+        return request_output(seq, whole=seq.finished or not self.delta_outputs)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

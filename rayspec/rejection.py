@@ -16,12 +16,15 @@ token. A q that fails is ignored and the draft is verified as a point mass, whic
 whatever tokens were drafted (acceptance p(x), residual p without x): a broken or forged q can
 cost acceptance, never put a token outside the target's distribution.
 Token trees are verified greedily (`verify_tree_greedy`) or, when sampled, by applying the
-point-mass rule to siblings in turn (`verify_tree_sampled`).
+point-mass rule to siblings in turn (`verify_tree_sampled`). `verify` takes a whole batch's
+verification rows and picks the rule per sequence (chain or tree, greedy or sampled).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rayspec.sampling import logits_to_probs
 
 
 def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int]]:
@@ -164,3 +167,46 @@ def verify_tree_sampled(probs_at, num_pending: int, draft, generator: torch.Gene
             return [draft.tokens[j] for j in path] + [token], path
         path.append(accepted)
         node, row = accepted, num_pending + accepted
+
+
+def verify(logits: torch.Tensor, target_argmax: list[int] | None, starts: list[int], num_pending: list[int],
+           drafts: list, params: list, generators: list) -> tuple[list[list[int]], list[list[int]]]:
+    """The verdicts of one verification forward over a batch: chains and trees, greedy and sampled.
+
+    logits: [N, vocab] processed target logits of the packed verification rows. Sequence i's rows
+    start at starts[i]: its num_pending[i] tokens without KV yet (the last of them predicts the
+    first draft token), then its draft's tokens (drafts[i]: a chain, or a tree with parents).
+    target_argmax: [N] logits.argmax(-1) read to the host (None when no sequence is greedy).
+    params[i]: sequence i's SamplingParams (greedy, or its temperature / top-k / top-p);
+    generators[i]: its random stream (sampled only).
+    Returns per sequence (emitted tokens: the accepted drafts + the recovered/bonus token; kept rows:
+    the rows whose KV stays, the pending tokens' and then the accepted drafts' in path order).
+    """
+    emitted, kept = [], []
+    for start, pending, draft, p, generator in zip(starts, num_pending, drafts, params, generators):
+        rows = slice(start, start + pending + len(draft.tokens))
+        if draft.is_chain:
+            tokens = _verify_chain(logits[rows], target_argmax[rows] if p.greedy else None, pending, draft, p,
+                                   generator)
+            kept.append(list(range(pending + len(tokens) - 1)))
+        else:
+            tokens, path = (verify_tree_greedy(target_argmax[rows], pending, draft) if p.greedy else
+                            verify_tree_sampled(_probs_at(logits[rows], p), pending, draft, generator))
+            kept.append(list(range(pending)) + [pending + j for j in path])
+        emitted.append(tokens)
+    return emitted, kept
+
+
+def _verify_chain(logits: torch.Tensor, target_argmax: list[int] | None, pending: int, draft, params,
+                  generator) -> list[int]:
+    """logits: [pending + k, vocab], one sequence's rows; target_argmax: their argmax (greedy)."""
+    rows = slice(pending - 1, pending + len(draft.tokens))  # the last pending token's row, then the drafts'
+    if params.greedy:
+        return verify_greedy([target_argmax[rows]], [draft.tokens])[0]
+    probs = logits_to_probs(logits[rows], params.temperature, params.top_k, params.top_p)
+    return verify_sampled(probs, draft.tokens, draft.probs, generator)
+
+
+def _probs_at(logits: torch.Tensor, params):
+    """row -> the processed target distribution there (computed only for rows a tree walk visits)."""
+    return lambda r: logits_to_probs(logits[r][None], params.temperature, params.top_k, params.top_p)[0]

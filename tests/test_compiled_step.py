@@ -165,7 +165,7 @@ def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
     the total would not."""
     import types
 
-    import rayspec.engine
+    import rayspec.warm_up
 
     engine = _engine(tiny_model_dir, "none", True, loaded=cached_model(str(tiny_model_dir)))
     now, calls = [0.0], []
@@ -177,7 +177,7 @@ def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
         return forward(seq_ids, token_lists, **kwargs)
 
     monkeypatch.setattr(engine, "_target_forward", timed_forward)
-    monkeypatch.setattr(rayspec.engine, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(rayspec.warm_up, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     graph_calls, graph = [], engine.runner.compiled.fn  # the compiled step's own calls
     monkeypatch.setattr(engine.runner.compiled, "fn", lambda *a, **kw: graph_calls.append(1) or graph(*a, **kw))
     eager = engine._time_decode(False, repeats=3)

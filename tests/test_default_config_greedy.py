@@ -10,7 +10,7 @@ tree_max_batch + 1, so a second test moves the threshold up to exercise it). One
 1,900 tokens long and runs, next to short ones, into max_model_len, so its last trees are cut to
 the room left in the context.
 
-How the engine picks the mode (rayspec/engine.py, LLMEngine._decode): by the number of decoding
+How the engine picks the mode (rayspec/engine.py, LLMEngine._plan_drafts): by the number of decoding
 sequences only, never by time: trees while len(seqs) <= tree_max_batch (and eagle_topk > 1),
 nothing while len(seqs) >= disable_by_batch_size, otherwise a chain. The draft planner
 (rayspec.drafting) sizes each tree or chain (0 included) from acceptance and step costs; where a
@@ -97,7 +97,7 @@ def spy(engine: LLMEngine) -> Trace:
     """Record per decode step the batch size and what the proposer was asked for (instance
     attributes wrapping the engine's own methods: nothing in the engine changes)."""
     trace, current = Trace(), {}
-    decode, propose = engine._decode, engine.proposer.propose
+    decode, propose = engine._decode_step, engine.proposer.propose
 
     def propose_spy(requests):
         drafts = propose(requests)
@@ -114,7 +114,7 @@ def spy(engine: LLMEngine) -> Trace:
         trace.modes.append(current.get("mode", "none"))
         trace.tree_drafts.append(current.get("tree_drafts", 0))
 
-    engine._decode, engine.proposer.propose = decode_spy, propose_spy
+    engine._decode_step, engine.proposer.propose = decode_spy, propose_spy
     return trace
 
 
@@ -146,7 +146,7 @@ def drive(engine: LLMEngine, plan: list[Join], trace: Trace | None = None,
 
 
 def expected_mode(spec, batch: int) -> str:
-    """What LLMEngine._decode asks the proposer for at this batch size (when anything)."""
+    """What LLMEngine._decode_step asks the proposer for at this batch size (when anything)."""
     if spec.disable_by_batch_size and batch >= spec.disable_by_batch_size:
         return "none"
     if spec.eagle_topk > 1 and batch <= spec.tree_max_batch:

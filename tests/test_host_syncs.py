@@ -68,14 +68,14 @@ class SyncAudit(TorchFunctionMode):
 
 def audit_decode_steps(engine, prompts, params: SamplingParams) -> list[tuple[int, int, list[str]]]:
     """Run the prompts to completion; (batch size, routed reads, unrouted reads) per decode step."""
-    steps, decode = [], engine._decode
+    steps, decode = [], engine._decode_step
 
     def audited(seqs):
         with SyncAudit() as audit, count_host_reads() as reads:
             decode(seqs)
         steps.append((len(seqs), reads.count, audit.unrouted))
 
-    engine._decode = audited
+    engine._decode_step = audited
     for p in prompts:
         engine.add_request(engine.encode_chat([{"role": "user", "content": p}]), params)
     while engine.has_unfinished_requests():

@@ -26,9 +26,9 @@ so with LENGTH = 4 a first-step tree has 2 nodes: two siblings, or a chain of tw
 
 Bias injection
 --------------
-To show the check has teeth, the rejection step is monkeypatched (rayspec.engine imports the
-verify functions by name) with versions off by a total variation (TV) of about 0.02 on the
-4-token continuation:
+To show the check has teeth, the rejection step is monkeypatched (rayspec.rejection.verify calls
+the per-rule functions by their module names) with versions off by a total variation (TV) of
+about 0.02 on the 4-token continuation:
 - chain (verify_sampled, n-gram drafts): a draft is accepted with min(1, BOOST p / q), BOOST = 1.0856;
 - tree (verify_tree_sampled, drafts = the target's own two likeliest tokens at every node): the
   token drawn when every sibling is rejected, or the bonus at a leaf, comes from
@@ -78,7 +78,7 @@ import numpy as np
 import pytest
 import torch
 
-import rayspec.engine
+import rayspec.rejection
 import stat_utils
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, make_engine
@@ -267,7 +267,7 @@ class TargetTreeProposer(Proposer):
         return drafts
 
 
-# ---- the biased rejection steps (monkeypatched into rayspec.engine) ---------------------------
+# ---- the biased rejection steps (monkeypatched into rayspec.rejection) ------------------------
 
 def boosted_verify_sampled(target_probs, draft_tokens, draft_probs, generator):
     """verify_sampled accepting too often: draft x with probability min(1, BOOST p(x) / q(x))."""
@@ -443,7 +443,7 @@ def _record_shapes(engine) -> Counter:
 
 def _record_sibling_outcomes(monkeypatch) -> Counter:
     """Count how the engine's verify_tree_sampled ends on two-sibling trees."""
-    outcomes, verify = Counter(), rayspec.engine.verify_tree_sampled
+    outcomes, verify = Counter(), rayspec.rejection.verify_tree_sampled
 
     def recording(probs_at, num_pending, draft, generator):
         emitted, path = verify(probs_at, num_pending, draft, generator)
@@ -453,7 +453,7 @@ def _record_sibling_outcomes(monkeypatch) -> Counter:
                 outcomes["second, renormalised"] += 1
         return emitted, path
 
-    monkeypatch.setattr(rayspec.engine, "verify_tree_sampled", recording)
+    monkeypatch.setattr(rayspec.rejection, "verify_tree_sampled", recording)
     return outcomes
 
 
@@ -609,7 +609,7 @@ def test_continuations_follow_the_target(target_dir, loaded, target, exact, draf
 def test_biased_chain_verification_is_detected(target_dir, loaded, target, exact, biased, monkeypatch):
     """verify_sampled accepting n-gram drafts with min(1, 1.083 p): rejected by the same test, and
     the samples fit the biased distribution the engine model predicts."""
-    monkeypatch.setattr("rayspec.engine.verify_sampled", boosted_verify_sampled)
+    monkeypatch.setattr("rayspec.rejection.verify_sampled", boosted_verify_sampled)
     engine = _engine(target_dir, loaded, method="ngram", **NGRAM)
     samples = sample_continuations(engine, target, N_BIAS["chain"], seed_base=50_000_000)
     against_target = stat_utils.chi_square_test(samples, exact)
@@ -622,7 +622,7 @@ def test_biased_chain_verification_is_detected(target_dir, loaded, target, exact
 def test_biased_tree_verification_is_detected(target_dir, loaded, target, exact, biased, monkeypatch):
     """verify_tree_sampled with a skewed final draw, on trees of the target's top-2 tokens:
     rejected by the same test, and the samples fit the biased distribution the model predicts."""
-    monkeypatch.setattr("rayspec.engine.verify_tree_sampled", skewed_verify_tree_sampled)
+    monkeypatch.setattr("rayspec.rejection.verify_tree_sampled", skewed_verify_tree_sampled)
     engine = _engine(target_dir, loaded, proposer=TargetTreeProposer(target))
     seen = _record_shapes(engine)
     samples = sample_continuations(engine, target, N_BIAS["tree"], seed_base=60_000_000)

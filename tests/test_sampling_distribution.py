@@ -13,7 +13,7 @@ import torch
 
 from engine_utils import binomial_interval, empirical, make_engine, tv_distance, tv_threshold
 from rayspec.proposers.base import Draft
-from rayspec.rejection import verify_greedy, verify_sampled, verify_tree_sampled
+from rayspec.rejection import verify, verify_greedy, verify_sampled, verify_tree_sampled
 from rayspec.sampling import SamplingParams, logits_to_probs
 
 V = 7
@@ -156,6 +156,33 @@ def test_verify_tree_sampled_follows_target():
 ])
 def test_verify_greedy(argmax, drafts, expected):
     assert verify_greedy(torch.tensor(argmax), drafts) == expected
+
+
+
+def test_verify_takes_a_batch_of_chains_and_trees_greedy_and_sampled():
+    """rayspec.rejection.verify over one packed batch: (emitted tokens, kept rows) per sequence, each
+    row's rule picked by its draft (chain or tree) and its params (greedy or sampled). The sampled
+    rows are one-hot, so their verdicts are certain."""
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    one_hot = lambda t: torch.nn.functional.one_hot(torch.tensor(t), V).float().log()  # noqa: E731
+    tree = Draft([5, 4, 6], parents=[-1, -1, 1])  # two siblings at the root, a child under the second
+    seqs = [  # (pending tokens, draft, params, the target's choice after each row)
+        ([1], Draft([4, 5]), greedy, [4, 3, 6]),  # chain: 4 accepted, 5 rejected, 3 recovered
+        ([1, 2], tree, greedy, [0, 4, 0, 6, 3]),  # tree: node 1 (4), then its child node 2 (6), then bonus 3
+        ([3], Draft([2, 1]), sampled, [2, 1, 0]),  # sampled chain (point mass): both accepted, bonus 0
+        ([3], tree, sampled, [5, 0, 0, 0]),  # sampled tree: the first sibling (5) accepted, a leaf: bonus 0
+        ([6], Draft([]), greedy, [2]),  # no draft: the target's token
+    ]
+    choices = [c for *_, c in seqs]
+    logits = torch.cat([one_hot(c) for c in choices])  # [N, V]
+    lengths = [len(c) for c in choices]
+    starts = [sum(lengths[:i]) for i in range(len(seqs))]
+    argmax = [t for c in choices for t in c]
+    gen = torch.Generator().manual_seed(0)
+    emitted, kept = verify(logits, argmax, starts, [len(p) for p, *_ in seqs], [d for _, d, _, _ in seqs],
+                           [p for *_, p, _ in seqs], [gen] * len(seqs))
+    assert emitted == [[4, 3], [4, 6, 3], [2, 1, 0], [5, 0], [2]]
+    assert kept == [[0, 1], [0, 1, 3, 4], [0, 1, 2], [0, 1], [0]]
 
 
 # ---- end to end on a 16-token model ------------------------------------------------------

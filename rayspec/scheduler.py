@@ -1,0 +1,153 @@
+"""Scheduler: the waiting and running queues, and what each step runs.
+
+`schedule()` decides a step, in this order:
+  1. reserve KV blocks for the verification of every running sequence whose prefill is done (its
+     tokens and up to max_k drafts), oldest first, preempting the youngest when the pool runs out;
+  2. admit waiting sequences while max_num_seqs allows and their prompts' blocks (a cached prefix
+     shared) are free;
+  3. cut the running sequences' unfinished prompts into this step's prefill chunks, within the
+     prompt-token budget (max_num_batched_tokens).
+The engine asks for KV through the runner (`grow`, `allocate`, `free`); the scheduler never
+touches blocks itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from rayspec.runner import ModelRunner
+from rayspec.sequence import Sequence, Status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens to prefill this step), admission order
+    decode: list[Sequence]  # sequences to draft for and verify, their KV reserved
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, proposer, max_k: int, max_num_batched_tokens: int | None,
+                 feature_layers=None):
+        """feature_layers: the proposer's (not None: an EAGLE head, which must hold its own keys for a
+        cached prefix, see _allocate)."""
+        self.runner, self.proposer = runner, proposer
+        self.max_k, self.max_num_batched_tokens = max_k, max_num_batched_tokens
+        self.feature_layers = feature_layers
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of its queue (its KV is the engine's to free)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        decode = self._reserve([s for s in self.running if s.prefilled])
+        self._admit()
+        return ScheduledStep(self._prefill_chunks([s for s in self.running if not s.prefilled]), decode)
+
+    def _admit(self) -> None:
+        """Running sequences take waiting ones while max_num_seqs allows and the KV blocks of the
+        prompt (its cached prefix shared) are free, with one block to spare per running sequence:
+        admitting one only to preempt it at the next verification would waste its prefill."""
+        while self.waiting and self.runner.num_free_slots > 0:
+            seq = self.waiting[0]
+            cached, limit = self._allocate(seq)
+            need = self.runner.blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
+            if need + len(self.running) > self.runner.num_free_blocks:
+                self.runner.free(seq.request_id)
+                if limit is not None:  # (the head's place, taken by cached_prefix)
+                    self.proposer.release(seq.request_id)
+                break
+            if limit is not None:
+                self.proposer.trim_prefix(seq.request_id, cached)  # (the target's prefix may be shorter)
+            seq.prefill_start = cached
+            seq.features, seq.features_start = [], cached
+            self.runner.grow(seq.request_id, len(seq.token_ids))
+            self.waiting.popleft()
+            if seq.num_cached_tokens is None:  # (a preempted one reports its first admission's)
+                seq.num_cached_tokens = cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _allocate(self, seq: Sequence) -> tuple[int, int | None]:
+        """A KV slot for seq, its cached prefix shared: (tokens cached, the head's prefix limit or None)."""
+        # prompt logprobs need every prompt row computed: no cached prefix for those
+        reuse = seq.params.prompt_logprobs is None or bool(seq.output_token_ids)
+        limit = None
+        if reuse and self.feature_layers is not None:
+            # a cached prefix has no target features: an EAGLE head must hold its own keys for it
+            prefix = getattr(self.proposer, "cached_prefix", None)
+            limit = prefix(seq.request_id, seq.token_ids, seq.params.cache_salt) if prefix is not None else None
+            reuse = limit is not None
+        cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
+                                      seq.params.cache_salt)
+        return cached, limit
+
+    def _reserve(self, seqs: list[Sequence]) -> list[Sequence]:
+        """KV blocks for this step's verification of every sequence in seqs (its tokens and up to
+        max_k drafts), oldest first; when the pool runs out, the youngest running sequence is
+        preempted (see preempt). Returns those of seqs still running."""
+        cap = self.runner.capacity
+        for seq in seqs:
+            if seq.status is not Status.RUNNING:
+                continue
+            while not self.runner.grow(seq.request_id, min(len(seq.token_ids) + self.max_k, cap)):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+        return [s for s in seqs if s.status is Status.RUNNING]
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV cache and put it first in line, its tokens kept: admitted
+        again, it is prefilled over prompt and output (its verified blocks likely still cached) and
+        goes on where it stopped, as a resumed request does."""
+        logger.info("KV cache full: request %s preempted (%d tokens), to be recomputed", seq.request_id,
+                    len(seq.token_ids))
+        self.running.remove(seq)
+        self.runner.commit(seq.request_id, seq.token_ids)
+        self.runner.free(seq.request_id)
+        self.proposer.release(seq.request_id)
+        seq.prefilled, seq.status = False, Status.WAITING
+        seq.features, seq.features_start = [], 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to prefill this step), in admission order, at most
+        max_num_batched_tokens in all (None: whole prompts).
+
+        A prompt is cut at fixed places, every max_num_batched_tokens tokens from its start, and a
+        step takes whole pieces while they fit (the first that does not waits for the next step,
+        and the ones behind it too). So where a prompt is cut never depends on what else runs:
+        with a speculative method or without, joining an idle engine or a busy one, its KV cache is
+        computed from the same pieces, which in bfloat16 is what keeps speculation equal to
+        target-only decoding (other cuts compute other roundings). Verification rows are a forward
+        of their own, never cut."""
+        size = self.max_num_batched_tokens
+        budget, chunks = size, []
+        for seq in seqs:
+            done = self.runner.cached_len(seq.request_id)
+            n = len(seq.token_ids) - done
+            if size is not None:
+                n = min(n, size - done % size)  # up to the prompt's next cut
+                if n > budget:
+                    break
+                budget -= n
+            chunks.append((seq, n))
+        return chunks
