@@ -32,7 +32,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_fetch_model(args) -> int:
-    from rayspec.loader import convert_gguf, fetch_default_model
+    from rayspec.weights.hub import convert_gguf, fetch_default_model
 
     path = convert_gguf(Path(args.gguf)) if args.gguf else fetch_default_model(force=args.force)
     print(path)
@@ -234,7 +234,7 @@ def cmd_configs_dir(args) -> int:
 
 def cmd_plan(args) -> int:
     from deployments.plan import app_json, format_app, parse_size, plan_config
-    from rayspec.loader import ModelNotFoundError
+    from rayspec.weights.files import ModelNotFoundError
 
     try:
         gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None

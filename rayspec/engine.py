@@ -28,12 +28,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
-from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
 from rayspec.compiled import default_compile
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
 from rayspec.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
+from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
+from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
@@ -99,6 +99,7 @@ class LLMEngine:
         """rank_launcher: starts the other ranks when config.tensor_parallel_size > 1
         (rayspec.tp_ranks.RankLauncher; deployments.tensor_parallel has Ray's)."""
         from rayspec import loader
+        from rayspec.weights import hub
 
         self.config = config
         if config.num_threads:
@@ -112,7 +113,7 @@ class LLMEngine:
                 model, tokenizer, self.ranks = start_tensor_parallel(config, rank_launcher)
             else:
                 model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype)
-            eos_ids |= loader.generation_eos_ids(config.model)
+            eos_ids |= hub.generation_eos_ids(config.model)
         self.model, self.tokenizer = model, tokenizer
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)

@@ -278,7 +278,7 @@ def _quantization_kwargs(model_dir) -> dict:
 def load_generic_model(model_dir, config, device, dtype: torch.dtype,
                        num_layers: int | None = None) -> GenericCausalLM:
     """A checkpoint's transformers model (weights loaded shard by shard in `dtype` on `device`) on
-    the generic path. config: its transformers config (rayspec.loader.load_hf_config). num_layers
+    the generic path. config: its transformers config (rayspec.weights.hub.load_hf_config). num_layers
     keeps only the first layers (a cheap self-draft), as loader.load_model."""
     from transformers import AutoModelForCausalLM
 

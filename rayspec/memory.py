@@ -8,8 +8,8 @@ engine has always read it.
 A process, in the order it fills its device (GPU figures; a CPU process fills host memory the
 same way and, where its load picks the oneDNN path, adds prepacked copies of the projections):
   1. the target, allocated at its dtype and streamed in from the checkpoint (`loader.empty_model`,
-     `loader.load_checkpoint`): the device holds the weights alone, the host one READ_CHUNK_BYTES
-     staging buffer besides;
+     `rayspec.weights.checkpoint.load_checkpoint`): the device holds the weights alone, the host one
+     READ_CHUNK_BYTES staging buffer besides;
   2. the target's KV cache: a pool of blocks (`kv_cache_plan`), at most what max_num_seqs sequences
      of max_model_len + max_k + 1 positions fill;
   3. the proposer: a draft LM (loaded like the target) or an EAGLE head (its own weights; it
@@ -35,10 +35,10 @@ import torch
 
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.head import EagleConfig
-from rayspec.loader import READ_CHUNK_BYTES
 from rayspec.model import KVCache, ModelArgs
 from rayspec.parallel import TPGroup, splits_vocab
 from rayspec.runner import DEFAULT_BLOCK_SIZE, default_num_blocks, proposer_num_blocks
+from rayspec.weights.checkpoint import READ_CHUNK_BYTES
 
 GB, GiB = 10**9, 2**30
 FLOAT32 = 4  # bytes: rotary frequencies, attention scores, sampled logits
@@ -255,7 +255,7 @@ def eagle_head_weights(config: EagleConfig, dtype: torch.dtype, has_own_embeddin
 
 
 def load_bytes(weights: Weights, device: str | torch.device) -> int:
-    """Memory while a model streams in (rayspec.loader.load_checkpoint): its parameters, allocated at
+    """Memory while a model streams in (rayspec.weights.checkpoint.load_checkpoint): its parameters, allocated at
     their dtype on the device, filled tensor by tensor through one READ_CHUNK_BYTES host buffer
     (casts of a chunk happen on the host too). So a GPU holds the weights alone, and a CPU process
     the weights plus that buffer. (The loader before it built float32 weights on the device and

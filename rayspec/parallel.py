@@ -156,7 +156,7 @@ NO_TP = TPGroup()
 # ---- parallel layers -------------------------------------------------------------------------
 # Layers tag their parameters with the checkpoint slice they hold (`tp_shards`: name -> (dim, start,
 # stop)); `tag_shards` copies that onto the parameters as `tp_shard`, which the loader reads to load
-# only its slice (see rayspec.loader).
+# only its slice (see rayspec.weights.checkpoint).
 
 def column_parallel(linear: torch.nn.Module, tp: TPGroup, out_features: int, what: str) -> torch.nn.Module:
     """Mark a Linear built with out_features / tp.size outputs as this rank's rows of the full one."""

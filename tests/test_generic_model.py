@@ -337,9 +337,10 @@ def test_engine_config_routes_non_native_models_to_the_generic_path(model_dirs):
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.engine import LLMEngine
     from rayspec.parallel import TPGroup
+    from rayspec.weights import hub
 
     target, draft = model_dirs["gpt_oss"]
-    assert not loader.is_native(loader.load_hf_config(Path(target)))
+    assert not loader.is_native(hub.load_hf_config(Path(target)))
     engine = LLMEngine(EngineConfig(model=target, max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(
         method="draft_model", draft_model=draft, num_speculative_tokens=2, adaptive=False)))
     assert isinstance(engine.model, GenericCausalLM) and isinstance(engine.proposer.runner.model, GenericCausalLM)

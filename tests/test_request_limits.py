@@ -254,7 +254,7 @@ def test_seeds_are_checked_by_the_engine_too():
 def hf_tokenizer(smollm2):
     from transformers import AutoTokenizer
 
-    from rayspec.loader import resolve_model_dir
+    from rayspec.weights.hub import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(smollm2)))
 

@@ -75,7 +75,7 @@ def parse_list(text: str | list, kind=int) -> list:
 
 def default_eagle_head(model: str) -> str | None:
     from rayspec.assets import assets_root
-    from rayspec.loader import DEFAULT_MODEL
+    from rayspec.weights.hub import DEFAULT_MODEL
 
     head = assets_root() / "heads" / "smollm2-135m-eagle3"
     return str(head) if model == DEFAULT_MODEL and head.is_dir() else None

@@ -55,7 +55,8 @@ def _load_target_io(context):
     args.num_layers stays the full count (EAGLE-3 picks its default feature layers from it)."""
     import dataclasses
 
-    from rayspec.loader import load_hf_config, load_model, resolve_model_dir
+    from rayspec.loader import load_model
+    from rayspec.weights.hub import load_hf_config, resolve_model_dir
 
     num_layers = load_hf_config(resolve_model_dir(context.target_model)).num_hidden_layers
     target, _ = load_model(context.target_model, device=context.device, dtype=context.dtype, num_layers=0)
