@@ -775,9 +775,10 @@ def test_ttt_steps_equal_inference_drafting(target_dir, target, train_data, kind
 def test_training_writes_to_a_new_directory_by_default(tmp_path, monkeypatch):
     """No --output: a new runs/<kind>-<time> directory, never one that exists; an --output holding files
     (the shipped head, say) is refused unless --overwrite; an empty or missing one is taken."""
-    from rayspec.cli import build_parser, cmd_train
     from rayspec.eagle.pipeline import check_output, new_output_dir
     from rayspec.eagle.train import TrainConfig
+    from rayspec_cli.local import cmd_train
+    from rayspec_cli.main import build_parser
 
     monkeypatch.chdir(tmp_path)
     first = new_output_dir("eagle3")

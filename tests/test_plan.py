@@ -16,13 +16,13 @@ import torch
 from engine_utils import cached_model, make_engine
 from hub_server import FakeHub, use_hub
 from deployments.plan import draft_shape, model_shape, parse_size, shape_of
-from rayspec.cli import main
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.loader import empty_model
 from rayspec.memory import GB, GiB, causal_lm_weights, eagle_head_weights, engine_plan, kv_cache_plan
 from rayspec.model import KVCache, ModelArgs
 from rayspec.parallel import TPGroup
 from rayspec.weights.checkpoint import READ_CHUNK_BYTES
+from rayspec_cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
