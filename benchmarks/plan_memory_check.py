@@ -28,9 +28,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.checkpoint import eagle_config_from_hf
 from rayspec.eagle.head import attach_target, build_head
+from rayspec.families import ModelArgs
 from rayspec.loader import build_model, empty_model
 from rayspec.memory import causal_lm_weights, eagle_head_weights, forward_activations, kv_cache_plan, load_bytes
-from rayspec.model import ModelArgs
 from rayspec.runner import ModelRunner
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"

@@ -26,7 +26,7 @@ from deployments.dialects import APP_IMPORT_PATHS, app_args_of
 from rayspec.weights import files, hub
 from rayspec.memory import (GB, DraftShape, ModelShape, ProcessPlan, as_shape, causal_lm_weights, engine_plan,
                             generic_weights, proposer_plan)
-from rayspec.model import ModelArgs
+from rayspec.families import ModelArgs
 
 _UNITS = {"": GB, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": GB, "gb": GB, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}

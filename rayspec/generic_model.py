@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayspec.model import ForwardBatch, KVCache, ModelArgs, repeats_kv_heads
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import ForwardBatch, KVCache
+from rayspec.model import repeats_kv_heads
 
 ATTN_IMPLEMENTATION = "rayspec"
 _STEP_KWARG = "rayspec_step"  # the forward kwarg transformers carries down to the attention function

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from rayspec.model import NATIVE_MODEL_TYPES, CausalLM, ModelArgs, UnsupportedArchitectureError
+from rayspec.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
+from rayspec.model import CausalLM
 from rayspec.weights.checkpoint import load_checkpoint, load_state
 from rayspec.weights.hub import load_hf_config, resolve_model_dir
 
@@ -29,7 +30,7 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     """`dtype: auto`: bfloat16 on CUDA, and on CPUs whose oneDNN runs bfloat16 matmuls natively
     (AMX, AVX512-BF16), where it is faster than float32 (1.5x measured on a 2-core Xeon with AMX);
     float32 on other CPUs, which would emulate bfloat16 (slower than float32)."""
-    from rayspec.model import cpu_bf16_fast
+    from rayspec.linear import cpu_bf16_fast
 
     device = torch.device(device)
     if device.type == "cuda":

@@ -35,7 +35,8 @@ import torch
 
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.head import EagleConfig
-from rayspec.model import KVCache, ModelArgs
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import KVCache
 from rayspec.parallel import TPGroup, splits_vocab
 from rayspec.runner import DEFAULT_BLOCK_SIZE, default_num_blocks, proposer_num_blocks
 from rayspec.weights.checkpoint import READ_CHUNK_BYTES

@@ -227,7 +227,7 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 # ---- what the other ranks run -------------------------------------------------------------------
 
 def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int, model_id: int) -> None:
-    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`) of their
+    """Rank 0: tell the followers to run this forward (rayspec.kv_cache.ForwardBatch `batch`) of their
     model `model_id` over their KV cache `cache_id`."""
     B, Q = input_ids.shape
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]

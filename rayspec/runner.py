@@ -16,7 +16,8 @@ import torch
 from rayspec.block_manager import BlockManager
 from rayspec.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
 from rayspec.device_io import to_device
-from rayspec.model import CausalLM, ForwardBatch, KVCache
+from rayspec.kv_cache import ForwardBatch, KVCache
+from rayspec.model import CausalLM
 from rayspec.paged_attention import PagedLayout, chain_tail, tree_tail
 
 SCRATCH_BLOCK = 0

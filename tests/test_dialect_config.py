@@ -28,7 +28,7 @@ from deployments.app import build_app, build_llm_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.dialects import app_args_of, translate_llm_app_args  # noqa: E402
 from rayspec_cli.main import build_parser  # noqa: E402
-from rayspec_cli.serve import serve_config
+from rayspec_cli.serve import serve_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

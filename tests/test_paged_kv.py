@@ -15,8 +15,8 @@ from engine_utils import cached_model, run_alone, run_joining, run_to_completion
 from rayspec.block_manager import BlockManager, block_hash
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import InvalidRequestError, LLMEngine
+from rayspec.kv_cache import KVCache
 from rayspec.memory import GiB
-from rayspec.model import KVCache
 from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams
 

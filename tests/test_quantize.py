@@ -11,8 +11,9 @@ import torch
 from engine_utils import cached_model, make_engine
 from rayspec import loader
 from rayspec.config import SpeculativeConfig
+from rayspec.families import ModelArgs
+from rayspec.linear import Linear
 from rayspec.memory import DraftShape, causal_lm_weights, int8_weights
-from rayspec.model import Linear, ModelArgs
 from rayspec.quantize import Int8Weight, quantize_int8
 from rayspec.sampling import SamplingParams
 

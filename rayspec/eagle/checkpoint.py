@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from rayspec.eagle.head import EagleConfig, EagleHead, attach_target, build_head, default_aux_layers
-from rayspec.model import CausalLM, ModelArgs
+from rayspec.families import ModelArgs
+from rayspec.model import CausalLM
 
 EAGLE_KINDS = ("eagle3", "eagle")
 
