@@ -23,10 +23,10 @@ import torch
 
 from deployments.config import AppArgs, load_app_args
 from deployments.dialects import APP_IMPORT_PATHS, app_args_of
-from rayspec.weights import files, hub
-from rayspec.memory import (GB, DraftShape, ModelShape, ProcessPlan, as_shape, causal_lm_weights, engine_plan,
-                            generic_weights, proposer_plan)
 from rayspec.families import ModelArgs
+from rayspec.memory import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
+from rayspec.weight_memory import ModelShape, as_shape, causal_lm_weights, generic_weights
+from rayspec.weights import files, hub
 
 _UNITS = {"": GB, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": GB, "gb": GB, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}

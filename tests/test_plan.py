@@ -20,8 +20,9 @@ from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.families import ModelArgs
 from rayspec.kv_cache import KVCache
 from rayspec.loader import empty_model
-from rayspec.memory import GB, GiB, causal_lm_weights, eagle_head_weights, engine_plan, kv_cache_plan
+from rayspec.memory import GB, GiB, engine_plan, kv_cache_plan
 from rayspec.parallel import TPGroup
+from rayspec.weight_memory import causal_lm_weights, eagle_head_weights
 from rayspec.weights.checkpoint import READ_CHUNK_BYTES
 from rayspec_cli.main import main
 

@@ -13,9 +13,10 @@ from rayspec import loader
 from rayspec.config import SpeculativeConfig
 from rayspec.families import ModelArgs
 from rayspec.linear import Linear
-from rayspec.memory import DraftShape, causal_lm_weights, int8_weights
+from rayspec.memory import DraftShape
 from rayspec.quantize import Int8Weight, quantize_int8
 from rayspec.sampling import SamplingParams
+from rayspec.weight_memory import causal_lm_weights, int8_weights
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["fbgemm", "int8pack_mm"])
