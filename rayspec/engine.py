@@ -40,7 +40,8 @@ from rayspec.model import CausalLM
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import (verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_parents,
                                verify_tree_sampled)
-from rayspec.runner import ModelRunner, TreeQuery, last_rows, packed_offsets, prefill_groups
+from rayspec.batch_layout import TreeQuery, last_rows, packed_offsets, prefill_groups
+from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.sequence import IncrementalDetokenizer, Sequence, Status
 from rayspec.structured import GrammarCompiler
@@ -602,7 +603,7 @@ class LLMEngine:
 
     def _target_forward(self, ids, inputs, trees=None, packed=False, static=False):
         """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
-        `packed`, [N, H] and [N, F] over the real tokens only (runner.packed_offsets). static: a
+        `packed`, [N, H] and [N, F] over the real tokens only (batch_layout.packed_offsets). static: a
         decode or verification forward (the compiled step's, when it is on)."""
         if self.feature_layers is None:
             return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static)[0], None

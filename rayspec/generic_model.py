@@ -59,7 +59,7 @@ class _Step:
             B, Q = batch.shape
             rows = batch.positions if batch.cache_positions is None else batch.cache_positions
             # the position of the key in each cache row: the row itself, except this forward's
-            # tree rows, whose rope position is the node's depth (runner.tree_layout)
+            # tree rows, whose rope position is the node's depth (batch_layout.tree_layout)
             key_pos = torch.arange(batch.kv_len, device=rows.device).expand(B, -1).clone()  # [B, kv_len]
             key_pos.scatter_(1, rows, batch.positions)
             far = batch.positions[:, :, None] - key_pos[:, None, :] >= window  # [B, Q, kv_len]

@@ -69,8 +69,8 @@ def test_every_kernel_computes_the_same_model(tiny_model_dir, monkeypatch):
     """A model loaded under each kernel (and under measurement) gives the same logits for 1, 3 and
     12 rows; its projections use what was chosen (packed copies exactly when oneDNN is among it)."""
     from rayspec import loader
+    from rayspec.batch_layout import additive_mask
     from rayspec.kv_cache import ForwardBatch, KVCache
-    from rayspec.runner import additive_mask
 
     outputs = {}
     for variant in ["measure", *VARIANTS]:

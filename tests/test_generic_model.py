@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from engine_utils import make_engine, run_alone, run_batch
+from rayspec.batch_layout import TreeQuery
 from rayspec.generic_model import GenericCausalLM, load_generic_model
 from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.runner import ModelRunner, TreeQuery
+from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams
 
 WINDOW = 8  # sliding layers' window: far shorter than prompt + output, so it shapes every step

@@ -230,7 +230,7 @@ def test_cached_tokens_reported(target_dir, target):
 def test_runner_keep_path_across_blocks(target):
     """A tree's accepted rows moved to follow the prefix across a block boundary read back as a
     fresh computation of the path does."""
-    from rayspec.runner import TreeQuery
+    from rayspec.batch_layout import TreeQuery
 
     model = target[0]
     runner = ModelRunner(model, 64, num_slots=1, slack=16, block_size=BS)

@@ -328,7 +328,7 @@ def test_prefill_groups_minimise_padded_cost():
     import itertools
     import random
 
-    from rayspec.runner import prefill_groups
+    from rayspec.batch_layout import prefill_groups
 
     def cost(groups, lengths, overhead):
         return sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)

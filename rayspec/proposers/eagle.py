@@ -31,12 +31,12 @@ import math
 import numpy as np
 import torch
 
+from rayspec.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.device_io import to_device, to_host
 from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.runner import (DEFAULT_BLOCK_SIZE, ModelRunner, TreeQuery, catch_up_pieces, last_rows,
-                            proposer_num_blocks)
+from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
 from rayspec.sampling import logits_to_probs, make_generator
 
 
