@@ -413,6 +413,7 @@ class ChatCompletionRequest(_Common):
         max_tokens, _ = self._max_tokens()
         return [self._generate(max_tokens, logprobs, self.structured(), messages=messages, tools=tools)]
 
+
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
 
@@ -459,4 +460,3 @@ class DetokenizeRequest(BaseModel):
         if not self.tokens:
             raise OpenAIError("tokens is empty", param="tokens")
         at_most(len(self.tokens), LIMITS.prompt_chars_per_token * max_model_len, "tokens", "tokens")
-

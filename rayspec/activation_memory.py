@@ -101,4 +101,3 @@ def forward_tokens(config: EngineConfig, max_model_len: int, num_slots: int) -> 
     chunk = config.max_num_batched_tokens
     prefill = num_slots * max_model_len if chunk is None else min(chunk, num_slots * max_model_len)
     return max(prefill, verify)
-

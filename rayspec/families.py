@@ -115,4 +115,3 @@ class ModelArgs:
             max_position_embeddings=getattr(config, "max_position_embeddings", 8192),
             **family(config),
         )
-

@@ -158,4 +158,3 @@ class ForwardBatch:
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """[N, D] -> what the caller asked for: [N, D] or [B, Q, D]."""
         return x if self.packed_output else self.unpack(x).reshape(*self.shape, x.shape[-1])
-

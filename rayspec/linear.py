@@ -159,4 +159,3 @@ def fuse_weights(parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None
         if bias is not None:
             p.bias = nn.Parameter(bias.split(sizes)[i], requires_grad=p.bias.requires_grad)
     return weight, bias, sizes
-

@@ -58,6 +58,7 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.d
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(table)}")
     return table[name]
 
+
 def rope_from_config(config) -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling for any static rope type transformers knows (default, linear,
     llama3, yarn, ...), read from transformers 5's `config.rope_parameters` (rope_theta, rope_type
@@ -161,4 +162,3 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     has_tokenizer = tokenizer and (any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists())
     tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
     return model, tokenizer
-

@@ -246,7 +246,6 @@ def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape,
     return weights, transient
 
 
-
 def _cpu_copies(plan: ProcessPlan, *weights: Weights) -> None:
     if torch.device(plan.device).type == "cpu":
         linear = sum(w.linear_bytes for w in weights)

@@ -164,6 +164,7 @@ def load_bytes(weights: Weights, device: str | torch.device) -> int:
     cast them: 33.17 GB measured on an H100 for Llama-3.1-8B in bfloat16, 2x its weights.)"""
     return weights.bytes + (READ_CHUNK_BYTES if torch.device(device).type == "cpu" else 0)
 
+
 def int8_weights(args: ModelArgs, weights: Weights, dtype: torch.dtype) -> Weights:
     """A draft LM with weight-only int8 linears (rayspec.quantize): every Linear one byte per weight
     plus a float32 scale (and fbgemm's int32 column offset) per output channel; the embedding (which
@@ -173,4 +174,3 @@ def int8_weights(args: ModelArgs, weights: Weights, dtype: torch.dtype) -> Weigh
     floats = weights.bytes - weights.linear_bytes + tied_embedding * dtype.itemsize
     per_channel = 8 * (linear // args.hidden_size)  # about one output channel per hidden_size weights
     return Weights(weights.num_params, floats + linear + per_channel, 0)
-

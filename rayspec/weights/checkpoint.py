@@ -309,5 +309,3 @@ class CheckpointTensors:
         if name not in self._where:
             raise ValueError(f"the checkpoint has no tensor {name}")
         return self._where[name]
-
-

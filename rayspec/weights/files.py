@@ -11,7 +11,7 @@ import torch
 
 
 class ModelNotFoundError(FileNotFoundError):
-    pass
+    """A model spec that names no usable checkpoint (no such directory or repo, no weights in it)."""
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -75,6 +75,7 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f), device="cpu") if fmt == "safetensors" else torch_load(f))
     return state
+
 
 def weight_names(model_dir: Path) -> set[str] | None:
     """The tensor names of a local checkpoint, read from safetensors headers or the shard index

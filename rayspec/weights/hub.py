@@ -36,7 +36,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("RAYSPEC_CACHE", Path.home() / ".cache" / "rayspec"))
 
 
-
 def resolve_model_dir(spec: str) -> Path:
     """Turn a model spec into a directory holding config.json, the weights and the tokenizer."""
     if spec in (DEFAULT_MODEL, "default"):
@@ -113,6 +112,8 @@ def _is_hub_id(spec: str) -> bool:
 
 # what a hub snapshot needs besides the weights: config, generation config, tokenizer, chat template
 _META_PATTERNS = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")
+
+
 def _exact(names) -> list[str]:
     """allow_patterns that match exactly these names (huggingface_hub filters with fnmatch)."""
     return ["".join(f"[{c}]" if c in "*?[" else c for c in name) for name in names]
