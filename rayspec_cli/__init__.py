@@ -4,4 +4,4 @@ bench serve.
 It sits above both packages: the engine (`rayspec`, no Ray) and the Ray Serve layer (`deployments`),
 which neither imports it nor, for rayspec, the other (tests/test_imports.py). Its modules: `main`
 (the parser, one subcommand per function), `flags` (engine flags shared by the subcommands),
-`local` (commands that run the engine in this process), `serve` (serve, plan, kuberay), `bench`."""
+`local` (fetch-model, generate, configs-dir, train), `serve` (serve, plan, kuberay), `bench`."""

@@ -1,4 +1,4 @@
-"""Subcommands that run in this process without Ray: fetch-model, generate, configs-dir, train."""
+"""Subcommands outside serving: fetch-model, generate (an engine in this process), configs-dir, train."""
 
 from __future__ import annotations
 
