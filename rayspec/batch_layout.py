@@ -163,3 +163,4 @@ def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         return hidden[:, -1]
     (idx,) = to_device(np.asarray([b * Q + n - 1 for b, n in enumerate(lengths)], dtype=np.int64),
                        device=hidden.device)
+    return hidden.reshape(B * Q, *hidden.shape[2:]).index_select(0, idx)
