@@ -24,7 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayspec.bench.environment import environment  # noqa: E402
-from rayspec.model import CausalLM, KVCache, ModelArgs  # noqa: E402
+from rayspec.families import ModelArgs  # noqa: E402
+from rayspec.kv_cache import KVCache  # noqa: E402
+from rayspec.model import CausalLM  # noqa: E402
 from rayspec.runner import ModelRunner  # noqa: E402
 
 WIDTHS = {  # name -> (hidden, intermediate, heads, kv heads, head_dim)

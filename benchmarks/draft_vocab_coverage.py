@@ -16,8 +16,8 @@ from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig
 from rayspec.eagle.checkpoint import read_state_dict
 from rayspec.engine import LLMEngine
-from rayspec.loader import resolve_model_dir
 from rayspec.sampling import SamplingParams
+from rayspec.weights.hub import resolve_model_dir
 
 SETS = ("mt_bench", "humaneval", "gsm8k")
 

@@ -31,6 +31,7 @@ from fp4_utils import random_nvfp4_llama, reference_nvfp4  # noqa: E402
 
 from rayspec import loader  # noqa: E402
 from rayspec.formats import nvfp4  # noqa: E402
+from rayspec.weights import checkpoint, hub  # noqa: E402
 
 E2M1 = torch.tensor(nvfp4.E2M1_VALUES)
 
@@ -40,14 +41,14 @@ def check_nvfp4_load(device: str, hidden: int, layers: int, vocab: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = random_nvfp4_llama(Path(tmp) / "m", layers, hidden, vocab)
-        config = loader.load_hf_config(path)
+        config = hub.load_hf_config(path)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         start = time.perf_counter()
         model = loader.empty_model(config, device, torch.bfloat16)
-        loader.load_checkpoint(model, path)
+        checkpoint.load_checkpoint(model, path)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

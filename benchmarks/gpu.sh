@@ -196,7 +196,7 @@ wait_gpu_free() {  # until the GPUs hold no more than at the start (+1 GiB), at 
 bench() {  # $1: set, $2: output stem, $3: concurrency list, $4: warmup; then --endpoint/--label pairs
   local set=$1 stem=$2 conc=$3 warmup=$4
   shift 4
-  "$PY" -m rayspec.cli bench serve "$@" --model "$SERVED_NAME" --prompts "$PROMPTS_DIR/$set.jsonl" \
+  "$PY" -m rayspec_cli bench serve "$@" --model "$SERVED_NAME" --prompts "$PROMPTS_DIR/$set.jsonl" \
     --num-prompts "$NUM_PROMPTS" --max-tokens "$MAX_TOKENS" --concurrency "$conc" --waves "$WAVES" \
     --warmup "$warmup" --output-json "$RESULTS/runs/$stem.json" --plot "$RESULTS/runs/$stem.png" \
     2> "$RESULTS/logs/bench_$stem.log" | tee "$RESULTS/logs/bench_$stem.txt"

@@ -148,8 +148,8 @@ def chunked_prefill(root: Path, results: dict) -> None:
 def sdpa_backends(results: dict) -> None:
     from torch.nn.attention import SDPBackend
 
+    from rayspec.batch_layout import additive_mask
     from rayspec.model import repeats_kv_heads
-    from rayspec.runner import additive_mask
 
     names = {b.value: name for name, b in SDPBackend.__members__.items()}
     rows = []

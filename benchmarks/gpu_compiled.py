@@ -97,7 +97,8 @@ def syncs(root: Path) -> None:
 
 
 def llama8b_shapes():
-    from rayspec.model import CausalLM, ModelArgs
+    from rayspec.families import ModelArgs
+    from rayspec.model import CausalLM
 
     args = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                      num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -171,7 +172,7 @@ def speed(root: Path, which: list[str]) -> None:
 
 
 def set_fused(model, on: bool, saved: dict) -> None:
-    """Turn the fused q/k/v and gate/up matmuls (rayspec.model.fuse_weights) off and on again."""
+    """Turn the fused q/k/v and gate/up matmuls (rayspec.linear.fuse_weights) off and on again."""
     from rayspec.model import MLP, Attention
 
     for m in model.modules():

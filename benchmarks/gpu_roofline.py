@@ -39,9 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rayspec.batch_layout import TreeQuery
 from rayspec.bench.environment import environment  # noqa: E402
-from rayspec.model import CausalLM, KVCache, ModelArgs  # noqa: E402
-from rayspec.runner import ModelRunner, TreeQuery  # noqa: E402
+from rayspec.families import ModelArgs  # noqa: E402
+from rayspec.kv_cache import KVCache  # noqa: E402
+from rayspec.model import CausalLM  # noqa: E402
+from rayspec.runner import ModelRunner  # noqa: E402
 
 SHAPES = {  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim, rope theta
     "llama3.1-8b": (128256, 4096, 14336, 32, 32, 8, 128, 500000.0),

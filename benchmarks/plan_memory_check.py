@@ -25,13 +25,15 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from rayspec.activation_memory import forward_activations
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.checkpoint import eagle_config_from_hf
 from rayspec.eagle.head import attach_target, build_head
+from rayspec.families import ModelArgs
 from rayspec.loader import build_model, empty_model
-from rayspec.memory import causal_lm_weights, eagle_head_weights, forward_activations, kv_cache_plan, load_bytes
-from rayspec.model import ModelArgs
+from rayspec.memory import kv_cache_plan
 from rayspec.runner import ModelRunner
+from rayspec.weight_memory import causal_lm_weights, eagle_head_weights, load_bytes
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 CHUNK, CONTEXT = 2048, 8192

@@ -4,7 +4,7 @@ Each configuration runs in a fresh process: the engine is built (the model's wei
 cache for one sequence of max_model_len, touched so it is resident), then one prompt of --tokens
 tokens is prefilled while a thread samples the process's resident set every millisecond. Reported:
 the peak above that baseline (what the prefill itself allocated), beside the planner's estimate of
-one chunk's activations (rayspec.memory.forward_activations, the figure `rayspec plan` prints).
+one chunk's activations (rayspec.activation_memory.forward_activations, the figure `rayspec plan` prints).
 
     python benchmarks/prefill_memory.py --tokens 8000 --budgets 512 2048 none --json out.json
 """
@@ -33,9 +33,9 @@ def measure(model: str, tokens: int, budget: int | None, num_layers: int | None,
     import torch
 
     from rayspec import loader
+    from rayspec.activation_memory import forward_activations
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.engine import LLMEngine
-    from rayspec.memory import forward_activations
     from rayspec.sampling import SamplingParams
 
     torch.set_num_threads(threads)

@@ -17,7 +17,7 @@ for set in ${SETS:-mt_bench unguessable}; do
   for t in ${TEMPS:-0 1}; do
     for mode in ${MODES:-default fixed}; do
       flags=(); [ "$mode" = fixed ] && flags=(--no-adaptive)
-      $PY -m rayspec.cli bench sweep "${TREE[@]}" "${flags[@]}" --prompts "$set" --num-prompts "$N" \
+      $PY -m rayspec_cli bench sweep "${TREE[@]}" "${flags[@]}" --prompts "$set" --num-prompts "$N" \
         --max-tokens "$MAX" --temperature "$t" --unseeded --num-threads 1 \
         --output-json "benchmarks/results/costaware_${mode}_${set}_t${t}.json"
     done
@@ -25,6 +25,6 @@ for set in ${SETS:-mt_bench unguessable}; do
 done
 for mode in ${CHAINS:-default fixed}; do
   flags=(); [ "$mode" = fixed ] && flags=(--no-adaptive)
-  $PY -m rayspec.cli bench sweep --methods eagle3 --num-speculative-tokens 1,2,4 "${flags[@]}" --prompts mt_bench \
+  $PY -m rayspec_cli bench sweep --methods eagle3 --num-speculative-tokens 1,2,4 "${flags[@]}" --prompts mt_bench \
     --num-prompts "$N" --max-tokens "$MAX" --num-threads 1 --output-json "benchmarks/results/costaware_chains_${mode}_mt_bench_t0.json"
 done

@@ -19,6 +19,7 @@ from rayspec.bench.offline import SystemRun, _run_engine
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
+from rayspec.weights import hub
 
 HEAD = "heads/smollm2-135m-eagle3"
 
@@ -53,7 +54,7 @@ def main(threads: int, sets: list[str], n: int, names: list[str], max_tokens: in
     torch.set_num_threads(threads)
     names = ["none"] + [x for x in names if x != "none"]
     target, tokenizer = loader.load_model("default", device="cpu")
-    eos = loader.generation_eos_ids("default") | {tokenizer.eos_token_id}
+    eos = hub.generation_eos_ids("default") | {tokenizer.eos_token_id}
     engines = {}
     for name in names:
         engine = LLMEngine(EngineConfig(model="default", speculative=SpeculativeConfig(**config(name)), device="cpu",

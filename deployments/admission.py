@@ -25,7 +25,7 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from deployments.openai_protocol import OpenAIError
+from deployments.openai_limits import OpenAIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 GATED_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}  # every POST that calls the verifier

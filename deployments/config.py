@@ -29,7 +29,7 @@ def resolve_local_path(spec: str | None) -> str | None:
     repo root (an installed wheel's copy of configs/ and heads/: rayspec.assets) -> an absolute path
     (replicas may run elsewhere); anything else (hub ids, the default model's name, absolute paths,
     paths that do not exist) is returned as it is."""
-    from rayspec.loader import DEFAULT_MODEL
+    from rayspec.weights.hub import DEFAULT_MODEL
 
     if not spec or spec in (DEFAULT_MODEL, "default"):
         return spec

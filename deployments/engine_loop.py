@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from rayspec.engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
 from rayspec.metrics import FinishedRequestStats, IterationStats
@@ -33,15 +33,43 @@ class _Stream:
     last_token: float | None = None  # when it last got tokens: the inter-token latency's start
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: its messages (and tools), which the engine's chat template turns into
+    token ids on the loop thread, where the tokenizer is."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+Prompt = Union[str, list[int], ChatPrompt]
+
+
+# the commands callers put on the loop's queue, run in order on the loop thread
 @dataclass
 class _Add:
     request_id: str
-    prompt: Any  # str | list[int] | ("chat", messages, tools)
+    prompt: Prompt
     params: Any
     deliver: Deliver
     resume: tuple[list[int], int] = ((), 0)  # (output ids so far, characters already sent): see add_request
     grammar: Any = None  # a structured request's grammar state, built off this thread (engine.prepare_grammar)
     submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], None]  # runs on the loop thread; hands its result back itself
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
 
 
 class EngineLoop:
@@ -92,12 +120,12 @@ class EngineLoop:
             return f"the last {self.failed_steps_in_a_row} engine steps all failed"
         return None
 
-    def submit(self, request_id: str, prompt, params, deliver: Deliver,
+    def submit(self, request_id: str, prompt: Prompt, params, deliver: Deliver,
                resume: tuple[list[int], int] = ((), 0), grammar=None) -> None:
         self._commands.put(_Add(request_id, prompt, params, deliver, resume, grammar))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
         """Run fn(engine) on the loop thread and return its result."""
@@ -111,7 +139,7 @@ class EngineLoop:
                 box["error"] = err
             done.set()
 
-        self._commands.put(("call", run))
+        self._commands.put(_Call(run))
         if not done.wait(timeout):
             raise TimeoutError("engine loop did not answer")
         if "error" in box:
@@ -120,7 +148,7 @@ class EngineLoop:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._commands.put(("stop", None))
+        self._commands.put(_Stop())
         self._thread.join(timeout=10)
 
     # ---- the loop thread ------------------------------------------------------------------
@@ -199,13 +227,13 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _handle(self, cmd) -> None:
+    def _handle(self, cmd: _Add | _Abort | _Call | _Stop) -> None:
         engine = self.engine
         if isinstance(cmd, _Add):
             try:
                 prompt = cmd.prompt
-                if isinstance(prompt, tuple) and prompt and prompt[0] == "chat":
-                    prompt = engine.encode_chat(*prompt[1:])
+                if isinstance(prompt, ChatPrompt):
+                    prompt = engine.encode_chat(prompt.messages, prompt.tools)
                 engine.add_request(prompt, cmd.params, cmd.request_id, resume_output_ids=list(cmd.resume[0]),
                                    resume_sent_chars=cmd.resume[1], grammar=cmd.grammar)
             except (InvalidRequestError, EngineOverloadedError) as err:  # the caller's 400 / 429
@@ -217,15 +245,14 @@ class EngineLoop:
                 return
             self._streams[cmd.request_id] = _Stream(cmd.deliver, cmd.submitted, num_tokens=len(cmd.resume[0]))
             return
-        kind, arg = cmd
-        if kind == "abort":
-            stream = self._streams.pop(arg, None)
-            if stream is not None and engine.abort_request(arg):
+        if isinstance(cmd, _Abort):
+            stream = self._streams.pop(cmd.request_id, None)
+            if stream is not None and engine.abort_request(cmd.request_id):
                 self.num_aborted += 1
                 self._observe(IterationStats(finished=[self._finished(stream, "abort", time.perf_counter())]))
-        elif kind == "call":
-            arg(engine)
-        elif kind == "stop":
+        elif isinstance(cmd, _Call):
+            cmd.fn(engine)
+        elif isinstance(cmd, _Stop):
             self._stop.set()
 
     def _dispatch(self, out: RequestOutput, now: float, stats: IterationStats) -> None:

@@ -9,6 +9,7 @@ With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but
 
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -28,10 +29,11 @@ from deployments.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args, resolve_api_key
 from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
-from deployments.openai_protocol import (AutoToolCallStream, ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, OpenAIError, TokenizeRequest, ToolCallStream,
-                                         auto_tool_message, chat_logprobs, completion_logprobs, finish_reason, new_id,
-                                         now, sum_usage, tool_call_message)
+from deployments.openai_limits import OpenAIError
+from deployments.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from deployments.openai_responses import (AutoToolCallStream, ToolCallStream, auto_tool_message, chat_logprobs,
+                                          completion_logprobs, finish_reason, new_id, now, sum_usage,
+                                          tool_call_message)
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from deployments.sse import SSE_HEADERS
 from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
@@ -364,21 +366,24 @@ class OpenAIIngress:
         except (OpenAIError, InvalidRequestError, ValidationError) as err:
             raise _as_openai_error(err) from None
 
-    def _mapped(self, err: BaseException, constraint: str | None = None) -> OpenAIError | None:
-        mapped = _as_openai_error(err, constraint, self.cfg.retry_after_s, self.verifier_answered)
-        if mapped is not None and mapped.status_code in (429, 503):
-            self.admission.num_backpressured += 1
-        return mapped
+    @contextlib.contextmanager
+    def _errors_mapped(self, constraint: str | None = None):
+        """Around a verifier call: an error the request caused or a full queue leaves as its OpenAIError
+        (_as_openai_error: 400, 429 or 503, counted as back-pressure when 429 / 503); any other as it is."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001
+            mapped = _as_openai_error(err, constraint, self.cfg.retry_after_s, self.verifier_answered)
+            if mapped is None:
+                raise
+            if mapped.status_code in (429, 503):
+                self.admission.num_backpressured += 1
+            raise mapped from None
 
     async def _verifier_info(self) -> dict:
         if self._model_info is None:
-            try:
+            with self._errors_mapped():
                 self._model_info = await call_with_failover(lambda: self.verifier.model_info.remote(), self.failovers)
-            except Exception as err:  # noqa: BLE001
-                mapped = self._mapped(err)
-                if mapped is None:
-                    raise
-                raise mapped from None
         return self._model_info
 
     async def _tool_parser(self) -> ToolCallParser:
@@ -394,36 +399,21 @@ class OpenAIIngress:
 
     async def _call_method(self, method: str, *args):
         """A verifier method other than generation (tokenize, detokenize), errors mapped."""
-        try:
+        with self._errors_mapped():
             result = await call_with_failover(lambda: getattr(self.verifier, method).remote(*args), self.failovers)
-        except Exception as err:  # noqa: BLE001
-            mapped = self._mapped(err)
-            if mapped is None:
-                raise
-            raise mapped from None
         self.verifier_answered = True
         return result
 
     async def _call(self, request: GenerateRequest, constraint: str | None = None) -> GenerateResponse:
-        try:
+        with self._errors_mapped(constraint):
             response = await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
-        except Exception as err:  # noqa: BLE001
-            mapped = self._mapped(err, constraint)
-            if mapped is None:
-                raise
-            raise mapped from None
         self.verifier_answered = True
         return response
 
     async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool,
                                constraint: str | None = None, parser: ToolCallParser | None = None):
-        try:  # wait for every choice's first chunk so that request errors still become a 400
+        with self._errors_mapped(constraint):  # every choice's first chunk awaited: request errors still a 400
             streams, firsts = await open_streams(self.verifier, requests, self.failovers)
-        except Exception as err:  # noqa: BLE001
-            mapped = self._mapped(err, constraint)
-            if mapped is None:
-                raise
-            raise mapped from None
         self.verifier_answered = True
         return StreamingResponse(self._sse_events(streams, firsts, body, chat, parser),
                                  media_type="text/event-stream", headers=SSE_HEADERS)

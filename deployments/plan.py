@@ -26,10 +26,10 @@ import torch
 from deployments.config import AppArgs, load_app_args
 from deployments.dialects import APP_IMPORT_PATHS, app_args_of
 from deployments.resources import Machine, ResourcePlan, resource_lines, resource_plan, resources_json
-from rayspec import loader
-from rayspec.memory import (GB, DraftShape, ModelShape, ProcessPlan, as_shape, causal_lm_weights, engine_plan,
-                            generic_weights, proposer_plan)
-from rayspec.model import ModelArgs
+from rayspec.families import ModelArgs
+from rayspec.memory import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
+from rayspec.weight_memory import ModelShape, as_shape, causal_lm_weights, generic_weights
+from rayspec.weights import files, hub
 
 _UNITS = {"": GB, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": GB, "gb": GB, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -85,7 +85,7 @@ def shape_of(hf_config) -> ModelShape:
 def model_shape(spec: str, num_layers: int | None = None) -> ModelShape:
     """The shape of model `spec` from its config file; num_layers keeps the first layers (as
     loader.load_model and load_generic_model cut a self-draft)."""
-    config = loader.load_model_config(spec)
+    config = hub.load_model_config(spec)
     if num_layers is not None:
         config = copy.deepcopy(config)
         config.num_hidden_layers = num_layers
@@ -110,8 +110,8 @@ def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> Draf
         draft = model_shape(spec.draft_model or target_model, spec.draft_num_layers)
         return DraftShape(model=draft.args, model_generic=draft.generic)
     if issubclass(cls, EagleProposer):
-        config_file = loader.model_config_file(spec.draft_model)
-        names = loader.weight_names(config_file.parent)
+        config_file = hub.model_config_file(spec.draft_model)
+        names = files.weight_names(config_file.parent)
         names = None if names is None else {n.removeprefix("model.") for n in names}  # as read_state_dict
         # without tensor names (a hub id, a .bin checkpoint): an fc bias as the published EAGLE-1 heads have
         fc_bias = "fc.bias" in names if names is not None else cls.kind == "eagle"
@@ -306,7 +306,7 @@ def checkpoint_size(role: str, spec: str, shape: ModelShape, dtype: torch.dtype)
     """Stored and loaded weight bytes of a quantized checkpoint (None: a float one), from config files."""
     from rayspec.formats import stored_bytes
 
-    quantization = loader.model_quantization(spec)
+    quantization = hub.model_quantization(spec)
     if quantization is None:
         return None
     model = _meta_model(shape)

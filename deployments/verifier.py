@@ -20,7 +20,7 @@ from ray import serve
 logger = logging.getLogger("ray.serve")
 
 from deployments.config import load_app_args, replica_device
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import ChatPrompt, EngineLoop
 from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
 
@@ -196,7 +196,7 @@ class Verifier:
             request = GenerateRequest.model_validate(request)
         params = request.sampling_params()  # raises InvalidRequestError for bad values
         rid = f"{self._prefix}{next(self._ids)}"
-        prompt = ("chat", request.messages, request.tools) if request.messages is not None else request.prompt
+        prompt = ChatPrompt(request.messages, request.tools) if request.messages is not None else request.prompt
         grammar = None
         if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
             grammar = await asyncio.to_thread(self.loop.engine.prepare_grammar, params.structured)

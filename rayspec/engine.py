@@ -28,12 +28,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
-from rayspec.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.compiled import default_compile
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
 from rayspec.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
+from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
+from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
@@ -41,7 +41,8 @@ from rayspec.outputs import (EngineOverloadedError, InvalidGrammarError, Invalid
                              RequestOutput, request_output)
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import verify, verify_tree_parents
-from rayspec.runner import ModelRunner, TreeQuery, packed_offsets, prefill_groups
+from rayspec.batch_layout import TreeQuery, packed_offsets, prefill_groups
+from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
 from rayspec.scheduler import ScheduledStep, Scheduler
 from rayspec.sequence import IncrementalDetokenizer, Sequence
@@ -90,6 +91,7 @@ class LLMEngine:
         """rank_launcher: starts the other ranks when config.tensor_parallel_size > 1
         (rayspec.tp_ranks.RankLauncher; deployments.tensor_parallel has Ray's)."""
         from rayspec import loader
+        from rayspec.weights import hub
 
         self.config = config
         if config.num_threads:
@@ -103,7 +105,7 @@ class LLMEngine:
                 model, tokenizer, self.ranks = start_tensor_parallel(config, rank_launcher)
             else:
                 model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype)
-            eos_ids |= loader.generation_eos_ids(config.model)
+            eos_ids |= hub.generation_eos_ids(config.model)
         self.model, self.tokenizer = model, tokenizer
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
@@ -429,7 +431,7 @@ class LLMEngine:
 
     def _target_forward(self, ids, inputs, trees=None, packed=False, static=False):
         """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
-        `packed`, [N, H] and [N, F] over the real tokens only (runner.packed_offsets). static: a
+        `packed`, [N, H] and [N, F] over the real tokens only (batch_layout.packed_offsets). static: a
         decode or verification forward (the compiled step's, when it is on)."""
         if self.feature_layers is None:
             return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static)[0], None

@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayspec.model import ForwardBatch, KVCache, ModelArgs, repeats_kv_heads
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import ForwardBatch, KVCache
+from rayspec.model import repeats_kv_heads
 
 ATTN_IMPLEMENTATION = "rayspec"
 _STEP_KWARG = "rayspec_step"  # the forward kwarg transformers carries down to the attention function
@@ -57,7 +59,7 @@ class _Step:
             B, Q = batch.shape
             rows = batch.positions if batch.cache_positions is None else batch.cache_positions
             # the position of the key in each cache row: the row itself, except this forward's
-            # tree rows, whose rope position is the node's depth (runner.tree_layout)
+            # tree rows, whose rope position is the node's depth (batch_layout.tree_layout)
             key_pos = torch.arange(batch.kv_len, device=rows.device).expand(B, -1).clone()  # [B, kv_len]
             key_pos.scatter_(1, rows, batch.positions)
             far = batch.positions[:, :, None] - key_pos[:, None, :] >= window  # [B, Q, kv_len]
@@ -278,7 +280,7 @@ def _quantization_kwargs(model_dir) -> dict:
 def load_generic_model(model_dir, config, device, dtype: torch.dtype,
                        num_layers: int | None = None) -> GenericCausalLM:
     """A checkpoint's transformers model (weights loaded shard by shard in `dtype` on `device`) on
-    the generic path. config: its transformers config (rayspec.loader.load_hf_config). num_layers
+    the generic path. config: its transformers config (rayspec.weights.hub.load_hf_config). num_layers
     keeps only the first layers (a cheap self-draft), as loader.load_model."""
     from transformers import AutoModelForCausalLM
 

@@ -1,15 +1,16 @@
 """Memory of an engine process from model shapes alone (no weights loaded).
 
 `kv_cache_plan` is how `LLMEngine` sizes its KV cache; the rest counts what the process holds
-next to it (weights, a proposer's weights and cache, activations), for `rayspec plan`. Every
+next to it (weights: rayspec.weight_memory; a proposer's weights and cache; activations:
+rayspec.activation_memory), for `rayspec plan`. Every
 figure is in bytes. GB = 10**9 bytes, GiB = 2**30; `kv_cache_memory_gb` is read as GiB, as the
 engine has always read it.
 
 A process, in the order it fills its device (GPU figures; a CPU process fills host memory the
 same way and, where its load picks the oneDNN path, adds prepacked copies of the projections):
   1. the target, allocated at its dtype and streamed in from the checkpoint (`loader.empty_model`,
-     `loader.load_checkpoint`): the device holds the weights alone, the host one READ_CHUNK_BYTES
-     staging buffer besides;
+     `rayspec.weights.checkpoint.load_checkpoint`): the device holds the weights alone, the host one
+     READ_CHUNK_BYTES staging buffer besides;
   2. the target's KV cache: a pool of blocks (`kv_cache_plan`), at most what max_num_seqs sequences
      of max_model_len + max_k + 1 positions fill;
   3. the proposer: a draft LM (loaded like the target) or an EAGLE head (its own weights; it
@@ -33,15 +34,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rayspec.activation_memory import ActivationPlan, forward_activations, forward_tokens
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.head import EagleConfig
-from rayspec.loader import READ_CHUNK_BYTES
-from rayspec.model import KVCache, ModelArgs
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import KVCache
 from rayspec.parallel import TPGroup, splits_vocab
 from rayspec.runner import DEFAULT_BLOCK_SIZE, default_num_blocks, proposer_num_blocks
+from rayspec.weight_memory import (NO_WEIGHTS, ModelShape, Weights, as_shape, eagle_head_weights, int8_weights,
+                                   load_bytes, target_io_weights)
 
 GB, GiB = 10**9, 2**30
-FLOAT32 = 4  # bytes: rotary frequencies, attention scores, sampled logits
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
@@ -113,156 +116,6 @@ def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k
     return KVPlan(max_num_seqs, capacity, per_token, num_blocks, block_size)
 
 
-# ---- weights ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Weights:
-    """What a module holds on its device (with tensor parallelism: what one rank holds)."""
-
-    num_params: int
-    bytes: int  # parameters in the module's dtype, plus its buffers
-    linear_bytes: int  # the Linear weights among them: oneDNN keeps a prepacked copy of each on CPU
-
-
-NO_WEIGHTS = Weights(0, 0, 0)
-
-
-def _rope_buffer(args: ModelArgs) -> int:
-    return args.head_dim // 2 * FLOAT32  # inv_freq, kept float32 through any cast (Float32Rotary)
-
-
-def _check_divides(args: ModelArgs, tp_size: int) -> None:
-    """Refuse a tp_size the model cannot be split by, with the model's own message (TPGroup.shard)."""
-    tp = TPGroup(rank=0, size=tp_size)
-    for n, what in ((args.num_heads, "num_attention_heads"), (args.num_kv_heads, "num_key_value_heads"),
-                    (args.intermediate_size, "intermediate_size")):
-        tp.shard(n, what)
-
-
-def _attention(args: ModelArgs, input_size: int, tp_size: int = 1) -> tuple[int, int]:
-    """(parameters, of which Linear weights) of one rank's rayspec.model.Attention: q/k/v
-    column-parallel (their biases split with them), o_proj row-parallel (its bias whole on every
-    rank), q/k norms (one head_dim weight each) whole."""
-    hd, h = args.head_dim, args.hidden_size
-    q, kv = args.num_heads // tp_size * hd, args.num_kv_heads // tp_size * hd
-    weights = input_size * (q + 2 * kv) + q * h
-    params = weights + ((q + 2 * kv) if args.attention_bias else 0)
-    params += h if getattr(args, "o_proj_bias", False) else 0  # the families' ModelArgs (Qwen2/3, Llama)
-    params += 2 * hd if getattr(args, "qk_norm", False) else 0  # Qwen3
-    return params, weights
-
-
-def _mlp(args: ModelArgs, tp_size: int = 1) -> tuple[int, int]:
-    """gate/up column-parallel, down row-parallel (its bias whole on every rank)."""
-    h, i = args.hidden_size, args.intermediate_size // tp_size
-    weights = 3 * h * i
-    return weights + ((2 * i + h) if args.mlp_bias else 0), weights
-
-
-def _decoder_layer(args: ModelArgs, input_size: int, num_norms: int, tp_size: int = 1) -> tuple[int, int]:
-    attn, attn_linear = _attention(args, input_size, tp_size)
-    mlp, mlp_linear = _mlp(args, tp_size)
-    return attn + mlp + num_norms * args.hidden_size, attn_linear + mlp_linear
-
-
-def _weights(num_params: int, linear_params: int, dtype: torch.dtype, buffers: int) -> Weights:
-    size = dtype.itemsize
-    return Weights(num_params, num_params * size + buffers, linear_params * size)
-
-
-def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> Weights:
-    """rayspec.model.CausalLM, or one rank's shard of it (every rank's is the same size): embedding
-    and LM head (split by vocabulary when it divides by tp_size; the LM head none of its own when
-    tied to the embedding, though on CPU it still gets a prepacked copy), decoder layers (see
-    `_attention`, `_mlp`), final norm, rotary buffer."""
-    if tp_size > 1:
-        _check_divides(args, tp_size)
-    v = args.vocab_size // tp_size if splits_vocab(TPGroup(size=tp_size), args.vocab_size) else args.vocab_size
-    h = args.hidden_size
-    layer, layer_linear = _decoder_layer(args, h, num_norms=2, tp_size=tp_size)
-    params = v * h + args.num_layers * layer + h + (0 if args.tie_word_embeddings else v * h)
-    return _weights(params, args.num_layers * layer_linear + v * h, dtype, _rope_buffer(args))
-
-
-def target_io_weights(args: ModelArgs, dtype: torch.dtype) -> Weights:
-    """What an EAGLE proposer loads of the target, whole, where it cannot share the engine's (a
-    proposer deployment; rank 0 of a tensor-parallel target, which holds a vocabulary slice): the
-    model without its decoder layers (embedding, final norm, LM head), as
-    rayspec.proposers.eagle._load_target_io does."""
-    return causal_lm_weights(dataclasses.replace(args, num_layers=0), dtype)
-
-
-def generic_weights(hf_config, dtype: torch.dtype) -> Weights:
-    """What the generic path (rayspec.generic_model.load_generic_model) holds: transformers' model of
-    `hf_config` at `dtype` (modules it keeps in float32 stay so), its parameters (tied ones once)
-    and buffers, counted from a build on the meta device (no memory, config.json alone). No
-    prepacked CPU copies: the generic path has no CPU kernel choice."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
-    params = {id(p): p for p in model.parameters()}.values()  # tied weights are one Parameter
-    buffers = {id(b): b for b in model.buffers()}.values()
-    return Weights(sum(p.numel() for p in params),
-                   sum(t.numel() * t.element_size() for t in (*params, *buffers)), 0)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A model as the planner counts it: its ModelArgs (KV cache, activations, the native weights),
-    and for a model the engine runs on the generic path its transformers config (`generic`)."""
-
-    args: ModelArgs
-    generic: object | None = None  # the transformers config of a generic-path model
-
-    def weights(self, dtype: torch.dtype, tp_size: int = 1) -> Weights:
-        if self.generic is None:
-            return causal_lm_weights(self.args, dtype, tp_size)
-        if tp_size > 1:
-            raise ValueError(f"{type(self.generic).__name__} runs on the generic path (rayspec.generic_model), "
-                             "which has no tensor parallelism: set tensor_parallel_size 1")
-        return generic_weights(self.generic, dtype)
-
-
-def as_shape(model: ModelArgs | ModelShape) -> ModelShape:
-    return model if isinstance(model, ModelShape) else ModelShape(model)
-
-
-def eagle_head_weights(config: EagleConfig, dtype: torch.dtype, has_own_embedding: bool = False) -> Weights:
-    """rayspec.eagle.head: an EAGLE-3 head (fc over the fused features, one decoder layer whose
-    attention reads 2 x hidden, final norm, LM head over the draft vocabulary, the d2t / t2d maps) or
-    an EAGLE-1 head (fc over [embedding, hidden], its layers, the first without an input norm; it
-    reads out through the target's LM head). The embedding is the target's unless the checkpoint
-    has its own."""
-    a = config.args
-    h = a.hidden_size
-    embedding = a.vocab_size * h if has_own_embedding else 0
-    if config.kind == "eagle3":
-        layer, layer_linear = _decoder_layer(a, 2 * h, num_norms=3)  # input, hidden and post-attention norms
-        fc = config.feature_size * h
-        lm_head = config.draft_vocab_size * h
-        params = embedding + fc + layer + h + lm_head
-        maps = config.draft_vocab_size * torch.int64.itemsize + a.vocab_size * torch.bool.itemsize  # d2t, t2d
-        return _weights(params, fc + layer_linear + lm_head, dtype, maps + _rope_buffer(a))
-    first, first_linear = _decoder_layer(a, h, num_norms=1)
-    rest, rest_linear = _decoder_layer(a, h, num_norms=2)
-    fc = 2 * h * h
-    params = embedding + fc + (h if config.fc_bias else 0) + first + (a.num_layers - 1) * rest
-    linear = fc + first_linear + (a.num_layers - 1) * rest_linear
-    return _weights(params, linear, dtype, _rope_buffer(a))
-
-
-def load_bytes(weights: Weights, device: str | torch.device) -> int:
-    """Memory while a model streams in (rayspec.loader.load_checkpoint): its parameters, allocated at
-    their dtype on the device, filled tensor by tensor through one READ_CHUNK_BYTES host buffer
-    (casts of a chunk happen on the host too). So a GPU holds the weights alone, and a CPU process
-    the weights plus that buffer. (The loader before it built float32 weights on the device and
-    cast them: 33.17 GB measured on an H100 for Llama-3.1-8B in bfloat16, 2x its weights.)"""
-    return weights.bytes + (READ_CHUNK_BYTES if torch.device(device).type == "cpu" else 0)
-
-
 # ---- proposers ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -308,98 +161,6 @@ def proposer_cache_plan(spec: SpeculativeConfig, draft: DraftShape, dtype: torch
     slack = proposer_slack(spec, draft)
     return KVPlan(num_slots, max_model_len + slack, KVCache.bytes_per_token(args, dtype),
                   proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size), block_size)
-
-
-# ---- activations --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ActivationPlan:
-    """An upper-bound estimate of one forward's activations (see `forward_activations`)."""
-
-    tokens: int  # new tokens in the forward
-    kv_len: int  # keys each of them may attend to
-    logit_rows: int
-    hidden: int
-    qkv: int
-    scores: int
-    mask: int
-    mlp: int
-    logits: int
-    features: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.hidden + self.qkv + self.scores + self.mask + self.mlp + self.logits + self.features
-
-    @property
-    def without_scores(self) -> int:
-        """The estimate where SDPA runs a fused kernel (flash / memory-efficient), which holds no scores."""
-        return self.total - self.scores
-
-
-def forward_activations(args: ModelArgs, dtype: torch.dtype, tokens: int, kv_len: int, logit_rows: int,
-                        feature_size: int = 0, held_feature_rows: int = 0, tp_size: int = 1,
-                        rank: int = 0) -> ActivationPlan:
-    """An upper-bound estimate of the memory one forward of `tokens` new tokens, each attending to
-    at most `kv_len` keys, allocates beyond the weights and the KV cache. T = tokens, H = hidden,
-    I = intermediate, itemsize of the model dtype unless said:
-
-      hidden:   4 x [T, H]: the residual stream, its normed copy, the attention or MLP output, the sum
-      qkv:      2 x [T, (heads + 2 kv_heads) x head_dim]: the projections and their rotated copies
-      scores:   2 x [heads, T, kv_len] float32 (the scores and their softmax), the same in bool
-                (the math path's test for fully masked rows), and K and V repeated to every query
-                head in float32: what SDPA's math path materializes, the worst case. The fused
-                kernels hold none of it (`without_scores`); the math one runs where they cannot
-      mask:     [T, kv_len]: the additive mask in the model dtype, and the boolean one it came from
-      mlp:      4 x [T, I]: gate, up, silu(gate) and their product
-      logits:   [logit_rows, vocab]: the LM head's output, its float32 copy and a processed copy
-      features: EAGLE feature layers' inputs [T, F] and their concatenation, plus
-                `held_feature_rows` rows of F a sequence keeps until its first draft
-
-    With tensor parallelism (`rank` of `tp_size`), a rank computes its heads and its slice of the
-    intermediate width (qkv, scores, mlp over 1/tp_size); the hidden states are whole on every
-    rank. Logits over a split vocabulary: each rank projects its slice ([rows, vocab / N] in the
-    dtype, then float32), and all_gather_last gives every rank the N parts and their concatenation
-    (2 x [rows, vocab] float32); rank 0 alone processes them. An unsplit vocabulary: rank 0 alone
-    computes them, as at tp_size 1. Features: rank 0 alone (the proposer's).
-
-    The terms are summed, though the attention and MLP ones are never live at once; allocator
-    rounding and the CUDA context (about 0.5 GB per process) are not counted. Measured on an H100
-    (benchmarks/plan_memory_check.py, Llama-3.1-8B, 2048 tokens x 8192 keys): 5.46 GB with the math
-    backend against 5.61 GB here, 0.42 GB with the default (fused) one against 0.50 without scores."""
-    size = dtype.itemsize
-    h, i = args.hidden_size, args.intermediate_size // tp_size
-    heads, kv_heads = args.num_heads // tp_size, args.num_kv_heads // tp_size
-    qkv_width = (heads + 2 * kv_heads) * args.head_dim
-    scores = (heads * tokens * kv_len * (2 * FLOAT32 + torch.bool.itemsize)
-              + 2 * heads * kv_len * args.head_dim * FLOAT32)
-    v = args.vocab_size
-    if splits_vocab(TPGroup(rank=rank, size=tp_size), v):
-        logits = logit_rows * (v // tp_size * (size + FLOAT32) + 2 * v * FLOAT32 + (v * FLOAT32 if rank == 0 else 0))
-    else:
-        logits = logit_rows * v * (size + 2 * FLOAT32) if rank == 0 else 0
-    if rank != 0:
-        feature_size = held_feature_rows = 0
-    return ActivationPlan(
-        tokens=tokens, kv_len=kv_len, logit_rows=logit_rows,
-        hidden=4 * tokens * h * size,
-        qkv=2 * tokens * qkv_width * size,
-        scores=scores,
-        mask=tokens * kv_len * (size + torch.bool.itemsize),
-        mlp=4 * tokens * i * size,
-        logits=logits,
-        features=(2 * tokens + held_feature_rows) * feature_size * size,
-    )
-
-
-def forward_tokens(config: EngineConfig, max_model_len: int, num_slots: int) -> int:
-    """The most tokens one target forward takes: a prefill chunk (max_num_batched_tokens, padding
-    included) or a verification of every slot's pending token and k drafts, whichever is more.
-    Unchunked (None), every slot's prompt may be prefilled in one padded forward."""
-    verify = num_slots * (config.speculative.num_speculative_tokens + 1)
-    chunk = config.max_num_batched_tokens
-    prefill = num_slots * max_model_len if chunk is None else min(chunk, num_slots * max_model_len)
-    return max(prefill, verify)
 
 
 # ---- one process --------------------------------------------------------------------------
@@ -483,17 +244,6 @@ def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape,
                                cache.bytes, f"{cache.num_blocks:,} blocks (+1 scratch) x {cache.block_size} "
                                             f"positions x {cache.bytes_per_token:,} B"))
     return weights, transient
-
-
-def int8_weights(args: ModelArgs, weights: Weights, dtype: torch.dtype) -> Weights:
-    """A draft LM with weight-only int8 linears (rayspec.quantize): every Linear one byte per weight
-    plus a float32 scale (and fbgemm's int32 column offset) per output channel; the embedding (which
-    a tied LM head's int8 copy leaves in place), norms and buffers in `dtype`. No oneDNN copies."""
-    linear = weights.linear_bytes // dtype.itemsize  # linear parameters
-    tied_embedding = args.vocab_size * args.hidden_size if args.tie_word_embeddings else 0
-    floats = weights.bytes - weights.linear_bytes + tied_embedding * dtype.itemsize
-    per_channel = 8 * (linear // args.hidden_size)  # about one output channel per hidden_size weights
-    return Weights(weights.num_params, floats + linear + per_channel, 0)
 
 
 def _cpu_copies(plan: ProcessPlan, *weights: Weights) -> None:
@@ -620,4 +370,3 @@ def proposer_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: 
         plan.load_peak = max(load_bytes(io, device), io.bytes + weights.bytes + transient)
         plan.load_detail = "the target's embedding and LM head in place while the head arrives"
     return plan
-

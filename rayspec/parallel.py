@@ -156,7 +156,7 @@ NO_TP = TPGroup()
 # ---- parallel layers -------------------------------------------------------------------------
 # Layers tag their parameters with the checkpoint slice they hold (`tp_shards`: name -> (dim, start,
 # stop)); `tag_shards` copies that onto the parameters as `tp_shard`, which the loader reads to load
-# only its slice (see rayspec.loader).
+# only its slice (see rayspec.weights.checkpoint).
 
 def column_parallel(linear: torch.nn.Module, tp: TPGroup, out_features: int, what: str) -> torch.nn.Module:
     """Mark a Linear built with out_features / tp.size outputs as this rank's rows of the full one."""
@@ -227,7 +227,7 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 # ---- what the other ranks run -------------------------------------------------------------------
 
 def send_forward(tp: TPGroup, input_ids: torch.Tensor, batch, cache_id: int, model_id: int) -> None:
-    """Rank 0: tell the followers to run this forward (rayspec.model.ForwardBatch `batch`) of their
+    """Rank 0: tell the followers to run this forward (rayspec.kv_cache.ForwardBatch `batch`) of their
     model `model_id` over their KV cache `cache_id`."""
     B, Q = input_ids.shape
     n_real = -1 if batch.real_rows is None else batch.real_rows.shape[0]

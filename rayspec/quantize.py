@@ -107,7 +107,7 @@ def quantize_int8(model: torch.nn.Module, cpu_kernel: bool | None = None) -> int
     """Every rayspec Linear of `model` (projections and LM head) to int8 weights, in place; float
     weights no other module shares are freed. Returns the number of layers quantized.
     cpu_kernel: force (True) or refuse (False) fbgemm's CPU kernel; None: fbgemm on CPU."""
-    from rayspec.model import Linear
+    from rayspec.linear import Linear
 
     shared = {id(p) for name, m in model.named_modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rayspec import loader
-from rayspec.model import ForwardBatch
+from rayspec.kv_cache import ForwardBatch
 from rayspec.parallel import (IDLE_TIMEOUT_S, OP_FORWARD, OP_LOGITS, OP_MOVE_ROWS, OP_NEW_CACHE,
                               OP_STOP, RankFailure, TPGroup)
 

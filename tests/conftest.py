@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayspec.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model_dir
+from rayspec.weights.files import ModelNotFoundError
+from rayspec.weights.hub import DEFAULT_MODEL, resolve_model_dir
 
 # Every model load in the tests (here and in Ray workers, which inherit the environment) takes the
 # same CPU matmul path, so that models loaded in different processes compute the same bits: the

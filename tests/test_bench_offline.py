@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from engine_utils import bench_prompts_file  # (and one torch thread for the tiny models)
-from rayspec.cli import main
+from rayspec_cli.main import main
 
 
 def _bench(model_dir, prompts, out, *extra):
@@ -62,7 +62,8 @@ def test_bundled_prompt_sets(tmp_path):
 def test_bench_offline_takes_the_engine_flags(tiny_model_dir, tmp_path):
     """`bench offline` takes the engine settings `rayspec serve` takes (--compile, --kv-cache-memory-gb,
     --max-model-len, ...), applies them to every engine it builds and records them."""
-    from rayspec.cli import bench_engine_overrides, build_parser
+    from rayspec_cli.bench import bench_engine_overrides
+    from rayspec_cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "offline", "--prompts", "x", "--compile", "--kv-cache-memory-gb", "0.25",
                                       "--max-model-len", "300", "--no-enable-prefix-caching"])

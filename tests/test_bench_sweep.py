@@ -8,7 +8,7 @@ import json
 import pytest
 
 import tests.engine_utils  # noqa: F401  (one torch thread for the tiny models)
-from rayspec.cli import main
+from rayspec_cli.main import main
 
 
 def _prompts_file(path):

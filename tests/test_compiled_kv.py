@@ -19,8 +19,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rayspec import cpu_kernels
-from rayspec.model import MLP, Attention, CausalLM, ForwardBatch, KVCache, Linear, ModelArgs
-from rayspec.runner import ModelRunner, TreeQuery
+from rayspec.batch_layout import TreeQuery
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import ForwardBatch, KVCache
+from rayspec.linear import Linear
+from rayspec.model import MLP, Attention, CausalLM
+from rayspec.runner import ModelRunner
 
 HEAD_DIM = 16
 

@@ -10,7 +10,7 @@ import torch
 
 from rayspec import cpu_kernels
 from rayspec.cpu_kernels import ROWS, VARIANTS, CpuKernels, choose, pick
-from rayspec.model import Linear
+from rayspec.linear import Linear
 
 needs_onednn = pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="oneDNN is one of the candidates")
 
@@ -69,8 +69,8 @@ def test_every_kernel_computes_the_same_model(tiny_model_dir, monkeypatch):
     """A model loaded under each kernel (and under measurement) gives the same logits for 1, 3 and
     12 rows; its projections use what was chosen (packed copies exactly when oneDNN is among it)."""
     from rayspec import loader
-    from rayspec.model import ForwardBatch, KVCache
-    from rayspec.runner import additive_mask
+    from rayspec.batch_layout import additive_mask
+    from rayspec.kv_cache import ForwardBatch, KVCache
 
     outputs = {}
     for variant in ["measure", *VARIANTS]:
@@ -101,8 +101,8 @@ def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, native):
     says which; None stays float32 on every CPU (exact, the same bits everywhere); CUDA: bfloat16."""
     import logging
 
-    from rayspec import loader, model
-    monkeypatch.setattr(model, "cpu_bf16_fast", lambda: native)
+    from rayspec import linear, loader
+    monkeypatch.setattr(linear, "cpu_bf16_fast", lambda: native)
     with caplog.at_level(logging.INFO, logger="rayspec.loader"):
         assert loader.parse_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
     assert "dtype auto" in caplog.text

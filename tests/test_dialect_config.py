@@ -28,7 +28,8 @@ from serve_utils import free_port, tiny_args  # noqa: E402
 from deployments.app import build_app, build_llm_app  # noqa: E402
 from deployments.config import AppArgs  # noqa: E402
 from deployments.dialects import app_args_of, translate_llm_app_args  # noqa: E402
-from rayspec.cli import build_parser, serve_config  # noqa: E402
+from rayspec_cli.main import build_parser  # noqa: E402
+from rayspec_cli.serve import serve_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -296,8 +297,8 @@ def test_rayspec_serve_flags_override_the_config(tmp_path):
 def test_rayspec_serve_engine_flags_come_from_the_engine_config():
     """One list of engine settings: every scalar EngineConfig field is a `rayspec serve` flag and a key
     of the serve app's engine args, and a flag reaches the engine args."""
-    from rayspec.cli import engine_flag_fields
     from rayspec.config import EngineSettings, field_names
+    from rayspec_cli.flags import engine_flag_fields
 
     names = {name for name, _, _ in engine_flag_fields()}
     assert {"max_model_len", "max_num_seqs", "kv_cache_memory_gb", "block_size", "enable_prefix_caching",
@@ -311,7 +312,7 @@ def test_rayspec_serve_engine_flags_come_from_the_engine_config():
 
 
 def test_rayspec_serve_bad_args_exit_2(tmp_path, capsys):
-    from rayspec.cli import main
+    from rayspec_cli.main import main
 
     assert main(["serve", "m", "--speculative-config", '{"method": "medusa"}']) == 2
     assert "medusa" in capsys.readouterr().err
@@ -328,7 +329,7 @@ def test_rayspec_serve_runs(tiny_model_dir, tmp_path, own_cluster):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "rayspec.cli", "serve", str(tiny_model_dir), "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "rayspec_cli", "serve", str(tiny_model_dir), "--config", str(config),
                              "--served-model-name", "tiny-cli", "--host", "127.0.0.1", "--port", str(port),
                              "--num-cpus", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

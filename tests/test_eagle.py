@@ -22,13 +22,14 @@ import torch.nn.functional as F
 from conftest import make_tiny_model_dir
 from engine_utils import (assert_target_logprobs, cached_model, empirical, make_engine, run_alone, run_batch, run_joining,
                           run_to_completion, tv_distance, tv_threshold)
+from rayspec.batch_layout import TreeQuery
 from rayspec.eagle.checkpoint import load_eagle_head, new_eagle_config, read_state_dict, save_eagle_head
 from rayspec.eagle.data import extract_features, read_answers
 from rayspec.eagle.head import Eagle1Head, Eagle3Head, attach_target, build_head, default_aux_layers
 from rayspec.eagle.train import collate, head_step, load_examples, ttt_loss, ttt_mask
 from rayspec.proposers.base import Draft
 from rayspec.rejection import verify_tree_greedy, verify_tree_parents
-from rayspec.runner import ModelRunner, TreeQuery
+from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams, logits_to_probs
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64  # the tiny target: 4 layers -> EAGLE-3 features of layers (0, 2, 3)
@@ -775,9 +776,10 @@ def test_ttt_steps_equal_inference_drafting(target_dir, target, train_data, kind
 def test_training_writes_to_a_new_directory_by_default(tmp_path, monkeypatch):
     """No --output: a new runs/<kind>-<time> directory, never one that exists; an --output holding files
     (the shipped head, say) is refused unless --overwrite; an empty or missing one is taken."""
-    from rayspec.cli import build_parser, cmd_train
     from rayspec.eagle.pipeline import check_output, new_output_dir
     from rayspec.eagle.train import TrainConfig
+    from rayspec_cli.local import cmd_train
+    from rayspec_cli.main import build_parser
 
     monkeypatch.chdir(tmp_path)
     first = new_output_dir("eagle3")

@@ -6,7 +6,7 @@ import pytest
 
 from engine_utils import cached_model, make_engine, run_alone, run_to_completion
 from rayspec.engine import InvalidRequestError
-from rayspec.model import KVCache
+from rayspec.kv_cache import KVCache
 from rayspec.sampling import SamplingParams
 
 MAX_LEN = 64

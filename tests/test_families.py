@@ -1,4 +1,4 @@
-"""The native model families (rayspec.model.NATIVE_MODEL_TYPES): Llama (llama3 rope scaling,
+"""The native model families (rayspec.families.NATIVE_MODEL_TYPES): Llama (llama3 rope scaling,
 attention and MLP biases), Mistral (sliding window), Qwen2 (q/k/v biases, sliding layers from
 use_sliding_window / max_window_layers), Qwen3 (q/k norms, explicit head_dim, tied and untied
 embeddings, alternating layer_types).
@@ -17,11 +17,12 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qw
 
 from engine_utils import cached_model, make_engine, run_alone, run_batch
 from family_utils import _SHAPE, FAMILIES, GREEDY, HIDDEN, LAYERS, PROMPTS, SLIDING, VOCAB, write_family
+from rayspec.batch_layout import TreeQuery
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
+from rayspec.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
 from rayspec.loader import rope_from_config
-from rayspec.model import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
-from rayspec.runner import ModelRunner, TreeQuery
+from rayspec.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")

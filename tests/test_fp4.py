@@ -23,6 +23,7 @@ from hub_server import FakeHub, use_hub
 from rayspec import loader
 from rayspec.formats import UnsupportedQuantizationError, nvfp4
 from rayspec.sampling import SamplingParams
+from rayspec.weights import checkpoint, hub as weights_hub
 
 VOCAB, LAYERS, HIDDEN = 256, 3, 64
 PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [200, 3, 3, 3, 41], [9] * 12, [77, 78, 79, 80, 77, 78]]
@@ -105,11 +106,11 @@ def test_loaded_weights_equal_the_reference_dequantization(checkpoints, dtype, m
     parameter holds the reference dequantization to the bit; lm_head, embeddings and norms load as stored."""
     monkeypatch.setitem(nvfp4.CHUNK_ELEMENTS, "cpu", 1000)  # several chunks per weight, not row multiples
     ref = dequantized_state(checkpoints["fp4"], dtype)
-    model = loader.empty_model(loader.load_hf_config(checkpoints["fp4"]), "cpu", dtype)
+    model = loader.empty_model(weights_hub.load_hf_config(checkpoints["fp4"]), "cpu", dtype)
     layer = model.model.layers[1]
     column = _sliced(layer.mlp.gate_proj, 0, 32, 96)
     row = _sliced(layer.mlp.down_proj, 1, 64, 128)
-    loader.load_checkpoint(model, checkpoints["fp4"])
+    checkpoint.load_checkpoint(model, checkpoints["fp4"])
     assert torch.equal(column, ref["model.layers.1.mlp.gate_proj.weight"][32:96])
     assert torch.equal(row, ref["model.layers.1.mlp.down_proj.weight"][:, 64:128])
     floats = load_file(str(checkpoints["float"] / "model.safetensors"))
@@ -125,7 +126,7 @@ def test_loaded_weights_equal_the_reference_dequantization(checkpoints, dtype, m
     # an input slice that cuts a group of 16 is refused by name
     bad = _sliced(model.model.layers[0].self_attn.o_proj, 1, 8, 40)
     with pytest.raises(ValueError, match="o_proj.weight.*groups of 16"):
-        loader.load_checkpoint(model, checkpoints["fp4"])
+        checkpoint.load_checkpoint(model, checkpoints["fp4"])
     assert bad.isnan().all()
 
 
@@ -206,7 +207,7 @@ def gpt_oss(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpt-oss")
     mxfp4 = write_mxfp4_gpt_oss(root / "mxfp4", seed=5)
     dequantized = write_mxfp4_float(mxfp4, root / "dequantized")
-    target = load_generic_model(dequantized, loader.load_hf_config(dequantized), "cpu", torch.float32)
+    target = load_generic_model(dequantized, weights_hub.load_hf_config(dequantized), "cpu", torch.float32)
     config = new_eagle_config("eagle3", dequantized, target.args.num_layers, target.args.hidden_size, draft_vocab_size=96)
     config.hf_config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}
     torch.manual_seed(4)
@@ -275,21 +276,22 @@ import json, sys
 import torch, transformers
 from transformers import AutoConfig  # what a load imports lazily: part of the baseline
 from rayspec import loader
+from rayspec.weights import checkpoint, hub as weights_hub
 
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 
-loader.READ_CHUNK_BYTES = 1 << 20  # the float tensors' read buffer: a constant 16 MiB otherwise, not the weights
-warm = loader.empty_model(loader.load_hf_config(sys.argv[2]), "cpu", torch.float32)  # first-load set-up
-loader.load_checkpoint(warm, sys.argv[2])
+checkpoint.READ_CHUNK_BYTES = 1 << 20  # the float tensors' read buffer: a constant 16 MiB otherwise, not the weights
+warm = loader.empty_model(weights_hub.load_hf_config(sys.argv[2]), "cpu", torch.float32)  # first-load set-up
+checkpoint.load_checkpoint(warm, sys.argv[2])
 del warm
-config = loader.load_hf_config(sys.argv[1])
+config = weights_hub.load_hf_config(sys.argv[1])
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak mark to the current RSS
 baseline = status("VmRSS")
 model = loader.empty_model(config, "cpu", torch.float32)
-loader.load_checkpoint(model, sys.argv[1])
+checkpoint.load_checkpoint(model, sys.argv[1])
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({"peak": status("VmHWM") - baseline, "weights": weights, "baseline": baseline}))
 """

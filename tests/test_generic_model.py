@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from engine_utils import make_engine, run_alone, run_batch
+from rayspec.batch_layout import TreeQuery
 from rayspec.generic_model import GenericCausalLM, load_generic_model
 from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.runner import ModelRunner, TreeQuery
+from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams
 
 WINDOW = 8  # sliding layers' window: far shorter than prompt + output, so it shapes every step
@@ -337,9 +338,10 @@ def test_engine_config_routes_non_native_models_to_the_generic_path(model_dirs):
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.engine import LLMEngine
     from rayspec.parallel import TPGroup
+    from rayspec.weights import hub
 
     target, draft = model_dirs["gpt_oss"]
-    assert not loader.is_native(loader.load_hf_config(Path(target)))
+    assert not loader.is_native(hub.load_hf_config(Path(target)))
     engine = LLMEngine(EngineConfig(model=target, max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(
         method="draft_model", draft_model=draft, num_speculative_tokens=2, adaptive=False)))
     assert isinstance(engine.model, GenericCausalLM) and isinstance(engine.proposer.runner.model, GenericCausalLM)

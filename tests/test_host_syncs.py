@@ -175,7 +175,8 @@ def test_audit_catches_a_stray_read(smollm2, smollm2_loaded):
 def test_projections_fused_off_the_cpu():
     """Off the CPU q/k/v and gate/up run as one matmul each: their weights become views of one
     tensor (no extra memory, state_dict unchanged) and the outputs stay the parts' own."""
-    from rayspec.model import Attention, MLP, ModelArgs
+    from rayspec.families import ModelArgs
+    from rayspec.model import MLP, Attention
 
     args = ModelArgs(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=True)

@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_model_dir
 from hub_server import FakeHub
 from rayspec import loader
-from rayspec.loader import ModelNotFoundError
+from rayspec.weights import hub as weights_hub
+from rayspec.weights.files import ModelNotFoundError
 
 HIDDEN, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 64, 32
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -208,7 +209,7 @@ def test_target_and_eagle3_head_by_hub_id_then_offline(hub, repos, monkeypatch):
     _assert_same_weights(model, _files_state(target_dir))
     assert model.args.num_layers == LAYERS and model.args.vocab_size == VOCAB
     assert tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)) == "hello world"
-    assert loader.generation_eos_ids("org/target") == {2, 3}  # generation_config.json came along
+    assert weights_hub.generation_eos_ids("org/target") == {2, 3}  # generation_config.json came along
     # exactly the files a load needs: the shards the index names, no original/, no README
     assert set(hub.downloads("org/target")) == TARGET_FETCHED
     assert not any("original/" in p for p in hub.log)
@@ -238,14 +239,14 @@ def test_target_and_eagle3_head_by_hub_id_then_offline(hub, repos, monkeypatch):
         modules = dict(head.named_parameters()) | dict(head.named_buffers())
         assert all(torch.equal(modules[k], v.to(modules[k].dtype)) for k, v in head_file.items())
         with pytest.raises(ModelNotFoundError, match="org/both"):  # never downloaded: not in the cache
-            loader.resolve_model_dir("org/both")
+            weights_hub.resolve_model_dir("org/both")
 
     # a shard gone from the cache: the offline check names it
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    snapshot = loader.resolve_model_dir("org/target")
+    snapshot = weights_hub.resolve_model_dir("org/target")
     (snapshot / SHARDS[1]).unlink()
     with pytest.raises(ModelNotFoundError, match=SHARDS[1]):
-        loader.resolve_model_dir("org/target")
+        weights_hub.resolve_model_dir("org/target")
 
 
 def test_safetensors_preferred_over_bin(hub, repos):
@@ -258,7 +259,7 @@ def test_safetensors_preferred_over_bin(hub, repos):
 
 def test_repo_without_weights_fails_clearly(hub):
     with pytest.raises(ModelNotFoundError) as err:
-        loader.resolve_model_dir("org/no-weights")
+        weights_hub.resolve_model_dir("org/no-weights")
     message = str(err.value)
     assert "org/no-weights has no weights" in message and "pytorch_model*.bin" in message and "*.safetensors" in message
     assert "original/consolidated.00.pth" in message and "README.md" in message  # what the repo has
@@ -267,19 +268,19 @@ def test_repo_without_weights_fails_clearly(hub):
 
 def test_index_naming_a_missing_shard_fails_clearly(hub):
     with pytest.raises(ModelNotFoundError, match=f"names shard {SHARDS[1]}, which the repo does not have"):
-        loader.resolve_model_dir("org/missing-shard")
+        weights_hub.resolve_model_dir("org/missing-shard")
     assert SHARDS[0] not in hub.downloads("org/missing-shard")  # found out before the shards were fetched
 
 
 def test_gated_and_private_repos_want_hf_token(hub, repos, monkeypatch):
     for repo_id in ("org/gated", "org/private"):
         with pytest.raises(ModelNotFoundError, match="HF_TOKEN") as err:
-            loader.resolve_model_dir(repo_id)
+            weights_hub.resolve_model_dir(repo_id)
         assert repo_id in str(err.value) and "none is set" in str(err.value)
-    assert "gated" in str(pytest.raises(ModelNotFoundError, loader.resolve_model_dir, "org/gated").value)
+    assert "gated" in str(pytest.raises(ModelNotFoundError, weights_hub.resolve_model_dir, "org/gated").value)
     monkeypatch.setenv("HF_TOKEN", "hf_wrong_token_abcdef")
     with pytest.raises(ModelNotFoundError, match="HF_TOKEN") as err:
-        loader.resolve_model_dir("org/gated")
+        weights_hub.resolve_model_dir("org/gated")
     assert "hf_wrong_token_abcdef" not in str(err.value)  # the token is never shown
     monkeypatch.setenv("HF_TOKEN", hub.token)
     for repo_id in ("org/gated", "org/private"):
@@ -296,28 +297,28 @@ def test_revisions(hub, repos):
     model, _ = loader.load_model("org/revs", device="cpu")
     _assert_same_weights(model, main)
     sha = FakeHub.commit("org/revs", "v2")
-    path = loader.resolve_model_dir(f"org/revs@{sha}")  # a commit
+    path = weights_hub.resolve_model_dir(f"org/revs@{sha}")  # a commit
     assert path.name == sha
     _assert_same_weights(loader.load_model(f"org/revs@{sha}", device="cpu")[0], v2)
     with pytest.raises(ModelNotFoundError, match="has no revision 'v3'"):
-        loader.resolve_model_dir("org/revs@v3")
+        weights_hub.resolve_model_dir("org/revs@v3")
 
 
 def test_revision_offline_from_cache(hub, repos, monkeypatch):
-    loader.resolve_model_dir("org/revs@v2")
+    weights_hub.resolve_model_dir("org/revs@v2")
     hub.stop()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _assert_same_weights(loader.load_model("org/revs@v2", device="cpu")[0], _files_state(repos["org/revs"]["v2"]))
     with pytest.raises(ModelNotFoundError, match="org/revs"):  # main was never downloaded
-        loader.resolve_model_dir("org/revs")
+        weights_hub.resolve_model_dir("org/revs")
 
 
 def test_hub_spec_parsing():
-    assert loader.split_revision("org/name@v2") == ("org/name", "v2")
-    assert loader.split_revision("org/name@refs/pr/1") == ("org/name", "refs/pr/1")
-    assert loader.split_revision("org/name") == ("org/name", None)
-    assert loader._is_hub_id("org/name@refs/pr/1") and loader._is_hub_id("org/name")
-    assert not loader._is_hub_id("org/name@") and not loader._is_hub_id("a/b/c") and not loader._is_hub_id("/abs")
+    assert weights_hub.split_revision("org/name@v2") == ("org/name", "v2")
+    assert weights_hub.split_revision("org/name@refs/pr/1") == ("org/name", "refs/pr/1")
+    assert weights_hub.split_revision("org/name") == ("org/name", None)
+    assert weights_hub._is_hub_id("org/name@refs/pr/1") and weights_hub._is_hub_id("org/name")
+    assert not weights_hub._is_hub_id("org/name@") and not weights_hub._is_hub_id("a/b/c") and not weights_hub._is_hub_id("/abs")
 
 
 def test_local_sharded_pytorch_bin_loads(tmp_path):
@@ -447,10 +448,10 @@ def test_one_pinned_revision_per_deployment(hub, repos, monkeypatch):
     from serve_utils import app_deployments, tiny_args
 
     main, v2 = FakeHub.commit("org/revs", "main"), FakeHub.commit("org/revs", "v2")
-    assert loader.pin_revision("org/revs") == f"org/revs@{main}"
-    assert loader.pin_revision("org/revs@v2") == f"org/revs@{v2}"
-    assert loader.pin_revision(f"org/revs@{v2}") == f"org/revs@{v2}"
-    assert loader.pin_revision(str(repos["org/revs"]["main"])) == str(repos["org/revs"]["main"])
+    assert weights_hub.pin_revision("org/revs") == f"org/revs@{main}"
+    assert weights_hub.pin_revision("org/revs@v2") == f"org/revs@{v2}"
+    assert weights_hub.pin_revision(f"org/revs@{v2}") == f"org/revs@{v2}"
+    assert weights_hub.pin_revision(str(repos["org/revs"]["main"])) == str(repos["org/revs"]["main"])
 
     app = build_app(tiny_args("org/revs"))
     args = [AppArgs.model_validate(d.init_args[0]) for d in app_deployments(app).values()]
@@ -459,9 +460,9 @@ def test_one_pinned_revision_per_deployment(hub, repos, monkeypatch):
     (first, *_) = [AppArgs.model_validate(d.init_args[0]) for d in app_deployments(build_app(unnamed)).values()]
     assert first.model == f"org/revs@{v2}" and first.model_name == "org/revs@v2"  # what clients send still answers
 
-    loader.resolve_model_dir("org/revs@v2")  # in the cache now
+    weights_hub.resolve_model_dir("org/revs@v2")  # in the cache now
     hub.stop()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert loader.pin_revision("org/revs@v2") == f"org/revs@{v2}"
-    assert loader.pin_revision("org/unknown") == "org/unknown"  # nothing to pin it to: as it was
+    assert weights_hub.pin_revision("org/revs@v2") == f"org/revs@{v2}"
+    assert weights_hub.pin_revision("org/unknown") == "org/unknown"  # nothing to pin it to: as it was
 

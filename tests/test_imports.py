@@ -1,4 +1,6 @@
-"""No import circles in rayspec/ and deployments/.
+"""No import circles in rayspec/, deployments/ and rayspec_cli/, and the layers in order: the engine
+(rayspec) imports neither the Ray Serve layer (deployments) nor the CLI (rayspec_cli), and
+deployments does not import the CLI, which sits above both.
 
 A circle (a imports b, b imports a) works only while the imports stay inside functions or run in
 a lucky order, and it hides which module is the base. The graph is read from the source with
@@ -12,7 +14,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("rayspec", "deployments")
+PACKAGES = ("rayspec", "deployments", "rayspec_cli")
+# package -> the packages it must never import (a lower layer reaching up)
+LOWER_THAN = {"rayspec": ("deployments", "rayspec_cli"), "deployments": ("rayspec_cli",)}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -117,3 +121,21 @@ def test_no_import_circles():
     assert "rayspec.eagle.train_ray" in graph and "deployments.app" in graph
     assert "rayspec.eagle.train" in graph["rayspec.eagle.train_ray"]  # train_ray builds on train, not back
     assert cycles(graph) == []
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported module) pairs where a package imports one it must not (LOWER_THAN)."""
+    return sorted((module, dep) for module, deps in graph.items() for dep in deps
+                  if dep.split(".")[0] in LOWER_THAN.get(module.split(".")[0], ()))
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"rayspec.bench.sweep": {"deployments.plan", "rayspec.engine"}, "deployments.app": {"rayspec.engine"},
+             "rayspec_cli.main": {"deployments.app", "rayspec.engine"}, "deployments.plan": {"rayspec_cli.serve"}}
+    assert upward_imports(graph) == [("deployments.plan", "rayspec_cli.serve"), ("rayspec.bench.sweep", "deployments.plan")]
+
+
+def test_the_engine_imports_neither_the_serving_layer_nor_the_cli():
+    graph = import_graph()
+    assert "rayspec_cli.main" in graph and "deployments.app" in graph["rayspec_cli.serve"]
+    assert upward_imports(graph) == []

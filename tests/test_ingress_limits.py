@@ -127,7 +127,8 @@ def test_shipped_configs_bind_loopback_unless_they_opt_in():
 
 
 def test_rayspec_serve_binds_loopback_by_default(monkeypatch):
-    from rayspec.cli import build_parser, serve_config
+    from rayspec_cli.main import build_parser
+    from rayspec_cli.serve import serve_config
 
     monkeypatch.delenv("RAYSPEC_API_KEY", raising=False)
     _, host, _ = serve_config(build_parser().parse_args(["serve", "smollm2-135m-instruct"]))

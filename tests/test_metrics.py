@@ -163,3 +163,22 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
         assert 0.0 < first[1] <= 1.0
     finally:
         loop.shutdown()
+
+
+def test_engine_loop_turns_a_chat_prompt_into_the_templates_ids(tiny_model_dir, loaded):
+    """A ChatPrompt (the verifier's typed chat request) is encoded by the engine's chat template on the
+    loop thread: the same prompt tokens and greedy output as those template ids submitted directly."""
+    from deployments.engine_loop import ChatPrompt, EngineLoop
+
+    loop = EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded))
+    loop.wait_ready(60)
+    messages = [{"role": "user", "content": "one two three one two three"}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        ids = loop.call(lambda engine: engine.encode_chat(messages))
+        got = submit_all(loop, {"chat": ChatPrompt(messages), "ids": ids}, params, timeout=120)
+        outputs = {rid: [t for out in outs for t in out.delta_token_ids] for rid, outs in got.items()}
+        assert got["chat"][-1].num_prompt_tokens == got["ids"][-1].num_prompt_tokens == len(ids)
+        assert outputs["chat"] == outputs["ids"] and len(outputs["chat"]) == 8
+    finally:
+        loop.shutdown()

@@ -18,8 +18,9 @@ from conftest import make_tiny_model_dir
 from serve_utils import tiny_args
 
 from deployments.config import load_app_args
-from deployments.openai_protocol import (AutoToolCallStream, ChatCompletionRequest, CompletionRequest, OpenAIError,
-                                         auto_tool_message)
+from deployments.openai_limits import OpenAIError
+from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.openai_responses import AutoToolCallStream, auto_tool_message
 from rayspec.tool_parsers import ToolCallStreamParser, get_parser, parser_for_template
 
 KEY = "dialect-key"

@@ -105,7 +105,8 @@ def traced_step(monkeypatch):
 def test_compiled_step_hidden_states_equal(tiny_model_dir, traced_step):
     """The runner's compiled step with and without paged attention: decode, a chain with rows of
     different lengths (padding), trees; rows of different contexts."""
-    from rayspec.runner import ModelRunner, TreeQuery
+    from rayspec.batch_layout import TreeQuery
+    from rayspec.runner import ModelRunner
 
     model = cached_model(str(tiny_model_dir))[0]
     results = []

@@ -15,8 +15,8 @@ from engine_utils import cached_model, run_alone, run_joining, run_to_completion
 from rayspec.block_manager import BlockManager, block_hash
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import InvalidRequestError, LLMEngine
+from rayspec.kv_cache import KVCache
 from rayspec.memory import GiB
-from rayspec.model import KVCache
 from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams
 
@@ -233,7 +233,7 @@ def test_cached_tokens_reported(target_dir, target):
 def test_runner_keep_path_across_blocks(target):
     """A tree's accepted rows moved to follow the prefix across a block boundary read back as a
     fresh computation of the path does."""
-    from rayspec.runner import TreeQuery
+    from rayspec.batch_layout import TreeQuery
 
     model = target[0]
     runner = ModelRunner(model, 64, num_slots=1, slack=16, block_size=BS)

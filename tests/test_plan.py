@@ -18,12 +18,15 @@ from hub_server import FakeHub, use_hub
 from deployments.plan import draft_shape, model_shape, parse_size, read_serve_config, shape_of
 from deployments.resources import Machine, resource_lines, resource_plan
 from deployments.config import load_app_args
-from rayspec.cli import main
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.loader import READ_CHUNK_BYTES, empty_model
-from rayspec.memory import GB, GiB, causal_lm_weights, eagle_head_weights, engine_plan, kv_cache_plan
-from rayspec.model import KVCache, ModelArgs
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import KVCache
+from rayspec.loader import empty_model
+from rayspec.memory import GB, GiB, engine_plan, kv_cache_plan
 from rayspec.parallel import TPGroup
+from rayspec.weight_memory import causal_lm_weights, eagle_head_weights
+from rayspec.weights.checkpoint import READ_CHUNK_BYTES
+from rayspec_cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -554,7 +557,7 @@ def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
     import json as _json
 
     from deployments.plan import RESULTS_DIR, measured_step_lines
-    from rayspec.model import ModelArgs
+    from rayspec.families import ModelArgs
 
     llama8b = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False)

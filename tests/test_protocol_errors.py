@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.openai_protocol import ChatCompletionRequest, OpenAIError
+from deployments.openai_limits import OpenAIError
+from deployments.openai_requests import ChatCompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

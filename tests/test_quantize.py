@@ -11,10 +11,12 @@ import torch
 from engine_utils import cached_model, make_engine
 from rayspec import loader
 from rayspec.config import SpeculativeConfig
-from rayspec.memory import DraftShape, causal_lm_weights, int8_weights
-from rayspec.model import Linear, ModelArgs
+from rayspec.families import ModelArgs
+from rayspec.linear import Linear
+from rayspec.memory import DraftShape
 from rayspec.quantize import Int8Weight, quantize_int8
 from rayspec.sampling import SamplingParams
+from rayspec.weight_memory import causal_lm_weights, int8_weights
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["fbgemm", "int8pack_mm"])

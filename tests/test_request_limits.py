@@ -1,4 +1,4 @@
-"""Per-request limits of the OpenAI routes (deployments.openai_protocol.LIMITS, the table in
+"""Per-request limits of the OpenAI routes (deployments.openai_limits.LIMITS, the table in
 deployments/README.md): past each one a 400 whose `param` names the field and whose message names
 the limit; just at it, the request is accepted. No Ray: an ingress instance is built without Serve
 (as tests/test_serve_openai.py's health test does) and its own request building (`_to_generate`),
@@ -16,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 import deployments.ingress as ingress_module
-from deployments.openai_protocol import LIMITS, ChatCompletionRequest, CompletionRequest, OpenAIError
+from deployments.openai_limits import LIMITS, OpenAIError
+from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.protocol import GenerateRequest
 from rayspec.engine import InvalidRequestError, LLMEngine
 from rayspec.sampling import MAX_SEED, SamplingParams
@@ -254,7 +255,7 @@ def test_seeds_are_checked_by_the_engine_too():
 def hf_tokenizer(smollm2):
     from transformers import AutoTokenizer
 
-    from rayspec.loader import resolve_model_dir
+    from rayspec.weights.hub import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(smollm2)))
 

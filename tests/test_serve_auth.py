@@ -94,7 +94,7 @@ def test_official_client(server):
 
 def test_bench_serve_sends_the_key(server, tmp_path, monkeypatch, capsys):
     """`rayspec bench serve --api-key`, or $RAYSPEC_API_KEY, against the keyed server."""
-    from rayspec.cli import main
+    from rayspec_cli.main import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"turns": ["one two one two"]}) + "\n")

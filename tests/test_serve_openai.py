@@ -340,7 +340,7 @@ def test_sampled_request_runs(client, local_engine):
                               "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-    # per-request limits (deployments.openai_protocol.LIMITS; tests/test_request_limits.py has each one's edge)
+    # per-request limits (deployments.openai_limits.LIMITS; tests/test_request_limits.py has each one's edge)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["s"] * 10_000}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "x" * 1001}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": list(range(129))}, 400, "stop_token_ids"),

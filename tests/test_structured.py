@@ -15,9 +15,9 @@ import torch
 
 from engine_utils import OracleProposer, _hf_model, binomial_interval, cached_model, make_engine, run_to_completion
 from rayspec.engine import InvalidRequestError
+from rayspec.proposers.base import Draft, Proposer
 from rayspec.sampling import SamplingParams, logits_to_probs
 from rayspec.structured import StructuredOutput
-from rayspec.proposers.base import Draft, Proposer
 
 import llguidance
 
@@ -206,7 +206,7 @@ def test_bad_grammars_are_request_errors(tiny_model_dir, tiny_loaded):
 def test_generate_cli_with_a_regex(tiny_model_dir, capsys):
     import re
 
-    from rayspec.cli import main
+    from rayspec_cli.main import main
 
     assert main(["generate", "--model", str(tiny_model_dir), "--method", "ngram", "--prompt", "hi",
                  "--max-tokens", "16", "--regex", "[0-9]{3}-[a-z]{2}"]) == 0

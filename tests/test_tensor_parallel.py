@@ -257,7 +257,7 @@ def test_bench_offline_tensor_parallel(tiny_model_dir, tmp_path):
     engines' greedy outputs equal the TP=1 engine's run beside them."""
     import json
 
-    from rayspec.cli import main
+    from rayspec_cli.main import main
     from engine_utils import bench_prompts_file
 
     out = tmp_path / "tp.json"

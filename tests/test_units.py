@@ -294,7 +294,8 @@ def test_spec_decode_stats():
 def test_packed_and_fused_projections_match_the_plain_layers():
     """pack_for_cpu's oneDNN copies (q/k/v and gate/up fused) compute what the plain layers do, and
     step aside once a weight changes (training in place) or gradients are on."""
-    from rayspec.model import MLP, Attention, ModelArgs
+    from rayspec.families import ModelArgs
+    from rayspec.model import MLP, Attention
 
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
@@ -327,7 +328,7 @@ def test_prefill_groups_minimise_padded_cost():
     import itertools
     import random
 
-    from rayspec.runner import prefill_groups
+    from rayspec.batch_layout import prefill_groups
 
     def cost(groups, lengths, overhead):
         return sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)

@@ -95,7 +95,8 @@ def test_wheel_in_fresh_venv_serves_default_config(tmp_path, own_cluster):
     import zipfile
     names = set(zipfile.ZipFile(wheel).namelist())  # the package data a user of the wheel reads
     for name in ("rayspec/data/prompts/mt_bench.jsonl", "rayspec/data/NOTICE.md", "rayspec/data/prompt_pools/chat.json",
-                 "deployments/grafana/rayspec_dashboard.json", "deployments/kuberay/rayservice.yaml"):
+                 "deployments/grafana/rayspec_dashboard.json", "deployments/kuberay/rayservice.yaml",
+                 "rayspec_cli/main.py", "rayspec_cli/__main__.py"):  # the command's package, above the other two
         assert name in names, name
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "VIRTUAL_ENV")}
@@ -109,9 +110,9 @@ def test_wheel_in_fresh_venv_serves_default_config(tmp_path, own_cluster):
 
     elsewhere = tmp_path / "elsewhere"  # no configs/ nor heads/ here, and the checkout is not on the path
     elsewhere.mkdir()
-    where = "import deployments, rayspec; print(rayspec.__file__, deployments.__file__)"
+    where = "import deployments, rayspec, rayspec_cli; print(rayspec.__file__, deployments.__file__, rayspec_cli.__file__)"
     located = _run([bin_dir / "python", "-c", where], 120, cwd=elsewhere, env=env)
-    assert str(REPO) not in located and located.count(str(tmp_path / "venv")) == 2, located
+    assert str(REPO) not in located and located.count(str(tmp_path / "venv")) == 3, located
     shipped = Path(_run([bin_dir / "rayspec", "configs-dir"], 120, cwd=elsewhere, env=env).strip())
     assert shipped.is_relative_to(tmp_path / "venv") and (shipped / "default.yaml").is_file()
     assert (shipped.parent / "heads" / "smollm2-135m-eagle3" / "model.safetensors").is_file()

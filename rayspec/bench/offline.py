@@ -91,6 +91,7 @@ def load_target(model: str, device: str = "cpu", dtype: str | None = None, tenso
     of a benchmark shares."""
     from rayspec import loader
     from rayspec.tp_ranks import start_tensor_parallel
+    from rayspec.weights import hub
 
     ranks = None
     if tensor_parallel_size > 1:
@@ -99,7 +100,7 @@ def load_target(model: str, device: str = "cpu", dtype: str | None = None, tenso
             rank_launcher)
     else:
         target, tokenizer = loader.load_model(model, device=device, dtype=dtype)
-    eos = loader.generation_eos_ids(model) | {tokenizer.eos_token_id}
+    eos = hub.generation_eos_ids(model) | {tokenizer.eos_token_id}
     return target, tokenizer, eos, ranks
 
 
@@ -136,6 +137,7 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
     `tp1_greedy_match`, `tp_vs_tp1`, step times."""
     from rayspec import loader
+    from rayspec.weights import hub
 
     target, tokenizer, eos, ranks = load_target(model, device, dtype, tensor_parallel_size, rank_launcher)
 
@@ -160,13 +162,13 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     hf_kwargs: dict = {}
     with_hf = with_hf and concurrency == 1
     if with_hf:
-        model_dir = loader.resolve_model_dir(model)
+        model_dir = hub.resolve_model_dir(model)
         hf_model = _load_hf(model_dir)
         if method == "ngram":
             hf_kwargs = {"prompt_lookup_num_tokens": num_speculative_tokens,
                          "max_matching_ngram_size": prompt_lookup_max}
         elif method == "draft_model":  # (a float assistant even where ours is int8: transformers has no such draft)
-            hf_assistant = _load_hf(loader.resolve_model_dir(draft_model or model), draft_num_layers)
+            hf_assistant = _load_hf(hub.resolve_model_dir(draft_model or model), draft_num_layers)
             hf_kwargs = {"assistant_model": hf_assistant}
 
     # warm-up (allocations, kernel selection) outside the timed runs

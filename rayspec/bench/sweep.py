@@ -75,7 +75,7 @@ def parse_list(text: str | list, kind=int) -> list:
 
 def default_eagle_head(model: str) -> str | None:
     from rayspec.assets import assets_root
-    from rayspec.loader import DEFAULT_MODEL
+    from rayspec.weights.hub import DEFAULT_MODEL
 
     head = assets_root() / "heads" / "smollm2-135m-eagle3"
     return str(head) if model == DEFAULT_MODEL and head.is_dir() else None
@@ -113,28 +113,6 @@ def _rss_bytes() -> int | None:
     return None
 
 
-def planned_memory(engine: LLMEngine, k: int) -> dict:
-    """The proposer's weights and KV cache (and the target's KV cache) as `rayspec plan` sizes them
-    for this engine's config at draft length k; None where the planner cannot read the models."""
-    try:
-        from deployments.plan import draft_shape, model_shape
-        from rayspec.memory import engine_plan
-
-        config = engine.config
-        config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
-                                                                             num_speculative_tokens=k))
-        target = model_shape(config.model)
-        draft = draft_shape(config.speculative, config.model, target)
-        plan = engine_plan(config, target, engine.device.type, draft)
-    except Exception as err:  # noqa: BLE001 - a figure missing, not a failed sweep
-        return {"proposer_weights_bytes": None, "proposer_kv_bytes": None, "target_kv_bytes": None,
-                "plan_error": f"{type(err).__name__}: {err}"}
-    items = {item.name: item.bytes for item in plan.items}
-    weights = sum(b for n, b in items.items() if n.endswith("weights") and not n.startswith("target"))
-    kv = sum(b for n, b in items.items() if n.endswith("KV cache") and not n.startswith("target"))
-    return {"proposer_weights_bytes": weights, "proposer_kv_bytes": kv, "target_kv_bytes": items.get("target KV cache")}
-
-
 def _stats(engine: LLMEngine) -> dict:
     return engine.stats.as_dict()
 
@@ -153,7 +131,11 @@ def _stats_delta(before: dict, after: dict, k: int) -> dict:
 def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, num_prompts: int,
               max_tokens: int, concurrency: list[int] = (1,), opts: MethodOptions | None = None,
               temperature: float = 0.0, device: str = "cpu", dtype: str | None = None,
-              engine_overrides: dict | None = None, progress: bool = True, log=None, seeded: bool = True) -> dict:
+              engine_overrides: dict | None = None, progress: bool = True, log=None, seeded: bool = True,
+              planned_memory=None) -> dict:
+    """planned_memory(engine, k) -> dict: the proposer's memory at draft length k as `rayspec plan` sizes it
+    (the CLI passes rayspec_cli.bench.planned_memory, which reads the planner in deployments/); None: the
+    result's memory has the measured RSS only."""
     opts = opts or MethodOptions()
     methods, ks, concurrency = list(methods), sorted(ks), sorted(concurrency)
     if any(k < 1 for k in ks) or any(c < 1 for c in concurrency):
@@ -200,7 +182,7 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
             bar.update(len(batch))
     bar.close()
 
-    memory = {m: {"rss_delta_bytes": rss[m], "by_k": {str(k): planned_memory(engines[m], k) for k in ks}}
+    memory = {m: {"rss_delta_bytes": rss[m], "by_k": {str(k): planned_memory(engines[m], k) for k in ks} if planned_memory else {}}
               for m in methods}
     results = []
     for c in concurrency:

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rayspec.model import (MLP, Attention, CausalLM, Float32Rotary, ForwardBatch, KVCache, Linear, ModelArgs,
-                           RMSNorm)
+from rayspec.families import ModelArgs
+from rayspec.kv_cache import ForwardBatch, KVCache
+from rayspec.linear import Linear
+from rayspec.model import MLP, Attention, CausalLM, Float32Rotary, RMSNorm
 
 
 @dataclass

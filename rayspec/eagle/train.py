@@ -199,7 +199,7 @@ def load_target(cfg: TrainConfig):
 
 def head_config(cfg: TrainConfig, target):
     """-> (head to train further or None, its config): the init head's, else a new one."""
-    from rayspec.loader import resolve_model_dir
+    from rayspec.weights.hub import resolve_model_dir
 
     init = read_eagle_head(cfg.init_head, target, cfg.kind)[0] if cfg.init_head else None
     tcfg = init.config if init is not None else new_eagle_config(

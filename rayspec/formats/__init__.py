@@ -4,7 +4,7 @@ its config files alone.
 - NVFP4 (NVIDIA ModelOpt, `rayspec.formats.nvfp4`): the Linear weights of the decoder layers in
   4-bit E2M1 with an FP8 scale per 16 inputs and one float32 scale per tensor. Loaded on the native
   path (rayspec.model), target and draft alike, at any tensor-parallel size: each weight is
-  dequantized to the engine's dtype as it is read (rayspec.loader.load_checkpoint).
+  dequantized to the engine's dtype as it is read (rayspec.weights.checkpoint.load_checkpoint).
 - MXFP4 (gpt-oss, `rayspec.formats.mxfp4`): the MoE expert weights in E2M1 with a power-of-two
   scale per 32 inputs. Loaded on the generic path (transformers' gpt_oss), dequantized at load.
 

@@ -58,7 +58,7 @@ def fill(param: torch.Tensor, name: str, tensors, shard: tuple[int, int, int] | 
     """Fill `param` (float, any device; [out, in], or its tp_shard slice: rows for a column-parallel
     layer, inputs for a row-parallel one) with the dequantized weight `name` ("<module>.weight"),
     CHUNK_ELEMENTS at a time: only the packed bytes and scales of the slice are read, moved to the
-    param's device and dequantized there. tensors: rayspec.loader.CheckpointTensors."""
+    param's device and dequantized there. tensors: rayspec.weights.checkpoint.CheckpointTensors."""
     module = name.removesuffix(".weight")
     packed_shape = tensors.shape(name)
     if tensors.dtype(name) != torch.uint8 or len(packed_shape) != 2:

@@ -5,10 +5,11 @@ from typing import Callable
 
 import torch
 
+from rayspec.batch_layout import catch_up_pieces
 from rayspec.device_io import to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
-from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, catch_up_pieces, proposer_num_blocks
+from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
 from rayspec.sampling import logits_to_probs, make_generator
 
 

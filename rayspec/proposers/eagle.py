@@ -1,3 +1,4 @@
+# Over 500 lines: one class (EagleProposer) whose catch-up, chain and tree drafting share the head's state.
 """EAGLE-3 and EAGLE-1 proposers: a draft head fed with the target's hidden states.
 
 Per sequence the head keeps its own KV cache over "pairs": head position i reads the target
@@ -31,12 +32,12 @@ import math
 import numpy as np
 import torch
 
+from rayspec.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.device_io import to_device, to_host
 from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.runner import (DEFAULT_BLOCK_SIZE, ModelRunner, TreeQuery, catch_up_pieces, last_rows,
-                            proposer_num_blocks)
+from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
 from rayspec.sampling import logits_to_probs, make_generator
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
@@ -57,7 +58,8 @@ def _load_target_io(context):
     args.num_layers stays the full count (EAGLE-3 picks its default feature layers from it)."""
     import dataclasses
 
-    from rayspec.loader import load_hf_config, load_model, resolve_model_dir
+    from rayspec.loader import load_model
+    from rayspec.weights.hub import load_hf_config, resolve_model_dir
 
     num_layers = load_hf_config(resolve_model_dir(context.target_model)).num_hidden_layers
     target, _ = load_model(context.target_model, device=context.device, dtype=context.dtype, num_layers=0)

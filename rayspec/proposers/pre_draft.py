@@ -1,3 +1,4 @@
+# Over 500 lines: PreDrafter's ranking, drafting and speculation cache share one state under one lock.
 """Asynchronous drafting: draft the next step while the target verifies this one.
 
 After a proposer answers, the verifier spends a whole verification before it calls again, and a

@@ -1,71 +1,20 @@
-"""OpenAI request models (the subset rayspec serves) and the error shape."""
+"""OpenAI request models, the subset rayspec serves: completions, chat completions (messages, tools,
+output constraints), vLLM's tokenize and detokenize; each validated against LIMITS and turned into
+the verifier's GenerateRequests."""
 
 from __future__ import annotations
 
 import json
-import math
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.openai_limits import LIMITS, MAX_CHOICES, OpenAIError, at_most
 from deployments.protocol import GenerateRequest
+from rayspec.logprobs import MAX_TOP_LOGPROBS
 from rayspec.structured import StructuredOutput
-from rayspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from rayspec.sampling import MAX_SEED
-from rayspec.tool_parsers import ToolCallParser, ToolCallStreamParser
-from rayspec.tools import call_schema, parse_calls
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for on the OpenAI routes. Past a limit: a 400 whose `param` names the
-    field and whose message names the limit. The table in deployments/README.md gives the reasons.
-    Limits in terms of max_model_len use the configured one (`engine.max_model_len`)."""
-
-    max_choices: int = 64  # prompts x n
-    max_output_tokens: int = 131_072  # prompts x n x max_tokens (unset: max_model_len); 64 x 2048
-    max_stop: int = 16  # stop strings (OpenAI: 4)
-    max_stop_chars: int = 1_000  # characters of each stop string
-    max_stop_token_ids: int = 128
-    max_logit_bias: int = 300  # entries (OpenAI's figure)
-    max_seed: int = MAX_SEED  # seeds are 0 ... 2**63 - 1 (choice i of n uses seed + i)
-    max_top_logprobs: int = MAX_TOP_LOGPROBS  # logprobs / top_logprobs
-    # a prompt's characters (chat: contents, tool calls, tools) per token of max_model_len
-    prompt_chars_per_token: int = 32
-    max_messages: int = 2_048
-    max_tools: int = 128  # OpenAI's
-    max_tool_chars: int = 65_536  # one tool's definition (name, description, parameters) as JSON
-    # an output constraint: a schema as JSON, a regex, a Lark grammar, the choices as JSON
-    max_constraint_chars: int = 65_536
-    max_guided_choices: int = 1_024
-
-
-LIMITS = Limits()
-MAX_CHOICES = LIMITS.max_choices  # n times the number of prompts, per request
-
-
-def _at_most(count: int, limit: int, what: str, param: str) -> None:
-    if count > limit:
-        raise OpenAIError(f"at most {limit} {what} are allowed, got {count}", param=param)
-
-
-class OpenAIError(Exception):
-    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.message, self.status_code, self.type, self.param, self.code = message, status_code, type, param, code
-        self.retry_after_s = retry_after_s  # a Retry-After header (whole seconds, rounded up) when set
-
-    def headers(self) -> dict[str, str] | None:
-        if self.retry_after_s is None:
-            return None
-        return {"Retry-After": str(max(0, math.ceil(self.retry_after_s)))}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from rayspec.tools import call_schema
 
 
 class StreamOptions(BaseModel):
@@ -98,7 +47,7 @@ class StructuredOutputs(BaseModel):
         if kind == "json_schema":
             return StructuredOutput.json_schema(self.json_schema)
         if kind == "choice":
-            _at_most(len(self.choice), LIMITS.max_guided_choices, "structured_outputs.choice options",
+            at_most(len(self.choice), LIMITS.max_guided_choices, "structured_outputs.choice options",
                      "structured_outputs")
             return StructuredOutput.choice(self.choice)
         return StructuredOutput(kind, getattr(self, kind))
@@ -142,13 +91,13 @@ class _Common(BaseModel):
         """The per-request limits (LIMITS) of the fields both routes share; max_model_len None: the
         limits stated in terms of it are not checked."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        _at_most(len(stop), LIMITS.max_stop, "stop sequences", "stop")
+        at_most(len(stop), LIMITS.max_stop, "stop sequences", "stop")
         for i, text in enumerate(stop):
             if len(text) > LIMITS.max_stop_chars:
                 raise OpenAIError(f"a stop sequence may have at most {LIMITS.max_stop_chars} characters; "
                                   f"stop[{i}] has {len(text)}", param="stop")
-        _at_most(len(self.stop_token_ids or ()), LIMITS.max_stop_token_ids, "stop_token_ids", "stop_token_ids")
-        _at_most(len(self.logit_bias or {}), LIMITS.max_logit_bias, "logit_bias entries", "logit_bias")
+        at_most(len(self.stop_token_ids or ()), LIMITS.max_stop_token_ids, "stop_token_ids", "stop_token_ids")
+        at_most(len(self.logit_bias or {}), LIMITS.max_logit_bias, "logit_bias entries", "logit_bias")
         if self.seed is not None:
             if not 0 <= self.seed <= LIMITS.max_seed:
                 raise OpenAIError(f"seed must be between 0 and {LIMITS.max_seed} (2**63 - 1), got {self.seed}",
@@ -193,7 +142,7 @@ class _Common(BaseModel):
         """The output constraint asked for, as GenerateRequest.structured (at most one)."""
         asked = []
         if self.guided_choice is not None:
-            _at_most(len(self.guided_choice), LIMITS.max_guided_choices, "guided_choice options", "guided_choice")
+            at_most(len(self.guided_choice), LIMITS.max_guided_choices, "guided_choice options", "guided_choice")
         fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -437,9 +386,9 @@ class ChatCompletionRequest(_Common):
 
     def check_limits(self, num_prompts: int, max_model_len: int | None) -> None:
         super().check_limits(num_prompts, max_model_len)
-        _at_most(len(self.messages), LIMITS.max_messages, "messages", "messages")
+        at_most(len(self.messages), LIMITS.max_messages, "messages", "messages")
         if self.tools is not None:
-            _at_most(len(self.tools), LIMITS.max_tools, "tools", "tools")
+            at_most(len(self.tools), LIMITS.max_tools, "tools", "tools")
             for i, tool in enumerate(self.tools):
                 size = len(json.dumps(tool.function.model_dump(exclude_none=True, exclude={"strict"})))
                 if size > LIMITS.max_tool_chars:
@@ -463,78 +412,6 @@ class ChatCompletionRequest(_Common):
                               f"max_model_len {max_model_len})", param="messages")
         max_tokens, _ = self._max_tokens()
         return [self._generate(max_tokens, logprobs, self.structured(), messages=messages, tools=tools)]
-
-
-def _call_entry(index: int, name: str, arguments: str) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def tool_call_message(text: str, mode: ToolCallMode, reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message and finish_reason of an output made under a tool-call constraint."""
-    calls = parse_calls(text, mode.name)
-    if calls is None:
-        if mode.name is None:  # cut short by max_tokens: no whole call to return
-            return {"role": "assistant", "content": text}, finish_reason(reason)
-        calls = [(mode.name, text)]  # a named call's arguments so far, as OpenAI returns them
-    message = {"role": "assistant", "content": None,
-               "tool_calls": [{k: v for k, v in _call_entry(i, n, a).items() if k != "index"}
-                              for i, (n, a) in enumerate(calls)]}
-    # OpenAI: a forced named call ends with "stop"; calls the model chose end with "tool_calls"
-    return message, finish_reason(reason) if mode.name is not None or reason == "length" else "tool_calls"
-
-
-class ToolCallStream:
-    """Turns one choice's streamed text into tool-call deltas: a named call streams its arguments
-    as they come; a list of calls is sent whole once it is complete (it is parsed then)."""
-
-    def __init__(self, mode: ToolCallMode):
-        self.mode, self.text, self.started = mode, "", False
-
-    def delta(self, delta_text: str, finished: bool, reason: str | None) -> tuple[dict, str | None]:
-        self.text += delta_text
-        if self.mode.name is not None:
-            entry = {"index": 0, "function": {"arguments": delta_text}}
-            if not self.started:
-                entry = _call_entry(0, self.mode.name, delta_text)
-                self.started = True
-            delta = {"tool_calls": [entry]} if delta_text or entry.get("id") else {}
-            return delta, finish_reason(reason) if finished else None
-        if not finished:
-            return {}, None
-        message, reason = tool_call_message(self.text, self.mode, reason)
-        if message["content"] is not None:
-            return {"content": message["content"]}, reason
-        calls = parse_calls(self.text, None)
-        return {"tool_calls": [_call_entry(i, n, a) for i, (n, a) in enumerate(calls)]}, reason
-
-
-def auto_tool_message(text: str, parser: ToolCallParser, reason: str | None) -> tuple[dict, str | None]:
-    """The assistant message and finish_reason of an output made under tool_choice "auto": the calls
-    the parser finds in it (content: the text before them, or null), else the text as it is."""
-    parsed = parser.parse(text)
-    if not parsed.calls:
-        return {"role": "assistant", "content": text}, finish_reason(reason)
-    return ({"role": "assistant", "content": parsed.content,
-             "tool_calls": [{k: v for k, v in _call_entry(i, n, a).items() if k != "index"}
-                            for i, (n, a) in enumerate(parsed.calls)]}, "tool_calls")
-
-
-class AutoToolCallStream:
-    """One streamed choice under tool_choice "auto" (the ToolCallStream interface): content deltas
-    while no call can be starting, the calls (whole, each with its id) once the output ends."""
-
-    def __init__(self, parser: ToolCallParser):
-        self.stream = ToolCallStreamParser(parser)
-
-    def delta(self, delta_text: str, finished: bool, reason: str | None) -> tuple[dict, str | None]:
-        content, calls = self.stream.feed(delta_text, finished)
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [_call_entry(i, n, a) for i, (n, a) in enumerate(calls)]
-        if not finished:
-            return delta, None
-        return delta, "tool_calls" if calls else finish_reason(reason)
 
 
 class TokenizeRequest(BaseModel):
@@ -563,10 +440,10 @@ class TokenizeRequest(BaseModel):
             return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens}
         if not self.messages:
             raise OpenAIError("messages is empty", param="messages")
-        _at_most(len(self.messages), LIMITS.max_messages, "messages", "messages")
+        at_most(len(self.messages), LIMITS.max_messages, "messages", "messages")
         messages, chars = chat_template_messages(self.messages)
         tools = [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or ()] or None
-        _at_most(len(tools or ()), LIMITS.max_tools, "tools", "tools")
+        at_most(len(tools or ()), LIMITS.max_tools, "tools", "tools")
         chars += len(json.dumps(tools)) if tools else 0
         if chars > limit:
             raise OpenAIError(f"the messages (contents, tool calls and tools) have {chars} characters; at most "
@@ -582,61 +459,4 @@ class DetokenizeRequest(BaseModel):
     def check(self, max_model_len: int) -> None:
         if not self.tokens:
             raise OpenAIError("tokens is empty", param="tokens")
-        _at_most(len(self.tokens), LIMITS.prompt_chars_per_token * max_model_len, "tokens", "tokens")
-
-
-def completion_logprobs(entries: list[TokenLogprob | None], text_offset: int = 0) -> dict:
-    """The legacy completions `logprobs` block for these tokens, text offsets from `text_offset`."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for e in entries:
-        if e is None:  # a token generated before a failover, reported then
-            continue
-        out["tokens"].append(e.token)
-        out["token_logprobs"].append(e.logprob)
-        if e.logprob is None:  # an echoed prompt's first token
-            out["top_logprobs"].append(None)
-        else:
-            top = {text: lp for _, text, lp in e.top}
-            top.setdefault(e.token, e.logprob)  # OpenAI: the sampled token is always there
-            out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += len(e.token)
-    return out
-
-
-def _chat_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def chat_logprobs(entries: list[TokenLogprob | None]) -> dict:
-    """The chat `logprobs` block: one content entry per token with its top alternatives."""
-    return {"content": [dict(_chat_entry(e.token, e.logprob), top_logprobs=[_chat_entry(t, lp) for _, t, lp in e.top])
-                        for e in entries if e is not None],
-            "refusal": None}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    if reason is None:
-        return None
-    return "length" if reason == "length" else "stop"
-
-
-def sum_usage(parts: list[tuple[int, ...]]) -> dict:
-    """Usage over choices: parts of (prompt counted once per prompt, output, drafts, accepted[, prompt
-    tokens found in the prefix cache, counted once per prompt])."""
-    return usage(*(sum(col) for col in zip(*parts)))
-
-
-def usage(num_prompt: int, num_output: int, num_draft: int, num_accepted: int, num_cached: int = 0) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
-            "prompt_tokens_details": {"cached_tokens": num_cached},
-            "completion_tokens_details": {"accepted_prediction_tokens": num_accepted,
-                                          "rejected_prediction_tokens": num_draft - num_accepted}}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
+        at_most(len(self.tokens), LIMITS.prompt_chars_per_token * max_model_len, "tokens", "tokens")

@@ -1,0 +1,158 @@
+"""Subcommands over a serve config: serve (a local Ray, or a cluster), plan (memory and resources per
+deployment), kuberay (a RayService manifest). Ray and the deployments are imported inside the
+commands, so the other subcommands start without them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rayspec_cli.flags import engine_flag_fields
+
+
+def serve_config(args) -> tuple:
+    """`rayspec serve`'s arguments -> (AppArgs, host, port): the --config file's app args (a serve
+    config's first application, either builder, or a flat mapping of args as vLLM's --config file),
+    then MODEL and the flags over them. Ray and the deployments are imported here, not with the CLI."""
+    import yaml
+
+    from deployments.config import AppArgs
+    from deployments.dialects import APP_IMPORT_PATHS, app_args_of
+    from rayspec.assets import config_path
+
+    host = port = None
+    app_args: dict = {}
+    if args.config:
+        doc = yaml.safe_load(config_path(args.config).read_text()) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{args.config}: not a mapping")
+        if "applications" in doc:
+            apps = doc["applications"] or []
+            found = app_args_of(apps[0]) if apps else None
+            if found is None:
+                raise ValueError(f"{args.config}: its first application is not a rayspec app "
+                                 f"(import_path one of {list(APP_IMPORT_PATHS)})")
+            app_args = dict(found)
+            http = doc.get("http_options") or {}
+            host, port = http.get("host"), http.get("port")
+        else:  # the args themselves; vLLM's --config spells its flags' names with dashes too
+            app_args = {k.replace("-", "_"): v for k, v in doc.items()}
+            host, port = app_args.pop("host", None), app_args.pop("port", None)
+    if args.model:
+        if args.model != app_args.get("model"):
+            app_args.pop("served_model_name", None)  # the config's name was its own model's
+        app_args["model"] = args.model
+    if args.served_model_name:
+        app_args["served_model_name"] = args.served_model_name
+    if args.speculative_config is not None:
+        app_args.pop("speculative", None)
+        app_args["speculative_config"] = args.speculative_config  # JSON text: AppArgs reads it
+    for key, _, _ in engine_flag_fields():
+        value = getattr(args, key)
+        if value is not None:
+            engine = dict(app_args.get("engine") or {})
+            app_args.pop(key, None)  # given at the top level (vLLM's way) in the config: the flag wins
+            engine[key] = value
+            app_args["engine"] = engine
+    if args.api_key:
+        app_args["api_key"] = args.api_key
+    cfg = AppArgs.model_validate(app_args)
+    return cfg, args.host or host or "127.0.0.1", int(args.port or port or 8000)
+
+
+SERVE_SHUTDOWN_S = 45  # how long Ctrl-C waits for Serve's own shutdown before the local Ray goes
+
+
+def cmd_serve(args) -> int:
+    import signal
+
+    from pydantic import ValidationError
+
+    try:
+        cfg, host, port = serve_config(args)
+    except (ValueError, OSError, ValidationError) as err:
+        print(f"rayspec serve: {err}", file=sys.stderr)
+        return 2
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    local = not args.address
+    init = {"address": args.address or "local", "include_dashboard": False}
+    if local and args.num_cpus is not None:
+        init["num_cpus"] = args.num_cpus
+    ray.init(**init)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    from deployments.api_key import exposure_warning
+    from deployments.config import resolve_api_key
+
+    warning = exposure_warning(host, resolve_api_key(cfg.api_key) is not None)
+    if warning:
+        print(f"rayspec serve: WARNING: {warning}", file=sys.stderr, flush=True)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(cfg), name=args.app_name, route_prefix="/")
+        print(f"rayspec serve: {cfg.model_name} ({cfg.model}, {cfg.speculative.method}) on "
+              f"http://{host}:{port}/v1; Ctrl-C stops", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if local:
+            # bounded: Serve's graceful shutdown has taken minutes on a loaded 2-core machine; the
+            # local Ray we started goes down with ray.shutdown() whatever Serve's state
+            import threading
+
+            ender = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+            ender.start()
+            ender.join(SERVE_SHUTDOWN_S)
+            if ender.is_alive():
+                print(f"rayspec serve: Serve did not shut down in {SERVE_SHUTDOWN_S} s; stopping the local Ray",
+                      file=sys.stderr, flush=True)
+            ray.shutdown()
+        else:  # a cluster we joined: take our app away, leave the rest
+            serve.delete(args.app_name)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from deployments.plan import app_json, format_app, parse_size, plan_config
+    from rayspec.weights.files import ModelNotFoundError
+
+    try:
+        gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+        apps = plan_config(args.config, args.app, fit=args.fit)
+    except (ValueError, OSError, ModelNotFoundError) as err:  # a bad size, config or model: say which
+        print(f"rayspec plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([app_json(app, gpu_memory) for app in apps], indent=2))
+    else:
+        print("\n\n".join(format_app(app, gpu_memory) for app in apps))
+        print("\n(GB = 10^9 bytes, MB = 10^6; kv_cache_memory_gb is read as GiB = 2^30 bytes, as the engine does)")
+    fits = [app.fits(gpu_memory) for app in apps if gpu_memory is not None and any(d.on_gpu for d in app.deployments)]
+    return 0 if all(fits) else 1
+
+
+def cmd_kuberay(args) -> int:
+    from deployments.kuberay import render
+
+    try:
+        text = render(args.config, image=args.image, name=args.name, source=args.source, ref=args.ref)
+    except (ValueError, OSError) as err:  # a bad config, or one that needs what no pod holds: say which
+        print(f"rayspec kuberay: {err}", file=sys.stderr)
+        return 2
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
