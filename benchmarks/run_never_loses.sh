@@ -27,7 +27,7 @@ for set in ${SETS:-mt_bench humaneval gsm8k unguessable long_documents}; do
       [ "$t" = 0 ] || flags+=(--unseeded)
       out="$OUT/never_loses_${proposers}_${set}_t${t}.json"
       echo "== $proposers, $set, temperature $t -> $out" >&2
-      $PY -m rayspec.cli bench sweep "${flags[@]}" --prompts "$set" --num-prompts "$N" --max-tokens "$MAX" \
+      $PY -m rayspec_cli bench sweep "${flags[@]}" --prompts "$set" --num-prompts "$N" --max-tokens "$MAX" \
         --temperature "$t" --concurrency 1,8 --num-threads 1 --output-json "$out"
       files+=("$out")
     done
