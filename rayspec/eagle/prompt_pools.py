@@ -413,10 +413,17 @@ def shingles(text, n=8):
     return {" ".join(g) for g in grams if not all(w.isdigit() for w in g)}  # skip pure number runs
 
 
+# prompt sets written from the GSM8K *train* split (scripts/make_long_document_prompts.py): stress
+# traffic for benchmarks, not evaluation prompts; sharing text with training prompts is by design
+TRAIN_DERIVED_SETS = frozenset({"long_documents"})
+
+
 def eval_shingles(eval_dir: Path = PROMPT_SETS_DIR) -> dict[str, str]:
     """8-word sequence -> the evaluation file holding it, over every turn of every evaluation prompt."""
     found: dict[str, str] = {}
     for f in sorted(eval_dir.glob("*.jsonl")):
+        if f.stem in TRAIN_DERIVED_SETS:
+            continue
         for line in f.read_text().splitlines():
             for turn in json.loads(line)["turns"]:
                 for sh in shingles(turn):
