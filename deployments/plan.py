@@ -9,6 +9,9 @@ A tensor-parallel verifier replica is N processes, one per placement-group bundl
 replica itself): each is planned and checked against a GPU of its own (its bundle's share).
 
 It also prints what each deployment asks Ray to schedule, against this machine (deployments.resources).
+
+(Over 500 lines: the plan and its two renderings, text and JSON, walk the same AppPlan; the checkpoint
+sizes and the GPU fit table are the next split, with the renderings, if it grows.)
 """
 
 from __future__ import annotations
