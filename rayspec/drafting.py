@@ -21,7 +21,12 @@ that maximises the step's expected output tokens per second:
 Zero drafts when nothing pays (a plain decode step: the proposer is not called). A sequence left
 at zero for `probe_every` steps drafts its full budget once (a probe), so acceptance that returns
 is seen and the cost of a full draft stays measured; a probe with nothing accepted doubles the
-sequence's interval (up to `max_probe_every`), any accepted draft resets it. Drafting less never changes what is emitted at temperature 0, nor the distribution above
+sequence's interval (up to `max_probe_every`), any accepted draft resets it. Probes are also paced
+engine-wide: the sequences due take their probes together, in one step, and only once `probe_gap`
+steps have passed since the last probing step; a probe that finds nothing doubles that gap (up to
+`max_probe_gap`), an accepted draft halves it. Traffic no draft can guess so pays for a probe step
+every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
+the whole context it skipped, and on a CPU any multi-row verification jumps in cost. Drafting less never changes what is emitted at temperature 0, nor the distribution above
 (the verifier keeps the output the target's). A seeded sampled request's random stream, though,
 is consumed per drafted token: its budget must depend on its own history alone, never on time or
 on what else runs. Under measured costs it keeps the full budget (`pinned`), under modelled ones
@@ -235,12 +240,16 @@ class DraftPlanner:
     """Chooses each step's per-sequence draft budgets (see the module docstring)."""
 
     def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 16,
-                 max_probe_every: int = 64):
+                 max_probe_every: int = 64, max_probe_gap: int = 256):
         self.max_k, self.topk = max_k, max(1, topk)
         self.max_depth = max_depth or max_k  # a tree's depth limit (num_steps)
         self.costs = costs
         self.acceptance = Acceptance()
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        # engine-wide pacing of probes (isolated sequences aside): planned steps since the last
+        # probing step, and the fewest allowed between two (0 until a probe finds nothing)
+        self.since_probe, self.probe_gap, self.max_probe_gap = 0, 0, max_probe_gap
+        self._round_open = False  # a paced probing step whose verdict has not yet moved the gap
 
     def budgets(self, tree: bool) -> list[int]:
         """The draft budgets a step may give a sequence: any k for chains; for trees whole depths
@@ -284,17 +293,30 @@ class DraftPlanner:
                 for i, c in zip(group, picked):
                     choice[i] = c
         out = [o[c] for o, c in zip(options, choice)]
-        for i, (s, o) in enumerate(zip(seqs, options)):  # probes: now and then one left at zero drafts
+        self._probe(seqs, options, out)
+        return out
+
+    def _probe(self, seqs: list[PlanInput], options: list[list[int]], out: list[int]) -> None:
+        """Now and then a sequence left at zero drafts its full budget (a probe): those due probe
+        together once the engine-wide gap has passed; an isolated one on its own interval alone."""
+        due = []
+        for i, (s, o) in enumerate(zip(seqs, options)):
             state = s.state
             state.probing = False
             if out[i] == 0 and len(o) > 1:
                 state.steps_at_zero += 1
                 if state.steps_at_zero >= (state.probe_every or self.probe_every):
-                    state.steps_at_zero, state.probing = 0, True
-                    out[i] = o[-1]
+                    due.append(i)
             else:
                 state.steps_at_zero = 0
-        return out
+        self.since_probe += 1
+        paced_ok = self.since_probe >= self.probe_gap
+        probed = [i for i in due if seqs[i].isolated or paced_ok]
+        for i in probed:
+            seqs[i].state.steps_at_zero, seqs[i].state.probing = 0, True
+            out[i] = options[i][-1]
+        if any(not seqs[i].isolated for i in probed):
+            self.since_probe, self._round_open = 0, True
 
     def _climb(self, seqs: list[PlanInput], options, values, tree: bool) -> list[int]:
         """From every sequence at its smallest budget, repeatedly move the one sequence whose next
@@ -334,8 +356,12 @@ class DraftPlanner:
         """A verified draft of `depth` (its deepest token) with num_accepted tokens accepted."""
         if num_accepted:  # drafts pay again: probe at the usual interval
             state.probe_every = None
-        elif state.probing:  # back off from a sequence whose probes find nothing
+            self.probe_gap, self._round_open = self.probe_gap // 2, False
+        elif state.probing:  # back off from a sequence whose probes find nothing, and engine-wide
             state.probe_every = min(2 * (state.probe_every or self.probe_every), self.max_probe_every)
+            if self._round_open:  # once per probing step, however many sequences probed in it
+                self.probe_gap = min(max(2 * self.probe_gap, state.probe_every), self.max_probe_gap)
+                self._round_open = False
         state.probing = False
         if depth <= 0:
             return

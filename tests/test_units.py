@@ -210,7 +210,7 @@ def test_tree_budgets_and_zero():
 def test_probe_and_recovery():
     """A sequence left at zero drafts its full budget every probe_every steps (a probe); a probe
     that finds nothing doubles its interval; once drafts are accepted again the plan goes back up."""
-    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=5, max_probe_every=20)
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=5, max_probe_every=20, max_probe_gap=20)
     state = _observed(planner, 0.0)
     plans = []
     for _ in range(60):
@@ -225,6 +225,36 @@ def test_probe_and_recovery():
         steps += 1
         assert steps < 30, "acceptance returned but drafting did not"
     assert state.probe_every is None  # accepted drafts reset the interval
+
+
+def test_probes_are_paced_engine_wide():
+    """Eight sequences no draft helps: their probes come together, in one step, and the steps
+    between probing steps double while probes find nothing (16, 32, ... up to max_probe_gap), so a
+    long run spends a few steps in a thousand on probes, not one per sequence every 16-64 steps
+    (what per-sequence intervals alone gave). An accepted draft halves the gap; an isolated
+    sequence (planned from its own history) keeps its own interval whatever the others do."""
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=16, max_probe_every=64, max_probe_gap=256)
+    states = [_observed(planner, 0.0, seed=i) for i in range(8)]
+    probing_steps = []
+    for step in range(1200):
+        plan = planner.plan([_seq(st) for st in states], tree=False)
+        if any(plan):
+            assert set(plan) == {4} and step not in probing_steps, (step, plan)  # all of them, together
+            probing_steps.append(step)
+            for st in states:
+                planner.observe(st, False, True, 4, 0)  # every probe rejected
+    gaps = [b - a for a, b in zip(probing_steps, probing_steps[1:])]
+    assert gaps[:4] == [32, 64, 128, 256] and set(gaps[4:]) == {256}, probing_steps
+    # per sequence alone, 8 x (1200 / 64) probes or more; here 8 sequences x 8 probing steps
+    assert len(probing_steps) <= 8
+    gap = planner.probe_gap
+    planner.observe(states[0], False, True, 4, 2)  # a draft accepted somewhere
+    assert planner.probe_gap == gap // 2
+    # an isolated sequence probes on its own interval even while the engine-wide gap holds others back
+    planner.since_probe = 0
+    alone = _observed(planner, 0.0, seed=99)
+    plans = [planner.plan([_seq(alone, isolated=True), _seq(states[1])], tree=False) for _ in range(20)]
+    assert [i for i, (a, b) in enumerate(plans) if a] == [15] and not any(b for _, b in plans)
 
 
 def test_pinned_and_unmeasured():
