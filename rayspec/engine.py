@@ -43,7 +43,7 @@ from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import verify, verify_tree_parents
 from rayspec.batch_layout import TreeQuery, packed_offsets, prefill_groups
 from rayspec.runner import ModelRunner
-from rayspec.sampling import SamplingParams, logits_to_probs, make_generator
+from rayspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from rayspec.scheduler import ScheduledStep, Scheduler
 from rayspec.sequence import IncrementalDetokenizer, Sequence
 from rayspec.structured import GrammarCompiler
@@ -505,7 +505,7 @@ class LLMEngine:
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         p = seq.params
         probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+        return sample(probs, seq.generator)
 
     def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
         """_decode_step, leaving no trace when it raises before a sequence took its tokens (see

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rayspec.sampling import logits_to_probs
+from rayspec.sampling import logits_to_probs, sample
 
 
 def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int]]:
@@ -97,9 +97,9 @@ def verify_sampled(
             total = residual.sum()
             if total <= 0:  # p == q exactly: rejection had probability 0; fall back to p
                 residual = target_probs[j]
-            recovered = int(torch.multinomial(residual, 1, generator=generator))
+            recovered = sample(residual, generator)
             return draft_tokens[:j] + [recovered]
-    bonus = int(torch.multinomial(target_probs[k], 1, generator=generator))
+    bonus = sample(target_probs[k], generator)
     return list(draft_tokens) + [bonus]
 
 
@@ -163,7 +163,7 @@ def verify_tree_sampled(probs_at, num_pending: int, draft, generator: torch.Gene
         if accepted is None:
             if p.sum() <= 0:  # every token with mass was a rejected sibling: cannot happen
                 p = probs_at(row)  # unless rounding left none; fall back to the target row
-            token = int(torch.multinomial(p, 1, generator=generator))
+            token = sample(p, generator)
             return [draft.tokens[j] for j in path] + [token], path
         path.append(accepted)
         node, row = accepted, num_pending + accepted

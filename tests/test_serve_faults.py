@@ -287,7 +287,10 @@ async def _sampled_stream(client, url: str, prompt: str, max_tokens: int, progre
     return out
 
 
-@pytest.mark.xfail(run=False, reason="known failure, #35 open: written this session and never passed here; in a run alone (AMD EPYC, 2 cores, beside the suite) the streams had not ended DEADLINE_S (180 s) after the kill: failover of sampled, seeded streams, not yet diagnosed")
+SAMPLED_TOKENS = 96  # the tiny random models' sampled rows are nearly flat: each costs a top-p over most of
+# the 49,152-token vocabulary, so 16 sampled streams of 320 tokens took 136 s on both replicas unfaulted
+
+
 def test_killed_verifier_replica_under_sampled_load(served):
     """Sampled (temperature 0.9, seeded) streams while a verifier replica dies: every stream ends
     with [DONE], no error, exactly max_tokens tokens (the resumed ones continue from the tokens they
@@ -301,7 +304,7 @@ def test_killed_verifier_replica_under_sampled_load(served):
     async def main():
         progress = [0] * NUM_CLIENTS
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-            tasks = [asyncio.create_task(_sampled_stream(client, url, p, FAULT_TOKENS, progress, i))
+            tasks = [asyncio.create_task(_sampled_stream(client, url, p, SAMPLED_TOKENS, progress, i))
                      for i, p in enumerate(PROMPTS)]
             started = time.monotonic()
             while min(progress) < 12 and not all(t.done() for t in tasks):
@@ -314,7 +317,7 @@ def test_killed_verifier_replica_under_sampled_load(served):
     results = asyncio.run(main())
     for i, r in enumerate(results):
         assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
-        assert r["tokens"] == FAULT_TOKENS and r["text"], (i, r["tokens"])
+        assert r["tokens"] == SAMPLED_TOKENS and r["text"], (i, r["tokens"])
         assert r["headers"]["x-accel-buffering"] == "no" and r["headers"]["cache-control"] == "no-cache"
     assert _failovers_since("faults", before, 2)["num_stream_failovers"] >= 1
     _wait_replaced("faults", "Verifier", victim, 2)

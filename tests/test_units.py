@@ -16,7 +16,7 @@ from rayspec.metrics import SpecDecodeStats
 from rayspec.proposers import PROPOSERS, build_proposer
 from rayspec.proposers.base import ProposeRequest
 from rayspec.proposers.ngram import NgramProposer, find_ngram_continuation
-from rayspec.sampling import logits_to_probs
+from rayspec.sampling import logits_to_probs, sample
 
 # ---- n-gram lookup ------------------------------------------------------------------------
 
@@ -383,6 +383,62 @@ def test_prefill_groups_minimise_padded_cost():
         assert cost(groups, lengths, overhead) == best
     assert prefill_groups([49, 52, 60, 243], 24) == [[0, 1, 2], [3]]  # the long prompt goes alone
     assert prefill_groups([100, 90, 80], 1024) == [[2, 1, 0]]  # overhead dominates: one batch
+
+
+def _sorted_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k / top-p by sorting the whole vocabulary, the mass before each token summed in float64."""
+    logits = logits / temperature
+    values, index = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(values, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        remove[:, top_k:] = True
+    if top_p < 1.0:
+        probs = values.double().masked_fill(remove, float("-inf")).softmax(-1)
+        remove |= probs.cumsum(-1) - probs >= top_p
+        remove[:, 0] = False
+    return torch.empty_like(logits).scatter_(-1, index, values.masked_fill(remove, float("-inf"))).softmax(-1)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (nucleus past the first candidates) to sharp
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.95), (0, 0.5), (0, 0.999), (40, 1.0), (40, 0.9), (3000, 0.95),
+                                         (0, 1.0)])
+def test_logits_to_probs_equals_a_full_sort(scale, top_k, top_p):
+    """The candidate search (topk, doubling, full sort past vocab/8) keeps the same tokens as sorting the
+    whole 49,152-token vocabulary, and the same probabilities to float32 rounding; rows of one call
+    whose nuclei differ in size (so the search doubles for some) each keep their own."""
+    gen = torch.Generator().manual_seed(int(scale * 10) + top_k)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    logits[1] *= 0.1  # a flat row: its nucleus needs far more candidates than the others
+    logits[2, 17] = 60.0  # one token takes all the mass
+    for temperature in (0.7, 1.0):
+        got = logits_to_probs(logits, temperature, top_k, top_p)
+        want = _sorted_reference(logits, temperature, top_k, top_p)
+        assert torch.equal(got > 0, want > 0), (top_k, top_p, (got > 0).sum(-1), (want > 0).sum(-1))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+        assert torch.allclose(got.sum(-1), torch.ones(6), atol=1e-4)
+
+
+def test_sample_draws_in_proportion_and_never_a_zero():
+    """sample() over an unnormalized row with zeros (a rejection residual's shape): 20,000 draws fit
+    the normalized row (chi-square, alpha 1e-4; a draw from the wrong neighbour of each cut, i.e. an
+    off-by-one in the inverse CDF, is rejected at far below it), no zero-mass token is ever drawn, and
+    a seeded generator repeats its draws."""
+    from stat_utils import chi_square_test
+
+    row = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0, 1.0, 0.0]) * 0.37
+    gen = torch.Generator().manual_seed(11)
+    draws = [sample(row, gen) for _ in range(20_000)]
+    assert not {i for i in draws if row[i] == 0}
+    probs = {i: float(row[i] / row.sum()) for i in range(len(row)) if row[i] > 0}
+    assert chi_square_test(draws, probs).p_value > 1e-4
+    shifted = {i + 1: p for i, p in probs.items()}  # the off-by-one sampler's distribution
+    wrong = chi_square_test(draws, shifted)  # what this check would see of an off-by-one
+    assert wrong.impossible or wrong.p_value < 1e-4
+    again = torch.Generator().manual_seed(11)
+    assert [sample(row, again) for _ in range(50)] == draws[:50]
+    one_hot = torch.zeros(49152)
+    one_hot[49151] = 1.0  # the last token: the clamp at the row's end is not a way out
+    assert sample(one_hot, gen) == 49151
 
 
 def test_top_p_below_float32_range_keeps_the_top_token():

@@ -10,7 +10,7 @@ from rayspec.device_io import to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import logits_to_probs, make_generator
+from rayspec.sampling import logits_to_probs, make_generator, sample
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -143,7 +143,7 @@ class DraftModelProposer(Proposer):
             for i in sampled:
                 req = active[i]
                 p = logits_to_probs(logits[i:i + 1], req.temperature, req.top_k, req.top_p)[0]
-                choice[i:i + 1] = torch.multinomial(p, 1, generator=self._generator(req))
+                choice[i] = sample(p, self._generator(req))
                 probs[i].append(p)
             toks.append(choice)
             if self.num_candidates:  # (asynchronous drafting only: reads the top tokens per position)

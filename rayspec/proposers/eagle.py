@@ -38,7 +38,7 @@ from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import logits_to_probs, make_generator
+from rayspec.sampling import logits_to_probs, make_generator, sample
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -521,7 +521,7 @@ class EagleProposer(Proposer):
             for i in sampled:
                 r = reqs[i]
                 p = logits_to_probs(logits[i: i + 1], r.temperature, r.top_k, r.top_p)[0]  # [Vd]
-                choice[i: i + 1] = torch.multinomial(p, 1, generator=self._generator(r))
+                choice[i] = sample(p, self._generator(r))
                 full = torch.zeros(V, dtype=p.dtype, device=dev)
                 full[self.head.to_target(torch.arange(len(p), device=dev))] = p  # draft -> target ids
                 probs[i].append(full)
