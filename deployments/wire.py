@@ -15,7 +15,8 @@ Layout, little-endian (the byte order of every platform Ray runs on; checked at 
     ERROR (3)  str (the handler's error, for the caller to raise)
 
     request    str seq_id, ints token_ids, u32 num_tokens, f64 temperature, int top_k, f64 top_p,
-               opt int seed, opt tensor features, u32 features_start, u8 tree (0 or 1)
+               opt int seed, opt tensor features, u32 features_start, u8 tree (0 or 1),
+               opt str cache_salt
     draft      ints tokens, opt tensor probs, opt ints parents, opt u32 resend_features_from,
                u8 pre_drafted (0 None, 1 False: drafted on the call, 2 True: a speculation-cache hit)
 
@@ -47,6 +48,7 @@ HEADER = struct.Struct("<Q")  # body length
 DTYPES = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.float64}
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 MAX_ID_BYTES = 1024  # a sequence id (the verifier's are ~20 bytes)
+MAX_SALT_BYTES = 4096  # a cache_salt (the OpenAI routes take 1,024 characters)
 MAX_ERROR_BYTES = 64 << 10
 MAX_INT_BYTES = 2048  # a seed or top_k: Python's default int-from-text limit is 4300 digits (~1.8 KB)
 MAX_VOCAB = 1 << 24
@@ -148,6 +150,8 @@ def _write_request(w: _Writer, r: ProposeRequest) -> None:
         w.tensor(r.features)
     w.u32(r.features_start)
     w.u8(1 if r.tree else 0)
+    if w.flag(r.cache_salt is not None):
+        w.string(r.cache_salt, MAX_SALT_BYTES)
 
 
 def _write_draft(w: _Writer, d: Draft) -> None:
@@ -289,8 +293,9 @@ def _read_request(r: _Reader, lim: CallLimits) -> ProposeRequest:
         raise MalformedFrame(f"features of positions {features_start}..{features_start + len(features)} "
                              f"beyond the sequence's {len(token_ids)} tokens")
     tree = r.flag()
+    cache_salt = r.string(MAX_SALT_BYTES) if r.flag() else None
     return ProposeRequest(seq_id, token_ids, num_tokens, temperature, top_k, top_p, seed, features,
-                          features_start, tree)
+                          features_start, tree, cache_salt)
 
 
 def _read_draft(r: _Reader, lim: ReplyLimits) -> Draft:

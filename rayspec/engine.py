@@ -390,7 +390,7 @@ class LLMEngine:
             if seq.features and seq.finish_reason not in ("abort", "error"):
                 features, start = self._take_features(seq)
                 requests.append(ProposeRequest(seq.request_id, seq.token_ids, 0, features=features,
-                                               features_start=start))
+                                               features_start=start, cache_salt=seq.params.cache_salt))
         if requests:
             try:
                 self.proposer.commit_finished(requests)
@@ -558,7 +558,8 @@ class LLMEngine:
         if not any(draft_lens):
             return [Draft([]) for _ in seqs], 0.0
         requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature, s.params.top_k,
-                                   s.params.top_p, s.params.seed, *self._take_features(s), tree=tree)
+                                   s.params.top_p, s.params.seed, *self._take_features(s), tree=tree,
+                                   cache_salt=s.params.cache_salt)
                     for s, n in zip(seqs, draft_lens)]
         started = time.perf_counter()
         # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks

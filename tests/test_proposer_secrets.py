@@ -8,6 +8,7 @@
   the seed without the key.
 - An EAGLE head's prefix cache is salted like the target's (`cache_salt`): a tenant's prompt pairs
   are found in the head's cache under its salt only, not by an unsalted or other-salted lookup.
+  So is a draft model's, and the salt goes with every propose request (over the channel too).
 """
 
 from __future__ import annotations
@@ -155,3 +156,43 @@ def test_the_eagle_heads_prefix_cache_is_salted(eagle_engine):
     assert other.num_cached_tokens == 0 and same.num_cached_tokens >= SHARED
     assert same.token_ids == other.token_ids
     assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
+
+
+# ---- the draft model's prefix cache -----------------------------------------------------------------
+def test_the_draft_models_prefix_cache_is_salted(tmp_path_factory):
+    """A draft model keeps its own KV cache with prefix caching: tenant A's prompt is found there by
+    A's next sequence only, not by another tenant's or an unsalted one (the draft's catch-up forward
+    of a found prefix is shorter: a timing channel between tenants). The salt reaches a remote
+    proposer too (deployments/wire.py)."""
+    from deployments.wire import CallLimits, decode_call, encode_call
+
+    root = tmp_path_factory.mktemp("salt-draft")
+    target_dir = make_tiny_model_dir(root / "target", seed=5, num_layers=2, hidden=HIDDEN, vocab_size=VOCAB,
+                                     with_tokenizer=False)
+    draft_dir = make_tiny_model_dir(root / "draft", seed=6, num_layers=1, hidden=HIDDEN, vocab_size=VOCAB,
+                                    with_tokenizer=False)
+    config = EngineConfig(model=str(target_dir), max_model_len=128, max_num_seqs=4, kv_cache_memory_gb=0.5,
+                          block_size=BS, enable_prefix_caching=True,
+                          speculative=SpeculativeConfig(method="draft_model", draft_model=str(draft_dir),
+                                                        num_speculative_tokens=3, adaptive=False))
+    engine = LLMEngine(config, model=cached_model(str(target_dir))[0], tokenizer=None)
+    engine.generate([FIRST], _params("tenant-a"))
+    draft = engine.proposer.runner
+    assert draft.blocks.num_cached_blocks >= SHARED // BS  # the draft holds A's prompt
+
+    def lookup(*salt) -> int:
+        cached = draft.allocate("probe", SECOND, cache_salt=salt[0] if salt else None)
+        draft.free("probe")
+        return cached
+
+    assert lookup() == 0 and lookup("tenant-b") == 0
+    assert lookup("tenant-a") >= SHARED
+    # end to end: the salt goes with every proposer request, and over the wire
+    asked = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda requests: asked.extend(requests) or propose(requests)
+    engine.generate([SECOND], _params("tenant-b"))
+    assert asked and {r.cache_salt for r in asked} == {"tenant-b"}
+    frame = encode_call(asked[:1], [])
+    [back], _ = decode_call(frame[8:], CallLimits(max_seq_tokens=128, max_draft_tokens=8))  # (after the length)
+    assert back.cache_salt == "tenant-b"

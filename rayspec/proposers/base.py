@@ -28,6 +28,9 @@ class ProposeRequest:
     features_start: int = 0
     # a token tree of up to num_tokens nodes is welcome (else a chain of num_tokens)
     tree: bool = False
+    # the request's cache_salt: a proposer's own prefix cache shares blocks only among sequences of
+    # one salt, as the target's does (else a tenant could time another's prompts through the draft)
+    cache_salt: str | None = None
 
 
 @dataclass

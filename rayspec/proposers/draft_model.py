@@ -75,15 +75,17 @@ class DraftModelProposer(Proposer):
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
 
-    def _allocate(self, seq_id: str, batch: set[str], token_ids: list[int]) -> None:
+    def _allocate(self, seq_id: str, batch: set[str], token_ids: list[int], cache_salt: str | None) -> None:
         """A slot for seq_id; when none is free, the sequence seen longest ago outside this batch is
         dropped (a shared proposer deployment: sequences a lost verifier replica left behind). If it
-        comes back, it is prefilled again from its tokens."""
+        comes back, it is prefilled again from its tokens. A cached prefix is looked up, and the
+        sequence's blocks registered, among its cache_salt's sequences only."""
         if self.runner.num_free_slots == 0:
             stale = min((s for s in self._last_used if s not in batch), key=self._last_used.get, default=None)
             if stale is not None:
                 self.release(stale)
-        cached = self.runner.allocate(seq_id, token_ids)  # (verified tokens: a cached prefix may be shared)
+        # (verified tokens: a cached prefix may be shared)
+        cached = self.runner.allocate(seq_id, token_ids, cache_salt=cache_salt)
         self._fed[seq_id] = list(token_ids[:cached])
 
     def _generator(self, req: ProposeRequest) -> torch.Generator:
@@ -120,7 +122,7 @@ class DraftModelProposer(Proposer):
         tick = next(self._clock)
         for req in active:
             if not self.runner.has(req.seq_id):
-                self._allocate(req.seq_id, batch, req.token_ids)
+                self._allocate(req.seq_id, batch, req.token_ids, req.cache_salt)
             self._last_used[req.seq_id] = tick
             fed = self._fed[req.seq_id]
             keep = min(common_prefix_len(fed, req.token_ids), len(req.token_ids) - 1)

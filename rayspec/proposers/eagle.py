@@ -234,6 +234,8 @@ class EagleProposer(Proposer):
         if not self.runner.has(req.seq_id):
             if req.features_start > 0:  # a sequence that started elsewhere
                 return False
+            if req.seq_id not in self._salts and req.cache_salt is not None:
+                self._salts[req.seq_id] = req.cache_salt  # (a remote head is told it with each request)
             self._allocate(req.seq_id)
         self._last_used[req.seq_id] = next(self._clock)
         if req.features is not None and len(req.features):
