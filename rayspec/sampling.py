@@ -85,10 +85,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
-# Top-k / top-p sort only the tokens that can be kept: torch.topk of those (its cost grows with how
-# many: ~0.25 ms for 256 of 49,152, as much as sorting the whole row, ~4.7 ms per row on an AMD EPYC
-# core, for all of them). A top-p's possible tokens are those above a floor (below).
-# tests/test_units.py checks the kept sets against a full sort's.
+# Top-k / top-p sort only the tokens that can be kept: torch.topk of those (on CPU its cost grows with
+# how many: ~0.25 ms for 256 of 49,152, as much as sorting the whole row, ~4.7 ms per row on an AMD
+# EPYC core, for all of them). A top-p's possible tokens are those above a floor (below); on a GPU
+# the whole row is sorted (fast there, and no host read of the count). tests/test_units.py checks
+# the kept sets against a full sort's.
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -104,13 +105,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     top_k = top_k if 0 < top_k < vocab else 0
     if not top_k and top_p >= 1.0:
         return logits.softmax(-1)
-    log_norm = None
+    log_norm = None if top_k else logits.double().logsumexp(-1, keepdim=True)
     if top_k:
         candidates = top_k
+    elif not _count_on_host(logits.device):  # a GPU sorts a row in microseconds; counting would wait on it
+        candidates = vocab
     else:
         # a token less likely than (1 - top_p) / (2 vocab) never stays: all of those together hold
         # under (1 - top_p) / 2, so the mass before the first of them (in sorted order) exceeds top_p
-        log_norm = logits.double().logsumexp(-1, keepdim=True)
         floor = (log_norm + math.log((1.0 - top_p) / (2 * vocab))).float()
         candidates = max(1, int((logits >= floor).sum(-1).max()))
     values, index = logits.topk(candidates, dim=-1)  # sorted, largest first
@@ -123,6 +125,11 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
         keep[:, 0] = True  # top_p below float32's smallest (5e-324 rounds to 0) must keep it too
     kept = torch.full_like(logits, float("-inf")).scatter_(-1, index, values.masked_fill(~keep, float("-inf")))
     return kept.softmax(-1)
+
+
+def _count_on_host(device: torch.device) -> bool:
+    """Whether logits_to_probs narrows a top-p by counting its possible tokens (a host read)."""
+    return device.type == "cpu"
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
