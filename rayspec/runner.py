@@ -230,38 +230,49 @@ class ModelRunner:
         if static and self.compiled is not None and self.compiled.fits(B, Q):
             return self._forward_static(seq_ids, token_lists, lengths, trees, packed, model_kwargs), lengths
         starts = [self._cached_len[s] for s in seq_ids]
-        dev = self.device
         kv_len = self._grow_for(seq_ids, starts, lengths, Q, trees)
-        args = self.model.args
+        t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, trees, kv_len)))
+        input_ids = token_lists if on_device else t["input_ids"]
+        batch = self._eager_batch(seq_ids, starts, trees, kv_len, t, packed)
+        out = self.model(input_ids, self.cache, batch, **model_kwargs)
+        if trees is None:
+            for s, start, n in zip(seq_ids, starts, lengths):
+                self._cached_len[s] = start + n
+        return out, lengths
+
+    def _eager_host(self, seq_ids, token_lists, lengths, starts, trees, kv_len) -> tuple[list[str], list]:
+        """The eager forward's index arrays, built on the host and sent in one non-blocking copy:
+        (names, device tensors)."""
+        B, Q = len(seq_ids), max(lengths)
         starts_np = np.asarray(starts, dtype=np.int64)
         host: dict[str, np.ndarray] = {}
-        if not on_device:
+        if not isinstance(token_lists, torch.Tensor):
             ids = np.zeros((B, Q), dtype=np.int64)
             for b, t in enumerate(token_lists):
                 ids[b, : len(t)] = t
             host["input_ids"] = ids
-        key_pos_np = None
         if trees is None:
-            positions = starts_np[:, None] + np.arange(Q)  # [B, Q]
-            write_pos = host["positions"] = positions
+            write_pos = host["positions"] = starts_np[:, None] + np.arange(Q)  # [B, Q]
         else:
             positions, write_pos, visible_np, key_pos_np = tree_layout_host(
-                trees, starts, Q, kv_len, with_key_positions=bool(args.sliding_layers))
+                trees, starts, Q, kv_len, with_key_positions=bool(self.model.args.sliding_layers))
             host["positions"], host["cache_positions"], host["visible"] = positions, write_pos, visible_np
             if key_pos_np is not None:
                 host["key_positions"] = key_pos_np
-        read_np = self._rows(seq_ids, kv_len)  # [B, kv_len]
-        host["read_index"] = read_np
+        read_np = host["read_index"] = self._rows(seq_ids, kv_len)  # [B, kv_len]
         host["write_index"] = np.take_along_axis(read_np, write_pos, axis=1)  # [B, Q]
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             host["real_rows"] = np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)])
             host["write_rows"] = host["write_index"].reshape(-1)[host["real_rows"]]
-        t = dict(zip(host, to_device(*host.values(), device=dev)))
-        input_ids = token_lists if on_device else t["input_ids"]
-        positions_t = t["positions"]
+        return list(host), to_device(*host.values(), device=self.device)
+
+    def _eager_batch(self, seq_ids, starts, trees, kv_len: int, t: dict, packed: bool) -> ForwardBatch:
+        """The eager forward's ForwardBatch from its device index tensors `t`: the attention masks
+        (causal, a tree's ancestry, a sliding window) and where keys are read and written."""
+        positions_t, dev = t["positions"], self.device
         cache_positions = key_positions = None
         if trees is None:
-            if B == 1 and Q == 1:
+            if len(seq_ids) == 1 and positions_t.shape[1] == 1:
                 mask = visible = None
             else:
                 key_positions = torch.arange(kv_len, device=dev)[None]  # [1, kv_len]: cache row j holds position j
@@ -276,32 +287,17 @@ class ModelRunner:
                     visible[b, 0, : tree.sees.shape[0], start: start + n] = tree.sees
             mask = additive_mask(visible, self.dtype)
         sliding_start, sliding_mask = 0, None
-        if args.sliding_layers:
+        if self.model.args.sliding_layers:
             sliding_start, sliding_mask = sliding_window_mask(visible, mask, positions_t, key_positions,
-                                                              args.sliding_window, min(starts), kv_len)
+                                                              self.model.args.sliding_window, min(starts), kv_len)
         read_range = None
-        if B == 1 and self._consecutive(seq_ids[0], kv_len):  # its keys are a view of the pool
+        if len(seq_ids) == 1 and self._consecutive(seq_ids[0], kv_len):  # its keys are a view of the pool
             lo = self.blocks.tables[seq_ids[0]][0] * self.block_size
             read_range = (lo, lo + kv_len)
-        batch = ForwardBatch(
-            write_index=t["write_index"],
-            read_index=t["read_index"],
-            positions=positions_t,
-            kv_len=kv_len,
-            mask=mask,
-            cache_positions=cache_positions,
-            real_rows=t.get("real_rows"),
-            packed_output=packed,
-            sliding_start=sliding_start,
-            sliding_mask=sliding_mask,
-            read_range=read_range,
-            write_rows=t.get("write_rows"),
-        )
-        out = self.model(input_ids, self.cache, batch, **model_kwargs)
-        if trees is None:
-            for s, start, n in zip(seq_ids, starts, lengths):
-                self._cached_len[s] = start + n
-        return out, lengths
+        return ForwardBatch(write_index=t["write_index"], read_index=t["read_index"], positions=positions_t,
+                            kv_len=kv_len, mask=mask, cache_positions=cache_positions, real_rows=t.get("real_rows"),
+                            packed_output=packed, sliding_start=sliding_start, sliding_mask=sliding_mask,
+                            read_range=read_range, write_rows=t.get("write_rows"))
 
     def _grow_for(self, seq_ids, starts, lengths, Q, trees) -> int:
         """Blocks for each row's real tokens (rows padded to Q); returns the keys a forward spans
@@ -324,51 +320,12 @@ class ModelRunner:
         Bp, Qp = bucket(B), bucket(Q)
         starts = [self._cached_len[s] for s in seq_ids]
         kv_len = round_up(self._grow_for(seq_ids, starts, lengths, Qp, trees), KV_BUCKET)
-        bs = self.block_size
         on_device = isinstance(token_lists, torch.Tensor)  # [B, Q] drafted on the device: padded there
         ids = np.zeros((Bp, Qp) if not on_device else (0, 0), dtype=np.int64)
         for b, t in enumerate([] if on_device else token_lists):
             ids[b, : len(t)] = t
-        paged = self._pages(trees)
-        positions = np.tile(np.arange(Qp, dtype=np.int64), (Bp, 1))
-        visible = None
-        if trees is None:
-            positions[:B] += np.asarray(starts, dtype=np.int64)[:, None]
-            write_pos = positions
-            if not paged:
-                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
-        else:
-            tree_pos, cache_pos, tree_visible, _ = tree_layout_host(trees, starts, Qp, kv_len)
-            positions[:B] = tree_pos
-            write_pos = positions.copy()
-            write_pos[:B] = cache_pos
-            if not paged:
-                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
-                visible[:B] = tree_visible
         real = np.concatenate([np.arange(n) + b * Qp for b, n in enumerate(lengths)])
-        if paged:  # block tables, not every key's row, and no dense mask (rayspec.paged_attention)
-            table, context, tail = self._paged_arrays(seq_ids, starts, Bp, Qp, trees)
-            block = write_pos // bs  # padding written past a table's width: the scratch block
-            write = np.where(block < self.max_blocks,
-                             np.take_along_axis(table, np.minimum(block, self.max_blocks - 1), axis=1),
-                             SCRATCH_BLOCK) * bs + write_pos % bs
-            t_ids, t_pos, t_write, t_real, t_table, t_context, t_tail = to_device(
-                ids, positions, write, real, table, context, tail, device=self.device)
-            layout = PagedLayout.build(t_table, t_context, t_tail, bs, self.cache.k[0].shape[0] // bs)
-            batch = ForwardBatch(write_index=t_write, read_index=t_write[:, :0], positions=t_pos, kv_len=kv_len,
-                                 mask=None, paged=layout)
-        else:
-            read = np.empty((Bp, kv_len), dtype=np.int64)
-            read[:B] = self._rows(seq_ids, kv_len)
-            read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
-            t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
-                ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
-            if trees is not None:
-                for b, (tree, start) in enumerate(zip(trees, starts)):
-                    if tree.sees is not None:
-                        t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
-            batch = ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
-                                 mask=additive_mask(t_visible, self.dtype))
+        t_ids, t_real, batch = self._static_batch(seq_ids, starts, trees, ids, real, Bp, Qp, kv_len)
         if on_device:
             t_ids = pad_rows(token_lists, Bp, Qp)
         # tensor arguments per token (an EAGLE head's features, [B, Q, F]) padded as the tokens are
@@ -385,6 +342,55 @@ class ModelRunner:
             for s, start, n in zip(seq_ids, starts, lengths):
                 self._cached_len[s] = start + n
         return tuple(unpad(o) for o in out) if isinstance(out, tuple) else unpad(out)
+
+    def _static_positions(self, starts, trees, Bp: int, Qp: int, kv_len: int, paged: bool):
+        """The compiled step's padded [Bp, Qp] rope and cache positions, and (not paged) its dense
+        visibility [Bp, 1, Qp, kv_len] on the host: (positions, write positions, visible or None)."""
+        B = len(starts)
+        positions = np.tile(np.arange(Qp, dtype=np.int64), (Bp, 1))
+        visible = None
+        if trees is None:
+            positions[:B] += np.asarray(starts, dtype=np.int64)[:, None]
+            write_pos = positions
+            if not paged:
+                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+        else:
+            tree_pos, cache_pos, tree_visible, _ = tree_layout_host(trees, starts, Qp, kv_len)
+            positions[:B] = tree_pos
+            write_pos = positions.copy()
+            write_pos[:B] = cache_pos
+            if not paged:
+                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
+                visible[:B] = tree_visible
+        return positions, write_pos, visible
+
+    def _static_batch(self, seq_ids, starts, trees, ids, real, Bp: int, Qp: int, kv_len: int):
+        """The compiled step's inputs on the device, in one copy: (token ids, real rows, ForwardBatch),
+        reading the pool through block tables (paged) or through every key's row and a dense mask."""
+        B, bs = len(seq_ids), self.block_size
+        paged = self._pages(trees)
+        positions, write_pos, visible = self._static_positions(starts, trees, Bp, Qp, kv_len, paged)
+        if paged:  # block tables, not every key's row, and no dense mask (rayspec.paged_attention)
+            table, context, tail = self._paged_arrays(seq_ids, starts, Bp, Qp, trees)
+            block = write_pos // bs  # padding written past a table's width: the scratch block
+            write = np.where(block < self.max_blocks,
+                             np.take_along_axis(table, np.minimum(block, self.max_blocks - 1), axis=1),
+                             SCRATCH_BLOCK) * bs + write_pos % bs
+            t_ids, t_pos, t_write, t_real, t_table, t_context, t_tail = to_device(
+                ids, positions, write, real, table, context, tail, device=self.device)
+            layout = PagedLayout.build(t_table, t_context, t_tail, bs, self.cache.k[0].shape[0] // bs)
+            return t_ids, t_real, ForwardBatch(write_index=t_write, read_index=t_write[:, :0], positions=t_pos,
+                                               kv_len=kv_len, mask=None, paged=layout)
+        read = np.empty((Bp, kv_len), dtype=np.int64)
+        read[:B] = self._rows(seq_ids, kv_len)
+        read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
+        t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
+            ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
+        for b, (tree, start) in enumerate(zip(trees or [], starts)):
+            if tree.sees is not None:
+                t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
+        return t_ids, t_real, ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
+                                           mask=additive_mask(t_visible, self.dtype))
 
     def _pages(self, trees) -> bool:
         """Whether the compiled step's attention reads the pool in place (rayspec.paged_attention):
