@@ -117,6 +117,8 @@ def cmd_serve(args) -> int:
             if ender.is_alive():
                 print(f"rayspec serve: Serve did not shut down in {SERVE_SHUTDOWN_S} s; stopping the local Ray",
                       file=sys.stderr, flush=True)
+            else:
+                print("rayspec serve: Serve shut down; stopping the local Ray", file=sys.stderr, flush=True)
             ray.shutdown()
         else:  # a cluster we joined: take our app away, leave the rest
             serve.delete(args.app_name)
