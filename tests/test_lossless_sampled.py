@@ -391,12 +391,18 @@ def _train_head(kind: str, target_dir: Path, model, rows: list[dict], steps: int
 
 @pytest.fixture(scope="module")
 def heads(target_dir, loaded, target, tmp_path_factory) -> dict[str, Path]:
-    """kind -> directory of a briefly trained head (fixed seeds: the same head every run)."""
-    engine = make_engine(target_dir, "none", loaded=loaded, max_model_len=64, max_num_seqs=64)
-    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=8, ignore_eos=True,
-                             seed=7_000_000 + i) for i in range(64)]
-    rows = [{"prompt_ids": list(target.prompt), "output_ids": o.token_ids}
-            for o in engine.generate([list(target.prompt)] * 64, params)]
+    """kind -> directory of a briefly trained head (fixed seeds: the same head every run). Its
+    training rows are the reference target's samples (Target.probs, torch.multinomial on a seeded
+    generator), not the engine's: a change in how the engine draws must not retrain the head. Which
+    trees the eagle1-tree case sees depends on the head (at the first step, all continuations share
+    one of 3 contexts); with these rows (seed 1) its two-sibling roots end in all three outcomes."""
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(64):
+        cont: tuple[int, ...] = ()
+        for _ in range(8):
+            cont += (int(torch.multinomial(target.probs(cont).float(), 1, generator=gen)),)
+        rows.append({"prompt_ids": list(target.prompt), "output_ids": list(cont)})
     out = {}
     for kind in ("eagle", "eagle3"):
         head = _train_head(kind, target_dir, loaded[0], rows)
