@@ -23,9 +23,17 @@ Usage, against a running server:
     serve run configs/default.yaml &
     python benchmarks/abuse.py --url http://127.0.0.1:8000 --model smollm2-135m-instruct \
         --output-json benchmarks/results/abuse_default_overload.json
-or let it start one (the config's apps on a Ray cluster of its own, started in this process as
-`serve run` would, on --port; stopped at the end; its processes' memory counted):
-    python benchmarks/abuse.py --serve-config configs/default.yaml --port 8437 --output-json ...
+or let it start one (the config's apps, their args changed by any `--set KEY=VALUE`, on a Ray
+cluster of its own, started in a child process of its own session as `serve run` would, on --port;
+stopped at the end; its processes' memory counted):
+    python benchmarks/abuse.py --serve-config configs/default.yaml --port 8437 \
+        --set max_ongoing_per_client=8 --clients-autogroup-nice 19 --output-json ...
+Clients: on loopback each well-behaved client sends from an address of its own (127.0.1.N) and each
+abusive group from one (127.0.2.1 bodies, 127.0.3.1 unread streams, 127.0.4.1 the hammer): the
+attack comes from three hosts, the traffic it must not hurt from sixteen (`--one-address`: all
+from 127.0.0.1). `--clients-autogroup-nice 19` gives this process's session (the clients) the CPU
+weight of nice 19 against the server's: on a 2-core machine the load generator otherwise takes
+the cores the server needs, which clients on other machines would not.
 `--dry-run`: tiny counts and bodies (2 good clients x 2 requests of 8 tokens, 2 big 1 MiB bodies,
 2 idle streams, 4 hammer clients) for CI (tests/test_abuse_bench.py, against an app whose body limit
 is below 1 MiB).
@@ -183,9 +191,24 @@ async def good_stream(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return out
 
 
+# ---- who the clients are -----------------------------------------------------------------------------
+# On loopback every client may have an address of its own (Linux routes all of 127.0.0.0/8 to lo):
+# each well-behaved client one, each abusive group one (an attacker's host), so a server that
+# shares by client (app arg max_ongoing_per_client) can tell them apart. --one-address: all 127.0.0.1.
+ADDRESSES = {"good": "127.0.1.{}", "big": "127.0.2.1", "idle": "127.0.3.1", "hammer": "127.0.4.1"}
+SOURCE = {"on": False}
+
+
+def _client(timeout, role: str, index: int = 0) -> httpx.AsyncClient:
+    if not SOURCE["on"]:
+        return httpx.AsyncClient(timeout=timeout)
+    address = ADDRESSES[role].format(index + 1)
+    return httpx.AsyncClient(timeout=timeout, transport=httpx.AsyncHTTPTransport(local_address=address))
+
+
 async def good_client(url: str, model: str, index: int, requests: int, max_tokens: int, timeout: float) -> list[dict]:
     results = []
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with _client(timeout, "good", index) as client:
         for r in range(requests):
             results.append(await good_stream(client, url, model, PROMPTS[(index + r) % len(PROMPTS)], max_tokens))
     return results
@@ -229,7 +252,7 @@ async def big_body_client(url: str, model: str, body_bytes: int, chunked: bool, 
     headers = {"content-type": "application/json"}
     if not chunked:
         headers["content-length"] = str(body_bytes + overhead)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with _client(timeout, "big") as client:
         while not stop.is_set():
             try:
                 resp = await client.post(f"{url}/v1/completions", content=body(), headers=headers)
@@ -245,7 +268,7 @@ async def idle_stream(url: str, model: str, max_tokens: int, stop: asyncio.Event
     complete ([DONE]), cut (the connection ended early), or the status it was refused with."""
     body = _stream_body(model, PROMPTS[0], max_tokens)
     try:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, read=timeout)) as client:
+        async with _client(httpx.Timeout(timeout, read=timeout), "idle") as client:
             async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     outcomes[str(resp.status_code)] += 1
@@ -268,7 +291,7 @@ async def idle_stream(url: str, model: str, max_tokens: int, stop: asyncio.Event
 
 async def hammer_client(url: str, model: str, index: int, stop: asyncio.Event, outcomes: Counter,
                         timeout: float) -> None:
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with _client(timeout, "hammer") as client:
         i = index
         while not stop.is_set():
             i += 1
@@ -295,6 +318,8 @@ async def run(url: str, model: str, args) -> dict:
                     "clients": {"good": args.good, "good_requests_each": args.good_requests,
                                 "max_tokens": args.max_tokens, "big": args.big, "body_mib": args.body_mib,
                                 "idle": args.idle, "idle_max_tokens": args.idle_max_tokens, "hammer": args.hammer},
+                    "client_addresses": dict(ADDRESSES) if SOURCE["on"] else "all 127.0.0.1",
+                    "clients_autogroup_nice": args.clients_autogroup_nice,
                     "cpu_model": cpu_model(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     started = time.monotonic()
     with MemoryWatch(args.memory_root_pid) as memory:
@@ -337,9 +362,24 @@ def verdict(report: dict, itl_ratio_bound: float = 2.0) -> dict:
             "big_bodies_all_4xx_or_cut": abusive_ok, "idle_streams_4xx_cut_or_bounded": idle_ok}
 
 
-def start_server(config_path: str, port: int) -> str:
-    """The Serve config's applications on a Ray cluster of their own, started in this process (as
-    `serve run` would, its HTTP proxy on `port`); the base URL once /health answers."""
+def _overrides(pairs: list[str]) -> dict:
+    """--set KEY=VALUE pairs -> app args (each value read as YAML: 8, true, null, a string)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set wants KEY=VALUE, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def serve_forever(config_path: str, port: int, overrides: dict) -> None:
+    """The Serve config's applications (their args updated by `overrides`) on a Ray cluster of their
+    own, started in this process as `serve run` would, HTTP on `port`; until SIGTERM or SIGINT."""
+    import signal
+
     import ray
     import yaml
     from ray import serve
@@ -348,7 +388,6 @@ def start_server(config_path: str, port: int) -> str:
 
     config = yaml.safe_load(Path(config_path).read_text())
     http = {**config.get("http_options", {}), "port": port}
-    host = http.get("host", "127.0.0.1")
     # one try: a failed start leaves its GCS and agents running until this process ends (on a loaded
     # machine the raylet may give up waiting for its dashboard agent: start again later)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -356,17 +395,58 @@ def start_server(config_path: str, port: int) -> str:
     for app in config["applications"]:
         if app.get("import_path", "deployments.app:build_app") != "deployments.app:build_app":
             raise ValueError(f"{app['name']}: only deployments.app:build_app apps are started here")
-        serve.run(build_app(app.get("args", {})), name=app["name"], route_prefix=app.get("route_prefix", "/"))
+        serve.run(build_app({**app.get("args", {}), **overrides}), name=app["name"],
+                  route_prefix=app.get("route_prefix", "/"))
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
+    try:
+        while not stopped:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+    ray.shutdown()
+
+
+def start_server(config_path: str, port: int, overrides: list[str]) -> tuple[str, subprocess.Popen]:
+    """serve_forever in a child process of its own session (its own CPU autogroup: the clients here
+    can be given less of the CPU, as clients on other machines take none of it); (base URL, the
+    process) once /health answers."""
+    import yaml
+
+    config = yaml.safe_load(Path(config_path).read_text())
+    host = config.get("http_options", {}).get("host", "127.0.0.1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-only", "--serve-config", config_path,
+           "--port", str(port)] + [a for pair in overrides for a in ("--set", pair)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    if not _wait_up(url, 900):
+    if not _wait_up(url, 900, proc):
+        stop_server(proc)
         raise RuntimeError(f"{url} did not become healthy")
-    return url
+    return url, proc
 
 
-def _wait_up(url: str, timeout: float) -> bool:
-    """Until url/health answers 200 (True), or timeout seconds (False)."""
+def stop_server(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _set_autogroup_nice(nice: int) -> None:
+    """This process's session (autogroup) gets the weight of `nice` against the server's session."""
+    Path("/proc/self/autogroup").write_text(f"{nice}\n")
+
+
+def _wait_up(url: str, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    """Until url/health answers 200 (True), or timeout seconds or the server process ends (False)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return True
@@ -383,6 +463,15 @@ def main(argv=None) -> int:
     p.add_argument("--serve-config", help="serve this config's apps first, on a Ray cluster of its own started "
                                            "here, HTTP on --port (stopped at the end)")
     p.add_argument("--port", type=int, default=8000, help="with --serve-config: the port it serves on")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --serve-config: an app arg set in every app (YAML value), e.g. max_ongoing_per_client=8")
+    p.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--one-address", action="store_true",
+                   help="every client from 127.0.0.1 (default on loopback: each good client an address of "
+                        "its own, each abusive group one)")
+    p.add_argument("--clients-autogroup-nice", type=int,
+                   help="with --serve-config: the CPU weight of this process's session (the clients) as this "
+                        "nice value (19: the clients take only what the server leaves, as remote ones would)")
     p.add_argument("--memory-root-pid", type=int,
                    help="count the memory of Ray processes under this process only (default: the server "
                         "--serve-config starts; else every Ray process on this machine)")
@@ -404,21 +493,24 @@ def main(argv=None) -> int:
         args.good, args.good_requests, args.max_tokens = 2, 2, 8
         args.big, args.body_mib, args.idle, args.idle_max_tokens, args.hammer = 2, 1, 2, 16, 4
         args.abuse_head_start, args.timeout = 0.5, min(args.timeout, 60.0)
-    started_here = False
+    if args.serve_only:
+        serve_forever(args.serve_config, args.port, _overrides(args.set))
+        return 0
+    SOURCE["on"] = not args.one_address and httpx.URL(args.url if not args.serve_config else
+                                                      "http://127.0.0.1").host.startswith("127.")
+    server = None
     if args.serve_config:
-        args.url = start_server(args.serve_config, args.port)
-        started_here = True
+        _overrides(args.set)  # a malformed pair fails here, before a cluster starts
+        args.url, server = start_server(args.serve_config, args.port, args.set)
         if args.memory_root_pid is None:
-            args.memory_root_pid = os.getpid()  # the Ray cluster's processes are this one's children
+            args.memory_root_pid = server.pid  # the Ray cluster's processes are its children
+    if args.clients_autogroup_nice is not None:  # (a server started here has a session of its own)
+        _set_autogroup_nice(args.clients_autogroup_nice)
     try:
         report = asyncio.run(run(args.url.rstrip("/"), args.model, args))
     finally:
-        if started_here:
-            import ray
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
+        if server is not None:
+            stop_server(server)
     report["command"] = " ".join([Path(sys.argv[0]).name if argv is None else "abuse.py", *(argv or sys.argv[1:])])
     report["note"] = args.note
     report["verdict"] = verdict(report)

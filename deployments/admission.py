@@ -1,17 +1,21 @@
 """Admission control: a busy server says so at once (429 with Retry-After, as OpenAI error JSON)
-instead of queueing without bound or falling over.
+instead of queueing without bound or falling over, and no one client takes all of it.
 
 Bounds, outermost first (deployments/README.md has the table and the defaults):
-1. the ingress replica's gate (`AdmissionGate`, below): at most `ingress.max_ongoing_requests`
-   generation requests (POST /v1/completions, /v1/chat/completions) in flight, a stream counting
-   until its last byte; past it, 429 here, before the body is even read;
+1. the ingress replica's gate (`AdmissionGate`, below), before the body is even read:
+   - at most `max_in_flight` generation requests (POST /v1/completions, /v1/chat/completions) in
+     flight, a stream counting until its last byte;
+   - `/tokenize` and `/detokenize` (a verifier call each, cheap but unbounded in number) in a lane
+     of their own, at most `max_tokenizer_in_flight`: a flood of them cannot take generation's places;
+   - at most `max_per_client` of either kind from one client (its address, or the header named by
+     `client_header` behind a trusted proxy): one host's flood of streams, read or not, gets 429s
+     while other clients still get in;
 2. Serve's `max_queued_requests` on the verifier, per ingress replica: requests waiting for a verifier
    replica with room; past it the handle raises BackPressureError, which the ingress answers with 429
    (503 `not_ready` while no verifier replica has answered yet: the target is still loading);
 3. the engine's waiting queue (`engine.max_num_waiting`, per verifier replica): past it the engine
    refuses the request (EngineOverloadedError) and the ingress answers 429.
 Requests let in are served in full and unchanged; refused ones cost microseconds.
-`/tokenize` and `/detokenize` (a verifier call each) go through the same gate.
 
 Every request body is also bounded before anything parses it (`BodyLimit`, app arg
 `max_request_body_bytes`): a Content-Length past the limit is a 413 at once, unread; a body sent
@@ -20,7 +24,8 @@ without one is counted as it comes and refused (413) the moment it passes the li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 from fastapi.responses import JSONResponse
@@ -28,7 +33,8 @@ from fastapi.responses import JSONResponse
 from deployments.openai_limits import OpenAIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-GATED_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}  # every POST that calls the verifier
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+GATED_PATHS = GENERATION_PATHS | TOKENIZER_PATHS  # every POST that calls the verifier
 
 
 def overloaded(message: str, retry_after_s: float | None) -> OpenAIError:
@@ -51,24 +57,74 @@ def _route_path(scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
+def client_of(scope, header: str | None = None) -> str:
+    """Who sent the request, for the per-client share: the first value of `header` when it is set
+    and present (a trusted proxy's X-Forwarded-For, or a tenant id it adds), else the peer address
+    (Serve's proxy hands the replica the HTTP connection's scope)."""
+    if header:
+        name = header.lower().encode()
+        for key, value in scope.get("headers", ()):
+            if key == name and value.strip():
+                return "h:" + value.decode("latin-1").split(",")[0].strip()
+    peer = scope.get("client") or ("", 0)
+    return "a:" + str(peer[0])
+
+
 @dataclass
 class AdmissionState:
-    """One ingress replica's gate: its bound, and what went through it (in /v1/stats)."""
+    """One ingress replica's gate: its bounds, and what went through it (in /v1/stats)."""
 
     max_in_flight: int
     retry_after_s: float | None = None
+    max_tokenizer_in_flight: int | None = None  # None: max_in_flight (one lane's bound each)
+    max_per_client: int | None = None  # None: no per-client bound
+    client_header: str | None = None
     in_flight: int = 0
-    num_refused: int = 0  # requests answered 429 by the gate
+    tokenizer_in_flight: int = 0
+    num_refused: int = 0  # requests answered 429 by the gate (either bound)
+    num_refused_per_client: int = 0  # of those, for their client's share
     num_backpressured: int = 0  # 429/503 for a full verifier queue or engine waiting queue
+    per_client: Counter = field(default_factory=Counter)  # client -> its requests in flight (both lanes)
 
     def as_dict(self) -> dict:
         return {"ingress_in_flight": self.in_flight, "ingress_max_in_flight": self.max_in_flight,
-                "num_refused_at_ingress": self.num_refused, "num_refused_downstream": self.num_backpressured}
+                "ingress_tokenizer_in_flight": self.tokenizer_in_flight,
+                "ingress_clients_in_flight": len(self.per_client),
+                "num_refused_at_ingress": self.num_refused, "num_refused_per_client": self.num_refused_per_client,
+                "num_refused_downstream": self.num_backpressured}
+
+    def refusal(self, tokenizer: bool, client: str) -> str | None:
+        """Why a request of this lane and client cannot come in now (None: it can)."""
+        if tokenizer:
+            bound = self.max_in_flight if self.max_tokenizer_in_flight is None else self.max_tokenizer_in_flight
+            if self.tokenizer_in_flight >= bound:
+                return f"{self.tokenizer_in_flight} tokenizer requests in flight on this replica (max {bound})"
+        elif self.in_flight >= self.max_in_flight:
+            return f"{self.in_flight} requests in flight on this replica (max {self.max_in_flight})"
+        if self.max_per_client is not None and self.per_client[client] >= self.max_per_client:
+            self.num_refused_per_client += 1
+            return f"{self.per_client[client]} of your requests are in flight (max {self.max_per_client} per client)"
+        return None
+
+    def enter(self, tokenizer: bool, client: str) -> None:
+        if tokenizer:
+            self.tokenizer_in_flight += 1
+        else:
+            self.in_flight += 1
+        self.per_client[client] += 1
+
+    def leave(self, tokenizer: bool, client: str) -> None:
+        if tokenizer:
+            self.tokenizer_in_flight -= 1
+        else:
+            self.in_flight -= 1
+        self.per_client[client] -= 1
+        if self.per_client[client] <= 0:
+            del self.per_client[client]  # the table holds only clients with requests in flight
 
 
 class AdmissionGate:
-    """ASGI middleware: at most `state().max_in_flight` generation (and tokenizer) requests in this
-    replica at once.
+    """ASGI middleware: the bounds of `state()` (AdmissionState), per replica.
 
     `state()` -> the AdmissionState of the replica serving the request. A streamed response counts
     until the ASGI app returns, i.e. until its last event was sent or the client went away."""
@@ -77,19 +133,20 @@ class AdmissionGate:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or _route_path(scope) not in GATED_PATHS:
+        path = _route_path(scope)
+        if scope["type"] != "http" or scope.get("method") != "POST" or path not in GATED_PATHS:
             return await self.app(scope, receive, send)
         state = self.state()
-        if state.in_flight >= state.max_in_flight:
+        tokenizer, client = path in TOKENIZER_PATHS, client_of(scope, state.client_header)
+        why = state.refusal(tokenizer, client)
+        if why is not None:
             state.num_refused += 1
-            err = overloaded(f"{state.in_flight} requests in flight on this replica (max {state.max_in_flight})",
-                             state.retry_after_s)
-            return await error_response(err)(scope, receive, send)
-        state.in_flight += 1
+            return await error_response(overloaded(why, state.retry_after_s))(scope, receive, send)
+        state.enter(tokenizer, client)
         try:
             await self.app(scope, receive, send)
         finally:
-            state.in_flight -= 1
+            state.leave(tokenizer, client)
 
 
 def too_large(limit: int) -> OpenAIError:

@@ -208,6 +208,14 @@ class AppArgs(_Strict):
     retry_after_s: float = Field(1.0, ge=0)
     # a request body longer than this is a 413, refused before it is parsed (deployments.admission)
     max_request_body_bytes: int = Field(16 << 20, ge=1 << 10)
+    # /tokenize and /detokenize in flight per ingress replica, a lane beside generation's (past it: 429)
+    max_ongoing_tokenizer: int = Field(4, ge=1)
+    # requests (generation and tokenizer together) one client may have in flight per ingress replica;
+    # past it that client gets 429s while others still get in. None: no per-client bound (one client
+    # may fill the gate: right for a server of one user or one batch job). A client is its address,
+    # or the value of `client_header` (behind a trusted proxy: "x-forwarded-for", or a tenant header)
+    max_ongoing_per_client: int | None = Field(None, ge=1)
+    client_header: str | None = None
     # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.tool_parsers);
     # None: found from the markers in the model's chat template
     tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None

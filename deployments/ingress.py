@@ -161,7 +161,10 @@ class OpenAIIngress:
         self._model_info: dict | None = None  # the verifier's model_info, asked once (tool parser, max_model_len)
         self.verifier = verifier
         self.failovers = FailoverCounts()  # requests that outlived a lost verifier replica
-        self.admission = AdmissionState(self.cfg.ingress_max_ongoing, self.cfg.retry_after_s)
+        self.admission = AdmissionState(self.cfg.ingress_max_ongoing, self.cfg.retry_after_s,
+                                        max_tokenizer_in_flight=self.cfg.max_ongoing_tokenizer,
+                                        max_per_client=self.cfg.max_ongoing_per_client,
+                                        client_header=self.cfg.client_header)
         self.verifier_answered = False  # a verifier replica has answered: the target is loaded
         self._probe = None
         self._healthy_at: float | None = None  # when a verifier last answered a health probe

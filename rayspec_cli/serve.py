@@ -5,6 +5,7 @@ commands, so the other subcommands start without them."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,7 @@ def serve_config(args) -> tuple:
 
 
 SERVE_SHUTDOWN_S = 45  # how long Ctrl-C waits for Serve's own shutdown before the local Ray goes
+RAY_SHUTDOWN_S = 30  # then for ray.shutdown() before the process leaves without it
 
 
 def cmd_serve(args) -> int:
@@ -119,7 +121,17 @@ def cmd_serve(args) -> int:
                       file=sys.stderr, flush=True)
             else:
                 print("rayspec serve: Serve shut down; stopping the local Ray", file=sys.stderr, flush=True)
-            ray.shutdown()
+            # ray.shutdown() can block behind a serve.shutdown() still running in its thread: bounded
+            # too. The local Ray's processes die with this one (Ray starts them with the parent-death
+            # signal), so leaving at once loses nothing
+            stopper = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+            stopper.start()
+            stopper.join(RAY_SHUTDOWN_S)
+            if stopper.is_alive():
+                print(f"rayspec serve: the local Ray did not stop in {RAY_SHUTDOWN_S} s; leaving without it",
+                      file=sys.stderr, flush=True)
+                sys.stderr.flush()
+                os._exit(0)
         else:  # a cluster we joined: take our app away, leave the rest
             serve.delete(args.app_name)
     return 0

@@ -1,8 +1,8 @@
 """The ingress's bounds before any parsing (deployments.admission), on a small FastAPI app with the
 same middlewares (no Ray): a body past max_request_body_bytes is a 413 with OpenAI error JSON
 whether its length is declared or not, and is not read past the limit; /tokenize and /detokenize
-take a place in the admission gate like generation requests; the ingress app stacks the
-middlewares key -> gate -> body limit."""
+take a place in the admission gate, in a lane of their own; one client past its share gets 429s
+while others get in; the ingress app stacks the middlewares key -> gate -> body limit."""
 
 from __future__ import annotations
 
@@ -87,11 +87,73 @@ def test_a_body_within_the_limit_arrives_whole_in_chunks():
 
 @pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/completions"])
 def test_tokenizer_routes_are_behind_the_admission_gate(path):
-    state = AdmissionState(max_in_flight=1)
-    state.in_flight = 1  # the one place is taken
+    state = AdmissionState(max_in_flight=1, max_tokenizer_in_flight=1)
+    state.in_flight = state.tokenizer_in_flight = 1  # the one place of each lane is taken
     r = _post(_app(state, []), path, json={"prompt": "hi"})
     assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
     assert state.num_refused == 1
+
+
+def test_tokenizer_routes_have_a_lane_of_their_own():
+    """A flood of /tokenize cannot take generation's places, nor generation the tokenizer's."""
+    state = AdmissionState(max_in_flight=1, max_tokenizer_in_flight=1)
+    app = _app(state, [])
+    state.tokenizer_in_flight = 1
+    assert _post(app, "/tokenize", json={"prompt": "hi"}).status_code == 429
+    assert _post(app, "/v1/completions", json={"prompt": "hi"}).status_code == 200
+    state.tokenizer_in_flight, state.in_flight = 0, 1
+    assert _post(app, "/v1/completions", json={"prompt": "hi"}).status_code == 429
+    assert _post(app, "/detokenize", json={"prompt": "hi"}).status_code == 200
+    assert state.num_refused == 2 and state.num_refused_per_client == 0
+
+
+def _blocking_app(state: AdmissionState, release: asyncio.Event, entered: list):
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def handle(body: Body):
+        entered.append(body.prompt)
+        await release.wait()
+        return {"ok": True}
+
+    app.add_middleware(AdmissionGate, state=lambda: state)
+    return app
+
+
+@pytest.mark.parametrize("header", [None, "x-forwarded-for"])
+def test_one_client_past_its_share_gets_429s_while_others_get_in(header):
+    """Client A holds its 2 places: its third request is refused at once; B, from another address
+    (or, behind a trusted proxy, another X-Forwarded-For), still gets in; A's requests are served
+    in full once released, and the gate's table empties."""
+    state = AdmissionState(max_in_flight=8, max_per_client=2, client_header=header)
+    release, entered = asyncio.Event(), []
+    app = _blocking_app(state, release, entered)
+
+    def client(name: str):
+        if header:  # one peer (the proxy), clients told apart by the header
+            return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("10.0.0.9", 1)),
+                                     base_url="http://t", headers={header: f"{name}, 10.0.0.9"})
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(name, 1)), base_url="http://t")
+
+    async def go():
+        async with client("10.0.0.1") as a, client("10.0.0.2") as b:
+            held = [asyncio.create_task(a.post("/v1/completions", json={"prompt": f"a{i}"})) for i in range(2)]
+            while len(entered) < 2:
+                await asyncio.sleep(0.01)
+            third = await a.post("/v1/completions", json={"prompt": "a2"})
+            other = asyncio.create_task(b.post("/v1/completions", json={"prompt": "b0"}))
+            while len(entered) < 3:
+                await asyncio.sleep(0.01)
+            assert state.in_flight == 3 and len(state.per_client) == 2
+            release.set()
+            return third, [await t for t in held], await other
+
+    third, held, other = asyncio.run(go())
+    assert third.status_code == 429 and "per client" in third.json()["error"]["message"]
+    assert [r.status_code for r in held] == [200, 200] and other.status_code == 200
+    assert sorted(entered) == ["a0", "a1", "b0"]
+    assert state.num_refused == state.num_refused_per_client == 1
+    assert state.in_flight == 0 and not state.per_client
 
 
 def test_the_ingress_stacks_key_then_gate_then_body_limit():
