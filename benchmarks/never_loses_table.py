@@ -23,19 +23,21 @@ def rows(paths: list[str]) -> list[dict]:
             out.append({"set": Path(cfg["prompts"]).stem, "temperature": cfg["temperature"], "method": r["method"],
                         "k": r["num_speculative_tokens"], "concurrency": r["concurrency"], "speedup": r["speedup"],
                         "acceptance_length": r["acceptance_length"], "greedy_match": r["greedy_match"],
-                        "num_drafts": r["num_drafts"],
+                        "num_drafts": r["num_drafts"], "by_round": r.get("speedup_by_round") or [],
                         "cpu": result["environment"].get("cpu_model")})
     return out
 
 
 def table(found: list[dict]) -> str:
-    lines = ["| set | T | method (k) | conc | speedup | drafts | acc. length | greedy = target |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | T | method (k) | conc | speedup | rounds (min-max) | drafts | acc. length | greedy = target |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(found, key=lambda r: (r["set"], r["temperature"], r["method"], r["concurrency"])):
         mark = "" if r["speedup"] is None or r["speedup"] >= FLOOR else " **below 0.97**"
         greedy = "-" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "**NO**")
+        spread = "-" if len(r["by_round"]) < 2 else (f"{len(r['by_round'])}: {min(r['by_round']):.2f}-"
+                                                       f"{max(r['by_round']):.2f}x")
         lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} ({r['k']}) | {r['concurrency']} | "
-                     f"{r['speedup']:.2f}x{mark} | {r['num_drafts']} | {r['acceptance_length']:.2f} | {greedy} |")
+                     f"{r['speedup']:.2f}x{mark} | {spread} | {r['num_drafts']} | {r['acceptance_length']:.2f} | {greedy} |")
     speedups = [r["speedup"] for r in found if r["speedup"] is not None]
     # runs that drafted nothing did the baseline's work: their spread is the measurement's noise
     same_work = [r["speedup"] for r in found if r["num_drafts"] == 0 and r["speedup"] is not None]

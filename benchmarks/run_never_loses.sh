@@ -7,6 +7,7 @@
 # benchmarks/results/never_loses_<proposers>_<set>_t<T>.json, then a table of the ratios:
 #   benchmarks/run_never_loses.sh [NUM_PROMPTS] [MAX_TOKENS]     (default 8 64)
 #   SETS="mt_bench unguessable" TEMPS=1 PROPOSERS=eagle3 benchmarks/run_never_loses.sh 8 32   (subsets)
+#   ROUNDS=3 benchmarks/run_never_loses.sh   (each sweep's batches 3 times over, interleaved; default 1)
 # Proposers: eagle3 = configs/default.yaml's tree (8 nodes, top-2, 4 deep, stop below 0.2, a 5-token
 # prompt-lookup branch, no drafts at batch >= 3); chains = n-gram and the draft model of
 # configs/draft_model.yaml (the target's first 8 layers) at k = 4.
@@ -28,7 +29,7 @@ for set in ${SETS:-mt_bench humaneval gsm8k unguessable long_documents}; do
       out="$OUT/never_loses_${proposers}_${set}_t${t}.json"
       echo "== $proposers, $set, temperature $t -> $out" >&2
       $PY -m rayspec_cli bench sweep "${flags[@]}" --prompts "$set" --num-prompts "$N" --max-tokens "$MAX" \
-        --temperature "$t" --concurrency 1,8 --num-threads 1 --output-json "$out"
+        --temperature "$t" --concurrency 1,8 --num-threads 1 --rounds "${ROUNDS:-1}" --output-json "$out"
       files+=("$out")
     done
   done

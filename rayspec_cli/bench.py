@@ -70,7 +70,8 @@ def cmd_bench_sweep(args) -> int:
         result = run_sweep(args.model, methods, ks, args.prompts, args.num_prompts, args.max_tokens, concurrency,
                            opts, temperature=args.temperature, seeded=not args.unseeded, device=args.device,
                            dtype=args.dtype,
-                           engine_overrides=bench_engine_overrides(args), planned_memory=planned_memory)
+                           engine_overrides=bench_engine_overrides(args), planned_memory=planned_memory,
+                           rounds=args.rounds)
     except ValueError as err:
         print(f"rayspec bench sweep: {err}", file=sys.stderr)
         return 2

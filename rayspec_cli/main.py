@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at temperature > 0, send requests without a seed, as most served ones come (cost-aware "
                         "drafting keeps a seeded request at the full draft budget: its stream must not depend on time)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every concurrency's batches this many times over, interleaved; each round's ratio "
+                        "is kept (speedup_by_round): their spread is the machine's noise")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: tok/s, speedup and acceptance length vs k, acceptance by "
                                                  "draft position at the largest k")

@@ -43,6 +43,7 @@ def test_bench_sweep_cli(tiny_model_dir, tiny_draft_dir, tmp_path, capsys):
     for (m, k, c), r in rows.items():
         assert r["greedy_match"] is True, (m, k, c)
         assert r["output_throughput"] > 0 and r["speedup"] > 0 and r["total_output_tokens"] > 0
+        assert r["speedup_by_round"] == [pytest.approx(r["speedup"])]  # one round: the pooled ratio
         assert len(r["acceptance_by_position"]) == len(r["num_accepted_tokens_per_pos"]) == k
         assert r["num_draft_tokens"] <= k * r["num_drafts"]  # k caps every draft
         assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / max(r["num_drafts"], 1))
@@ -63,13 +64,19 @@ def test_bench_sweep_sampled_and_refusals(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "t1.json"
     assert main(["bench", "sweep", "--model", str(tiny_model_dir), "--methods", "ngram",
                  "--num-speculative-tokens", "2", "--prompts", str(prompts), "--num-prompts", "1",
-                 "--max-tokens", "8", "--temperature", "1.0", "--output-json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["results"]
+                 "--max-tokens", "8", "--temperature", "1.0", "--rounds", "3", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
     assert row["greedy_match"] is None and row["total_output_tokens"] > 0
+    # three rounds: three ratios, the one prompt run three times by each system (8 tokens at most each)
+    assert result["config"]["rounds"] == 3 and len(row["speedup_by_round"]) == 3
+    assert all(r > 0 for r in row["speedup_by_round"]) and 3 <= row["total_output_tokens"] <= 24
+    assert result["baseline"][0]["total_output_tokens"] >= 3
     assert main(["bench", "sweep", "--model", str(tiny_model_dir), "--methods", "medusa",
                  "--prompts", str(prompts)]) == 2
     assert main(["bench", "sweep", "--model", str(tiny_model_dir), "--methods", "eagle3",
                  "--prompts", str(prompts)]) == 2  # no head for a model of our own
     assert main(["bench", "sweep", "--model", str(tiny_model_dir), "--num-speculative-tokens", "1,x",
                  "--prompts", str(prompts)]) == 2
+    assert main(["bench", "sweep", "--model", str(tiny_model_dir), "--rounds", "0", "--prompts", str(prompts)]) == 2
     assert "medusa" in capsys.readouterr().err

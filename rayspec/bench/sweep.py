@@ -12,10 +12,11 @@ k is the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near m
 Prefix caching is off in these engines unless `--enable-prefix-caching` is given: a method's k values
 run the same prompts on one engine, and later runs would find them cached (prefills the baseline pays).
 
-Interleaved: per concurrency, for every batch of `concurrency` prompts, the baseline runs it,
-then every (method, k) runs the same batch (their order rotating from batch to batch), so machine
-noise hits all of them alike; the baseline is measured once per concurrency and every ratio is
-against it. Throughput is output tokens / wall time of the runs.
+Interleaved: per concurrency, for every batch of `concurrency` prompts, the baseline and every
+(method, k) run the same batch in turn (who goes first rotating from batch to batch), so machine
+noise hits all of them alike; with `--rounds R` the whole set of batches runs R times, and each
+round's ratios are kept beside the pooled one (`speedup_by_round`): their spread is the noise.
+Throughput is output tokens / wall time of the runs.
 
 Per (method, k, concurrency): tok/s, speedup, acceptance length (1 + accepted / drafts: tokens per
 drafting step), acceptance rate (accepted / drafted), acceptance by draft position (vLLM's
@@ -132,14 +133,15 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
               max_tokens: int, concurrency: list[int] = (1,), opts: MethodOptions | None = None,
               temperature: float = 0.0, device: str = "cpu", dtype: str | None = None,
               engine_overrides: dict | None = None, progress: bool = True, log=None, seeded: bool = True,
-              planned_memory=None) -> dict:
-    """planned_memory(engine, k) -> dict: the proposer's memory at draft length k as `rayspec plan` sizes it
+              planned_memory=None, rounds: int = 1) -> dict:
+    """rounds: every concurrency's batches run this many times over, each round interleaved as one
+    (ratios per round in `speedup_by_round`). planned_memory(engine, k) -> dict: the proposer's memory at draft length k as `rayspec plan` sizes it
     (the CLI passes rayspec_cli.bench.planned_memory, which reads the planner in deployments/); None: the
     result's memory has the measured RSS only."""
     opts = opts or MethodOptions()
     methods, ks, concurrency = list(methods), sorted(ks), sorted(concurrency)
-    if any(k < 1 for k in ks) or any(c < 1 for c in concurrency):
-        raise ValueError("every k and concurrency must be >= 1")
+    if any(k < 1 for k in ks) or any(c < 1 for c in concurrency) or rounds < 1:
+        raise ValueError("every k and concurrency, and rounds, must be >= 1")
     specs = {m: spec_config(m, max(ks), model, opts) for m in methods}  # refuses a bad method before loading
     target, tokenizer, eos, _ = load_target(model, device, dtype)
     # every k of a method runs the same prompts on one engine: with prefix caching the later runs would
@@ -166,20 +168,30 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
     combos = [(m, k) for m in methods for k in ks]
     base_runs = {c: SystemRun() for c in concurrency}
     runs = {(m, k, c): SystemRun() for m, k in combos for c in concurrency}
+    by_round = {key: [SystemRun() for _ in range(rounds)] for key in [*base_runs, *runs]}
     deltas: dict[tuple, list[dict]] = {key: [] for key in runs}
-    bar = progress_bar(enabled=progress, total=len(prompt_ids) * len(concurrency), desc="bench sweep", unit="prompt")
+    bar = progress_bar(enabled=progress, total=len(prompt_ids) * len(concurrency) * rounds, desc="bench sweep",
+                       unit="prompt")
+    turn = 0
     for c in concurrency:
-        for b, first in enumerate(range(0, len(prompt_ids), c)):
-            batch = prompt_ids[first: first + c]
-            _run_engine(baseline, batch, max_tokens, base_runs[c], temperature, first, seeded=seeded)
-            shift = b % len(combos)
-            for m, k in combos[shift:] + combos[:shift]:
-                eng = engines[m]
-                before = _stats(eng)
-                _run_engine(eng, batch, max_tokens, runs[(m, k, c)], temperature, first, num_speculative_tokens=k,
-                            seeded=seeded)
-                deltas[(m, k, c)].append((before, _stats(eng)))
-            bar.update(len(batch))
+        for r in range(rounds):
+            for first in range(0, len(prompt_ids), c):
+                batch = prompt_ids[first: first + c]
+                order = [None, *combos]  # None: the baseline; who goes first rotates from batch to batch
+                shift = turn % len(order)
+                turn += 1
+                for combo in order[shift:] + order[:shift]:
+                    if combo is None:
+                        _run_into(baseline, batch, max_tokens, (base_runs[c], by_round[c][r]), temperature, first,
+                                  seeded=seeded)
+                        continue
+                    m, k = combo
+                    eng = engines[m]
+                    before = _stats(eng)
+                    _run_into(eng, batch, max_tokens, (runs[(m, k, c)], by_round[(m, k, c)][r]), temperature, first,
+                              num_speculative_tokens=k, seeded=seeded)
+                    deltas[(m, k, c)].append((before, _stats(eng)))
+                bar.update(len(batch))
     bar.close()
 
     memory = {m: {"rss_delta_bytes": rss[m], "by_k": {str(k): planned_memory(engines[m], k) for k in ks} if planned_memory else {}}
@@ -194,6 +206,10 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
                 "method": m, "num_speculative_tokens": k, "concurrency": c,
                 "output_throughput": run.throughput, "baseline_output_throughput": base.throughput,
                 "speedup": run.throughput / base.throughput if base.throughput else None,
+                # each round's own ratio (its runs against the baseline's of the same round): the spread
+                # shows the machine's noise; the speedup above pools the rounds
+                "speedup_by_round": [a.throughput / b.throughput if b.throughput else None
+                                     for a, b in zip(by_round[(m, k, c)], by_round[c])],
                 "total_output_tokens": run.tokens, "seconds": run.seconds, "step_ms": run.step_ms,
                 **total,
                 "greedy_match": run.outputs == base.outputs if temperature == 0 else None,
@@ -203,6 +219,7 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
     return {
         "config": {"model": model, "methods": methods, "num_speculative_tokens": ks, "concurrency": concurrency,
                    "prompts": prompts_file, "num_prompts": len(prompt_ids), "max_tokens": max_tokens,
+                   "rounds": rounds,
                    "temperature": temperature, "seeded": seeded if temperature > 0 else None, "mode": "offline",
                    # how a step sizes its drafts with `adaptive` (rayspec.drafting)
                    "drafting": "cost-aware" if opts.adaptive else "fixed", "device": str(baseline.device),
@@ -223,6 +240,17 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
         "cpu_kernels": target.cpu_kernels.describe() if getattr(target, "cpu_kernels", None) else None,
         "environment": environment(),
     }
+
+
+def _run_into(engine, batch: list[list[int]], max_tokens: int, into: tuple[SystemRun, ...], *args, **kwargs) -> None:
+    """One timed run of the batch, added to each of `into` (the pooled run and its round's)."""
+    once = SystemRun()
+    _run_engine(engine, batch, max_tokens, once, *args, **kwargs)
+    for run in into:
+        run.seconds += once.seconds
+        run.steps += once.steps
+        run.tokens += once.tokens
+        run.outputs.extend(once.outputs)
 
 
 def _sum_deltas(parts: list[dict], k: int) -> dict:
