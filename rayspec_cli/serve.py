@@ -67,6 +67,16 @@ SERVE_SHUTDOWN_S = 45  # how long Ctrl-C waits for Serve's own shutdown before t
 RAY_SHUTDOWN_S = 30  # then for ray.shutdown() before the process leaves without it
 
 
+def _finished_within(fn, seconds: float) -> bool:
+    """fn() in a daemon thread; whether it returned within `seconds` (if not, it is left running)."""
+    import threading
+
+    thread = threading.Thread(target=fn, name=getattr(fn, "__name__", "stop"), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
 def cmd_serve(args) -> int:
     import signal
 
@@ -111,26 +121,17 @@ def cmd_serve(args) -> int:
         if local:
             # bounded: Serve's graceful shutdown has taken minutes on a loaded 2-core machine; the
             # local Ray we started goes down with ray.shutdown() whatever Serve's state
-            import threading
-
-            ender = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
-            ender.start()
-            ender.join(SERVE_SHUTDOWN_S)
-            if ender.is_alive():
+            if _finished_within(serve.shutdown, SERVE_SHUTDOWN_S):
+                print("rayspec serve: Serve shut down; stopping the local Ray", file=sys.stderr, flush=True)
+            else:
                 print(f"rayspec serve: Serve did not shut down in {SERVE_SHUTDOWN_S} s; stopping the local Ray",
                       file=sys.stderr, flush=True)
-            else:
-                print("rayspec serve: Serve shut down; stopping the local Ray", file=sys.stderr, flush=True)
             # ray.shutdown() can block behind a serve.shutdown() still running in its thread: bounded
             # too. The local Ray's processes die with this one (Ray starts them with the parent-death
             # signal), so leaving at once loses nothing
-            stopper = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
-            stopper.start()
-            stopper.join(RAY_SHUTDOWN_S)
-            if stopper.is_alive():
+            if not _finished_within(ray.shutdown, RAY_SHUTDOWN_S):
                 print(f"rayspec serve: the local Ray did not stop in {RAY_SHUTDOWN_S} s; leaving without it",
                       file=sys.stderr, flush=True)
-                sys.stderr.flush()
                 os._exit(0)
         else:  # a cluster we joined: take our app away, leave the rest
             serve.delete(args.app_name)
