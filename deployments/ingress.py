@@ -261,6 +261,11 @@ class OpenAIIngress:
         return {**await self.verifier.get_stats.remote(), **self.failovers.as_dict(), **self.admission.as_dict(),
                 "ingress_replica": _ingress_replica_id()}
 
+    def record_routing_stats(self) -> dict:
+        """This replica's own counts (failovers, admission), no verifier call: what Serve's controller
+        polls per replica, and what a caller reads from one replica through its actor."""
+        return {**self.failovers.as_dict(), **self.admission.as_dict(), "ingress_replica": _ingress_replica_id()}
+
     # ---- HTTP ------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):

@@ -302,6 +302,12 @@ class Verifier:
         return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
                     num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged, **paired)
 
+    def record_routing_stats(self) -> dict:
+        """The same counters, under the name Ray Serve's controller polls each replica by (and a
+        custom request router reads): a caller can ask one replica directly through its actor, where
+        a handle call goes wherever the router sends it."""
+        return self.get_stats()
+
     async def reset_stats(self) -> dict:
         from rayspec.metrics import SpecDecodeStats
 

@@ -98,17 +98,27 @@ def _wait_replaced(app: str, deployment: str, killed: str, count: int, timeout: 
     wait_for(serve_status, timeout=timeout, interval=0.5)
 
 
+def _per_replica(app: str, deployment: str, count: int) -> list[dict]:
+    """Each running replica's own `record_routing_stats`, asked through its actor (a handle call goes
+    where the router sends it: under load, always to the idle replica). Waits until `count` replicas
+    run and answer (a replacement may still be starting)."""
+    got: list[dict] = []
+
+    def answered() -> bool:
+        got.clear()
+        for name in _replicas(app, deployment):
+            try:
+                got.append(ray.get(ray.get_actor(name, namespace="serve").record_routing_stats.remote(), timeout=60))
+            except (ValueError, ray.exceptions.RayError):  # gone or not yet up: ask again
+                return False
+        return len(got) == count
+    wait_for(answered, timeout=120, interval=0.2)
+    return list(got)
+
+
 def _verifier_stats(app: str, count: int) -> dict[str, dict]:
-    """Stats of every verifier replica (the router spreads the calls; ask until each answered)."""
-    handle = serve.get_deployment_handle("Verifier", app_name=app)
-    seen: dict[str, dict] = {}
-    for _ in range(50):  # calls in flight together: the router spreads them over the replicas
-        for stats in [r.result(timeout_s=60) for r in [handle.get_stats.remote() for _ in range(4 * count if count > 1 else 1)]]:
-            seen[stats["replica"]] = stats
-        if len(seen) == count:
-            return seen
-        time.sleep(0.1)
-    raise AssertionError(f"only {len(seen)} of {count} verifier replicas answered")
+    """Stats of every verifier replica, by replica."""
+    return {s["replica"]: s for s in _per_replica(app, "Verifier", count)}
 
 
 def _idle(app: str, count: int) -> bool:
@@ -119,17 +129,8 @@ def _idle(app: str, count: int) -> bool:
 
 def _failovers(app: str, count: int) -> dict[str, dict]:
     """Failover counts of every ingress replica (each counts its own): replica id -> counts."""
-    handle = serve.get_app_handle(app)
-    seen: dict[str, dict] = {}
-    for _ in range(50):
-        # one call at a time to a one-replica app: the `bounded` app queues one request per caller
-        # for its verifier, and each stats call asks the verifier (4 at once got a BackPressureError)
-        for stats in [r.result(timeout_s=60) for r in [handle.stats.remote() for _ in range(4 * count if count > 1 else 1)]]:
-            seen[stats["ingress_replica"]] = {k: stats[k] for k in ("num_stream_failovers", "num_request_failovers")}
-        if len(seen) >= count:
-            return seen
-        time.sleep(0.1)
-    raise AssertionError(f"only {len(seen)} of {count} ingress replicas answered")
+    return {s["ingress_replica"]: {k: s[k] for k in ("num_stream_failovers", "num_request_failovers")}
+            for s in _per_replica(app, "OpenAIIngress", count)}
 
 
 def _failovers_since(app: str, before: dict[str, dict], count: int) -> dict[str, int]:
