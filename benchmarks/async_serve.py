@@ -71,7 +71,7 @@ def main() -> None:
     from deployments.app import build_app
 
     from deployments.config import load_app_args
-    from deployments.resources import resource_plan
+    from deployments.operations.resources import resource_plan
 
     doc = yaml.safe_load(Path(a.config).read_text())
     specs = [spec for spec in doc["applications"] if spec["name"] in a.apps]

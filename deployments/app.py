@@ -5,15 +5,15 @@ what `ray.serve.llm:build_openai_app` takes; deployments/dialects.py).
 colocated:      OpenAIIngress -> Verifier (engine + in-process proposer)
 disaggregated:  OpenAIIngress -> Verifier (engine + RemoteProposer) -> Proposer
   paired:       OpenAIIngress -> Verifier (engine + RemoteProposer) -> its own proposer actor
-                (no Proposer deployment; deployments/pairing.py)
+                (no Proposer deployment; deployments/replicas/pairing.py)
 
 With several verifier replicas the ingress's handle routes by prompt prefix (the Verifier's
-request_router_config, AppArgs.prefix_routing: deployments/prefix_router.py).
+request_router_config, AppArgs.prefix_routing: deployments/replicas/prefix_router.py).
 
 Python handle API (from a driver connected to the cluster, or from another deployment):
 
     from ray import serve
-    from deployments.protocol import GenerateRequest
+    from deployments.transport.protocol import GenerateRequest
     h = serve.get_app_handle("rayspec")
     resp = h.generate.remote(GenerateRequest(prompt="Hello", max_tokens=32, temperature=0)).result()
     for chunk in h.options(stream=True).generate_stream.remote(GenerateRequest(prompt="Hi", max_tokens=8)):
@@ -30,9 +30,9 @@ from ray.serve import Application
 
 from deployments.config import AppArgs, load_app_args, resolve_api_key
 from deployments.dialects import translate_llm_app_args
-from deployments.ingress import OpenAIIngress
-from deployments.proposer import Proposer
-from deployments.verifier import Verifier
+from deployments.frontend.ingress import OpenAIIngress
+from deployments.replicas.proposer import Proposer
+from deployments.replicas.verifier import Verifier
 
 
 def pin_hub_revisions(cfg: AppArgs) -> AppArgs:
@@ -62,7 +62,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         # those two deployments get it (SecretStr: a repr or log line shows stars)
         channel_secret = SecretStr(secrets.token_urlsafe(32))
         # the verifiers' alone: what a proposer is told of a request's seed is keyed by it
-        # (deployments.remote_proposer.proposer_seed), the same on every verifier replica
+        # (deployments.transport.remote_proposer.proposer_seed), the same on every verifier replica
         seed_secret = SecretStr(secrets.token_urlsafe(32))
         if not cfg.paired:  # paired: each verifier replica starts its own proposer
             proposer = Proposer.options(**cfg.proposer_options()).bind(plain, channel_secret)

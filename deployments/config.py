@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from deployments.autoscaling import proposer_autoscaling_config
+from deployments.operations.autoscaling import proposer_autoscaling_config
 from deployments.vllm_names import translate_vllm_args
 from rayspec.assets import assets_root
 from rayspec.config import DEFAULT_MODEL, EngineConfig, EngineSettings, SpeculativeConfig, field_names
@@ -142,7 +142,7 @@ class DeploymentArgs(_Strict):
 
 
 class PrefixRoutingArgs(_Strict):
-    """Prefix-aware routing across verifier replicas (deployments/prefix_router.py): a request goes
+    """Prefix-aware routing across verifier replicas (deployments/replicas/prefix_router.py): a request goes
     to the replica sent the longest prefix of its prompt before, unless that one is much busier."""
 
     enabled: bool | None = None  # None: on where the verifier may run more than one replica
@@ -156,7 +156,7 @@ class PrefixRoutingArgs(_Strict):
 
 
 INGRESS_NAME, VERIFIER_NAME, PROPOSER_NAME = "OpenAIIngress", "Verifier", "Proposer"
-PREFIX_ROUTER = "deployments.prefix_router.PrefixAwareRouter"
+PREFIX_ROUTER = "deployments.replicas.prefix_router.PrefixAwareRouter"
 REPIN_INTERVAL_S = 60.0  # a verifier's re-pin period when the proposer pool autoscales
 ASYNC_METHODS = ("draft_model", "eagle3", "eagle")  # proposers that can pre-draft (rayspec.proposers.pre_draft)
 INGRESS_RESERVE = 32  # Serve's max_ongoing_requests for the ingress: its admission gate + this
@@ -175,7 +175,7 @@ class AppArgs(_Strict):
     # disaggregated: where proposers run. "pool": a Proposer deployment of its own, which verifier
     # replicas pin replicas of (scaled and placed by its own options). "paired": no Proposer
     # deployment; each verifier replica reserves one more placement group bundle (the proposer's
-    # ray_actor_options) and runs its own proposer actor there (deployments/pairing.py), placed by
+    # ray_actor_options) and runs its own proposer actor there (deployments/replicas/pairing.py), placed by
     # verifier.placement_group_strategy: STRICT_PACK the replica's node (another GPU), STRICT_SPREAD
     # another node.
     proposer_placement: Literal["pool", "paired"] = "pool"
@@ -183,7 +183,7 @@ class AppArgs(_Strict):
     # drafts (then it leaves the proposer alone for 1 s, doubling to 60 s while calls keep failing)
     proposer_call_timeout_s: float = Field(30.0, gt=0)
     # disaggregated: per-step calls over a direct socket to the pinned proposer replica ("direct",
-    # deployments.direct_channel; falls back to Serve when it cannot connect) or through Serve handles
+    # deployments.transport.direct_channel; falls back to Serve when it cannot connect) or through Serve handles
     proposer_transport: Literal["direct", "serve"] = "direct"
     # the direct channel refuses frames longer than this (both ways; a call that would be longer goes
     # through Serve): checked from the length prefix, before anything is allocated
@@ -206,7 +206,7 @@ class AppArgs(_Strict):
     # client to wait, in its Retry-After header. The bounds themselves are each deployment's
     # max_ongoing_requests / max_queued_requests and engine.max_num_waiting (deployments/README.md).
     retry_after_s: float = Field(1.0, ge=0)
-    # a request body longer than this is a 413, refused before it is parsed (deployments.admission)
+    # a request body longer than this is a 413, refused before it is parsed (deployments.frontend.admission)
     max_request_body_bytes: int = Field(16 << 20, ge=1 << 10)
     # /tokenize and /detokenize in flight per ingress replica, a lane beside generation's (past it: 429)
     max_ongoing_tokenizer: int = Field(4, ge=1)

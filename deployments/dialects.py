@@ -60,7 +60,7 @@ def _deployment(options: Any, where: str) -> dict:
     return options
 
 
-# Ray Serve LLM's prefix-affinity router's kwargs -> our prefix_routing keys (deployments.prefix_router)
+# Ray Serve LLM's prefix-affinity router's kwargs -> our prefix_routing keys (deployments.replicas.prefix_router)
 PREFIX_ROUTER_KWARGS = {"imbalanced_threshold": "imbalance_threshold", "match_rate_threshold": "min_match_ratio"}
 
 
@@ -115,7 +115,7 @@ def translate_llm_app_args(args: Any) -> dict:
     engine_name = cfg.get("llm_engine")
     if engine_name is not None and str(engine_name).lower() != "vllm":
         raise ValueError(f"llm_configs[0].llm_engine: {engine_name!r}; rayspec stands in for vLLM (leave it out)")
-    # log_engine_metrics: rayspec's replicas always export their metrics (deployments/metrics.py)
+    # log_engine_metrics: rayspec's replicas always export their metrics (deployments/replicas/metrics.py)
 
     loading = _as_object(cfg.get("model_loading_config") or {}, "model_loading_config")
     unknown = set(loading) - set(MODEL_LOADING_KEYS)

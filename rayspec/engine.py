@@ -89,7 +89,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None, tokenizer=None,
                  proposer: Proposer | None = None, rank_launcher=None):
         """rank_launcher: starts the other ranks when config.tensor_parallel_size > 1
-        (rayspec.tp_ranks.RankLauncher; deployments.tensor_parallel has Ray's)."""
+        (rayspec.tp_ranks.RankLauncher; deployments.replicas.tensor_parallel has Ray's)."""
         from rayspec import loader
         from rayspec.weights import hub
 
@@ -140,7 +140,7 @@ class LLMEngine:
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.stats = SpecDecodeStats()
         # unfinished outputs carry only what they add (RequestOutput.delta_*), not copies of the
-        # whole output so far: a server that streams sets this (deployments.engine_loop)
+        # whole output so far: a server that streams sets this (deployments.replicas.engine_loop)
         self.delta_outputs = False
         self.scheduler = Scheduler(self.runner, self.proposer, self.max_k, config.max_num_batched_tokens,
                                    self.feature_layers)
@@ -176,7 +176,7 @@ class LLMEngine:
 
     def _kv_plan(self, model: CausalLM, spec, in_process: bool = True):
         """in_process: the proposer (a draft model's cache) shares this process's KV budget; a
-        disaggregated one (deployments.remote_proposer) keeps its cache in its own deployment."""
+        disaggregated one (deployments.transport.remote_proposer) keeps its cache in its own deployment."""
         from rayspec.memory import kv_cache_plan  # the one sizing function (`rayspec plan` reports it too)
 
         return kv_cache_plan(model.args, self.dtype, self.max_model_len, self.max_k, self.config.max_num_seqs,
@@ -568,7 +568,7 @@ class LLMEngine:
         propose_s = time.perf_counter() - started
         self.stats.propose_seconds += propose_s
         lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
-        if lost:  # a remote proposer resends itself (deployments.remote_proposer); here it is a bug
+        if lost:  # a remote proposer resends itself (deployments.transport.remote_proposer); here it is a bug
             raise RuntimeError(f"the proposer lost the target features of {lost}")
         return drafts, propose_s
 

@@ -345,7 +345,7 @@ def _proposer_activations(config: EngineConfig, draft: DraftShape, dtype: torch.
 
 def proposer_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: str, draft: DraftShape,
                   num_slots: int) -> ProcessPlan:
-    """The memory of a proposer deployment replica (deployments.proposer): the proposer with a cache
+    """The memory of a proposer deployment replica (deployments.replicas.proposer): the proposer with a cache
     of `num_slots` slots (every verifier replica's sequences may land there) of the configured
     max_model_len; an EAGLE head also loads the target without its layers."""
     spec = config.speculative

@@ -1,5 +1,5 @@
 """Engine statistics named like vLLM's: speculative-decoding counters, and what a step did to its
-requests (the serving layer turns both into Prometheus metrics: deployments/metrics.py)."""
+requests (the serving layer turns both into Prometheus metrics: deployments/replicas/metrics.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Only rank 0 runs the engine (scheduler, proposer, sampling). The other ranks run
 they wait for the next command from rank 0 (a forward, a logits call, a KV-cache copy) and do their
 share of it. Every command has a declared layout: an int64 header of HEADER_LEN values, then
 tensors whose shapes the header gives, all by `broadcast` (nothing is pickled). NCCL on CUDA, gloo
-on CPU: the same code. Launching the ranks is someone else's job (deployments.tensor_parallel starts
+on CPU: the same code. Launching the ranks is someone else's job (deployments.replicas.tensor_parallel starts
 them as Ray actors in the replica's placement group); this module needs no Ray.
 """
 

@@ -10,7 +10,7 @@ the recovered token is drawn from normalise(max(0, p - q)). p and q are the proc
 (temperature / top-k / top-p) target and draft distributions. A proposer without
 probabilities (n-gram) is a point mass q = one_hot(x), so acceptance is p(x) and the
 residual is p with x removed. The emitted tokens are then distributed exactly as p.
-q may come from another process (deployments.remote_proposer), so it is checked before use
+q may come from another process (deployments.transport.remote_proposer), so it is checked before use
 (`usable_draft_probs`): finite, non-negative, each row summing to 1, q(x) > 0 for the drafted
 token. A q that fails is ignored and the draft is verified as a point mass, which is lossless
 whatever tokens were drafted (acceptance p(x), residual p without x): a broken or forged q can

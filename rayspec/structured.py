@@ -36,7 +36,7 @@ JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexib
 #   nesting (~3 KiB each), and a chain of a few thousand rules ("a0: a1 "x"  a1: a2 "x" ...", ~50,000
 #   characters) overflows a default 8 MiB thread stack, which kills the whole process (a segfault).
 #   256 MiB (address space; only the pages touched are used) holds ~80,000 levels, more than a grammar of
-#   the serving layer's size limit (deployments.openai_limits.LIMITS) can nest.
+#   the serving layer's size limit (deployments.frontend.openai_limits.LIMITS) can nest.
 PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
                      step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
                      verbose_errors=False)

@@ -1,7 +1,7 @@
 """The ranks of a tensor-parallel model, above the parallel layers (rayspec.parallel): a follower's
 whole life (`run_rank`: join the group, load its shard, follow rank 0's commands), rank 0's start
 (`start_tensor_parallel`), and the launcher interface (`RankLauncher`; Ray's is
-deployments.tensor_parallel.RayRankLauncher). It builds models, so it sits above rayspec.model and
+deployments.replicas.tensor_parallel.RayRankLauncher). It builds models, so it sits above rayspec.model and
 rayspec.loader; rayspec.parallel imports neither (no import circle)."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class DraftShard:
 
 class RankLauncher:
     """Starts ranks 1..size-1, each running `run_rank` in a process of its own on its own device.
-    deployments.tensor_parallel.RayRankLauncher does it with Ray actors in a placement group."""
+    deployments.replicas.tensor_parallel.RayRankLauncher does it with Ray actors in a placement group."""
 
     def address(self) -> str:
         """An address of this process's host that the ranks can reach (rank 0 listens there)."""
@@ -136,7 +136,7 @@ def start_tensor_parallel(config, launcher: RankLauncher | None):
     if launcher is None:
         raise ValueError(f"tensor_parallel_size {size} needs its other ranks started: run it under Ray "
                          "(the verifier deployment, `rayspec bench offline --tensor-parallel-size`) or pass "
-                         "rank_launcher=deployments.tensor_parallel.RayRankLauncher()")
+                         "rank_launcher=deployments.replicas.tensor_parallel.RayRankLauncher()")
     device = torch.device(config.device) if config.device else loader.default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -14,7 +14,7 @@ def _ray_rank_launcher():
     """Tensor-parallel ranks as Ray actors (a local Ray instance unless RAY_ADDRESS names a cluster)."""
     import ray
 
-    from deployments.tensor_parallel import RayRankLauncher
+    from deployments.replicas.tensor_parallel import RayRankLauncher
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
@@ -131,7 +131,7 @@ def planned_memory(engine, k: int) -> dict:
     """The proposer's weights and KV cache (and the target's KV cache) as `rayspec plan` sizes them
     for this engine's config at draft length k; None where the planner cannot read the models."""
     try:
-        from deployments.plan import draft_shape, model_shape
+        from deployments.operations.plan import draft_shape, model_shape
         from rayspec.memory import engine_plan
 
         config = engine.config

@@ -102,7 +102,7 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    from deployments.api_key import exposure_warning
+    from deployments.frontend.api_key import exposure_warning
     from deployments.config import resolve_api_key
 
     warning = exposure_warning(host, resolve_api_key(cfg.api_key) is not None)
@@ -139,7 +139,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from deployments.plan import app_json, format_app, parse_size, plan_config
+    from deployments.operations.plan import app_json, format_app, parse_size, plan_config
     from rayspec.weights.files import ModelNotFoundError
 
     try:
@@ -158,7 +158,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_kuberay(args) -> int:
-    from deployments.kuberay import render
+    from deployments.operations.kuberay import render
 
     try:
         text = render(args.config, image=args.image, name=args.name, source=args.source, ref=args.ref)

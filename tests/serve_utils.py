@@ -181,7 +181,7 @@ def app_deployments(app) -> dict:
 
 def app_seed_key(app):
     """The seed key a built app gives its verifiers (deployments.app): what a proposer is told of a
-    request's seed is keyed by it (deployments.remote_proposer.proposer_seed)."""
+    request's seed is keyed by it (deployments.transport.remote_proposer.proposer_seed)."""
     return app_deployments(app)["Verifier"].init_args[3]
 
 
@@ -190,7 +190,7 @@ def seeded_like_served(engine, seed_key):
     (the keyed proposer_seed, not the seed): its seeded samples are then the app's."""
     import dataclasses
 
-    from deployments.remote_proposer import _key_bytes, proposer_seed
+    from deployments.transport.remote_proposer import _key_bytes, proposer_seed
 
     key, propose = _key_bytes(seed_key), engine.proposer.propose
 

@@ -348,7 +348,7 @@ def test_engine_loop_delivers_one_requests_failure_to_that_request_only(target_d
     """Served: the failed request's stream ends with the engine's error (the ingress's 500), the
     others are delivered in full, and the loop counts it (`num_failed` in /v1/stats)."""
 
-    from deployments.engine_loop import EngineLoop
+    from deployments.replicas.engine_loop import EngineLoop
 
     def factory():
         engine = _engine(target_dir, target, "ngram", 64)

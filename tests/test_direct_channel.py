@@ -1,4 +1,4 @@
-"""The verifier <-> proposer direct channel (deployments.direct_channel, deployments.wire) against
+"""The verifier <-> proposer direct channel (deployments.transport.direct_channel, deployments.transport.wire) against
 what an attacker who can reach its port might send: no pickle is ever loaded, a connection that
 does not prove the application's secret or sends a malformed or oversized frame is closed and
 counted, and the server keeps answering everyone else.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.direct_channel import (CallTooLarge, ChannelClient, ChannelRefused, ChannelServer,
+from deployments.transport.direct_channel import (CallTooLarge, ChannelClient, ChannelRefused, ChannelServer,
                                         client_handshake)
-from deployments.wire import (HEADER, CallLimits, MalformedFrame, ReplyLimits, decode_call, decode_reply,
+from deployments.transport.wire import (HEADER, CallLimits, MalformedFrame, ReplyLimits, decode_call, decode_reply,
                               encode_call, encode_drafts, encode_error)
 from rayspec.proposers import Draft, ProposeRequest
 
@@ -198,7 +198,8 @@ def test_tensor_dtype_and_shape_are_checked():
 
 
 def test_no_pickle_on_the_channel():
-    for name in ("direct_channel.py", "wire.py", "remote_proposer.py", "proposer.py"):
+    for name in ("transport/direct_channel.py", "transport/wire.py", "transport/remote_proposer.py",
+                 "replicas/proposer.py"):
         source = (Path(__file__).parents[1] / "deployments" / name).read_text()
         assert "import pickle" not in source and "pickle." not in source, name
 
@@ -467,7 +468,7 @@ def test_a_replayed_or_reordered_call_is_refused(server):
 def test_the_call_deadline_covers_the_whole_reply():
     """A server that trickles its reply a byte every 0.2 s never lets one read time out: the
     client's timeout is for the whole call, so it gives up after about timeout_s."""
-    from deployments.direct_channel import server_handshake
+    from deployments.transport.direct_channel import server_handshake
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         def trickler():
@@ -524,7 +525,7 @@ def test_a_forged_q_on_the_path_cannot_force_a_sampled_output(tiny_model_dir):
     (finite, sums to 1) but claims q(FORCED) = 1e-12, so u * q < p(FORCED) accepts FORCED almost
     surely. Without frame tags a sampled request's output is then mostly FORCED; with them the
     verifier refuses the first forged reply, drops the channel, and samples as the target does."""
-    from deployments.remote_proposer import RemoteProposer
+    from deployments.transport.remote_proposer import RemoteProposer
     from engine_utils import cached_model, make_engine
     from rayspec.sampling import SamplingParams
 
@@ -585,7 +586,7 @@ class _Handle:
 
 
 def test_remote_proposer_uses_the_channel_only_with_the_secret(server):
-    from deployments.remote_proposer import RemoteProposer
+    from deployments.transport.remote_proposer import RemoteProposer
 
     handle = _Handle(server.address, lambda n: [Draft([9])] * n)
     request = ProposeRequest("s", [1, 2], 3)
@@ -605,7 +606,7 @@ def test_remote_proposer_uses_the_channel_only_with_the_secret(server):
 def test_proposer_deployment_counts_rejected_connections(tmp_path):
     from serve_utils import tiny_args
 
-    from deployments.proposer import Proposer
+    from deployments.replicas.proposer import Proposer
 
     marker = tmp_path / "pwned"
     args = tiny_args(tmp_path / "no-model", topology="disaggregated", engine={"device": "cpu", "num_threads": None})

@@ -1,4 +1,4 @@
-"""After a failover the old replica's call or stream is cancelled (deployments.failover): a replica
+"""After a failover the old replica's call or stream is cancelled (deployments.frontend.failover): a replica
 that is only unreachable (ActorUnavailableError) would otherwise go on decoding for no one. Handle
 doubles, no Ray cluster."""
 
@@ -8,8 +8,8 @@ import asyncio
 
 from ray.exceptions import ActorUnavailableError
 
-from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
-from deployments.protocol import GenerateChunk, GenerateRequest
+from deployments.frontend.failover import FailoverCounts, FailoverStream, call_with_failover
+from deployments.transport.protocol import GenerateChunk, GenerateRequest
 
 
 def _chunk(tokens, finished):

@@ -130,9 +130,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def test_the_layer_check_finds_an_upward_import():
-    graph = {"rayspec.bench.sweep": {"deployments.plan", "rayspec.engine"}, "deployments.app": {"rayspec.engine"},
-             "rayspec_cli.main": {"deployments.app", "rayspec.engine"}, "deployments.plan": {"rayspec_cli.serve"}}
-    assert upward_imports(graph) == [("deployments.plan", "rayspec_cli.serve"), ("rayspec.bench.sweep", "deployments.plan")]
+    graph = {"rayspec.bench.sweep": {"deployments.operations.plan", "rayspec.engine"}, "deployments.app": {"rayspec.engine"},
+             "rayspec_cli.main": {"deployments.app", "rayspec.engine"}, "deployments.operations.plan": {"rayspec_cli.serve"}}
+    assert upward_imports(graph) == [("deployments.operations.plan", "rayspec_cli.serve"), ("rayspec.bench.sweep", "deployments.operations.plan")]
 
 
 def test_the_engine_imports_neither_the_serving_layer_nor_the_cli():

@@ -1,4 +1,4 @@
-"""The ingress's bounds before any parsing (deployments.admission), on a small FastAPI app with the
+"""The ingress's bounds before any parsing (deployments.frontend.admission), on a small FastAPI app with the
 same middlewares (no Ray): a body past max_request_body_bytes is a 413 with OpenAI error JSON
 whether its length is declared or not, and is not read past the limit; /tokenize and /detokenize
 take a place in the admission gate, in a lane of their own; one client past its share gets 429s
@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from deployments.admission import AdmissionGate, AdmissionState, BodyLimit
+from deployments.frontend.admission import AdmissionGate, AdmissionState, BodyLimit
 
 LIMIT = 4096
 
@@ -157,9 +157,9 @@ def test_one_client_past_its_share_gets_429s_while_others_get_in(header):
 
 
 def test_the_ingress_stacks_key_then_gate_then_body_limit():
-    from deployments.admission import BodyLimit as Limit
-    from deployments.api_key import RequireApiKey
-    from deployments.ingress import app
+    from deployments.frontend.admission import BodyLimit as Limit
+    from deployments.frontend.api_key import RequireApiKey
+    from deployments.frontend.ingress import app
 
     order = [m.cls for m in app.user_middleware]  # outermost first
     assert order == [RequireApiKey, AdmissionGate, Limit]
@@ -171,7 +171,7 @@ def test_shipped_configs_bind_loopback_unless_they_opt_in():
     host does too; binding elsewhere without an API key is warned about."""
     import yaml
 
-    from deployments.api_key import exposure_warning
+    from deployments.frontend.api_key import exposure_warning
     from rayspec.assets import configs_dir
 
     opted_in = {"cluster_eagle3.yaml"}

@@ -22,7 +22,7 @@ from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscali
 from ray.serve.schema import ServeDeploySchema
 
 from conftest import make_tiny_model_dir
-from deployments import kuberay
+from deployments.operations import kuberay
 from deployments.config import AppArgs
 from deployments.dialects import app_args_of
 from rayspec_cli.main import main

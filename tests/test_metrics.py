@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.metrics import METRICS, PREFIX, RAY_PREFIX, exported_series, scraped_names
+from deployments.replicas.metrics import METRICS, PREFIX, RAY_PREFIX, exported_series, scraped_names
 from engine_utils import make_engine, submit_all
 from serve_utils import wait_for
 from rayspec.metrics import IterationStats
@@ -111,7 +111,7 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
     delivered outputs', one TTFT, queue time and e2e per request, one inter-token latency per
     later output that carried tokens; an abort counts as finished_reason "abort"; the snapshot's
     KV usage is a fraction."""
-    from deployments.engine_loop import EngineLoop
+    from deployments.replicas.engine_loop import EngineLoop
 
     recorder = Recorder()
     loop = EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", k=4, max_num_seqs=2, loaded=loaded),
@@ -168,7 +168,7 @@ def test_engine_loop_stats_match_what_it_delivered(tiny_model_dir, loaded):
 def test_engine_loop_turns_a_chat_prompt_into_the_templates_ids(tiny_model_dir, loaded):
     """A ChatPrompt (the verifier's typed chat request) is encoded by the engine's chat template on the
     loop thread: the same prompt tokens and greedy output as those template ids submitted directly."""
-    from deployments.engine_loop import ChatPrompt, EngineLoop
+    from deployments.replicas.engine_loop import ChatPrompt, EngineLoop
 
     loop = EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded))
     loop.wait_ready(60)

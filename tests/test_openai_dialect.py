@@ -18,9 +18,9 @@ from conftest import make_tiny_model_dir
 from serve_utils import tiny_args
 
 from deployments.config import load_app_args
-from deployments.openai_limits import OpenAIError
-from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
-from deployments.openai_responses import AutoToolCallStream, auto_tool_message
+from deployments.frontend.openai_limits import OpenAIError
+from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.frontend.openai_responses import AutoToolCallStream, auto_tool_message
 from rayspec.tool_parsers import ToolCallStreamParser, get_parser, parser_for_template
 
 KEY = "dialect-key"
@@ -161,7 +161,7 @@ def test_ingress_picks_the_app_arg_over_the_template(tiny_model_dir):
     neither, tool_choice auto is a 400 that names tool_call_parser."""
     import asyncio
 
-    import deployments.ingress as ingress_module
+    import deployments.frontend.ingress as ingress_module
 
     class _Verifier:
         def __init__(self, found):

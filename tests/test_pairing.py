@@ -1,5 +1,5 @@
 """Pairing (issue 20, `proposer_placement: paired`): each verifier replica reserves one more
-placement group bundle and runs its own proposer actor there (deployments/pairing.py).
+placement group bundle and runs its own proposer actor there (deployments/replicas/pairing.py).
 
 Without Ray: the config's checks and the Serve options it makes (the verifier's bundles and
 strategy, no Proposer deployment; with tensor parallelism the proposer's bundle after the ranks').
@@ -22,8 +22,8 @@ from serve_utils import app_deployments, app_stats, free_port, run_streams, targ
 
 from deployments.app import build_app
 from deployments.config import AppArgs
-from deployments.kuberay import deployment_units, worker_groups
-from deployments.plan import plan_app
+from deployments.operations.kuberay import deployment_units, worker_groups
+from deployments.operations.plan import plan_app
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma"]
 MAX_TOKENS = 96

@@ -15,8 +15,8 @@ import torch
 
 from engine_utils import cached_model, make_engine
 from hub_server import FakeHub, use_hub
-from deployments.plan import draft_shape, model_shape, parse_size, read_serve_config, shape_of
-from deployments.resources import Machine, resource_lines, resource_plan
+from deployments.operations.plan import draft_shape, model_shape, parse_size, read_serve_config, shape_of
+from deployments.operations.resources import Machine, resource_lines, resource_plan
 from deployments.config import load_app_args
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.families import ModelArgs
@@ -556,7 +556,7 @@ def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
     there (Llama-3.1-8B's), from the file's own figures, and nothing for other shapes."""
     import json as _json
 
-    from deployments.plan import RESULTS_DIR, measured_step_lines
+    from deployments.operations.plan import RESULTS_DIR, measured_step_lines
     from rayspec.families import ModelArgs
 
     llama8b = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,

@@ -92,7 +92,7 @@ def test_scoring_requests_leave_their_prefix_too(target_dir, target, eagle_dir):
     """A completions request with max_tokens 0 and echo is an engine request of max_tokens 1; with
     logprobs it asks for prompt logprobs, which read no cached prefix (every prompt row's logits are
     needed) but still leave theirs for the requests after it."""
-    from deployments.openai_requests import CompletionRequest
+    from deployments.frontend.openai_requests import CompletionRequest
 
     (gen,) = CompletionRequest(model="m", prompt=FIRST, max_tokens=0, echo=True).to_generate()
     assert gen.max_tokens == 1 and gen.echo_prompt

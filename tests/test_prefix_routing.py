@@ -1,4 +1,4 @@
-"""Prefix-aware routing across verifier replicas (deployments/prefix_router.py): the index, the
+"""Prefix-aware routing across verifier replicas (deployments/replicas/prefix_router.py): the index, the
 policy and the router's choices without Ray Serve; then 2 served verifier replicas (real local
 Ray, tiny model) that repeated long prefixes reach the same replica, and that load spills over."""
 
@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from deployments.config import AppArgs
-from deployments.prefix_router import (PrefixAwareRouter, PrefixIndex, block_hashes, preferred_replicas,
+from deployments.replicas.prefix_router import (PrefixAwareRouter, PrefixIndex, block_hashes, preferred_replicas,
                                        prompt_units)
-from deployments.protocol import GenerateRequest
+from deployments.transport.protocol import GenerateRequest
 
 # ---- the policy, without Ray Serve --------------------------------------------------------------
 
@@ -192,7 +192,7 @@ def test_config_enables_it_with_several_verifier_replicas():
     assert not one.prefix_routing_enabled and "request_router_config" not in one.verifier_options()
     two = AppArgs.model_validate({"verifier": {"num_replicas": 2}, "engine": {"max_num_seqs": 8}})
     config = two.verifier_options()["request_router_config"]
-    assert config["request_router_class"] == "deployments.prefix_router.PrefixAwareRouter"
+    assert config["request_router_class"] == "deployments.replicas.prefix_router.PrefixAwareRouter"
     assert config["request_router_kwargs"] == {"imbalance_threshold": 4, "min_match_ratio": 0.1, "block_size": 64,
                                                "max_entries": 200_000}
     scaled = AppArgs.model_validate({"verifier": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}})

@@ -3,7 +3,7 @@
 - A seeded request's seed stays in the verifier: it fixes the target's random stream (the uniforms
   that accept or reject each draft token), so a proposer that knew it could time its drafts to
   those draws, and the direct channel carries frames in the clear. The proposer gets an HMAC of
-  the seed under a key only the verifier deployment holds (deployments.remote_proposer): the same
+  the seed under a key only the verifier deployment holds (deployments.transport.remote_proposer): the same
   on every verifier replica of an application (a seeded request still reproduces), unrelated to
   the seed without the key.
 - An EAGLE head's prefix cache is salted like the target's (`cache_salt`): a tenant's prompt pairs
@@ -64,7 +64,7 @@ class _Handle:
 
 
 def _sent_seed(seed_key, seed):
-    from deployments.remote_proposer import RemoteProposer
+    from deployments.transport.remote_proposer import RemoteProposer
 
     handle = _Handle()
     remote = RemoteProposer(handle, affinity="v", direct=False, seed_key=seed_key)
@@ -74,7 +74,7 @@ def _sent_seed(seed_key, seed):
 
 
 def test_the_request_seed_does_not_reach_the_proposer():
-    from deployments.remote_proposer import proposer_seed
+    from deployments.transport.remote_proposer import proposer_seed
 
     for seed in (0, 42, 2**64 + 5, -7):
         sent = _sent_seed("key-a", seed)
@@ -163,8 +163,8 @@ def test_the_draft_models_prefix_cache_is_salted(tmp_path_factory):
     """A draft model keeps its own KV cache with prefix caching: tenant A's prompt is found there by
     A's next sequence only, not by another tenant's or an unsalted one (the draft's catch-up forward
     of a found prefix is shorter: a timing channel between tenants). The salt reaches a remote
-    proposer too (deployments/wire.py)."""
-    from deployments.wire import CallLimits, decode_call, encode_call
+    proposer too (deployments/transport/wire.py)."""
+    from deployments.transport.wire import CallLimits, decode_call, encode_call
 
     root = tmp_path_factory.mktemp("salt-draft")
     target_dir = make_tiny_model_dir(root / "target", seed=5, num_layers=2, hidden=HIDDEN, vocab_size=VOCAB,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.openai_limits import OpenAIError
-from deployments.openai_requests import ChatCompletionRequest
+from deployments.frontend.openai_limits import OpenAIError
+from deployments.frontend.openai_requests import ChatCompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

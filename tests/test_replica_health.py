@@ -13,8 +13,8 @@ from rayspec.sampling import SamplingParams
 
 
 def test_a_replica_whose_steps_all_fail_reports_unhealthy(tiny_model_dir):
-    from deployments.engine_loop import EngineLoop
-    from deployments.verifier import UNHEALTHY_AFTER_FAILED_STEPS, Verifier
+    from deployments.replicas.engine_loop import EngineLoop
+    from deployments.replicas.verifier import UNHEALTHY_AFTER_FAILED_STEPS, Verifier
 
     loop = EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", loaded=cached_model(str(tiny_model_dir))))
     loop.wait_ready(120)

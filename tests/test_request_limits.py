@@ -1,4 +1,4 @@
-"""Per-request limits of the OpenAI routes (deployments.openai_limits.LIMITS, the table in
+"""Per-request limits of the OpenAI routes (deployments.frontend.openai_limits.LIMITS, the table in
 deployments/README.md): past each one a 400 whose `param` names the field and whose message names
 the limit; just at it, the request is accepted. No Ray: an ingress instance is built without Serve
 (as tests/test_serve_openai.py's health test does) and its own request building (`_to_generate`),
@@ -15,10 +15,10 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-import deployments.ingress as ingress_module
-from deployments.openai_limits import LIMITS, OpenAIError
-from deployments.openai_requests import ChatCompletionRequest, CompletionRequest
-from deployments.protocol import GenerateRequest
+import deployments.frontend.ingress as ingress_module
+from deployments.frontend.openai_limits import LIMITS, OpenAIError
+from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.transport.protocol import GenerateRequest
 from rayspec.engine import InvalidRequestError, LLMEngine
 from rayspec.sampling import MAX_SEED, SamplingParams
 from rayspec.structured import GrammarCompiler, GrammarState, StructuredOutput

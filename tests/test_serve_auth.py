@@ -1,4 +1,4 @@
-"""API keys on the OpenAI ingress (deployments.api_key), on a real local Ray cluster (tiny model).
+"""API keys on the OpenAI ingress (deployments.frontend.api_key), on a real local Ray cluster (tiny model).
 
 Every route but /health answers 401 with OpenAI's error JSON (`invalid_api_key`) and a
 `WWW-Authenticate: Bearer` header without the key or with another one, over raw HTTP and through

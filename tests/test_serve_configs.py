@@ -203,7 +203,7 @@ def test_default_config_served(smollm2, serve_url):
     from ray import serve
     from ray_utils import cpus_in_use, serving
 
-    from deployments.resources import resource_plan
+    from deployments.operations.resources import resource_plan
 
     from rayspec.config import SpeculativeConfig
     from rayspec.engine import LLMEngine

@@ -27,9 +27,9 @@ from ray_utils import serving  # noqa: E402
 from serve_utils import app_seed_key, seeded_like_served, tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.proposer import Proposer  # noqa: E402
-from deployments.remote_proposer import RemoteProposer  # noqa: E402
+from deployments.transport.protocol import GenerateRequest  # noqa: E402
+from deployments.replicas.proposer import Proposer  # noqa: E402
+from deployments.transport.remote_proposer import RemoteProposer  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.eagle.checkpoint import save_eagle_head  # noqa: E402
 from rayspec.engine import LLMEngine  # noqa: E402

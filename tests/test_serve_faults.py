@@ -32,7 +32,7 @@ from ray.serve.exceptions import BackPressureError
 from ray_utils import serving
 from serve_utils import astream_completion, tiny_args, wait_for
 
-import deployments.ingress as ingress_module
+import deployments.frontend.ingress as ingress_module
 from deployments.app import build_app
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import EngineOverloadedError, LLMEngine
@@ -299,7 +299,7 @@ def test_killed_verifier_replica_under_sampled_load(served):
     with [DONE], no error, exactly max_tokens tokens (the resumed ones continue from the tokens they
     had, counted once); the ingress replicas counted the failovers. (A seeded stream that failed over
     is not the seed's unfaulted output: its random stream restarts on the new replica.) The SSE
-    responses carry the no-buffering headers (deployments/sse.py)."""
+    responses carry the no-buffering headers (deployments/frontend/sse.py)."""
     victim = _replicas("faults", "Verifier")[0]
     before = _failovers("faults", 2)
     url = f"{served}/faults/v1/completions"

@@ -14,7 +14,7 @@ from ray_utils import serving
 from serve_utils import is_error_event, tiny_args, wait_for  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
+from deployments.transport.protocol import GenerateRequest  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine import LLMEngine  # noqa: E402
 from rayspec.sampling import SamplingParams  # noqa: E402
@@ -76,7 +76,7 @@ def test_health_answers_from_the_ingress_without_internals(tiny_model_dir, monke
     verifier is asked only by the probe."""
     import asyncio
 
-    import deployments.ingress as ingress_module
+    import deployments.frontend.ingress as ingress_module
 
     monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.2)
 
@@ -340,7 +340,7 @@ def test_sampled_request_runs(client, local_engine):
                               "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-    # per-request limits (deployments.openai_limits.LIMITS; tests/test_request_limits.py has each one's edge)
+    # per-request limits (deployments.frontend.openai_limits.LIMITS; tests/test_request_limits.py has each one's edge)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["s"] * 10_000}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "x" * 1001}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": list(range(129))}, 400, "stop_token_ids"),
@@ -424,7 +424,7 @@ def test_python_handle_api(server):
 
 
 def test_handle_from_second_app(server):
-    from deployments.handle_example import HandleClient
+    from deployments.operations.handle_example import HandleClient
 
     client_handle = serve.run(HandleClient.options(ray_actor_options={"num_cpus": 0}).bind("rayspec"),
                               name="client", route_prefix="/client")
@@ -486,7 +486,7 @@ def test_prometheus_metrics(server, client):
     import re
     import time
 
-    from deployments.metrics import METRICS, scraped_names
+    from deployments.replicas.metrics import METRICS, scraped_names
 
     def scrape() -> str:
         try:

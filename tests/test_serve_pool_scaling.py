@@ -1,4 +1,4 @@
-"""The proposer pool and the verifier pool scale on their own signals (deployments.autoscaling).
+"""The proposer pool and the verifier pool scale on their own signals (deployments.operations.autoscaling).
 
 Two disaggregated apps on one local Ray cluster, the same streamed load on each:
 - a slow draft (a draft model far heavier than the target): the proposers are the bottleneck, their
@@ -22,7 +22,7 @@ from conftest import make_tiny_model_dir
 from ray_utils import serving
 from serve_utils import is_error_event, tiny_args, wait_for
 from deployments.app import build_app
-from deployments.autoscaling import BUSY_METRIC, BusyMeter, ProposerBusyPolicy, proposer_autoscaling_config
+from deployments.operations.autoscaling import BUSY_METRIC, BusyMeter, ProposerBusyPolicy, proposer_autoscaling_config
 
 FAST = {"upscale_delay_s": 1, "downscale_delay_s": 600, "look_back_period_s": 12}  # > metrics_interval_s (10)
 

@@ -16,7 +16,7 @@ from ray.cluster_utils import Cluster
 
 from serve_utils import astream_completion, free_port, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
-from deployments.tensor_parallel import rank_actor_name
+from deployments.replicas.tensor_parallel import rank_actor_name
 
 PROMPTS = ["one two three four five one two three four five one two", "The quick brown fox jumps over"]
 DEADLINE_S = 240

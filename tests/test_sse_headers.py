@@ -1,4 +1,4 @@
-"""Streamed responses tell a reverse proxy not to buffer them (deployments/sse.py): every SSE
+"""Streamed responses tell a reverse proxy not to buffer them (deployments/frontend/sse.py): every SSE
 response of the ingress carries `X-Accel-Buffering: no` and `Cache-Control: no-cache` besides its
 `text/event-stream` type. Without Ray: the ingress class's stream response over stubbed verifier
 streams (tests/test_serve_faults.py checks the same headers over HTTP)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-import deployments.ingress as ingress_module
+import deployments.frontend.ingress as ingress_module
 
 
 def test_sse_responses_ask_proxies_not_to_buffer(monkeypatch):

@@ -37,8 +37,8 @@ def test_engine_outputs_are_deltas_when_asked(tiny_model_dir):
 def test_a_reader_that_stops_reading_is_cut_off(tiny_model_dir):
     from serve_utils import tiny_args
 
-    from deployments.protocol import GenerateRequest
-    from deployments.verifier import StreamBacklogError, Verifier
+    from deployments.transport.protocol import GenerateRequest
+    from deployments.replicas.verifier import StreamBacklogError, Verifier
 
     verifier = Verifier.func_or_class(tiny_args(tiny_model_dir))
     verifier.max_buffered_outputs = 4

@@ -1,5 +1,5 @@
 """Tensor parallelism on a real local Ray cluster: ranks 1..N-1 are Ray actors in a placement group
-(deployments.tensor_parallel), rank 0 runs the engine, gloo between them (NCCL on GPUs: the same
+(deployments.replicas.tensor_parallel), rank 0 runs the engine, gloo between them (NCCL on GPUs: the same
 code). Greedy output at TP=2 / TP=3 equals TP=1 target-only decoding token for token under every
 proposer; sampled output keeps the target's distribution; a rank that dies fails the engine at once
 (never a hang), and a served replica that loses a rank is replaced while its streams fail over."""
@@ -24,7 +24,7 @@ from rayspec.loader import load_model
 from rayspec.parallel import RankFailure
 from rayspec.sampling import SamplingParams
 
-from deployments.tensor_parallel import RayRankLauncher
+from deployments.replicas.tensor_parallel import RayRankLauncher
 
 VOCAB, LAYERS, HIDDEN = 256, 3, 64
 PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [200, 3, 3, 3, 41], [9] * 12, [77, 78, 79, 80, 77, 78]]

@@ -1,5 +1,5 @@
 """A launcher for tensor-parallel ranks as plain local processes (torch.multiprocessing, spawn):
-core tests of the parallel layers without a Ray cluster. Serving uses deployments.tensor_parallel."""
+core tests of the parallel layers without a Ray cluster. Serving uses deployments.replicas.tensor_parallel."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.proposer import ProposerServer
+from deployments.replicas.proposer import ProposerServer
 
 logger = logging.getLogger("ray.serve")
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from deployments.openai_limits import OpenAIError
+from deployments.frontend.openai_limits import OpenAIError
 
 OPEN_PATHS = ("/health",)  # a readiness probe has no key
 

@@ -9,8 +9,8 @@ commands. Outside a placement group (`rayspec bench offline --tensor-parallel-si
 makes one of N-1 bundles for the other ranks and removes it at shutdown.
 
 A rank that dies breaks the group: rank 0's next collective raises rayspec.parallel.RankFailure,
-which the verifier turns into the death of its replica (deployments.engine_loop), so Serve starts a
-new one and requests in flight fail over (deployments.failover). The health check also asks
+which the verifier turns into the death of its replica (deployments.replicas.engine_loop), so Serve starts a
+new one and requests in flight fail over (deployments.frontend.failover). The health check also asks
 whether every rank's actor is still running.
 """
 

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.openai_limits import LIMITS, MAX_CHOICES, OpenAIError, at_most
-from deployments.protocol import GenerateRequest
+from deployments.frontend.openai_limits import LIMITS, MAX_CHOICES, OpenAIError, at_most
+from deployments.transport.protocol import GenerateRequest
 from rayspec.logprobs import MAX_TOP_LOGPROBS
 from rayspec.structured import StructuredOutput
 from rayspec.tools import call_schema

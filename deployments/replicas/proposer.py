@@ -15,7 +15,7 @@ Without the target in this process, the head loads the target's embedding (and, 
 its LM head) itself.
 
 Transport: `pin` answers with the address of this replica's direct channel
-(deployments.direct_channel), and the verifier sends its per-step calls there, skipping Serve's
+(deployments.transport.direct_channel), and the verifier sends its per-step calls there, skipping Serve's
 routing; `propose` through the Serve handle stays for verifiers that cannot connect. The channel
 admits only verifiers holding the application's channel secret (a constructor argument, given by
 deployments.app to the verifier and proposer deployments alone) and checks every call against
@@ -23,7 +23,7 @@ this replica's shapes: the EAGLE feature width, max_num_seqs requests, max_model
 
 ProposerServer is all of this but Serve's part (the multiplexed pin, the autoscaling signal): the
 Proposer deployment is a pool of it, and `proposer_placement: paired` runs one per verifier replica
-as a plain Ray actor in that replica's placement group (deployments.pairing).
+as a plain Ray actor in that replica's placement group (deployments.replicas.pairing).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import time
 import torch
 from ray import serve
 
-from deployments.autoscaling import BUSY_METRIC, BusyMeter
+from deployments.operations.autoscaling import BUSY_METRIC, BusyMeter
 from deployments.config import load_app_args, replica_device
-from deployments.direct_channel import ChannelServer
-from deployments.wire import CallLimits
+from deployments.transport.direct_channel import ChannelServer
+from deployments.transport.wire import CallLimits
 from rayspec.config import ProposerContext
 from rayspec.loader import parse_dtype
 from rayspec.malloc import keep_freed_memory
@@ -71,7 +71,7 @@ def feature_width(proposer) -> int | None:
 
 class ProposerServer:
     """One proposer and its direct channel, without Serve: the Proposer deployment below and the
-    paired proposer actor (deployments.pairing) are both this."""
+    paired proposer actor (deployments.replicas.pairing) are both this."""
 
     def __init__(self, args: dict, channel_secret=None):
         self.cfg = load_app_args(args)
@@ -84,7 +84,7 @@ class ProposerServer:
         self.num_requests = 0
         self.num_tree_drafts = 0
         self.propose_seconds = 0.0  # drafting time inside this replica (the rest of a call is transport)
-        self.busy = BusyMeter()  # the pool's autoscaling signal (deployments.autoscaling)
+        self.busy = BusyMeter()  # the pool's autoscaling signal (deployments.operations.autoscaling)
         # asynchronous drafting: pre-drafts while the verifier verifies (rayspec.proposers.pre_draft)
         self.pre_drafter: PreDrafter | None = None
         self._pre_draft_thread: PreDraftThread | None = None
@@ -103,7 +103,7 @@ class ProposerServer:
         return {"channel": self._channel_address()}
 
     def _channel_address(self) -> tuple[str, int] | None:
-        """Started on the first pin: the direct channel (deployments.direct_channel) on this node's address."""
+        """Started on the first pin: the direct channel (deployments.transport.direct_channel) on this node's address."""
         with self._channel_lock:
             if self._channel is None:
                 try:
@@ -199,5 +199,5 @@ class Proposer(ProposerServer):
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric: the fraction of the last seconds spent drafting, over
-        the direct channel and Serve alike (deployments.autoscaling.ProposerBusyPolicy reads it)."""
+        the direct channel and Serve alike (deployments.operations.autoscaling.ProposerBusyPolicy reads it)."""
         return {BUSY_METRIC: self.busy.fraction()}

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from deployments.openai_requests import ToolCallMode
+from deployments.frontend.openai_requests import ToolCallMode
 from rayspec.logprobs import TokenLogprob
 from rayspec.tool_parsers import ToolCallParser, ToolCallStreamParser
 from rayspec.tools import parse_calls

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ray import serve
 from starlette.requests import Request
 
-from deployments.protocol import GenerateRequest
+from deployments.transport.protocol import GenerateRequest
 
 
 @serve.deployment  # resources via .options(...) at bind time

@@ -2,7 +2,7 @@
 
 Serve's default policy scales on ongoing requests, which fits the verifier (each request is a call
 in flight there). It does not fit the proposer: a verifier replica has at most one propose call in
-flight whatever its load, and with the direct channel (deployments.direct_channel) the per-step
+flight whatever its load, and with the direct channel (deployments.transport.direct_channel) the per-step
 calls do not pass through Serve at all. So each proposer replica measures the fraction of wall time
 it spent drafting over the last `window_s` (`BusyMeter`), reports it as a custom autoscaling metric
 (`Proposer.record_autoscaling_stats`), and `ProposerBusyPolicy` asks for as many replicas as keep
@@ -13,7 +13,7 @@ that fraction near `target_busy`:
 A replica drafting 90% of the time against a target of 0.6 asks for 1.5 -> 2 replicas; two at 20%
 each ask for 0.67 -> 1. Serve applies min/max_replicas, upscale/downscale delays and scaling
 factors around it as for its own policy. Verifiers spread over the new replicas when they re-pin
-(`proposer_repin_interval_s`, deployments.remote_proposer).
+(`proposer_repin_interval_s`, deployments.transport.remote_proposer).
 
 The verifier's pool keeps Serve's request-based policy. So each pool grows on its own bottleneck:
 a slow draft (a large draft model, deep EAGLE trees) grows the proposers and not the verifiers;
@@ -29,7 +29,7 @@ from typing import Any
 
 BUSY_METRIC = "rayspec_proposer_busy"
 DEFAULT_TARGET_BUSY = 0.6
-POLICY_PATH = "deployments.autoscaling:ProposerBusyPolicy"
+POLICY_PATH = "deployments.operations.autoscaling:ProposerBusyPolicy"
 
 
 class BusyMeter:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from deployments.failover import FailoverCounts, FailoverStream
-from deployments.protocol import GenerateChunk, GenerateRequest
+from deployments.frontend.failover import FailoverCounts, FailoverStream
+from deployments.transport.protocol import GenerateChunk, GenerateRequest
 
 
 def expand(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:

@@ -1,7 +1,7 @@
 """What each deployment of a serve app asks Ray to schedule: CPUs and GPUs per replica (a placement
 group's bundles summed), counted from the same deployment options build_app gives Serve, summed
 and set against a machine. A replica Ray cannot place is never started, and Serve only logs that
-it waits to be scheduled; `rayspec plan` prints this (deployments.plan). No model is read, no Ray
+it waits to be scheduled; `rayspec plan` prints this (deployments.operations.plan). No model is read, no Ray
 is started.
 """
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from deployments.openai_limits import OpenAIError
+from deployments.frontend.openai_limits import OpenAIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})

@@ -2,7 +2,7 @@
 
 colocated: the proposer lives inside the engine (no RPC per step).
 disaggregated: the engine drafts through RemoteProposer -> the Proposer deployment, one call per step;
-with proposer_placement 'paired', -> this replica's own proposer actor (deployments.pairing).
+with proposer_placement 'paired', -> this replica's own proposer actor (deployments.replicas.pairing).
 A caller that is cancelled or disconnects aborts its request, which frees its KV slot.
 """
 
@@ -20,8 +20,8 @@ from ray import serve
 logger = logging.getLogger("ray.serve")
 
 from deployments.config import load_app_args, replica_device
-from deployments.engine_loop import ChatPrompt, EngineLoop
-from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.replicas.engine_loop import ChatPrompt, EngineLoop
+from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
 
 
@@ -85,7 +85,7 @@ def _replica_tag() -> str:
 def _end_replica(err: BaseException) -> None:
     """The engine cannot go on (a tensor-parallel rank died: the ranks' caches no longer agree). The
     replica's process ends, so Serve starts a new one and the requests in flight fail over to a live
-    replica (deployments.failover), as when the replica itself dies."""
+    replica (deployments.frontend.failover), as when the replica itself dies."""
     import os
 
     logger.error("verifier replica ending: %r", err)
@@ -102,14 +102,14 @@ class Verifier:
         tag = _replica_tag()
         self.paired = None
         if cfg.paired:  # this replica's own proposer, in the last bundle of its placement group
-            from deployments.pairing import PairedHandle
+            from deployments.replicas.pairing import PairedHandle
 
             self.paired = proposer_handle = PairedHandle(args, channel_secret)
 
         def factory() -> LLMEngine:
             proposer = None
             if proposer_handle is not None:
-                from deployments.remote_proposer import RemoteProposer
+                from deployments.transport.remote_proposer import RemoteProposer
                 proposer = RemoteProposer(proposer_handle, device=engine_config.device, affinity=tag,
                                           timeout_s=cfg.proposer_call_timeout_s,
                                           direct=cfg.proposer_transport == "direct", channel_secret=channel_secret,
@@ -117,7 +117,7 @@ class Verifier:
                                           repin_interval_s=cfg.repin_interval_s, seed_key=seed_secret)
             launcher = None
             if engine_config.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
-                from deployments.tensor_parallel import RayRankLauncher
+                from deployments.replicas.tensor_parallel import RayRankLauncher
 
                 launcher = RayRankLauncher()
             engine = LLMEngine(engine_config, proposer=proposer, rank_launcher=launcher)
@@ -126,7 +126,7 @@ class Verifier:
             return engine
 
         try:
-            from deployments.metrics import VerifierMetrics
+            from deployments.replicas.metrics import VerifierMetrics
 
             metrics = VerifierMetrics(cfg.model_name)
         except Exception:  # noqa: BLE001 - metrics are best effort
@@ -179,7 +179,7 @@ class Verifier:
 
     def placement(self) -> dict:
         """This replica's node and GPU ids, and its paired proposer's (None: the proposer is a pool's)."""
-        from deployments.pairing import placement
+        from deployments.replicas.pairing import placement
 
         return {**placement(), "proposer": self.paired.placement() if self.paired is not None else None}
 

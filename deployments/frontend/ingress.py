@@ -4,7 +4,7 @@ Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /t
 POST /detokenize, GET /health, GET /v1/stats.
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
 With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but /health wants
-`Authorization: Bearer <key>` (deployments.api_key); handle calls come over Ray, which has no keys.
+`Authorization: Bearer <key>` (deployments.frontend.api_key); handle calls come over Ray, which has no keys.
 """
 
 
@@ -23,19 +23,19 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
+from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
                                    overloaded)
-from deployments.api_key import RequireApiKey, exposure_warning, key_digest
-from deployments.choices import expand, gather_or_cancel, merged, open_streams
+from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
+from deployments.frontend.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.config import load_app_args, resolve_api_key
-from deployments.failover import FailoverCounts, FailoverStream, call_with_failover
-from deployments.openai_limits import OpenAIError
-from deployments.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from deployments.openai_responses import (AutoToolCallStream, ToolCallStream, auto_tool_message, chat_logprobs,
+from deployments.frontend.failover import FailoverCounts, FailoverStream, call_with_failover
+from deployments.frontend.openai_limits import OpenAIError
+from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from deployments.frontend.openai_responses import (AutoToolCallStream, ToolCallStream, auto_tool_message, chat_logprobs,
                                           completion_logprobs, finish_reason, new_id, now, sum_usage,
                                           tool_call_message)
-from deployments.protocol import GenerateChunk, GenerateRequest, GenerateResponse
-from deployments.sse import SSE_HEADERS
+from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.frontend.sse import SSE_HEADERS
 from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 from rayspec.tool_parsers import ToolCallParser, get_parser
 

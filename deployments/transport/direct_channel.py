@@ -14,7 +14,7 @@ that trust to its port:
   exchange cannot be replayed to either side). The secret is made when the app is built and given
   only to the verifier and proposer deployments; a server made without one makes its own, and a
   client cannot be made without one, so the channel never runs unauthenticated.
-- no code execution: messages are the fixed binary layout of deployments.wire (no pickle), every
+- no code execution: messages are the fixed binary layout of deployments.transport.wire (no pickle), every
   field checked against what the receiver expects.
 - bounded allocation: before the handshake a connection can make the server read 69 bytes, within
   `handshake_timeout_s`; after it, a frame's length prefix is checked against `max_frame_bytes`
@@ -50,7 +50,7 @@ import threading
 import time
 from typing import Callable
 
-from deployments.wire import (HEADER, CallLimits, FrameTooLarge, MalformedFrame, ReplyLimits, decode_call,
+from deployments.transport.wire import (HEADER, CallLimits, FrameTooLarge, MalformedFrame, ReplyLimits, decode_call,
                               decode_reply, encode_call, encode_drafts, encode_error)
 from rayspec.proposers import Draft, ProposeRequest
 

@@ -1,7 +1,7 @@
 """A rayspec Proposer that drafts in another Serve deployment (the disaggregated topology).
 
 Transport: the `pin` call goes through Serve and answers with the pinned replica's direct channel
-address (deployments.direct_channel); with `direct` (the default) and the application's channel
+address (deployments.transport.direct_channel); with `direct` (the default) and the application's channel
 secret the per-step calls then go over that socket, skipping Serve's routing. Without a channel
 (`direct=False`, no secret, no address, or the connection or its handshake fails) they go through
 the handle, as described below, and so does a single call too large for the channel's frame
@@ -57,8 +57,8 @@ import time
 
 import torch
 
-from deployments.direct_channel import DEFAULT_MAX_FRAME_BYTES, CallTooLarge, ChannelClient
-from deployments.wire import ReplyLimits
+from deployments.transport.direct_channel import DEFAULT_MAX_FRAME_BYTES, CallTooLarge, ChannelClient
+from deployments.transport.wire import ReplyLimits
 from rayspec.proposers import Draft, Proposer, ProposeRequest
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class RemoteProposer(Proposer):
         self.affinity = affinity
         self._pinned = affinity is None  # with a tag, the first call pins it to one proposer replica
         # pin again (a new tag, so Serve's router chooses afresh) this often: spreads the verifiers
-        # over a proposer pool that grew (deployments.autoscaling)
+        # over a proposer pool that grew (deployments.operations.autoscaling)
         self.repin_interval_s = repin_interval_s if affinity else None
         self.num_repins = 0
         self._pinned_at = float("-inf")
@@ -131,7 +131,7 @@ class RemoteProposer(Proposer):
         self.num_failed_calls = 0  # calls that raised (replica died, timeout): those steps had no drafts
         self.num_skipped_steps = 0  # steps without drafts because a failure was recent
         self._clock, self._backoff_s, self._skip_until = clock, 0.0, float("-inf")
-        self.num_cache_hits = 0  # drafts the proposer had pre-drafted (deployments.proposer, async_hypotheses)
+        self.num_cache_hits = 0  # drafts the proposer had pre-drafted (deployments.replicas.proposer, async_hypotheses)
         self.num_cache_misses = 0  # drafts it drafted on the call while pre-drafting
         self.call_seconds = 0.0  # wall time of propose calls seen from here (transport + drafting)
         self.num_hit_calls = 0  # calls answered from the speculation cache alone (no drafting on the call)

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, TypeVar
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from deployments.protocol import GenerateChunk, GenerateRequest
+from deployments.transport.protocol import GenerateChunk, GenerateRequest
 
 logger = logging.getLogger("rayspec.serve")
 

@@ -9,7 +9,7 @@ make the receiver run code, and nothing is allocated beyond what the frame's own
 Layout, little-endian (the byte order of every platform Ray runs on; checked at import):
 
     frame      u64 body length, then the body: u8 kind, then by kind (on the direct channel each
-               frame is followed by its 32-byte HMAC-SHA256 tag: deployments.direct_channel.Session)
+               frame is followed by its 32-byte HMAC-SHA256 tag: deployments.transport.direct_channel.Session)
     CALL  (1)  u32 n, n x request, u32 m, m x str (sequences released)
     DRAFTS(2)  u32 n, n x draft  (n = the number of requests of the call)
     ERROR (3)  str (the handler's error, for the caller to raise)
@@ -41,7 +41,7 @@ import torch
 from rayspec.proposers import Draft, ProposeRequest
 
 if sys.byteorder != "little":  # tensors and int arrays go out in native order
-    raise ImportError("deployments.wire assumes a little-endian host")
+    raise ImportError("deployments.transport.wire assumes a little-endian host")
 
 CALL, DRAFTS, ERROR = 1, 2, 3
 HEADER = struct.Struct("<Q")  # body length

@@ -8,7 +8,7 @@ memory limit: replicas packed onto one GPU share its memory, so the worst packin
 A tensor-parallel verifier replica is N processes, one per placement-group bundle (rank 0 is the
 replica itself): each is planned and checked against a GPU of its own (its bundle's share).
 
-It also prints what each deployment asks Ray to schedule, against this machine (deployments.resources).
+It also prints what each deployment asks Ray to schedule, against this machine (deployments.operations.resources).
 
 (Over 500 lines: the plan and its two renderings, text and JSON, walk the same AppPlan; the checkpoint
 sizes and the GPU fit table are the next split, with the renderings, if it grows.)
@@ -28,7 +28,7 @@ import torch
 
 from deployments.config import AppArgs, load_app_args
 from deployments.dialects import APP_IMPORT_PATHS, app_args_of
-from deployments.resources import Machine, ResourcePlan, resource_lines, resource_plan, resources_json
+from deployments.operations.resources import Machine, ResourcePlan, resource_lines, resource_plan, resources_json
 from rayspec.families import ModelArgs
 from rayspec.memory import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
 from rayspec.weight_memory import ModelShape, as_shape, causal_lm_weights, generic_weights
@@ -488,7 +488,7 @@ def format_app(app: AppPlan, gpu_memory: int | None, machine: Machine | None = N
 
 # the shapes benchmarks/gpu_roofline.py measures (its SHAPES): (vocab, hidden, intermediate, layers, heads, kv heads)
 ROOFLINE_SHAPES = {"llama3.1-8b": (128256, 4096, 14336, 32, 32, 8)}
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def measured_step_lines(target: ModelArgs, results_dir: Path = RESULTS_DIR) -> list[str]:
