@@ -26,7 +26,16 @@ engine-wide: the sequences due take their probes together, in one step, and only
 steps have passed since the last probing step; a probe that finds nothing doubles that gap (up to
 `max_probe_gap`), an accepted draft halves it. Traffic no draft can guess so pays for a probe step
 every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
-the whole context it skipped, and on a CPU any multi-row verification jumps in cost. Drafting less never changes what is emitted at temperature 0, nor the distribution above
+the whole context it skipped, and on a CPU any multi-row verification jumps in cost. And probes
+have a budget (`probe_share`, 2%): each planned step adds that share of its estimated cost, and a
+probing step takes what its probes add (a draft model's catch-up counted whole), so the sequences
+due probe only as far as the budget covers, longest-waiting first. Where nothing is ever accepted
+speculation so costs at most ~2% of the time plus one probing step's worth.
+- catch-up: a proposer with a model of its own runs through the context it has not seen before it
+  drafts (Proposer.catch_up_tokens: a draft model after steps without drafts, or a new sequence's
+  prompt). Its cost is a term of the proposer fit; the planner spreads the part past one step's
+  tokens over the steps the sequence has left (paid once, it serves every later draft).
+Drafting less never changes what is emitted at temperature 0, nor the distribution above
 (the verifier keeps the output the target's). A seeded sampled request's random stream, though,
 is consumed per drafted token: its budget must depend on its own history alone, never on time or
 on what else runs. Under measured costs it keeps the full budget (`pinned`), under modelled ones
@@ -45,6 +54,8 @@ import numpy as np
 SEQ_DISCOUNT, POOL_DISCOUNT = 0.9, 0.98
 PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0  # the pool's own prior at every depth
 POOL_WEIGHT = 3.0  # pseudo-observations the pool lends a sequence's estimate at each depth
+# probes (paced, engine-wide) may cost up to this share of the engine's estimated step time
+PROBE_SHARE = 0.02
 
 
 @dataclass
@@ -115,9 +126,11 @@ def verify_features(batch: int, rows: int, row_context: float) -> np.ndarray:
     return np.array([1.0, float(rows > batch), rows, row_context / 1000.0])
 
 
-def propose_features(depth: int, batch: int) -> np.ndarray:
-    """depth: sequential proposer forwards (chain length, tree depth); batch: sequences drafted."""
-    return np.array([1.0, depth, depth * batch])
+def propose_features(depth: int, batch: int, catch_up: float = 0.0) -> np.ndarray:
+    """depth: sequential proposer forwards (chain length, tree depth); batch: sequences drafted;
+    catch_up: tokens the proposer runs through before drafting (Proposer.catch_up_tokens, summed over
+    the sequences drafted), in thousands: a draft model's prefill of the context it skipped."""
+    return np.array([1.0, depth, depth * batch, catch_up / 1000.0])
 
 
 class LinearFit:
@@ -156,20 +169,20 @@ class MeasuredCosts:
         # the context term is pulled to 0 by ~10 pseudo-steps: on a busy machine step times are
         # noisy, and rows x context moves with rows; attention's share must show in the data
         self.verify = LinearFit([0.0, 0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2, 10.0])
-        self.propose = LinearFit([0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2])
+        self.propose = LinearFit([0.0, 0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2, 1e-2])
 
     def verify_s(self, batch: int, rows: int, row_context: float) -> float:
         return self.verify.predict(verify_features(batch, rows, row_context))
 
-    def propose_s(self, depth: int, batch: int) -> float:
+    def propose_s(self, depth: int, batch: int, catch_up: float = 0.0) -> float:
         # nothing measured yet: free (optimistic), so the proposer gets called and timed
-        return self.propose.predict(propose_features(depth, batch)) if self.propose.num_observed else 0.0
+        return self.propose.predict(propose_features(depth, batch, catch_up)) if self.propose.num_observed else 0.0
 
     def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
         self.verify.observe(verify_features(batch, rows, row_context), seconds)
 
-    def observe_propose(self, depth: int, batch: int, seconds: float) -> None:
-        self.propose.observe(propose_features(depth, batch), seconds)
+    def observe_propose(self, depth: int, batch: int, seconds: float, catch_up: float = 0.0) -> None:
+        self.propose.observe(propose_features(depth, batch, catch_up), seconds)
 
     @property
     def known(self) -> bool:
@@ -180,11 +193,12 @@ class ModelledCosts:
     """Fixed cost coefficients (SpeculativeConfig.draft_costs): no timer involved, the same plan on
     every machine. Keys: step_s, multirow_s (added when any sequence verifies drafts), row_s,
     row_context_s (per row x 1000 context tokens), propose_s, propose_depth_s,
-    propose_depth_batch_s; missing ones are 0."""
+    propose_depth_batch_s, propose_catch_up_s (per 1000 tokens caught up); missing ones are 0."""
 
     deterministic = True
     known = True
-    KEYS = ("step_s", "multirow_s", "row_s", "row_context_s", "propose_s", "propose_depth_s", "propose_depth_batch_s")
+    KEYS = ("step_s", "multirow_s", "row_s", "row_context_s", "propose_s", "propose_depth_s", "propose_depth_batch_s",
+            "propose_catch_up_s")
 
     def __init__(self, coefficients: dict):
         unknown = set(coefficients) - set(self.KEYS)
@@ -200,13 +214,13 @@ class ModelledCosts:
     def verify_s(self, batch: int, rows: int, row_context: float) -> float:
         return float(self.verify_theta @ verify_features(batch, rows, row_context))
 
-    def propose_s(self, depth: int, batch: int) -> float:
-        return float(self.propose_theta @ propose_features(depth, batch))
+    def propose_s(self, depth: int, batch: int, catch_up: float = 0.0) -> float:
+        return float(self.propose_theta @ propose_features(depth, batch, catch_up))
 
     def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
         pass
 
-    def observe_propose(self, depth: int, batch: int, seconds: float) -> None:
+    def observe_propose(self, depth: int, batch: int, seconds: float, catch_up: float = 0.0) -> None:
         pass
 
 
@@ -234,13 +248,15 @@ class PlanInput:
     # planned as if alone, from its own history only (no pool, no batch): a seeded sampled request
     # under modelled costs, whose random stream must not depend on what else runs
     isolated: bool = False
+    catch_up: int = 0  # tokens the proposer would first run through to draft for it (Proposer.catch_up_tokens)
+    remaining: int = 0  # tokens the request may still produce (0: unknown; its catch-up is not spread)
 
 
 class DraftPlanner:
     """Chooses each step's per-sequence draft budgets (see the module docstring)."""
 
     def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 16,
-                 max_probe_every: int = 64, max_probe_gap: int = 256):
+                 max_probe_every: int = 64, max_probe_gap: int = 256, probe_share: float | None = PROBE_SHARE):
         self.max_k, self.topk = max_k, max(1, topk)
         self.max_depth = max_depth or max_k  # a tree's depth limit (num_steps)
         self.costs = costs
@@ -250,6 +266,9 @@ class DraftPlanner:
         # probing step, and the fewest allowed between two (0 until a probe finds nothing)
         self.since_probe, self.probe_gap, self.max_probe_gap = 0, 0, max_probe_gap
         self._round_open = False  # a paced probing step whose verdict has not yet moved the gap
+        # what probes may cost: each planned step adds probe_share of its own estimated cost, a
+        # paced probing step takes its estimated extra cost (catch-up included); None: no limit
+        self.probe_share, self.probe_budget = probe_share, 0.0
 
     def budgets(self, tree: bool) -> list[int]:
         """The draft budgets a step may give a sequence: any k for chains; for trees whole depths
@@ -293,12 +312,15 @@ class DraftPlanner:
                 for i, c in zip(group, picked):
                     choice[i] = c
         out = [o[c] for o, c in zip(options, choice)]
-        self._probe(seqs, options, out)
+        self._probe(seqs, options, [v[-1] for v in values], out, tree)
         return out
 
-    def _probe(self, seqs: list[PlanInput], options: list[list[int]], out: list[int]) -> None:
+    def _probe(self, seqs: list[PlanInput], options: list[list[int]], full_values: list[float], out: list[int],
+               tree: bool) -> None:
         """Now and then a sequence left at zero drafts its full budget (a probe): those due probe
-        together once the engine-wide gap has passed; an isolated one on its own interval alone."""
+        together once the engine-wide gap has passed and the probe budget covers the step's extra
+        cost (its catch-up unspread: a probe that finds nothing has no later steps to spread it
+        over); an isolated one on its own interval alone."""
         due = []
         for i, (s, o) in enumerate(zip(seqs, options)):
             state = s.state
@@ -311,6 +333,26 @@ class DraftPlanner:
                 state.steps_at_zero = 0
         self.since_probe += 1
         paced_ok = self.since_probe >= self.probe_gap
+        if self.probe_share is not None and self.costs.known:
+            plain = self._step_cost(seqs, out, full_values, tree)
+            cap = self.probe_share * plain * self.max_probe_gap  # no more than max_probe_gap steps bank
+            self.probe_budget = min(self.probe_budget + self.probe_share * plain, cap)
+            joint = [i for i in due if not seqs[i].isolated]
+            if paced_ok and joint:  # those due longest first, as many as the budget covers
+                joint.sort(key=lambda i: -seqs[i].state.steps_at_zero)
+                base = self._step_cost(seqs, out, full_values, tree, spread=False)
+                probing, covered = list(out), []
+                for i in joint:
+                    probing[i] = options[i][-1]
+                    extra = self._step_cost(seqs, probing, full_values, tree, spread=False) - base
+                    if extra > self.probe_budget:
+                        break
+                    covered.append(i)
+                    spent = extra
+                if covered:
+                    self.probe_budget -= spent
+                due = [i for i in due if seqs[i].isolated or i in covered]
+                paced_ok = bool(covered)
         probed = [i for i in due if seqs[i].isolated or paced_ok]
         for i in probed:
             seqs[i].state.steps_at_zero, seqs[i].state.probing = 0, True
@@ -323,19 +365,12 @@ class DraftPlanner:
         budget gives the best step rate, to the top; return the best point of the climb (climbing
         on through worse points, as the proposer's fixed cost is paid once: the first drafts alone
         may not pay where more do)."""
-        contexts = [s.context for s in seqs]
         choice = [0] * len(seqs)
 
         def rate(ch) -> float:
             budgets = [o[c] for o, c in zip(options, ch)]
-            rows = sum(1 + b for b in budgets)
-            row_context = sum((1 + b) * n for b, n in zip(budgets, contexts))
-            drafting = [b for b in budgets if b > 0]
-            cost = self.costs.verify_s(len(seqs), rows, row_context)
-            if drafting:
-                cost += self.costs.propose_s(max(self.proposer_depth(b, tree) for b in drafting), len(drafting))
             tokens = sum(1 + v[c] for v, c in zip(values, ch))
-            return tokens / max(cost, 1e-9)
+            return tokens / max(self._step_cost(seqs, budgets, [v[-1] for v in values], tree), 1e-9)
 
         best, best_rate = list(choice), rate(choice)
         while True:
@@ -351,6 +386,29 @@ class DraftPlanner:
             choice[-neg_i] += 1
             if r > best_rate * (1 + 1e-9):
                 best, best_rate = list(choice), r
+
+    def _step_cost(self, seqs: list[PlanInput], budgets: list[int], full_values, tree: bool,
+                   spread: bool = True) -> float:
+        """Estimated seconds of a step drafting `budgets`: verification, and the proposer call with
+        the catch-up of the sequences drafting. A catch-up past the tokens one drafting step adds
+        (1 + max_k) is spread over the steps the sequence has left at its full budget's rate
+        (`full_values`: per sequence, its expected accepted tokens there): paid once,
+        it serves every later draft of the sequence."""
+        rows = sum(1 + b for b in budgets)
+        row_context = sum((1 + b) * s.context for b, s in zip(budgets, seqs))
+        cost = self.costs.verify_s(len(seqs), rows, row_context)
+        drafting = [i for i, b in enumerate(budgets) if b > 0]
+        if drafting:
+            catch_up = 0.0
+            for i in drafting:
+                s, steady = seqs[i], 1 + self.max_k
+                excess = max(0, s.catch_up - steady)
+                if spread and s.remaining and excess:
+                    excess /= max(1.0, s.remaining / (1.0 + full_values[i]))
+                catch_up += min(s.catch_up, steady) + excess
+            depth = max(self.proposer_depth(budgets[i], tree) for i in drafting)
+            cost += self.costs.propose_s(depth, len(drafting), catch_up)
+        return cost
 
     def observe(self, state: SeqDraftState, tree: bool, greedy: bool, depth: int, num_accepted: int) -> None:
         """A verified draft of `depth` (its deepest token) with num_accepted tokens accepted."""

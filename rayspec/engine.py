@@ -63,6 +63,7 @@ class Proposal:
     tree: bool  # the proposer was asked for trees (a small batch), else chains
     pending: list[list[int]]  # the tokens without target KV yet (normally the last one), before the draft
     propose_s: float  # seconds in the proposer
+    catch_up: int = 0  # tokens the proposer ran through first for the sequences drafted (catch_up_tokens)
 
     @property
     def inputs(self) -> list[list[int]]:
@@ -535,6 +536,8 @@ class LLMEngine:
     # ---- propose --------------------------------------------------------------------------
     def _propose(self, seqs: list[Sequence]) -> Proposal:
         tree, draft_lens = self._plan_drafts(seqs)
+        catch_up = sum(self.proposer.catch_up_tokens(s.request_id, len(s.token_ids))
+                       for s, n in zip(seqs, draft_lens) if n)
         drafts, propose_s = self._ask_proposer(seqs, draft_lens, tree)
         # under a grammar, draft what it forces even where the proposer was not asked (a large
         # batch, see disable_by_batch_size): those tokens are all but sure to be accepted
@@ -542,7 +545,7 @@ class LLMEngine:
                   for s, d, n in zip(seqs, drafts, draft_lens)]
         # the tokens without target KV yet (normally just the last one), verified before the drafts
         pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]
-        return Proposal(seqs, drafts, draft_lens, tree, pending, propose_s)
+        return Proposal(seqs, drafts, draft_lens, tree, pending, propose_s, catch_up)
 
     def _plan_drafts(self, seqs: list[Sequence]) -> tuple[bool, list[int]]:
         """(trees or chains, each sequence's draft budget): small batches verify token trees (of up
@@ -589,7 +592,9 @@ class LLMEngine:
         modelled = self.planner.costs.deterministic
         seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
         return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
-                                            pinned=own and not modelled, isolated=own and modelled)
+                                            pinned=own and not modelled, isolated=own and modelled,
+                                            catch_up=self.proposer.catch_up_tokens(s.request_id, len(s.token_ids)),
+                                            remaining=s.remaining_tokens)
                                   for s, cap, own in zip(seqs, caps, seeded)], tree)
 
     # ---- verify ---------------------------------------------------------------------------
@@ -670,7 +675,7 @@ class LLMEngine:
         if proposal.propose_s:
             drafting = [n for n in proposal.draft_lens if n]
             depth = max(self.planner.proposer_depth(n, proposal.tree) for n in drafting)
-            costs.observe_propose(depth, len(drafting), proposal.propose_s)
+            costs.observe_propose(depth, len(drafting), proposal.propose_s, proposal.catch_up)
 
     def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, tokens: list[int]) -> None:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""

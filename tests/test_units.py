@@ -114,8 +114,10 @@ CPU_LIKE = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth
 GPU_LIKE = {"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002, "propose_depth_s": 0.0002}  # rows ~free
 
 
-def _seq(state=None, greedy=True, context=100, cap=8, pinned=False, isolated=False) -> PlanInput:
-    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, pinned, isolated)
+def _seq(state=None, greedy=True, context=100, cap=8, pinned=False, isolated=False, catch_up=0,
+         remaining=0) -> PlanInput:
+    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, pinned, isolated,
+                     catch_up, remaining)
 
 
 def _observed(planner: DraftPlanner, rate: float, n: int = 40, tree: bool = False, depth: int = 4,
@@ -210,7 +212,9 @@ def test_tree_budgets_and_zero():
 def test_probe_and_recovery():
     """A sequence left at zero drafts its full budget every probe_every steps (a probe); a probe
     that finds nothing doubles its interval; once drafts are accepted again the plan goes back up."""
-    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=5, max_probe_every=20, max_probe_gap=20)
+    # (pacing alone here; the probe budget: test_probes_cost_at_most_their_share)
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=5, max_probe_every=20, max_probe_gap=20,
+                           probe_share=None)
     state = _observed(planner, 0.0)
     plans = []
     for _ in range(60):
@@ -233,7 +237,8 @@ def test_probes_are_paced_engine_wide():
     long run spends a few steps in a thousand on probes, not one per sequence every 16-64 steps
     (what per-sequence intervals alone gave). An accepted draft halves the gap; an isolated
     sequence (planned from its own history) keeps its own interval whatever the others do."""
-    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=16, max_probe_every=64, max_probe_gap=256)
+    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=16, max_probe_every=64, max_probe_gap=256,
+                           probe_share=None)
     states = [_observed(planner, 0.0, seed=i) for i in range(8)]
     probing_steps = []
     for step in range(1200):
@@ -255,6 +260,54 @@ def test_probes_are_paced_engine_wide():
     alone = _observed(planner, 0.0, seed=99)
     plans = [planner.plan([_seq(alone, isolated=True), _seq(states[1])], tree=False) for _ in range(20)]
     assert [i for i, (a, b) in enumerate(plans) if a] == [15] and not any(b for _, b in plans)
+
+
+def _probe_run(share, costs, catch_up=0, steps=1200, num_seqs=8):
+    """num_seqs sequences no draft helps, `steps` steps: (probes (a sequence drafting in a step), the
+    planner's estimated seconds of the probing steps' extra cost, of all steps without probes)."""
+    planner = DraftPlanner(4, ModelledCosts(costs), probe_share=share)
+    states = [_observed(planner, 0.0, seed=i) for i in range(num_seqs)]
+    probing, extra, plain = 0, 0.0, 0.0
+    for _ in range(steps):
+        seqs = [_seq(st, catch_up=catch_up, remaining=10_000) for st in states]
+        plan = planner.plan(seqs, tree=False)
+        zero = planner._step_cost(seqs, [0] * num_seqs, [0.0] * num_seqs, False)
+        plain += zero
+        if any(plan):
+            probing += sum(1 for n in plan if n)
+            extra += planner._step_cost(seqs, plan, [0.0] * num_seqs, False, spread=False) - zero
+            for st, n in zip(states, plan):
+                if n:
+                    planner.observe(st, False, True, n, 0)  # every probe rejected
+    return probing, extra, plain
+
+
+def test_probes_cost_at_most_their_share():
+    """Traffic no draft can guess: the probes' estimated extra cost stays within probe_share (2%) of
+    the steps' (one probing step's cost of slack), where pacing alone spends more; and a proposer
+    whose probe must first catch up on the whole context (a draft model that skipped the steps in
+    between) probes the rarer, the dearer that catch-up."""
+    dear_catch_up = {**CPU_LIKE, "propose_catch_up_s": 0.02}  # 1,000 tokens caught up: two steps
+    paced = _probe_run(None, dear_catch_up, catch_up=500)
+    shared = _probe_run(0.02, dear_catch_up, catch_up=500)
+    one_round = shared[1] / max(shared[0], 1)
+    assert shared[1] <= 0.02 * shared[2] + one_round, shared
+    assert paced[1] > 0.02 * paced[2] and shared[1] < paced[1], (paced, shared)
+    cheap = _probe_run(0.02, dear_catch_up, catch_up=0)
+    dearer = _probe_run(0.02, dear_catch_up, catch_up=2000)
+    assert dearer[0] < shared[0] < cheap[0] and dearer[0] >= 8, (cheap, shared, dearer)
+
+
+def test_catch_up_is_spread_over_the_tokens_left():
+    """A draft model that has not seen a sequence's 2,000-token context catches up once, then drafts
+    from it for the rest of the request: with drafts mostly accepted and many tokens left the
+    catch-up pays (spread over the steps left); with a few tokens left it does not."""
+    costs = {**CPU_LIKE, "propose_catch_up_s": 0.02}
+    planner = DraftPlanner(4, ModelledCosts(costs))
+    good = _observed(planner, 0.9)
+    assert planner.plan([_seq(good, catch_up=2000, remaining=400)], tree=False)[0] >= 3
+    assert planner.plan([_seq(good, catch_up=2000, remaining=6, cap=4)], tree=False) == [0]
+    assert planner.plan([_seq(good, catch_up=5, remaining=6, cap=4)], tree=False)[0] >= 3  # caught up: drafts
 
 
 def test_pinned_and_unmeasured():

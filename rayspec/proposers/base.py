@@ -79,6 +79,14 @@ class Proposer(ABC):
         registered, among that salt's sequences only, as the target's is."""
         return None
 
+    def catch_up_tokens(self, seq_id: str, num_tokens: int) -> int:
+        """Tokens of a sequence now `num_tokens` long that a draft for it would first run through
+        the proposer's own model: its context past what the proposer holds (a draft model that
+        skipped steps, or never saw the sequence, prefills them). The planner weighs them
+        (rayspec.drafting). Default 0: no per-sequence model state (n-gram), or a catch-up too
+        cheap to count."""
+        return 0
+
     def trim_prefix(self, seq_id: str, num_tokens: int) -> None:
         """The target's cached prefix of seq_id came out shorter: keep num_tokens of it (after
         cached_prefix)."""

@@ -75,6 +75,10 @@ class DraftModelProposer(Proposer):
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
 
+    def catch_up_tokens(self, seq_id: str, num_tokens: int) -> int:
+        # what the cache holds (its last draft's tokens too: an upper bound on the kept prefix)
+        return num_tokens - min(len(self._fed.get(seq_id, ())), num_tokens - 1)
+
     def _allocate(self, seq_id: str, batch: set[str], token_ids: list[int], cache_salt: str | None) -> None:
         """A slot for seq_id; when none is free, the sequence seen longest ago outside this batch is
         dropped (a shared proposer deployment: sequences a lost verifier replica left behind). If it
