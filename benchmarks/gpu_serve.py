@@ -110,6 +110,7 @@ def serve_apps(config: str, apps: list[str], port: int, num_gpus: float | None, 
         init["num_cpus"] = ray_num_cpus
     ray.init(**init)
     signal.signal(signal.SIGTERM, stop)  # after ray.init, which installs a handler of its own
+    signal.signal(signal.SIGINT, stop)  # (a background job inherits SIGINT ignored)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for app, args in built:

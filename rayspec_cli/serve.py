@@ -102,6 +102,9 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    # SIGINT too, explicitly: a process started from a shell's background job (`cmd &`, a CI
+    # script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, stop)
     from deployments.frontend.api_key import exposure_warning
     from deployments.config import resolve_api_key
 
