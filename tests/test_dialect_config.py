@@ -320,7 +320,8 @@ def test_rayspec_serve_bad_args_exit_2(tmp_path, capsys):
 
 def test_rayspec_serve_runs(tiny_model_dir, tmp_path, own_cluster):
     """`rayspec serve MODEL --config FILE` in a process of its own: a local Ray, the app, /v1/models;
-    SIGINT stops it."""
+    SIGINT stops it, even started with SIGINT ignored (as a shell's background job starts it: a CI
+    script run with `&`; Python then installs no KeyboardInterrupt handler of its own)."""
     config = tmp_path / "app.yaml"
     args = tiny_args(tiny_model_dir)
     args.pop("model")
@@ -332,7 +333,7 @@ def test_rayspec_serve_runs(tiny_model_dir, tmp_path, own_cluster):
     proc = subprocess.Popen([sys.executable, "-m", "rayspec_cli", "serve", str(tiny_model_dir), "--config", str(config),
                              "--served-model-name", "tiny-cli", "--host", "127.0.0.1", "--port", str(port),
                              "--num-cpus", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
