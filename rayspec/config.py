@@ -38,8 +38,13 @@ class SpeculativeConfig:
     adaptive: bool = True
     # the step costs the planner weighs: None, timed online (host timers, calibrated at warm-up);
     # or fixed coefficients (rayspec.drafting.ModelledCosts: step_s, row_s, row_context_s,
-    # propose_s, propose_depth_s, propose_depth_batch_s), the same plans on every machine
+    # propose_s, propose_depth_s, propose_depth_batch_s, propose_catch_up_s), the same plans on every machine
     draft_costs: dict[str, float] | None = None
+    # a budget for probes (rayspec.drafting): at most this share of the estimated step time, e.g.
+    # 0.02; None: probes paced engine-wide only. Off by default: its gain was within the noise of
+    # the runs made (benchmarks/README.md), and it delays the probes that restart drafting after a
+    # stretch without drafts (a batch at disable_by_batch_size), where no budget accrued
+    probe_share: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
     prompt_lookup_min: Positive = 2
     prompt_lookup_max: Positive = 5

@@ -26,11 +26,12 @@ engine-wide: the sequences due take their probes together, in one step, and only
 steps have passed since the last probing step; a probe that finds nothing doubles that gap (up to
 `max_probe_gap`), an accepted draft halves it. Traffic no draft can guess so pays for a probe step
 every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
-the whole context it skipped, and on a CPU any multi-row verification jumps in cost. And probes
-have a budget (`probe_share`, 2%): each planned step adds that share of its estimated cost, and a
-probing step takes what its probes add (a draft model's catch-up counted whole), so the sequences
-due probe only as far as the budget covers, longest-waiting first. Where nothing is ever accepted
-speculation so costs at most ~2% of the time plus one probing step's worth.
+the whole context it skipped, and on a CPU any multi-row verification jumps in cost. Probes may
+also have a budget (SpeculativeConfig.probe_share, e.g. 0.02; off by default): each planned step
+adds that share of its estimated cost, a probing step takes what its probes add (a draft model's
+catch-up counted whole), and the sequences due probe only as far as the budget covers,
+longest-waiting first; where nothing is ever accepted, probes then cost at most that share of the
+time plus one probing step's worth.
 - catch-up: a proposer with a model of its own runs through the context it has not seen before it
   drafts (Proposer.catch_up_tokens: a draft model after steps without drafts, or a new sequence's
   prompt). Its cost is a term of the proposer fit; the planner spreads the part past one step's
@@ -54,7 +55,8 @@ import numpy as np
 SEQ_DISCOUNT, POOL_DISCOUNT = 0.9, 0.98
 PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0  # the pool's own prior at every depth
 POOL_WEIGHT = 3.0  # pseudo-observations the pool lends a sequence's estimate at each depth
-# probes (paced, engine-wide) may cost up to this share of the engine's estimated step time
+# a probe budget that keeps probes (paced, engine-wide) to this share of the estimated step time:
+# what SpeculativeConfig.probe_share takes (off by default there)
 PROBE_SHARE = 0.02
 
 
@@ -256,7 +258,7 @@ class DraftPlanner:
     """Chooses each step's per-sequence draft budgets (see the module docstring)."""
 
     def __init__(self, max_k: int, costs, topk: int = 1, max_depth: int | None = None, probe_every: int = 16,
-                 max_probe_every: int = 64, max_probe_gap: int = 256, probe_share: float | None = PROBE_SHARE):
+                 max_probe_every: int = 64, max_probe_gap: int = 256, probe_share: float | None = None):
         self.max_k, self.topk = max_k, max(1, topk)
         self.max_depth = max_depth or max_k  # a tree's depth limit (num_steps)
         self.costs = costs

@@ -137,7 +137,8 @@ class LLMEngine:
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()
-        self.planner = DraftPlanner(self.max_k, costs, topk=spec.eagle_topk, max_depth=spec.num_steps)
+        self.planner = DraftPlanner(self.max_k, costs, topk=spec.eagle_topk, max_depth=spec.num_steps,
+                                    probe_share=spec.probe_share)
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.stats = SpecDecodeStats()
         # unfinished outputs carry only what they add (RequestOutput.delta_*), not copies of the

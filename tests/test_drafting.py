@@ -54,10 +54,26 @@ def test_rejected_drafts_stop(tiny_model_dir, tiny_draft_dir, loaded, reference,
     if not adaptive:
         assert len(calls) == steps - 1 and all(n == [3] * len(PROMPTS) for n in calls[:-2])  # (the last token: none)
         return
-    # after the first draft, only probes: the full budget, after 16 undrafted steps, then 32 (nothing
-    # found), for as many of the sequences due as the probe budget covers (DraftPlanner.probe_share)
-    assert 2 <= len(calls) <= 4 and all(set(c) <= {0, 3} and any(c) for c in calls[1:]), calls
+    # after the first draft, only probes: the full budget, after 16 undrafted steps, then 32 (nothing found)
+    assert 2 <= len(calls) <= 4 and all(c == [3] * len(PROMPTS) for c in calls[1:]), calls
     assert engine.stats.num_draft_tokens < 0.15 * 3 * steps * len(PROMPTS)
+
+
+def test_probe_budget_cuts_probes(tiny_model_dir, tiny_draft_dir, loaded, reference):
+    """SpeculativeConfig.probe_share reaches the planner: with a 2% budget the random draft model's
+    probes (every one rejected) cover only the sequences the budget pays for, so fewer tokens are
+    drafted than with pacing alone; outputs equal target-only decoding's either way."""
+    drafted = {}
+    for share in (None, 0.02):
+        engine = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, adaptive=True,
+                             draft_model=str(tiny_draft_dir), probe_share=share)
+        calls = _asked(engine)
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        assert engine.planner.probe_share == share
+        drafted[share] = (engine.stats.num_draft_tokens, calls)
+    assert drafted[0.02][0] < drafted[None][0], drafted
+    assert any(0 in c and any(c) for c in drafted[0.02][1][1:]), drafted  # a partial probing step
 
 
 def test_sampled_drafts_shrink_to_what_pays(tiny_model_dir, tiny_draft_dir, loaded):
