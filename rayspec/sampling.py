@@ -127,6 +127,34 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     return kept.softmax(-1)
 
 
+def probs_of_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]]) -> torch.Tensor:
+    """logits: [N, vocab] -> probs [N, vocab], row i under settings[i] = (temperature, top_k, top_p):
+    the rows that share settings (in a batch, nearly always all of them) go through logits_to_probs
+    together, one set of kernels for the lot instead of one per row. Each row comes out as
+    logits_to_probs gives it alone (row-wise operations; a shared top-p narrowing keeps more
+    candidates, never fewer, so the kept set is the same)."""
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, key in enumerate(settings):
+        groups.setdefault(key, []).append(i)
+    if len(groups) == 1:
+        return logits_to_probs(logits, *settings[0])
+    out = torch.empty_like(logits)
+    for key, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = logits_to_probs(logits.index_select(0, index), *key)
+    return out
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """probs: [N, vocab] -> [N] token ids (int64, on probs' device, no host read): row i drawn with
+    generators[i], exactly as sample(probs[i], generators[i]) draws it (the same uniform, the same
+    float32 cumulative mass), so a seeded request draws the same token in a batch or alone."""
+    cumulative = probs.float().cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    u = u * cumulative[:, -1]
+    return torch.searchsorted(cumulative, u[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
 def _count_on_host(device: torch.device) -> bool:
     """Whether logits_to_probs narrows a top-p by counting its possible tokens (a host read)."""
     return device.type == "cpu"

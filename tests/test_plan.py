@@ -15,7 +15,7 @@ import torch
 
 from engine_utils import cached_model, make_engine
 from hub_server import FakeHub, use_hub
-from deployments.operations.plan import draft_shape, model_shape, parse_size, read_serve_config, shape_of
+from deployments.operations.plan import cpu_only_configs, draft_shape, model_shape, parse_size, read_serve_config, shape_of
 from deployments.operations.resources import Machine, resource_lines, resource_plan
 from deployments.config import load_app_args
 from rayspec.config import EngineConfig, SpeculativeConfig
@@ -159,24 +159,12 @@ def test_cli_on_the_default_config(smollm2, capsys):
 CPU_MACHINE = Machine(cpus=2, gpus=0)  # this project's CI machine: 2 cores, no GPU
 
 
-def cpu_only_configs() -> list[Path]:
-    """The shipped serve configs none of whose deployments asks for a GPU (no model is read)."""
-    out = []
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        if path.name == "cluster.yaml":  # a cluster launcher config, not a serve config
-            continue
-        plans = [resource_plan(load_app_args(args)) for _, args in read_serve_config(path)]
-        if all(plan.gpus(at_max=True) == 0 for plan in plans):
-            out.append(path)
-    return out
-
-
 def test_every_cpu_only_config_starts_on_two_cpus():
     """Issue 37, item 7: `serve run` of each CPU-only config in configs/ gets its replicas placed on a
     2-CPU machine with Ray's detected resources: the CPUs its deployments ask for (Ray's count, from
     the options build_app gives Serve) sum to at most 2. Above that a replica waits to be scheduled
     forever (configs/eagle3_async.yaml asked for 2.5)."""
-    configs = cpu_only_configs()
+    configs = cpu_only_configs(REPO / "configs")
     assert {"default.yaml", "baseline.yaml", "eagle3_async.yaml", "draft_async.yaml",
             "eagle3_async_paired.yaml"} <= {p.name for p in configs}
     for path in configs:

@@ -16,7 +16,7 @@ from rayspec.metrics import SpecDecodeStats
 from rayspec.proposers import PROPOSERS, build_proposer
 from rayspec.proposers.base import ProposeRequest
 from rayspec.proposers.ngram import NgramProposer, find_ngram_continuation
-from rayspec.sampling import logits_to_probs, sample
+from rayspec.sampling import logits_to_probs, make_generator, probs_of_rows, sample, sample_rows
 
 # ---- n-gram lookup ------------------------------------------------------------------------
 
@@ -495,6 +495,27 @@ def test_sample_draws_in_proportion_and_never_a_zero():
     one_hot = torch.zeros(49152)
     one_hot[49151] = 1.0  # the last token: the clamp at the row's end is not a way out
     assert sample(one_hot, gen) == 49151
+
+
+def test_batched_rows_are_the_single_row_probs_and_draws():
+    """probs_of_rows / sample_rows (the proposers' sampled drafts, one set of kernels for the batch)
+    give each row what logits_to_probs / sample give it alone: the same probabilities under mixed
+    settings, the same token from the same seeded generator (a seeded request draws alike in a batch
+    or alone), over 100 rounds of fresh generators."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=gen) * 3
+    settings = [(0.7, 0, 0.9), (1.0, 20, 1.0), (0.7, 0, 0.9), (1.3, 0, 1.0), (0.5, 5, 0.8), (0.7, 0, 0.9)]
+    probs = probs_of_rows(logits, settings)
+    for i, key in enumerate(settings):
+        assert torch.equal(probs[i], logits_to_probs(logits[i: i + 1], *key)[0]), key
+    draws = []
+    for trial in range(100):
+        batch = sample_rows(probs, [make_generator(100 * trial + i, "cpu") for i in range(6)])
+        assert batch.dtype == torch.long
+        alone = [sample(probs[i], make_generator(100 * trial + i, "cpu")) for i in range(6)]
+        assert batch.tolist() == alone, trial
+        draws += alone
+    assert len(set(draws)) > 12  # real draws, not the rows' argmax
 
 
 def test_top_p_below_float32_range_keeps_the_top_token():

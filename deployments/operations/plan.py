@@ -61,6 +61,20 @@ def read_serve_config(path: str | Path, app: str | None = None) -> list[tuple[st
     return [(a.get("name", "default"), app_args_of(a)) for a in apps]
 
 
+def cpu_only_configs(configs_dir: str | Path) -> list[Path]:
+    """The serve configs in a directory none of whose deployments asks Ray for a GPU, even at their
+    autoscaling maximum (no model is read): those `serve run` must start on a machine without one."""
+    out = []
+    for path in sorted(Path(configs_dir).glob("*.yaml")):
+        try:
+            apps = read_serve_config(path)
+        except ValueError:  # not a serve config of ours (configs/cluster.yaml: a cluster launcher's)
+            continue
+        if all(resource_plan(load_app_args(args)).gpus(at_max=True) == 0 for _, args in apps):
+            out.append(path)
+    return out
+
+
 # ---- model shapes from config files ------------------------------------------------------------
 
 def shape_of(hf_config) -> ModelShape:

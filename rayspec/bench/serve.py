@@ -30,6 +30,9 @@ Per endpoint per level, flat and under vLLM's `bench serve` names: `completed`, 
 
 A server that wants an API key gets it as `Authorization: Bearer <key>` on every request
 (`--api-key`, else $RAYSPEC_API_KEY, else $OPENAI_API_KEY); the key is not written to the results.
+
+(Over 500 lines: the closed loop, the arrival schedule and the per-level figures share one level
+runner and its request records; its command line is rayspec_cli's.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from rayspec.device_io import to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import logits_to_probs, make_generator, sample
+from rayspec.sampling import make_generator, probs_of_rows, sample_rows
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -138,6 +138,8 @@ class DraftModelProposer(Proposer):
         # drafted tokens stay on the device until the end: one read (rayspec.device_io) per call
         k = max(r.num_tokens for r in active)
         sampled = [i for i, r in enumerate(active) if r.temperature > 0]
+        rows = torch.tensor(sampled, dtype=torch.long, device=self.runner.device)
+        settings = [(active[i].temperature, active[i].top_k, active[i].top_p) for i in sampled]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         toks = []
         logits = self._forward_last(seq_ids, pending)  # [B, vocab]
@@ -146,11 +148,11 @@ class DraftModelProposer(Proposer):
                 self.candidates[req.seq_id] = []
         for step in range(k):
             choice = logits.argmax(-1)  # [B]
-            for i in sampled:
-                req = active[i]
-                p = logits_to_probs(logits[i:i + 1], req.temperature, req.top_k, req.top_p)[0]
-                choice[i] = sample(p, self._generator(req))
-                probs[i].append(p)
+            if sampled:  # one batch of kernels for all sampled rows, no host read
+                p = probs_of_rows(logits.index_select(0, rows), settings)
+                choice.index_copy_(0, rows, sample_rows(p, [self._generator(active[i]) for i in sampled]))
+                for j, i in enumerate(sampled):
+                    probs[i].append(p[j])
             toks.append(choice)
             if self.num_candidates:  # (asynchronous drafting only: reads the top tokens per position)
                 self._keep_candidates(active, logits, probs, step)

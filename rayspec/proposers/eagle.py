@@ -38,7 +38,7 @@ from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import logits_to_probs, make_generator, sample
+from rayspec.sampling import make_generator, probs_of_rows, sample_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -494,6 +494,8 @@ class EagleProposer(Proposer):
         K = max(r.num_tokens for r in reqs)
         ids = [r.seq_id for r in reqs]
         sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
+        rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        settings = [(reqs[i].temperature, reqs[i].top_k, reqs[i].top_p) for i in sampled]
         greedy_rows = len(sampled) < B and self.stop_prob > 0  # the stop rule reads greedy path scores
         V = self.head.args.vocab_size
         probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -520,13 +522,13 @@ class EagleProposer(Proposer):
                 cand_tok.append(self.head.to_target(top.indices))
                 cand_logp.append(top.values)
             choice = logp.argmax(-1)  # [B] draft ids
-            for i in sampled:
-                r = reqs[i]
-                p = logits_to_probs(logits[i: i + 1], r.temperature, r.top_k, r.top_p)[0]  # [Vd]
-                choice[i] = sample(p, self._generator(r))
-                full = torch.zeros(V, dtype=p.dtype, device=dev)
-                full[self.head.to_target(torch.arange(len(p), device=dev))] = p  # draft -> target ids
-                probs[i].append(full)
+            if sampled:  # one batch of kernels for all sampled rows, no host read
+                p = probs_of_rows(logits.index_select(0, rows), settings)  # [S, Vd]
+                choice.index_copy_(0, rows, sample_rows(p, [self._generator(reqs[i]) for i in sampled]))
+                full = torch.zeros(len(sampled), V, dtype=p.dtype, device=dev)
+                full[:, self.head.to_target(torch.arange(p.shape[-1], device=dev))] = p  # draft -> target ids
+                for j, i in enumerate(sampled):
+                    probs[i].append(full[j])
             score = score + logp.gather(1, choice[:, None])[:, 0]
             toks.append(self.head.to_target(choice))
             scores.append(score)
