@@ -65,11 +65,20 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     and its scaling fields; older configs' rope_theta / rope_scaling are converted into it when the
     config loads). Llama's rotary embedding serves every native family: Mistral's, Qwen2's and
     Qwen3's compute the same from the same config (tests/test_families.py compares each). The
-    length-dependent types (dynamic, longrope) are refused by ModelArgs.from_hf_config."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    length-dependent types (dynamic, longrope) are refused by ModelArgs.from_hf_config.
 
-    rotary = LlamaRotaryEmbedding(config)
-    return rotary.inv_freq.clone(), float(rotary.attention_scaling)
+    As LlamaRotaryEmbedding computes them, without importing Llama's modeling module (0.85 s of
+    every process's start, for one formula): the default type here, the others by transformers'
+    own ROPE_INIT_FUNCTIONS (tests/test_families.py compares with LlamaRotaryEmbedding)."""
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        base = config.rope_parameters["rope_theta"]
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return inv_freq.clone(), float(scaling)
 
 
 def empty_model(config, device, dtype, tp=None) -> CausalLM:

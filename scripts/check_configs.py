@@ -81,8 +81,11 @@ def check(path: Path, timeout_s: float) -> dict:
     serve_bin = Path(sys.executable).with_name("serve")
     start = time.monotonic()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"check_configs_{path.stem}.log", "w")
+    # SIGINT back to its default in the server: started from a background job (`cmd &`, CI), this
+    # script inherits it ignored, and Python then installs no KeyboardInterrupt for Ctrl-C
     proc = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     row["log"] = log.name
     try:
         base = f"http://127.0.0.1:{PORT}"

@@ -174,6 +174,26 @@ def test_every_cpu_only_config_starts_on_two_cpus():
             assert resource_lines(plan, CPU_MACHINE)[-1 if plan.cpus(True) == plan.cpus() else -2].endswith("fits")
 
 
+def test_check_configs_script_lists_what_it_would_serve():
+    """scripts/check_configs.py (serves each CPU-only config with `serve run`, checks /health and a
+    completion; its results: benchmarks/results/config_health.json): --dry-run lists exactly the
+    CPU-only configs with their CPU count against this machine, and a GPU config is refused by name."""
+    import subprocess
+    import sys
+
+    script = str(REPO / "scripts" / "check_configs.py")
+    proc = subprocess.run([sys.executable, script, "--dry-run"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    configs, machine = cpu_only_configs(REPO / "configs"), Machine.detected()
+    fits = [all(resource_plan(load_app_args(a)).fits(machine) for _, a in read_serve_config(p)) for p in configs]
+    assert proc.returncode == (0 if all(fits) else 1), proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == [p.name for p in configs]
+    assert [line.endswith(": fits") for line in lines] == fits, lines  # on 2 CPUs (CI's): all of them
+    proc = subprocess.run([sys.executable, script, "--dry-run", "llama3_eagle3"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "llama3_eagle3.yaml" in proc.stderr
+
+
 def test_resource_count_per_deployment_and_what_the_machine_lacks():
     """The count follows the options Serve gets: defaults (ingress 0.5, verifier 1, proposer 1), a
     pool proposer, a paired proposer's bundle in the verifier's placement group, GPUs per bundle, autoscaling's
