@@ -208,6 +208,7 @@ class Page:
         self.async_runs()
         self.tensor_parallel()
         self.memory_and_soak()
+        self.config_health()
         self.gpu()
         self.others()
         self.machines()
@@ -629,6 +630,20 @@ class Page:
                              for r in sorted(s.get("rows", []), key=lambda r: (set_order(r["set"]), r["concurrency"], r["system"]))]))
         else:
             self.add("No served GPU comparison recorded yet (`benchmarks/gpu.sh` writes `benchmarks/results/gpu/<time>/`).", "")
+
+    def config_health(self):
+        d = self.data.get("config_health.json")
+        if d:
+            self.used.add("config_health.json")
+            self.add("## The shipped CPU configs, served (`scripts/check_configs.py`)", "",
+                     "Each CPU-only config in `configs/` started as a user starts it, `serve run configs/NAME.yaml`"
+                     " (Ray's detected resources), until `/health` answers 200; then one 4-token chat completion;"
+                     f" then Ctrl-C (SIGINT) until it exits (machine {self.m.of('config_health.json', d)}),"
+                     f" {link('config_health.json')}:", "")
+            self.add(*table(["config", "CPUs asked", "to /health 200 s", "completion s", "exit after SIGINT s", "ok"],
+                            [[r["config"], fmt(r.get("cpus_asked")), fmt(r.get("health_s")), fmt(r.get("completion_s")),
+                              fmt(r.get("stop_s")), "yes" if r.get("ok") else f"no: {r.get('error')}"]
+                             for r in d["results"]]))
 
     def others(self):
         rest = [rel for rel in self.data if rel not in self.used]

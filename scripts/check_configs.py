@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -33,19 +32,9 @@ sys.path.insert(0, str(REPO))
 from deployments.config import load_app_args  # noqa: E402
 from deployments.operations.plan import cpu_only_configs, read_serve_config  # noqa: E402
 from deployments.operations.resources import Machine, resource_plan  # noqa: E402
+from rayspec.bench.environment import environment  # noqa: E402
 
 PORT = 8000  # Serve's default, which the shipped configs keep
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def port_free(port: int) -> bool:
@@ -153,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         row = check(p, opts.timeout)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for row in rows:
+        row.pop("log", None)  # a path on the machine that ran it
     result = {"command": "python scripts/check_configs.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "cpu": cpu_model(), "cpus": machine.cpus, "date": time.strftime("%Y-%m-%d"), "results": rows}
+              "environment": environment(), "date": time.strftime("%Y-%m-%d"), "results": rows}
     if opts.out:
         Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
     failed = [r["config"] for r in rows if not r["ok"]]
