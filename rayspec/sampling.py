@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rayspec.structured import StructuredOutput
@@ -138,9 +139,11 @@ def probs_of_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]]
         groups.setdefault(key, []).append(i)
     if len(groups) == 1:
         return logits_to_probs(logits, *settings[0])
+    from rayspec.device_io import to_device
+
     out = torch.empty_like(logits)
     for key, rows in groups.items():
-        index = torch.tensor(rows, device=logits.device)
+        (index,) = to_device(np.asarray(rows, dtype=np.int64), device=logits.device)  # no blocking copy
         out[index] = logits_to_probs(logits.index_select(0, index), *key)
     return out
 

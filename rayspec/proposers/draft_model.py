@@ -3,10 +3,11 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+import numpy as np
 import torch
 
 from rayspec.batch_layout import catch_up_pieces
-from rayspec.device_io import to_host
+from rayspec.device_io import to_device, to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
@@ -138,7 +139,8 @@ class DraftModelProposer(Proposer):
         # drafted tokens stay on the device until the end: one read (rayspec.device_io) per call
         k = max(r.num_tokens for r in active)
         sampled = [i for i, r in enumerate(active) if r.temperature > 0]
-        rows = torch.tensor(sampled, dtype=torch.long, device=self.runner.device)
+        # the sampled rows' indices, sent without a blocking copy (none when all are greedy)
+        rows = to_device(np.asarray(sampled, dtype=np.int64), device=self.runner.device)[0] if sampled else None
         settings = [(active[i].temperature, active[i].top_k, active[i].top_p) for i in sampled]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         toks = []

@@ -494,7 +494,8 @@ class EagleProposer(Proposer):
         K = max(r.num_tokens for r in reqs)
         ids = [r.seq_id for r in reqs]
         sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
-        rows = torch.tensor(sampled, dtype=torch.long, device=dev)
+        # the sampled rows' indices, sent without a blocking copy (none when all are greedy)
+        rows = to_device(np.asarray(sampled, dtype=np.int64), device=dev)[0] if sampled else None
         settings = [(reqs[i].temperature, reqs[i].top_k, reqs[i].top_p) for i in sampled]
         greedy_rows = len(sampled) < B and self.stop_prob > 0  # the stop rule reads greedy path scores
         V = self.head.args.vocab_size
