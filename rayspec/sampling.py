@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rayspec.device_io import to_device
 from rayspec.structured import StructuredOutput
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (negatives wrap onto large positives); the
@@ -139,8 +140,6 @@ def probs_of_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]]
         groups.setdefault(key, []).append(i)
     if len(groups) == 1:
         return logits_to_probs(logits, *settings[0])
-    from rayspec.device_io import to_device
-
     out = torch.empty_like(logits)
     for key, rows in groups.items():
         (index,) = to_device(np.asarray(rows, dtype=np.int64), device=logits.device)  # no blocking copy

@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.dry_run:
         bad = 0
         for p in paths:
-            cpus = sum(resource_plan(load_app_args(a)).cpus() for _, a in read_serve_config(p))
-            fits = all(resource_plan(load_app_args(a)).fits(machine) for _, a in read_serve_config(p))
+            plans = [resource_plan(load_app_args(a)) for _, a in read_serve_config(p)]
+            cpus, fits = sum(plan.cpus() for plan in plans), all(plan.fits(machine) for plan in plans)
             bad += not fits
             print(f"{p.name}: asks {cpus:g} CPUs; this machine has {machine.cpus:g}: {'fits' if fits else 'does not fit'}")
         return 1 if bad else 0
