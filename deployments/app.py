@@ -56,17 +56,14 @@ def pin_hub_revisions(cfg: AppArgs) -> AppArgs:
 def build_app(args: dict | AppArgs | None = None) -> Application:
     cfg = pin_hub_revisions(load_app_args(args))
     plain = cfg.model_dump(mode="json", exclude={"api_key"})  # what travels to every replica
-    proposer = channel_secret = seed_secret = None
+    proposer = channel_secret = None
     if cfg.topology == "disaggregated":
         # one per application build, for the verifier <-> proposer direct channel's handshake; only
         # those two deployments get it (SecretStr: a repr or log line shows stars)
         channel_secret = SecretStr(secrets.token_urlsafe(32))
-        # the verifiers' alone: what a proposer is told of a request's seed is keyed by it
-        # (deployments.transport.remote_proposer.proposer_seed), the same on every verifier replica
-        seed_secret = SecretStr(secrets.token_urlsafe(32))
         if not cfg.paired:  # paired: each verifier replica starts its own proposer
             proposer = Proposer.options(**cfg.proposer_options()).bind(plain, channel_secret)
-    verifier = Verifier.options(**cfg.verifier_options()).bind(plain, proposer, channel_secret, seed_secret)
+    verifier = Verifier.options(**cfg.verifier_options()).bind(plain, proposer, channel_secret)
     api_key = resolve_api_key(cfg.api_key)  # the ingress alone checks it
     return OpenAIIngress.options(**cfg.ingress_options()).bind(plain, verifier, api_key)
 

@@ -136,6 +136,11 @@ class EngineSettings:
     # densely. Measured faster on an H100 (benchmarks/results/gpu_paged_attention_h100.json); off by
     # default until its outputs are checked on a GPU (see that file's note)
     paged_attention: bool = False
+    # the random streams of sampled requests without a seed of their own (vLLM's engine `seed`): None,
+    # from the OS's entropy; an int, a fixed sequence (the i-th such request of the engine's life gets
+    # the i-th stream), so a run is reproducible as a whole. Seeded requests draw coupled to their own
+    # seed whatever this is (rayspec.sampling)
+    seed: NonNegative | None = None
 
     def __post_init__(self):
         if self.paged_attention and self.compile is False:

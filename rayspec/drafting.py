@@ -37,10 +37,9 @@ time plus one probing step's worth.
   prompt). Its cost is a term of the proposer fit; the planner spreads the part past one step's
   tokens over the steps the sequence has left (paid once, it serves every later draft).
 Drafting less never changes what is emitted at temperature 0, nor the distribution above
-(the verifier keeps the output the target's). A seeded sampled request's random stream, though,
-is consumed per drafted token: its budget must depend on its own history alone, never on time or
-on what else runs. Under measured costs it keeps the full budget (`pinned`), under modelled ones
-it is planned alone (`isolated`).
+(the verifier keeps the output the target's), nor a seeded request's tokens: its draws are coupled
+to positions, not to a stream that drafted tokens consume (rayspec.sampling), so a seeded request
+is planned like any other.
 """
 
 from __future__ import annotations
@@ -90,11 +89,9 @@ class Acceptance:
     def __init__(self):
         self.pool: dict[tuple[str, bool], DepthCounts] = {}
 
-    def rates(self, own: DepthCounts | None, shape: str, greedy: bool, depth: int,
-              pooled: bool = True) -> list[float]:
-        """alpha_1..alpha_depth: the sequence's posterior means (its counts over the pool's prior;
-        not pooled: over the fixed prior alone)."""
-        pool = self.pool.get((shape, greedy)) if pooled else None
+    def rates(self, own: DepthCounts | None, shape: str, greedy: bool, depth: int) -> list[float]:
+        """alpha_1..alpha_depth: the sequence's posterior means (its counts over the pool's prior)."""
+        pool = self.pool.get((shape, greedy))
         out = []
         for d in range(depth):
             pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
@@ -246,10 +243,6 @@ class PlanInput:
     greedy: bool
     context: int  # tokens in its context
     cap: int  # the most it may draft (remaining tokens, its own num_speculative_tokens)
-    pinned: bool = False  # draft exactly min(cap, the full budget)
-    # planned as if alone, from its own history only (no pool, no batch): a seeded sampled request
-    # under modelled costs, whose random stream must not depend on what else runs
-    isolated: bool = False
     catch_up: int = 0  # tokens the proposer would first run through to draft for it (Proposer.catch_up_tokens)
     remaining: int = 0  # tokens the request may still produce (0: unknown; its catch-up is not spread)
 
@@ -264,7 +257,7 @@ class DraftPlanner:
         self.costs = costs
         self.acceptance = Acceptance()
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        # engine-wide pacing of probes (isolated sequences aside): planned steps since the last
+        # engine-wide pacing of probes: planned steps since the last
         # probing step, and the fewest allowed between two (0 until a probe finds nothing)
         self.since_probe, self.probe_gap, self.max_probe_gap = 0, 0, max_probe_gap
         self._round_open = False  # a paced probing step whose verdict has not yet moved the gap
@@ -296,23 +289,13 @@ class DraftPlanner:
         options, values = [], []  # per sequence: allowed budgets (ascending) and E at each
         for s in seqs:
             allowed = sorted({min(b, s.cap) for b in menu if b >= 0})
-            if s.pinned:
-                allowed = [allowed[-1]]
-            rates = self.acceptance.rates(s.state.counts.get(shape), shape, s.greedy,
-                                          self.depth(allowed[-1], tree), pooled=not s.isolated)
+            rates = self.acceptance.rates(s.state.counts.get(shape), shape, s.greedy, self.depth(allowed[-1], tree))
             options.append(allowed)
             values.append([expected_accepted(rates, self.depth(b, tree)) for b in allowed])
         if not self.costs.known:  # nothing timed yet: the full budget, so the costs get measured
             choice = [len(o) - 1 for o in options]
         else:
-            choice = [0] * len(seqs)
-            alone = [i for i, s in enumerate(seqs) if s.isolated]
-            joint = [i for i, s in enumerate(seqs) if not s.isolated]
-            for group in [[i] for i in alone] + ([joint] if joint else []):
-                picked = self._climb([seqs[i] for i in group], [options[i] for i in group],
-                                     [values[i] for i in group], tree)
-                for i, c in zip(group, picked):
-                    choice[i] = c
+            choice = self._climb(seqs, options, values, tree)
         out = [o[c] for o, c in zip(options, choice)]
         self._probe(seqs, options, [v[-1] for v in values], out, tree)
         return out
@@ -322,7 +305,7 @@ class DraftPlanner:
         """Now and then a sequence left at zero drafts its full budget (a probe): those due probe
         together once the engine-wide gap has passed and the probe budget covers the step's extra
         cost (its catch-up unspread: a probe that finds nothing has no later steps to spread it
-        over); an isolated one on its own interval alone."""
+        over)."""
         due = []
         for i, (s, o) in enumerate(zip(seqs, options)):
             state = s.state
@@ -339,9 +322,8 @@ class DraftPlanner:
             plain = self._step_cost(seqs, out, full_values, tree)
             cap = self.probe_share * plain * self.max_probe_gap  # no more than max_probe_gap steps bank
             self.probe_budget = min(self.probe_budget + self.probe_share * plain, cap)
-            joint = [i for i in due if not seqs[i].isolated]
-            if paced_ok and joint:  # those due longest first, as many as the budget covers
-                joint.sort(key=lambda i: -seqs[i].state.steps_at_zero)
+            if paced_ok and due:  # those due longest first, as many as the budget covers
+                joint = sorted(due, key=lambda i: -seqs[i].state.steps_at_zero)
                 base = self._step_cost(seqs, out, full_values, tree, spread=False)
                 probing, covered = list(out), []
                 for i in joint:
@@ -353,13 +335,13 @@ class DraftPlanner:
                     spent = extra
                 if covered:
                     self.probe_budget -= spent
-                due = [i for i in due if seqs[i].isolated or i in covered]
+                due = covered
                 paced_ok = bool(covered)
-        probed = [i for i in due if seqs[i].isolated or paced_ok]
+        probed = due if paced_ok else []
         for i in probed:
             seqs[i].state.steps_at_zero, seqs[i].state.probing = 0, True
             out[i] = options[i][-1]
-        if any(not seqs[i].isolated for i in probed):
+        if probed:
             self.since_probe, self._round_open = 0, True
 
     def _climb(self, seqs: list[PlanInput], options, values, tree: bool) -> list[int]:

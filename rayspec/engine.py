@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, replace
 
@@ -40,10 +41,10 @@ from rayspec.model import CausalLM
 from rayspec.outputs import (EngineOverloadedError, InvalidGrammarError, InvalidRequestError,  # noqa: F401 (re-exported)
                              RequestOutput, request_output)
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
-from rayspec.rejection import verify, verify_tree_parents
+from rayspec.rejection import coupled, coupled_choices, verify, verify_tree_parents
 from rayspec.batch_layout import TreeQuery, packed_offsets, prefill_groups
 from rayspec.runner import ModelRunner
-from rayspec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from rayspec.sampling import SamplingParams, coupled_key, coupled_sample, logits_to_probs, make_generator, sample
 from rayspec.scheduler import ScheduledStep, Scheduler
 from rayspec.sequence import IncrementalDetokenizer, Sequence
 from rayspec.structured import GrammarCompiler
@@ -118,6 +119,8 @@ class LLMEngine:
 
         spec = config.speculative
         self.max_k = spec.num_speculative_tokens
+        # unseeded sampled requests' stream seeds, a fixed sequence when the engine has a seed
+        self._streams = random.Random(config.seed) if config.seed is not None else None
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
         self.kv_plan = self._kv_plan(model, spec, in_process=getattr(proposer, "in_process", True))
         num_slots, num_blocks = self.kv_plan.num_slots, self.kv_plan.num_blocks
@@ -266,8 +269,12 @@ class LLMEngine:
                  if self.tokenizer is not None else None)
         if params.stop and detok is None:
             raise InvalidRequestError("stop strings need a tokenizer")
-        gen = None if params.greedy else make_generator(params.seed, self.device)
+        stream_seed, gen = None, None
+        if not params.greedy and not coupled(params):  # coupled draws need no stream
+            stream_seed = self._streams.getrandbits(63) if self._streams is not None else None
+            gen = make_generator(stream_seed, self.device)
         seq = Sequence(request_id, prompt_ids, params, max_tokens, self.eos_token_ids, detok, gen)
+        seq.stream_seed = stream_seed
         if params.structured is not None:
             seq.grammar = grammar if grammar is not None else self.prepare_grammar(params.structured)
         if resume_output_ids:
@@ -505,9 +512,13 @@ class LLMEngine:
         self._record_logprobs(seq, raw, [tok])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The next token of a sampled sequence: its coupled draw at this position when seeded, else
+        from its own stream (rayspec.sampling)."""
         p = seq.params
-        probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)[0]
-        return sample(probs, seq.generator)
+        probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)
+        if coupled(p):
+            return int(coupled_sample(probs, [coupled_key(p.seed, len(seq.token_ids))])[0])
+        return sample(probs[0], seq.generator)
 
     def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
         """_decode_step, leaving no trace when it raises before a sequence took its tokens (see
@@ -563,7 +574,7 @@ class LLMEngine:
             return [Draft([]) for _ in seqs], 0.0
         requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature, s.params.top_k,
                                    s.params.top_p, s.params.seed, *self._take_features(s), tree=tree,
-                                   cache_salt=s.params.cache_salt)
+                                   cache_salt=s.params.cache_salt, stream_seed=s.stream_seed)
                     for s, n in zip(seqs, draft_lens)]
         started = time.perf_counter()
         # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
@@ -584,19 +595,15 @@ class LLMEngine:
 
     def _draft_lens(self, seqs: list[Sequence], tree: bool) -> list[int]:
         """Per sequence, the draft budget of this step: the full one, or with `adaptive` what pays
-        (rayspec.drafting). A seeded sampled request's budget depends on its own history alone
-        (its random stream is consumed per drafted token): the full budget under measured costs,
-        planned as if alone under modelled ones."""
+        (rayspec.drafting). Any plan leaves the output as it is, a seeded request's too (its draws
+        are coupled to positions, not to a stream the drafts consume: rayspec.sampling)."""
         caps = [self._draft_len(s, self.max_k) for s in seqs]
         if not self.adaptive:
             return caps
-        modelled = self.planner.costs.deterministic
-        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
         return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
-                                            pinned=own and not modelled, isolated=own and modelled,
                                             catch_up=self.proposer.catch_up_tokens(s.request_id, len(s.token_ids)),
                                             remaining=s.remaining_tokens)
-                                  for s, cap, own in zip(seqs, caps, seeded)], tree)
+                                  for s, cap in zip(seqs, caps)], tree)
 
     # ---- verify ---------------------------------------------------------------------------
     def _verify(self, proposal: Proposal) -> Verdict:
@@ -614,13 +621,16 @@ class LLMEngine:
         lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
         logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
-        target_argmax = None
-        if any(s.params.greedy for s in seqs):  # one read: the target's choice at every row
-            (target_argmax,) = to_host(logits.argmax(-1))
-            target_argmax = target_argmax.tolist()
+        params, pending = [s.params for s in seqs], [len(p) for p in proposal.pending]
+        target_choice = None
+        if any(p.greedy or coupled(p) for p in params):  # one read: the target's choice at every row
+            choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
+                                     [len(s.token_ids) for s in seqs])
+            (target_choice,) = to_host(choice)
+            target_choice = target_choice.tolist()
         self._committing = True  # from here sequences take their tokens: a failure cannot be retried
-        emitted, kept_rows = verify(logits, target_argmax, starts, [len(p) for p in proposal.pending],
-                                    proposal.drafts, [s.params for s in seqs], [s.generator for s in seqs])
+        emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params,
+                                    [s.generator for s in seqs])
         return Verdict(emitted, kept_rows, raw, features, starts, row_context)
 
     # ---- commit ---------------------------------------------------------------------------

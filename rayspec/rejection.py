@@ -18,13 +18,22 @@ cost acceptance, never put a token outside the target's distribution.
 Token trees are verified greedily (`verify_tree_greedy`) or, when sampled, by applying the
 point-mass rule to siblings in turn (`verify_tree_sampled`). `verify` takes a whole batch's
 verification rows and picks the rule per sequence (chain or tree, greedy or sampled).
+
+Seeded sampled requests are verified *coupled* (rayspec.sampling, "Two kinds of draw"): at each row
+the target's choice is its coupled draw at the position the row predicts (`coupled_choices`), and
+the greedy rule runs over those choices instead of the argmax. Every emitted token is then the
+target's own coupled draw: lossless whatever was drafted (a forged draft or q can only cost
+acceptance), and the same tokens as target-only decoding with that seed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rayspec.sampling import logits_to_probs, sample
+import numpy as np
+
+from rayspec.device_io import to_device
+from rayspec.sampling import coupled_key, coupled_sample, logits_to_probs, probs_of_rows, sample
 
 
 def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int]]:
@@ -169,40 +178,80 @@ def verify_tree_sampled(probs_at, num_pending: int, draft, generator: torch.Gene
         node, row = accepted, num_pending + accepted
 
 
-def verify(logits: torch.Tensor, target_argmax: list[int] | None, starts: list[int], num_pending: list[int],
+def coupled(params) -> bool:
+    """Whether a request draws coupled (seeded and sampled: rayspec.sampling)."""
+    return not params.greedy and params.seed is not None
+
+
+def draft_depths(draft) -> list[int]:
+    """Per draft token, its depth (1: a child of the last committed token): chains 1..k."""
+    if draft.parents is None:
+        return list(range(1, len(draft.tokens) + 1))
+    depths: list[int] = []
+    for p in draft.parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def coupled_choices(logits: torch.Tensor, choice: torch.Tensor, starts: list[int], num_pending: list[int],
+                    drafts: list, params: list, positions: list[int]) -> torch.Tensor:
+    """choice: [N] the target's per-row choice (its argmax); at the rows a coupled (seeded sampled)
+    sequence's verification reads, the target's coupled draw there instead (in place, no host read).
+    Sequence i's last pending row predicts position positions[i] (its token count); a draft
+    token's row predicts the position past its depth."""
+    rows, keys, settings = [], [], []
+    for start, pending, draft, p, pos in zip(starts, num_pending, drafts, params, positions):
+        if not coupled(p):
+            continue
+        first = start + pending - 1  # the last pending token's row: depth 0
+        for r, depth in [(first, 0)] + [(first + 1 + j, d) for j, d in enumerate(draft_depths(draft))]:
+            rows.append(r)
+            keys.append(coupled_key(p.seed, pos + depth))
+            settings.append((p.temperature, p.top_k, p.top_p))
+    if rows:
+        (index,) = to_device(np.asarray(rows, dtype=np.int64), device=logits.device)
+        draws = coupled_sample(probs_of_rows(logits.index_select(0, index), settings), keys)
+        choice.index_copy_(0, index, draws.to(choice.dtype))
+    return choice
+
+
+def verify(logits: torch.Tensor, target_choice: list[int] | None, starts: list[int], num_pending: list[int],
            drafts: list, params: list, generators: list) -> tuple[list[list[int]], list[list[int]]]:
     """The verdicts of one verification forward over a batch: chains and trees, greedy and sampled.
 
     logits: [N, vocab] processed target logits of the packed verification rows. Sequence i's rows
     start at starts[i]: its num_pending[i] tokens without KV yet (the last of them predicts the
     first draft token), then its draft's tokens (drafts[i]: a chain, or a tree with parents).
-    target_argmax: [N] logits.argmax(-1) read to the host (None when no sequence is greedy).
-    params[i]: sequence i's SamplingParams (greedy, or its temperature / top-k / top-p);
-    generators[i]: its random stream (sampled only).
+    target_choice: [N] read to the host: logits.argmax(-1), and at a coupled sequence's rows its
+    coupled draws (`coupled_choices`); None when no sequence is greedy or coupled.
+    params[i]: sequence i's SamplingParams (greedy, or its temperature / top-k / top-p, and seed);
+    generators[i]: its random stream (sampled without a seed only).
     Returns per sequence (emitted tokens: the accepted drafts + the recovered/bonus token; kept rows:
     the rows whose KV stays, the pending tokens' and then the accepted drafts' in path order).
     """
     emitted, kept = [], []
     for start, pending, draft, p, generator in zip(starts, num_pending, drafts, params, generators):
         rows = slice(start, start + pending + len(draft.tokens))
+        by_choice = p.greedy or coupled(p)  # the greedy rule over the target's choices
         if draft.is_chain:
-            tokens = _verify_chain(logits[rows], target_argmax[rows] if p.greedy else None, pending, draft, p,
+            tokens = _verify_chain(logits[rows], target_choice[rows] if by_choice else None, pending, draft, p,
                                    generator)
             kept.append(list(range(pending + len(tokens) - 1)))
         else:
-            tokens, path = (verify_tree_greedy(target_argmax[rows], pending, draft) if p.greedy else
+            tokens, path = (verify_tree_greedy(target_choice[rows], pending, draft) if by_choice else
                             verify_tree_sampled(_probs_at(logits[rows], p), pending, draft, generator))
             kept.append(list(range(pending)) + [pending + j for j in path])
         emitted.append(tokens)
     return emitted, kept
 
 
-def _verify_chain(logits: torch.Tensor, target_argmax: list[int] | None, pending: int, draft, params,
+def _verify_chain(logits: torch.Tensor, target_choice: list[int] | None, pending: int, draft, params,
                   generator) -> list[int]:
-    """logits: [pending + k, vocab], one sequence's rows; target_argmax: their argmax (greedy)."""
+    """logits: [pending + k, vocab], one sequence's rows; target_choice: the target's choices
+    there (greedy and coupled; None: rejection sampling with `generator`)."""
     rows = slice(pending - 1, pending + len(draft.tokens))  # the last pending token's row, then the drafts'
-    if params.greedy:
-        return verify_greedy([target_argmax[rows]], [draft.tokens])[0]
+    if target_choice is not None:
+        return verify_greedy([target_choice[rows]], [draft.tokens])[0]
     probs = logits_to_probs(logits[rows], params.temperature, params.top_k, params.top_p)
     return verify_sampled(probs, draft.tokens, draft.probs, generator)
 

@@ -1,7 +1,20 @@
-"""Sampling parameters and the logits -> probabilities transform shared by target and draft.
+"""Sampling parameters, the logits -> probabilities transform shared by target and draft, and the draws.
 
 Temperature, top-k and top-p are applied identically to both distributions, which is what
 keeps rejection sampling lossless with respect to the *processed* target distribution.
+
+Two kinds of draw:
+- a request without a seed draws from its own random stream (a torch.Generator: `sample`,
+  `sample_rows`), and its drafts are verified by rejection sampling (rayspec.rejection);
+- a seeded request draws *coupled*: the token at position t of its sequence is
+  argmax_x p(x) / E_x, where E_x = -log U_x and U_x is a counter-based hash of (seed, t, x)
+  (`coupled_noise`, `coupled_sample`). That is the exponential race (the Gumbel-max trick): the
+  token is distributed exactly as p, and it depends on nothing but the seed, the position and p.
+  A proposer drafting for the request draws its token at t from its own q with the same E, and the
+  verifier keeps a draft token iff it is the target's coupled draw there. So what a seeded request
+  emits is the same whatever was drafted, how much, or whether at all: the same as target-only
+  decoding with that seed, token for token, under any method, any draft length and any plan of the
+  cost-aware drafting; after a failover, and in a batch or alone.
 """
 
 from __future__ import annotations
@@ -155,6 +168,91 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
     u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
     u = u * cumulative[:, -1]
     return torch.searchsorted(cumulative, u[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+# ---- coupled draws (seeded requests) -------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on Python ints (the reference for the tensor version below)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def coupled_key(seed: int, position: int) -> int:
+    """The counter of a seeded request's draw at sequence position `position` (0-based over
+    prompt + output: the index the drawn token will have)."""
+    return _mix64(_mix64(seed ^ 0x5EEDC0DE) + (position + 1) * _GAMMA)
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """A logical right shift of int64 lanes (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """_mix64 over int64 lanes: products wrap modulo 2**64 as the Python version's mask does
+    (tests/test_units.py compares the two)."""
+    z = (z ^ _srl(z, 30)) * _signed(_MIX1)
+    z = (z ^ _srl(z, 27)) * _signed(_MIX2)
+    return z ^ _srl(z, 31)
+
+
+_TOKEN_STEPS: dict = {}  # (device, vocab) -> token_id * GAMMA (int64, wrapped), made once
+
+
+def _token_steps(token_ids: torch.Tensor | int, device) -> torch.Tensor:
+    if isinstance(token_ids, int):
+        key = (str(device), token_ids)
+        if key not in _TOKEN_STEPS:
+            _TOKEN_STEPS[key] = torch.arange(token_ids, dtype=torch.int64, device=device) * _signed(_GAMMA)
+        return _TOKEN_STEPS[key]
+    return token_ids.to(torch.int64) * _signed(_GAMMA)
+
+
+def coupled_noise(keys: list[int], token_ids: torch.Tensor | int, device) -> torch.Tensor:
+    """E[r, j] = -log U, U uniform on (0, 1) from 53 bits of splitmix64 at (keys[r], token j):
+    [R, V] float64 standard exponentials, independent across tokens and keys. token_ids: the vocabulary
+    size V (tokens 0..V-1), or the target ids of a draft vocabulary's entries (EAGLE-3's reduced one),
+    so a draft's E at a token is the target's. The keys reach the device without a blocking copy."""
+    (k,) = to_device(np.array([_signed(x) for x in keys], dtype=np.int64), device=torch.device(device))
+    z = _mix64_tensor(k[:, None] + _token_steps(token_ids, device)[None, :])
+    u = (_srl(z, 11).double() + 0.5) * 2.0 ** -53
+    return -torch.log(u)
+
+
+def coupled_sample(probs: torch.Tensor, keys: list[int], token_ids: torch.Tensor | int | None = None) -> torch.Tensor:
+    """probs: [R, V] -> [R] token indices (int64, on probs' device, no host read): row r's draw
+    argmax_x probs[r, x] / E[r, x] with E from coupled_noise(keys[r]). A token of probability 0 is never
+    drawn (a row without mass returns index 0). token_ids: what coupled_noise takes (default V)."""
+    noise = coupled_noise(keys, probs.shape[-1] if token_ids is None else token_ids, probs.device)
+    return (probs.double() / noise).argmax(-1)
+
+
+def draw_rows(probs: torch.Tensor, sources: list, token_ids: torch.Tensor | int | None = None) -> torch.Tensor:
+    """probs: [N, vocab] -> [N] indices into vocab, row i drawn from sources[i]: a torch.Generator
+    (its own stream, `sample_rows`) or an int (a coupled key, `coupled_sample`; token_ids as there).
+    No host read."""
+    streams = [i for i, s in enumerate(sources) if not isinstance(s, int)]
+    if len(streams) == len(sources):
+        return sample_rows(probs, sources)
+    if not streams:
+        return coupled_sample(probs, sources, token_ids)
+    out = coupled_sample(probs, [s if isinstance(s, int) else 0 for s in sources], token_ids)
+    (index,) = to_device(np.asarray(streams, dtype=np.int64), device=probs.device)
+    return out.index_copy_(0, index, sample_rows(probs.index_select(0, index), [sources[i] for i in streams]))
 
 
 def _count_on_host(device: torch.device) -> bool:

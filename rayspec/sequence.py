@@ -72,7 +72,8 @@ class Sequence:
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
     eos_token_ids: set[int]
     detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # a sampled request's own stream (None: greedy, or seeded: coupled draws)
+    stream_seed: int | None = None  # that stream's seed, when the engine has one (EngineConfig.seed)
     token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     status: Status = Status.WAITING

@@ -102,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 (default): greedy; > 0: every system samples, prompt i from the same seed "
                         "(greedy_match is then null)")
     p.add_argument("--unseeded", action="store_true",
-                   help="at temperature > 0, send requests without a seed, as most served ones come (cost-aware "
-                        "drafting keeps a seeded request at the full draft budget: its stream must not depend on time)")
+                   help="at temperature > 0, send requests without a seed, as most served ones come (a seeded "
+                        "request draws coupled to its seed: its output is target-only decoding's, and a drafted "
+                        "token is accepted only where it is the target's own draw; unseeded ones go through "
+                        "rejection sampling, which accepts more of a draft model's sampled drafts)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -151,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; > 0: sampled, prompt i seeded alike in every run (greedy_match null)")
     p.add_argument("--unseeded", action="store_true",
-                   help="at temperature > 0, send requests without a seed, as most served ones come (cost-aware "
-                        "drafting keeps a seeded request at the full draft budget: its stream must not depend on time)")
+                   help="at temperature > 0, send requests without a seed, as most served ones come (a seeded "
+                        "request draws coupled to its seed: its output is target-only decoding's, and a drafted "
+                        "token is accepted only where it is the target's own draw; unseeded ones go through "
+                        "rejection sampling, which accepts more of a draft model's sampled drafts)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every concurrency's batches this many times over, interleaved; each round's ratio "

@@ -177,25 +177,3 @@ def app_deployments(app) -> dict:
         elif isinstance(node, dict):
             todo.extend(node.values())
     return found
-
-
-def app_seed_key(app):
-    """The seed key a built app gives its verifiers (deployments.app): what a proposer is told of a
-    request's seed is keyed by it (deployments.transport.remote_proposer.proposer_seed)."""
-    return app_deployments(app)["Verifier"].init_args[3]
-
-
-def seeded_like_served(engine, seed_key):
-    """An in-process engine whose proposer is told what a served app's proposer is told of a seed
-    (the keyed proposer_seed, not the seed): its seeded samples are then the app's."""
-    import dataclasses
-
-    from deployments.transport.remote_proposer import _key_bytes, proposer_seed
-
-    key, propose = _key_bytes(seed_key), engine.proposer.propose
-
-    def keyed(requests, *args, **kwargs):
-        return propose([dataclasses.replace(r, seed=proposer_seed(key, r.seed)) for r in requests], *args, **kwargs)
-
-    engine.proposer.propose = keyed
-    return engine

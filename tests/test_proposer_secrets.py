@@ -1,11 +1,10 @@
 """What a proposer is not told (#35, second round).
 
-- A seeded request's seed stays in the verifier: it fixes the target's random stream (the uniforms
-  that accept or reject each draft token), so a proposer that knew it could time its drafts to
-  those draws, and the direct channel carries frames in the clear. The proposer gets an HMAC of
-  the seed under a key only the verifier deployment holds (deployments.transport.remote_proposer): the same
-  on every verifier replica of an application (a seeded request still reproduces), unrelated to
-  the seed without the key.
+- A seeded request's seed reaches the proposer as it is: the verifier draws a seeded request
+  coupled (rayspec.sampling), so every token it emits is the target's own draw whatever was
+  drafted; a proposer that knows the seed drafts with the target's noise (what makes its drafts
+  accepted) and cannot move the output. tests/test_coupled_sampling.py shows the output is
+  target-only decoding; here, that forged drafts built with the seed change nothing.
 - An EAGLE head's prefix cache is salted like the target's (`cache_salt`): a tenant's prompt pairs
   are found in the head's cache under its salt only, not by an unsalted or other-salted lookup.
   So is a draft model's, and the salt goes with every propose request (over the channel too).
@@ -18,13 +17,14 @@ import random
 import pytest
 import torch
 from conftest import make_tiny_model_dir
-from engine_utils import cached_model
+from engine_utils import _hf_model, cached_model
 from serve_utils import app_deployments, tiny_args
 
 from deployments.app import build_app
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.proposers import Draft, ProposeRequest
+from rayspec.proposers.base import Proposer
 from rayspec.sampling import SamplingParams
 
 
@@ -63,42 +63,69 @@ class _Handle:
         return _Method()
 
 
-def _sent_seed(seed_key, seed):
+def test_the_request_seed_reaches_the_proposer_as_it_is():
     from deployments.transport.remote_proposer import RemoteProposer
 
-    handle = _Handle()
-    remote = RemoteProposer(handle, affinity="v", direct=False, seed_key=seed_key)
-    remote.propose([ProposeRequest("s", [1, 2, 3], 2, temperature=1.0, seed=seed)])
-    (request,) = handle.seen
-    return request.seed
+    for seed in (0, 42, 2**63 - 1, None):
+        handle = _Handle()
+        RemoteProposer(handle, affinity="v", direct=False).propose(
+            [ProposeRequest("s", [1, 2, 3], 2, temperature=1.0, seed=seed)])
+        (request,) = handle.seen
+        assert request.seed == seed
 
 
-def test_the_request_seed_does_not_reach_the_proposer():
-    from deployments.transport.remote_proposer import proposer_seed
+class _ForgingProposer(Proposer):
+    """Knows the seed and the target: drafts, at every position, the token the target's coupled draw
+    would NOT give (its second choice under the same noise), with a forged q that makes it look
+    certain. A rejection rule that trusted q, or drafts that could steer the draw, would emit them."""
 
-    for seed in (0, 42, 2**64 + 5, -7):
-        sent = _sent_seed("key-a", seed)
-        assert sent is not None and sent != seed and sent not in (seed + 1, seed + 0x5EED)
-        assert 0 <= sent < 2**63
-        assert sent == proposer_seed(b"key-a", seed)
-    # the same key (every verifier replica of an app): the same drafts for the same seed
-    assert _sent_seed("key-a", 42) == _sent_seed("key-a", 42) != _sent_seed("key-b", 42)
-    assert _sent_seed("key-a", 42) != _sent_seed("key-a", 43)
-    # no key given: a random one per RemoteProposer, still never the seed
-    assert _sent_seed(None, 42) not in (42, None)
-    assert _sent_seed("key-a", None) is None  # unseeded stays unseeded
+    def __init__(self, target):
+        self.target, self.calls = target, 0
+
+    def propose(self, requests):
+        from rayspec.sampling import coupled_key, coupled_noise, logits_to_probs
+
+        drafts = []
+        for r in requests:
+            self.calls += 1
+            with torch.no_grad():
+                logits = self.target(torch.tensor([r.token_ids])).logits[0, -1:]
+            probs = logits_to_probs(logits.float(), r.temperature, r.top_k, r.top_p)
+            ratio = probs.double() / coupled_noise([coupled_key(r.seed, len(r.token_ids))], probs.shape[-1], "cpu")
+            second = int(ratio.topk(2).indices[0, 1])
+            q = torch.zeros(1, probs.shape[-1])
+            q[0, second] = 1.0
+            drafts.append(Draft([second], q))
+        return drafts
 
 
-def test_build_app_gives_the_seed_key_to_the_verifiers_alone(tmp_path):
+def test_forged_drafts_built_with_the_seed_change_nothing(tmp_path):
+    """Every draft is the token the seed's noise would pick second, with q saying it is certain:
+    all rejected, and the output is target-only decoding with that seed."""
+    target_dir = make_tiny_model_dir(tmp_path / "target", seed=5, num_layers=2, hidden=64, vocab_size=128,
+                                     with_tokenizer=False)
+    base = LLMEngine(EngineConfig(model=str(target_dir), max_model_len=128, kv_cache_memory_gb=0.05))
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=16, ignore_eos=True)
+    want = base.generate([[3, 4, 5, 6]], params)[0]
+    forger = _ForgingProposer(_hf_model(str(target_dir)))
+    engine = LLMEngine(EngineConfig(model=str(target_dir), max_model_len=128, kv_cache_memory_gb=0.05,
+                                    speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=1,
+                                                                  adaptive=False)),
+                       proposer=forger)
+    got = engine.generate([[3, 4, 5, 6]], params)[0]
+    assert got.token_ids == want.token_ids and forger.calls >= 8
+    # (HF's logits may differ from ours in a last bit: a forged "second choice" may rarely be the first)
+    assert engine.stats.num_accepted_tokens <= engine.stats.num_draft_tokens // 4
+
+
+def test_build_app_gives_the_channel_secret_to_verifier_and_proposer_alone(tmp_path):
     args = tiny_args(tmp_path, topology="disaggregated",
                      speculative={"method": "draft_model", "draft_model": str(tmp_path), "num_speculative_tokens": 2})
     deployments = app_deployments(build_app(args))
-    verifier_args = deployments["Verifier"].init_args
-    channel_secret, seed_secret = verifier_args[2], verifier_args[3]
-    assert seed_secret is not None and "*" in repr(seed_secret)  # a SecretStr: logs show stars
-    assert seed_secret.get_secret_value() != channel_secret.get_secret_value()
-    held = [a for name in ("Proposer", "OpenAIIngress") for a in deployments[name].init_args]
-    assert all(getattr(a, "get_secret_value", lambda: None)() != seed_secret.get_secret_value() for a in held)
+    secret = deployments["Verifier"].init_args[2]
+    assert "*" in repr(secret) and len(deployments["Verifier"].init_args) == 3  # a SecretStr: logs show stars
+    assert deployments["Proposer"].init_args[1].get_secret_value() == secret.get_secret_value()
+    assert all(getattr(a, "get_secret_value", lambda: None)() is None for a in deployments["OpenAIIngress"].init_args)
 
 
 # ---- the EAGLE head's prefix cache ------------------------------------------------------------------

@@ -218,9 +218,11 @@ E2E_METHODS = [
     ("draft_model", dict(method="draft_model", k=3)),
     # asynchronous drafting (rayspec.proposers.pre_draft): drafts from the speculation cache
     ("draft_model-async", dict(method="draft_model", k=3)),
-    # cost-aware drafting (rayspec.drafting) under modelled costs: each seeded request's budget
-    # (0 to 3) follows its own acceptance from step to step
-    ("draft_model-costaware", dict(method="draft_model", k=3, adaptive=True)),
+    # cost-aware drafting (rayspec.drafting) under modelled costs: each request's budget (0 to 3)
+    # follows its own acceptance from step to step (rows cheap enough that drafts pay in a batch of 64)
+    ("draft_model-costaware", dict(method="draft_model", k=3, adaptive=True,
+                                   draft_costs={"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002,
+                                                "propose_depth_s": 0.00005})),
 ]
 
 
@@ -241,7 +243,10 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
     spec = dict(spec)
     if spec["method"] == "draft_model":
         spec["draft_model"] = str(draft_dir)
-    engine = make_engine(target_dir, max_model_len=40, max_num_seqs=64, **spec)
+    # target-only: seeded requests (coupled draws, rayspec.sampling); speculative: unseeded ones on a
+    # seeded engine (their own streams, reproducible), which go through rejection sampling
+    seeded = spec["method"] == "none"
+    engine = make_engine(target_dir, max_model_len=40, max_num_seqs=64, engine_seed=None if seeded else 4321, **spec)
     if name.endswith("-async"):
         from rayspec.proposers.pre_draft import PreDraftingProposer
 
@@ -254,9 +259,8 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
         return propose(requests)
 
     engine.proposer.propose = recording
-    # even seeds: the draft model's generator uses seed + 1, so no stream is shared between requests
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=5,
-                             ignore_eos=True, seed=2 * i, **(PENALIZED if penalized else {}))
+                             ignore_eos=True, seed=i if seeded else None, **(PENALIZED if penalized else {}))
               for i in range(NUM_REQUESTS)]
     outs = engine.generate([PROMPT] * NUM_REQUESTS, params)
     assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in outs)

@@ -17,7 +17,7 @@ import ray
 import ray.serve as serve
 
 from ray.cluster_utils import Cluster  # noqa: E402
-from serve_utils import app_seed_key, free_port, seeded_like_served, tiny_args  # noqa: E402
+from serve_utils import free_port, tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
@@ -47,7 +47,7 @@ def cluster_app(tiny_model_dir, tiny_draft_dir, own_cluster):
     app = build_app(args)
     serve.run(app, name="rayspec", route_prefix="/")
     yield {"url": f"http://127.0.0.1:{port}", "draft_node": draft_node.node_id, "target_node": target_node.node_id,
-           "head_node": cluster.head_node.node_id, "seed_key": app_seed_key(app)}
+           "head_node": cluster.head_node.node_id}
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
@@ -110,8 +110,8 @@ def test_one_proposer_call_per_step_for_the_batch(cluster_app):
 
 def test_sampled_and_streamed(cluster_app, tiny_model_dir, tiny_draft_dir):
     """A seeded sampled stream (drafts sampled in the proposer's actor, with their probabilities)
-    is what an in-process engine samples with the same seed (its proposer told what the app's is
-    told of the seed: a keyed hash, never the seed), and its usage counts it."""
+    is what an in-process engine samples with the same seed (coupled draws, rayspec.sampling: the
+    proposer gets the seed and drafts with the target's noise), and its usage counts it."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.7, "seed": 1, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", cluster_app["url"] + "/v1/completions", json=body, timeout=120) as r:
@@ -121,7 +121,7 @@ def test_sampled_and_streamed(cluster_app, tiny_model_dir, tiny_draft_dir):
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4,
                                     kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(**_spec(tiny_draft_dir))))
-    ref = seeded_like_served(engine, cluster_app["seed_key"]).generate([PROMPT], SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True))[0]
+    ref = engine.generate([PROMPT], SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True))[0]
     assert text == ref.text and ref.num_draft_tokens > 0
     assert chunks[-1]["usage"]["completion_tokens"] == ref.num_output_tokens == 12
 

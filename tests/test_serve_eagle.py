@@ -24,7 +24,7 @@ import ray.serve as serve
 from conftest import make_tiny_model_dir  # noqa: E402
 from eagle_utils import PROMPTS, TARGET_LAYERS, copy_head, oracle_head  # noqa: E402
 from ray_utils import serving  # noqa: E402
-from serve_utils import app_seed_key, seeded_like_served, tiny_args  # noqa: E402
+from serve_utils import tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.transport.protocol import GenerateRequest  # noqa: E402
@@ -43,7 +43,6 @@ ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
 APPS = {"colocated": ("colocated", 4), "disaggregated": ("disaggregated", 4), "chain": ("disaggregated", 1),
         "two_proposers": ("disaggregated", 4)}  # with 2 proposer replicas
 EAGLE_1_APPS = {"chain"}
-SEED_KEYS: dict = {}  # app name -> the seed key build_app gave its verifiers (served fixture)
 
 
 def _engine(target, **spec) -> LLMEngine:
@@ -306,7 +305,6 @@ def served(eagle_setup, serve_url):
         if name == "two_proposers":
             args["proposer"] = {**args["proposer"], "num_replicas": 2}
         apps.append((name, build_app(args), f"/{name}"))
-    SEED_KEYS.update({name: app_seed_key(app) for name, app, _ in apps if APPS[name][0] == "disaggregated"})
     with serving(*apps):
         yield serve_url
 
@@ -397,16 +395,15 @@ def test_proposer_deployment_drafts_from_sent_features(served, eagle_setup, app)
 
 def test_sampled_requests_draft_chains_remotely(served, eagle_setup):
     """temperature > 0: chains with draft probabilities over the wire; a seeded request samples
-    exactly what an in-process colocated engine samples (its head told what the app's proposer is
-    told of the seed: a keyed hash, never the seed)."""
+    exactly what an in-process engine samples with that seed, target-only decoding (coupled draws,
+    rayspec.sampling), and drafts were verified."""
     params = {"max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True}
     handle = serve.get_app_handle("disaggregated")
-    engine = seeded_like_served(_engine(eagle_setup["target"], **_spec(eagle_setup["head"], 4)),
-                                SEED_KEYS["disaggregated"])
+    engine = _engine(eagle_setup["target"], method="none")
     for prompt in PROMPTS[:2]:
         got = handle.generate.remote(GenerateRequest(prompt=prompt, **params)).result(timeout_s=120)
         want = engine.generate([prompt], SamplingParams(**params))[0]
-        assert got.token_ids == want.token_ids and got.num_draft_tokens > 0
+        assert got.token_ids == want.token_ids and got.num_draft_tokens > 0 and want.num_draft_tokens == 0
 
 
 def test_eagle_proposer_evicts_the_stalest_sequence(eagle_setup):

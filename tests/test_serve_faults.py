@@ -297,8 +297,7 @@ SAMPLED_TOKENS = 96  # the tiny random models' sampled rows are nearly flat: eac
 def test_killed_verifier_replica_under_sampled_load(served):
     """Sampled (temperature 0.9, seeded) streams while a verifier replica dies: every stream ends
     with [DONE], no error, exactly max_tokens tokens (the resumed ones continue from the tokens they
-    had, counted once); the ingress replicas counted the failovers. (A seeded stream that failed over
-    is not the seed's unfaulted output: its random stream restarts on the new replica.) The SSE
+    had, counted once); the ingress replicas counted the failovers. The SSE
     responses carry the no-buffering headers (deployments/frontend/sse.py)."""
     victim = _replicas("faults", "Verifier")[0]
     before = _failovers("faults", 2)

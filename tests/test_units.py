@@ -16,7 +16,8 @@ from rayspec.metrics import SpecDecodeStats
 from rayspec.proposers import PROPOSERS, build_proposer
 from rayspec.proposers.base import ProposeRequest
 from rayspec.proposers.ngram import NgramProposer, find_ngram_continuation
-from rayspec.sampling import logits_to_probs, make_generator, probs_of_rows, sample, sample_rows
+from rayspec.sampling import (coupled_key, coupled_noise, coupled_sample, draw_rows, logits_to_probs, make_generator,
+                              probs_of_rows, sample, sample_rows)
 
 # ---- n-gram lookup ------------------------------------------------------------------------
 
@@ -114,10 +115,8 @@ CPU_LIKE = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth
 GPU_LIKE = {"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002, "propose_depth_s": 0.0002}  # rows ~free
 
 
-def _seq(state=None, greedy=True, context=100, cap=8, pinned=False, isolated=False, catch_up=0,
-         remaining=0) -> PlanInput:
-    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, pinned, isolated,
-                     catch_up, remaining)
+def _seq(state=None, greedy=True, context=100, cap=8, catch_up=0, remaining=0) -> PlanInput:
+    return PlanInput(state if state is not None else SeqDraftState(), greedy, context, cap, catch_up, remaining)
 
 
 def _observed(planner: DraftPlanner, rate: float, n: int = 40, tree: bool = False, depth: int = 4,
@@ -235,8 +234,7 @@ def test_probes_are_paced_engine_wide():
     """Eight sequences no draft helps: their probes come together, in one step, and the steps
     between probing steps double while probes find nothing (16, 32, ... up to max_probe_gap), so a
     long run spends a few steps in a thousand on probes, not one per sequence every 16-64 steps
-    (what per-sequence intervals alone gave). An accepted draft halves the gap; an isolated
-    sequence (planned from its own history) keeps its own interval whatever the others do."""
+    (what per-sequence intervals alone gave). An accepted draft halves the gap."""
     planner = DraftPlanner(4, ModelledCosts(CPU_LIKE), probe_every=16, max_probe_every=64, max_probe_gap=256,
                            probe_share=None)
     states = [_observed(planner, 0.0, seed=i) for i in range(8)]
@@ -255,11 +253,6 @@ def test_probes_are_paced_engine_wide():
     gap = planner.probe_gap
     planner.observe(states[0], False, True, 4, 2)  # a draft accepted somewhere
     assert planner.probe_gap == gap // 2
-    # an isolated sequence probes on its own interval even while the engine-wide gap holds others back
-    planner.since_probe = 0
-    alone = _observed(planner, 0.0, seed=99)
-    plans = [planner.plan([_seq(alone, isolated=True), _seq(states[1])], tree=False) for _ in range(20)]
-    assert [i for i, (a, b) in enumerate(plans) if a] == [15] and not any(b for _, b in plans)
 
 
 def _probe_run(share, costs, catch_up=0, steps=1200, num_seqs=8):
@@ -310,23 +303,23 @@ def test_catch_up_is_spread_over_the_tokens_left():
     assert planner.plan([_seq(good, catch_up=5, remaining=6, cap=4)], tree=False)[0] >= 3  # caught up: drafts
 
 
-def test_pinned_and_unmeasured():
+def test_unmeasured_then_measured_and_sampled_alike():
+    """Nothing timed yet: the full budget (so it gets timed); once measured, a losing draft stops,
+    greedy or sampled, seeded or not (a seeded request's draws do not depend on its plan:
+    rayspec.sampling), and the pool of sampled chains informs sampled sequences only."""
     planner = DraftPlanner(6, MeasuredCosts())
     bad = _observed(planner, 0.0)
     assert planner.plan([_seq(bad)], tree=False) == [6]  # nothing timed yet: the full budget, to be timed
     planner.costs.observe_verify(1, 1, 100, 0.010)
     planner.costs.observe_verify(1, 2, 200, 0.016)
     planner.costs.observe_verify(1, 7, 700, 0.025)
-    assert planner.plan([_seq(bad), _seq(bad, pinned=True, cap=5)], tree=False) == [0, 5]
-    # isolated (a seeded sampled request under modelled costs): its own history alone decides, not
-    # the pool nor the batch
+    assert planner.plan([_seq(bad), _seq(bad, greedy=False, cap=5)], tree=False) == [0, 0]
     planner = DraftPlanner(4, ModelledCosts(CPU_LIKE))
-    own = _observed(planner, 0.8, seed=3)
-    alone = planner.plan([_seq(own, greedy=False, isolated=True)], tree=False)
+    new = planner.plan([_seq(greedy=False)], tree=False)[0]
     for _ in range(30):
         planner.observe(SeqDraftState(), False, False, 4, 0)  # the pool of sampled chains: all rejected
-    crowd = [_seq(bad, greedy=False), _seq(own, greedy=False, isolated=True), _seq(bad, greedy=False)]
-    assert planner.plan(crowd, tree=False)[1] == alone[0] > 0
+    assert new > 0 and planner.plan([_seq(greedy=False)], tree=False) == [0]
+    assert planner.plan([_seq(greedy=True)], tree=False)[0] == new  # the greedy pool is another
 
 
 def test_acceptance_counts_by_depth():
@@ -516,6 +509,66 @@ def test_batched_rows_are_the_single_row_probs_and_draws():
         assert batch.tolist() == alone, trial
         draws += alone
     assert len(set(draws)) > 12  # real draws, not the rows' argmax
+
+
+def test_coupled_hash_is_splitmix64():
+    """The tensor hash wraps its int64 products as the Python reference's 64-bit mask does (a
+    platform whose vector multiply saturated, or a shift that kept the sign, would fail here)."""
+    from rayspec.sampling import _GAMMA, _mix64, _mix64_tensor, _signed
+
+    # splitmix64's published stream from seed 0 (Vigna's reference implementation)
+    assert [_mix64(i * _GAMMA) for i in (1, 2)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    rng = np.random.default_rng(0)
+    xs = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1] + [int(x) for x in rng.integers(0, 2**63, 200)] * 2
+    xs[205:] = [x | (1 << 63) for x in xs[205:]]  # high bit set: negative as int64
+    got = _mix64_tensor(torch.tensor([_signed(x) for x in xs], dtype=torch.int64)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [_mix64(x) for x in xs]
+    # the noise is standard exponential: mean 1, variance 1, no value 0 or infinite
+    e = coupled_noise([coupled_key(7, t) for t in range(8)], 4096, "cpu")
+    assert e.dtype == torch.float64 and torch.isfinite(e).all() and (e > 0).all()
+    assert abs(e.mean().item() - 1) < 0.02 and abs(e.var().item() - 1) < 0.05
+
+
+def test_coupled_draws_follow_the_row_and_are_independent():
+    """A coupled draw (argmax p / E) is distributed as p: 20,000 keys (seeds at one position) against
+    an 8-token row with two zeros, chi-square at 1e-3 (the keys are fixed: the same verdict every run);
+    the same test rejects a row 0.02 in total variation away (its power here), zero-mass tokens never
+    come, and two positions of one seed are independent (pairs against p x p)."""
+    from stat_utils import chi_square_test
+
+    p = torch.tensor([[0.30, 0.0, 0.22, 0.15, 0.13, 0.0, 0.12, 0.08]], dtype=torch.float32)
+    n = 20_000
+    draws = coupled_sample(p.expand(n, -1), [coupled_key(seed, 17) for seed in range(n)]).tolist()
+    exact = {i: float(p[0, i]) for i in range(8) if p[0, i] > 0}
+    fit = chi_square_test(draws, exact)
+    assert fit.impossible == 0 and fit.p_value > 1e-3, fit
+    shifted = dict(exact)
+    shifted[0] -= 0.02
+    shifted[7] += 0.02
+    assert chi_square_test(draws, shifted).p_value < 1e-3
+    nxt = coupled_sample(p.expand(n, -1), [coupled_key(seed, 18) for seed in range(n)]).tolist()
+    pairs = chi_square_test(list(zip(draws, nxt)), {(a, b): pa * pb for a, pa in exact.items()
+                                                               for b, pb in exact.items()})
+    assert pairs.p_value > 1e-3, pairs
+    assert sum(a == b for a, b in zip(draws, nxt)) < 0.25 * n  # not the same draw twice
+
+
+def test_coupled_noise_of_a_draft_vocabulary_is_the_targets():
+    """EAGLE-3's reduced draft vocabulary draws with the target's noise at the mapped ids, so a head
+    whose q equals the target's p drafts exactly the target's draw; draw_rows mixes coupled rows and
+    stream rows as each alone."""
+    keys = [coupled_key(3, t) for t in range(5)]
+    full = coupled_noise(keys, 300, "cpu")
+    ids = torch.tensor([5, 17, 42, 299, 0])
+    assert torch.equal(coupled_noise(keys, ids, "cpu"), full[:, ids])
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(4, 300, generator=gen), -1)
+    sources = [coupled_key(3, 0), make_generator(11, "cpu"), coupled_key(3, 1), make_generator(12, "cpu")]
+    mixed = draw_rows(probs, sources).tolist()
+    assert mixed[0] == int(coupled_sample(probs[:1], [coupled_key(3, 0)])[0])
+    assert mixed[2] == int(coupled_sample(probs[2:3], [coupled_key(3, 1)])[0])
+    assert mixed[1] == sample(probs[1], make_generator(11, "cpu"))
+    assert mixed[3] == sample(probs[3], make_generator(12, "cpu"))
 
 
 def test_top_p_below_float32_range_keeps_the_top_token():

@@ -94,7 +94,7 @@ def _end_replica(err: BaseException) -> None:
 
 @serve.deployment
 class Verifier:
-    def __init__(self, args: dict, proposer_handle=None, channel_secret=None, seed_secret=None):
+    def __init__(self, args: dict, proposer_handle=None, channel_secret=None):
         cfg = load_app_args(args)
         self.cfg = cfg
         engine_config = cfg.engine_config()
@@ -114,7 +114,7 @@ class Verifier:
                                           timeout_s=cfg.proposer_call_timeout_s,
                                           direct=cfg.proposer_transport == "direct", channel_secret=channel_secret,
                                           max_frame_bytes=cfg.proposer_channel_max_frame_mib << 20,
-                                          repin_interval_s=cfg.repin_interval_s, seed_key=seed_secret)
+                                          repin_interval_s=cfg.repin_interval_s)
             launcher = None
             if engine_config.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
                 from deployments.replicas.tensor_parallel import RayRankLauncher

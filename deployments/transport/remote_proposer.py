@@ -37,22 +37,16 @@ After a failure the proposer is left alone for a while (1 s, doubling on each fa
 to a minute): steps in between run without drafts at once, so a proposer that hangs costs one
 timeout per interval, not one per step.
 
-Seeds: a seeded request's seed fixes the target's random stream in the verifier (the uniforms
-that accept or reject each draft token, the residual draws). A proposer that knew it could predict
-those draws and draft tokens timed to pass them, and the channel carries frames in the clear. So
-the seed never leaves the verifier: a request goes out with `proposer_seed(seed_key, seed)`, an
-HMAC-SHA256 of the seed under a key the verifier deployment alone holds (deployments.app makes one
-per application build; without one, a random key per RemoteProposer). The proposer's draws stay
-deterministic per request seed (a seeded request still reproduces), unrelated to the target's.
+Seeds: a seeded request's seed goes to the proposer as it is. The verifier draws a seeded request
+coupled (rayspec.sampling): every token it emits is the target's own draw at that position, whatever
+was drafted, so a proposer that knows the seed can only draft better (the same noise as the
+target's), never move the output.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import logging
-import secrets
 import time
 
 import torch
@@ -62,24 +56,6 @@ from deployments.transport.wire import ReplyLimits
 from rayspec.proposers import Draft, Proposer, ProposeRequest
 
 logger = logging.getLogger(__name__)
-
-
-def proposer_seed(key: bytes, seed: int | None) -> int | None:
-    """What a proposer is told of a request's seed: 63 bits of HMAC-SHA256(key, seed), so the same
-    seed (and key) gives the same drafts, and without the key the seed cannot be found from it (nor
-    tried from a list of likely seeds)."""
-    if seed is None:
-        return None
-    digest = hmac.new(key, b"rayspec-proposer-seed:" + str(int(seed)).encode(), hashlib.sha256).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def _key_bytes(key) -> bytes:
-    if key is None:
-        return secrets.token_bytes(32)
-    if hasattr(key, "get_secret_value"):  # pydantic SecretStr
-        key = key.get_secret_value()
-    return key.encode() if isinstance(key, str) else bytes(key)
 
 
 def _route_in_own_loop(handle) -> None:
@@ -104,10 +80,8 @@ class RemoteProposer(Proposer):
     def __init__(self, handle, device: torch.device | str | None = None, timeout_s: float | None = 30.0,
                  startup_timeout_s: float | None = 1800.0, affinity: str | None = None, clock=time.monotonic,
                  direct: bool = True, channel_secret=None, vocab_size: int | None = None,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, repin_interval_s: float | None = None,
-                 seed_key=None):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, repin_interval_s: float | None = None):
         _route_in_own_loop(handle)
-        self._seed_key = _key_bytes(seed_key)  # the verifiers' alone: never sent (proposer_seed)
         self.direct = direct  # per-step calls over the pinned replica's direct channel when it offers one
         self._channel: ChannelClient | None = None
         self._channel_secret = channel_secret  # the application's (deployments.app); never logged
@@ -143,8 +117,6 @@ class RemoteProposer(Proposer):
 
     def _portable(self, req: ProposeRequest) -> ProposeRequest:
         update = {}
-        if req.seed is not None:  # the request's own seed stays here
-            update["seed"] = proposer_seed(self._seed_key, req.seed)
         if req.features is not None and req.features.device.type != "cpu":
             update["features"] = req.features.cpu()
         return dataclasses.replace(req, **update) if update else req

@@ -16,7 +16,7 @@ Layout, little-endian (the byte order of every platform Ray runs on; checked at 
 
     request    str seq_id, ints token_ids, u32 num_tokens, f64 temperature, int top_k, f64 top_p,
                opt int seed, opt tensor features, u32 features_start, u8 tree (0 or 1),
-               opt str cache_salt
+               opt str cache_salt, opt int stream_seed
     draft      ints tokens, opt tensor probs, opt ints parents, opt u32 resend_features_from,
                u8 pre_drafted (0 None, 1 False: drafted on the call, 2 True: a speculation-cache hit)
 
@@ -152,6 +152,8 @@ def _write_request(w: _Writer, r: ProposeRequest) -> None:
     w.u8(1 if r.tree else 0)
     if w.flag(r.cache_salt is not None):
         w.string(r.cache_salt, MAX_SALT_BYTES)
+    if w.flag(r.stream_seed is not None):
+        w.big_int(r.stream_seed)
 
 
 def _write_draft(w: _Writer, d: Draft) -> None:
@@ -294,8 +296,9 @@ def _read_request(r: _Reader, lim: CallLimits) -> ProposeRequest:
                              f"beyond the sequence's {len(token_ids)} tokens")
     tree = r.flag()
     cache_salt = r.string(MAX_SALT_BYTES) if r.flag() else None
+    stream_seed = r.big_int() if r.flag() else None
     return ProposeRequest(seq_id, token_ids, num_tokens, temperature, top_k, top_p, seed, features,
-                          features_start, tree, cache_salt)
+                          features_start, tree, cache_salt, stream_seed)
 
 
 def _read_draft(r: _Reader, lim: ReplyLimits) -> Draft:

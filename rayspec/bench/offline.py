@@ -40,10 +40,10 @@ class SystemRun:
 def sampling_params(batch_start: int, batch_size: int, max_tokens: int, temperature: float = 0.0,
                     num_speculative_tokens: int | None = None, seeded: bool = True) -> list[SamplingParams]:
     """One request's parameters per prompt of a batch: greedy, or at temperature > 0 seeded by the
-    prompt's index (every system samples prompt i from the same seed; the target distribution is
-    the same, the streams are not, so the outputs may still differ). seeded=False: no seed, as most
-    served requests come (cost-aware drafting plans an unseeded request's drafts; a seeded one's
-    keeps the full budget under measured costs, its random stream independent of time)."""
+    prompt's index (every system samples prompt i from the same seed: coupled draws, so rayspec's
+    speculative and target-only runs emit the same tokens; HF's do not). seeded=False: no seed, as most
+    served requests come (their drafts go through rejection sampling, which accepts more of a draft
+    model's sampled drafts than coupled draws do)."""
     seed = (lambda i: None) if temperature == 0 or not seeded else (lambda i: 1000 + i)
     return [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed(batch_start + j),
                            num_speculative_tokens=num_speculative_tokens) for j in range(batch_size)]

@@ -31,6 +31,9 @@ class ProposeRequest:
     # the request's cache_salt: a proposer's own prefix cache shares blocks only among sequences of
     # one salt, as the target's does (else a tenant could time another's prompts through the draft)
     cache_salt: str | None = None
+    # a sampled request without a seed: its stream's seed when the engine has one (EngineConfig.seed),
+    # from which a proposer seeds its own draws for it (None: from the OS's entropy)
+    stream_seed: int | None = None
 
 
 @dataclass

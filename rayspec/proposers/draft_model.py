@@ -11,7 +11,7 @@ from rayspec.device_io import to_device, to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import make_generator, probs_of_rows, sample_rows
+from rayspec.sampling import coupled_key, draw_rows, make_generator, probs_of_rows
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -93,9 +93,13 @@ class DraftModelProposer(Proposer):
         cached = self.runner.allocate(seq_id, token_ids, cache_salt=cache_salt)
         self._fed[seq_id] = list(token_ids[:cached])
 
-    def _generator(self, req: ProposeRequest) -> torch.Generator:
-        if req.seq_id not in self._generators:
-            seed = None if req.seed is None else req.seed + 1  # independent of the target's stream
+    def _source(self, req: ProposeRequest, position: int):
+        """What a sampled draft token at `position` is drawn from: a seeded request's coupled key
+        there (the target's draw uses the same noise: rayspec.sampling), else the sequence's stream."""
+        if req.seed is not None:
+            return coupled_key(req.seed, position)
+        if req.seq_id not in self._generators:  # (a stream of its own, apart from the target's)
+            seed = None if req.stream_seed is None else req.stream_seed ^ 1
             self._generators[req.seq_id] = make_generator(seed, self.runner.device)
         return self._generators[req.seq_id]
 
@@ -152,7 +156,8 @@ class DraftModelProposer(Proposer):
             choice = logits.argmax(-1)  # [B]
             if sampled:  # one batch of kernels for all sampled rows, no host read
                 p = probs_of_rows(logits.index_select(0, rows), settings)
-                choice.index_copy_(0, rows, sample_rows(p, [self._generator(active[i]) for i in sampled]))
+                choice.index_copy_(0, rows, draw_rows(p, [self._source(active[i], len(active[i].token_ids) + step)
+                                                            for i in sampled]))
                 for j, i in enumerate(sampled):
                     probs[i].append(p[j])
             toks.append(choice)

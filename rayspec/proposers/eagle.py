@@ -38,7 +38,7 @@ from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import make_generator, probs_of_rows, sample_rows
+from rayspec.sampling import coupled_key, draw_rows, make_generator, probs_of_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -118,7 +118,8 @@ class EagleProposer(Proposer):
         self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
                                   block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, torch.Generator] = {}  # unseeded sampled sequences' streams
+        self._d2t_ids: tuple = (None, None)  # ((device, draft vocab), the target id of each draft id)
         self._salts: dict[str, str | None] = {}  # seq id -> its cache_salt, for the head's prefix cache
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
         self._clock = itertools.count()
@@ -143,9 +144,20 @@ class EagleProposer(Proposer):
         self.candidates.pop(seq_id, None)
         self.paths.pop(seq_id, None)
 
-    def _generator(self, req: ProposeRequest) -> torch.Generator:
-        if req.seq_id not in self._generators:
-            seed = None if req.seed is None else req.seed + 0x5EED
+    def _draft_to_target(self, draft_vocab: int, device) -> torch.Tensor:
+        """[draft_vocab] the target id of each draft id (made once per device)."""
+        key = (str(device), draft_vocab)
+        if self._d2t_ids[0] != key:
+            self._d2t_ids = (key, self.head.to_target(torch.arange(draft_vocab, device=device)))
+        return self._d2t_ids[1]
+
+    def _source(self, req: ProposeRequest, position: int):
+        """What a sampled draft token at `position` is drawn from: a seeded request's coupled key
+        there (the target's draw uses the same noise: rayspec.sampling), else the sequence's stream."""
+        if req.seed is not None:
+            return coupled_key(req.seed, position)
+        if req.seq_id not in self._generators:  # (a stream of its own, apart from the target's)
+            seed = None if req.stream_seed is None else req.stream_seed ^ 0x5EED
             self._generators[req.seq_id] = make_generator(seed, self.runner.device)
         return self._generators[req.seq_id]
 
@@ -525,9 +537,10 @@ class EagleProposer(Proposer):
             choice = logp.argmax(-1)  # [B] draft ids
             if sampled:  # one batch of kernels for all sampled rows, no host read
                 p = probs_of_rows(logits.index_select(0, rows), settings)  # [S, Vd]
-                choice.index_copy_(0, rows, sample_rows(p, [self._generator(reqs[i]) for i in sampled]))
+                sources = [self._source(reqs[i], len(reqs[i].token_ids) + d - 1) for i in sampled]
+                choice.index_copy_(0, rows, draw_rows(p, sources, self._draft_to_target(p.shape[-1], dev)))
                 full = torch.zeros(len(sampled), V, dtype=p.dtype, device=dev)
-                full[:, self.head.to_target(torch.arange(p.shape[-1], device=dev))] = p  # draft -> target ids
+                full[:, self._draft_to_target(p.shape[-1], dev)] = p  # draft -> target ids
                 for j, i in enumerate(sampled):
                     probs[i].append(full[j])
             score = score + logp.gather(1, choice[:, None])[:, 0]

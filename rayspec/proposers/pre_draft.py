@@ -14,8 +14,8 @@ synchronous one would.
 Lossless: a pre-draft for a context is made exactly as a call's draft for that context would be
 (the same proposer and sampling, its probabilities sent with it), and which one is used depends
 on the verifier's verdict alone, never on the pre-drafts' own draws; greedy drafts are the same
-tokens either way. Seeded sampled requests do not reproduce run to run: how many draws a
-sequence's generator makes depends on how far pre-drafting got before each call.
+tokens either way, and so is a seeded request's output (coupled draws, rayspec.sampling: the
+verifier emits the target's own draw at each position whatever was drafted).
 
 Where it pays: pre-drafting runs beside the verifier's forward, and where the two share what
 bounds them (cores, memory bandwidth) it slows the verification; a call that comes while a
