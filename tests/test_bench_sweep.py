@@ -59,7 +59,8 @@ def test_bench_sweep_cli(tiny_model_dir, tiny_draft_dir, tmp_path, capsys):
 
 
 def test_bench_sweep_sampled_and_refusals(tiny_model_dir, tmp_path, capsys):
-    """At temperature > 0 greedy_match is null; a bad method or list is refused before any model loads."""
+    """At temperature > 0 greedy_match is null and seeded_match true (seeded requests draw coupled:
+    the speculative run emits the baseline's tokens); a bad method or list is refused before any model loads."""
     prompts = _prompts_file(tmp_path / "prompts.jsonl")
     out = tmp_path / "t1.json"
     assert main(["bench", "sweep", "--model", str(tiny_model_dir), "--methods", "ngram",
@@ -67,7 +68,7 @@ def test_bench_sweep_sampled_and_refusals(tiny_model_dir, tmp_path, capsys):
                  "--max-tokens", "8", "--temperature", "1.0", "--rounds", "3", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     (row,) = result["results"]
-    assert row["greedy_match"] is None and row["total_output_tokens"] > 0
+    assert row["greedy_match"] is None and row["seeded_match"] is True and row["total_output_tokens"] > 0
     # three rounds: three ratios, the one prompt run three times by each system (8 tokens at most each)
     assert result["config"]["rounds"] == 3 and len(row["speedup_by_round"]) == 3
     assert all(r > 0 for r in row["speedup_by_round"]) and 3 <= row["total_output_tokens"] <= 24

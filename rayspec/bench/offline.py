@@ -242,6 +242,8 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         "temperature": temperature,
         "seeded": seeded if temperature > 0 else None,
         "greedy_match": meth.outputs == base.outputs if temperature == 0 else None,
+        # seeded requests draw coupled (rayspec.sampling): the speculative run emits the baseline's tokens
+        "seeded_match": meth.outputs == base.outputs if temperature > 0 and seeded else None,
         "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf and temperature == 0 else None,
         "baseline_vs_hf": base.throughput / runs["hf"].throughput if with_hf and runs["hf"].throughput else None,
         "method_vs_hf_assisted": (meth.throughput / runs["hf_assisted"].throughput
@@ -265,7 +267,7 @@ def format_result(result: dict) -> str:
     keys = ["method", "prompts", "concurrency", "temperature", "output_throughput", "baseline_output_throughput", "speedup",
             "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
-            "spec_decode_acceptance_rate", "greedy_match", "baseline_vs_hf", "method_vs_hf_assisted",
+            "spec_decode_acceptance_rate", "greedy_match", "seeded_match", "baseline_vs_hf", "method_vs_hf_assisted",
             "tensor_parallel_size", "dtype", "baseline_step_ms", "tp1_step_ms", "tp_vs_tp1", "tp1_greedy_match",
             "cpu_kernels"]
     env = result["environment"]

@@ -21,8 +21,9 @@ Throughput is output tokens / wall time of the runs.
 Per (method, k, concurrency): tok/s, speedup, acceptance length (1 + accepted / drafts: tokens per
 drafting step), acceptance rate (accepted / drafted), acceptance by draft position (vLLM's
 per-position rate: drafts whose token j was accepted / drafts; with trees, the accepted path's
-j-th node), greedy match with the baseline (None at temperature > 0, where the speculative and
-target-only runs sample different streams).
+j-th node), greedy match with the baseline (at temperature 0), seeded match (at temperature > 0 with
+seeds: a seeded request draws coupled, rayspec.sampling, so the speculative run must emit the
+baseline's tokens exactly; None unseeded, where the runs sample different streams).
 
 Memory per method and k, `memory`: the proposer's weights and KV cache as `rayspec plan` sizes
 them (rayspec.memory.engine_plan for this engine config: what the engine allocates, not a
@@ -213,6 +214,7 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
                 "total_output_tokens": run.tokens, "seconds": run.seconds, "step_ms": run.step_ms,
                 **total,
                 "greedy_match": run.outputs == base.outputs if temperature == 0 else None,
+                "seeded_match": run.outputs == base.outputs if temperature > 0 and seeded else None,
                 **{key: memory[m]["by_k"][str(k)].get(key)
                    for key in ("proposer_weights_bytes", "proposer_kv_bytes", "target_kv_bytes")},
             })
@@ -272,13 +274,14 @@ def _fmt(v, spec: str = ".2f") -> str:
 def format_table(result: dict) -> str:
     """One line per (method, k, concurrency)."""
     head = (f"{'method':<12} {'k':>2} {'conc':>4} {'tok/s':>8} {'base':>8} {'speedup':>7} {'acc_len':>7} "
-            f"{'acc_rate':>8} {'greedy':>6} {'prop MB':>8}  acceptance by position")
+            f"{'acc_rate':>8} {'match':>6} {'prop MB':>8}  acceptance by position")
     lines = [head, "-" * len(head)]
     for r in result["results"]:
         mb = None
         if r["proposer_weights_bytes"] is not None:
             mb = (r["proposer_weights_bytes"] + (r["proposer_kv_bytes"] or 0)) / 1e6
-        greedy = "-" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "NO")
+        match = r["greedy_match"] if r["greedy_match"] is not None else r.get("seeded_match")
+        greedy = "-" if match is None else ("yes" if match else "NO")
         pos = " ".join(_fmt(x) for x in r["acceptance_by_position"])
         lines.append(f"{r['method']:<12} {r['num_speculative_tokens']:>2} {r['concurrency']:>4} "
                      f"{_fmt(r['output_throughput'], '.1f'):>8} {_fmt(r['baseline_output_throughput'], '.1f'):>8} "
