@@ -223,13 +223,15 @@ def _token_steps(token_ids: torch.Tensor | int, device) -> torch.Tensor:
 
 
 def coupled_noise(keys: list[int], token_ids: torch.Tensor | int, device) -> torch.Tensor:
-    """E[r, j] = -log U, U uniform on (0, 1) from 53 bits of splitmix64 at (keys[r], token j):
+    """E[r, j] = -log U, U uniform on (0, 1) from 52 bits of splitmix64 at (keys[r], token j):
     [R, V] float64 standard exponentials, independent across tokens and keys. token_ids: the vocabulary
     size V (tokens 0..V-1), or the target ids of a draft vocabulary's entries (EAGLE-3's reduced one),
     so a draft's E at a token is the target's. The keys reach the device without a blocking copy."""
     (k,) = to_device(np.array([_signed(x) for x in keys], dtype=np.int64), device=torch.device(device))
     z = _mix64_tensor(k[:, None] + _token_steps(token_ids, device)[None, :])
-    u = (_srl(z, 11).double() + 0.5) * 2.0 ** -53
+    # 52 bits as the mantissa of a float64 in [1, 2) (a bit pattern, no int -> float conversion), less
+    # 1 - 2**-53: (2 m + 1) 2**-53, exact, in (0, 1)
+    u = (_srl(z, 12) | 0x3FF0000000000000).view(torch.float64) - (1.0 - 2.0 ** -53)
     return -torch.log(u)
 
 
