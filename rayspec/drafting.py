@@ -177,6 +177,11 @@ class MeasuredCosts:
         # nothing measured yet: free (optimistic), so the proposer gets called and timed
         return self.propose.predict(propose_features(depth, batch, catch_up)) if self.propose.num_observed else 0.0
 
+    def coefficients(self) -> tuple[list[float], list[float]]:
+        """The verification and proposer coefficients over verify_features / propose_features."""
+        propose = self.propose.theta.tolist() if self.propose.num_observed else [0.0] * 4
+        return self.verify.theta.tolist(), propose
+
     def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
         self.verify.observe(verify_features(batch, rows, row_context), seconds)
 
@@ -215,6 +220,9 @@ class ModelledCosts:
 
     def propose_s(self, depth: int, batch: int, catch_up: float = 0.0) -> float:
         return float(self.propose_theta @ propose_features(depth, batch, catch_up))
+
+    def coefficients(self) -> tuple[list[float], list[float]]:
+        return self.verify_theta.tolist(), self.propose_theta.tolist()
 
     def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
         pass
@@ -348,26 +356,58 @@ class DraftPlanner:
         """From every sequence at its smallest budget, repeatedly move the one sequence whose next
         budget gives the best step rate, to the top; return the best point of the climb (climbing
         on through worse points, as the proposer's fixed cost is paid once: the first drafts alone
-        may not pay where more do)."""
-        choice = [0] * len(seqs)
+        may not pay where more do). The step cost is _step_cost's, kept as running sums that a move
+        updates (a batch of 8 planned in ~0.5 ms, not ~7: on a GPU a whole step takes a few ms)."""
+        (v0, v1, v2, v3), (p0, p1, p2, p3) = self.costs.coefficients()
+        n = len(seqs)
+        steady = 1 + self.max_k
+        catch = []  # per sequence, the catch-up _step_cost charges when it drafts
+        for s, v in zip(seqs, values):
+            excess = max(0, s.catch_up - steady)
+            if s.remaining and excess:
+                excess /= max(1.0, s.remaining / (1.0 + v[-1]))
+            catch.append(min(s.catch_up, steady) + excess)
+        choice = [0] * n
+        budget = [o[0] for o in options]
+        rows = sum(1 + b for b in budget)
+        row_ctx = sum((1 + b) * s.context for b, s in zip(budget, seqs))
+        tokens = sum(1 + v[0] for v in values)
+        drafting = sum(1 for b in budget if b > 0)
+        caught = sum(c for c, b in zip(catch, budget) if b > 0)
+        depth = max((self.proposer_depth(b, tree) for b in budget if b > 0), default=0)
 
-        def rate(ch) -> float:
-            budgets = [o[c] for o, c in zip(options, ch)]
-            tokens = sum(1 + v[c] for v, c in zip(values, ch))
-            return tokens / max(self._step_cost(seqs, budgets, [v[-1] for v in values], tree), 1e-9)
+        def rate(rows, row_ctx, tokens, drafting, caught, depth) -> float:
+            cost = v0 + v1 * (rows > n) + v2 * rows + v3 * row_ctx / 1000.0
+            if drafting:
+                cost += p0 + p1 * depth + p2 * depth * drafting + p3 * caught / 1000.0
+            return tokens / max(cost, 1e-9)
 
-        best, best_rate = list(choice), rate(choice)
+        best, best_rate = list(choice), rate(rows, row_ctx, tokens, drafting, caught, depth)
         while True:
-            moves = [i for i in range(len(seqs)) if choice[i] + 1 < len(options[i])]
-            if not moves:
-                return best
             scored = []
-            for i in moves:
-                choice[i] += 1
-                scored.append((rate(choice), -i))
-                choice[i] -= 1
+            for i in range(n):
+                c = choice[i]
+                if c + 1 >= len(options[i]):
+                    continue
+                old, new = budget[i], options[i][c + 1]
+                first = old == 0 and new > 0
+                scored.append((rate(rows + new - old, row_ctx + (new - old) * seqs[i].context,
+                                    tokens + values[i][c + 1] - values[i][c], drafting + first,
+                                    caught + catch[i] * first, max(depth, self.proposer_depth(new, tree))), -i))
+            if not scored:
+                return best
             r, neg_i = max(scored)
-            choice[-neg_i] += 1
+            i = -neg_i
+            old, new = budget[i], options[i][choice[i] + 1]
+            first = old == 0 and new > 0
+            rows += new - old
+            row_ctx += (new - old) * seqs[i].context
+            tokens += values[i][choice[i] + 1] - values[i][choice[i]]
+            drafting += first
+            caught += catch[i] * first
+            depth = max(depth, self.proposer_depth(new, tree))
+            choice[i] += 1
+            budget[i] = new
             if r > best_rate * (1 + 1e-9):
                 best, best_rate = list(choice), r
 

@@ -145,6 +145,66 @@ def _step_rate(planner: DraftPlanner, seqs, budgets, tree=False) -> float:
     return tokens / cost
 
 
+def _reference_climb(planner: DraftPlanner, seqs, options, values, tree):
+    """The climb written plainly: every candidate's rate from _step_cost over all sequences."""
+    full = [v[-1] for v in values]
+
+    def rate(ch):
+        return (sum(1 + v[c] for v, c in zip(values, ch))
+                / max(planner._step_cost(seqs, [o[c] for o, c in zip(options, ch)], full, tree), 1e-9))
+
+    choice = [0] * len(seqs)
+    best, best_rate = list(choice), rate(choice)
+    while True:
+        moves = [i for i in range(len(seqs)) if choice[i] + 1 < len(options[i])]
+        if not moves:
+            return best
+        scored = []
+        for i in moves:
+            choice[i] += 1
+            scored.append((rate(choice), -i))
+            choice[i] -= 1
+        r, neg_i = max(scored)
+        choice[-neg_i] += 1
+        if r > best_rate * (1 + 1e-9):
+            best, best_rate = list(choice), r
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_incremental_climb_is_the_plain_climb(tree):
+    """_climb keeps the step cost as running sums; on 300 random batches (acceptance, contexts,
+    catch-ups, caps, modelled and measured costs) it picks exactly what the plain climb over
+    _step_cost picks."""
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        if trial % 2:
+            costs = ModelledCosts({"step_s": 0.01, "multirow_s": float(rng.uniform(0, 0.005)),
+                                   "row_s": float(rng.uniform(0, 0.003)), "row_context_s": float(rng.uniform(0, 1e-4)),
+                                   "propose_s": float(rng.uniform(0, 0.002)), "propose_depth_s": float(rng.uniform(0, 0.002)),
+                                   "propose_depth_batch_s": float(rng.uniform(0, 5e-4)),
+                                   "propose_catch_up_s": float(rng.uniform(0, 0.05))})
+        else:
+            costs = MeasuredCosts()
+            for _ in range(6):
+                b = int(rng.integers(1, 9))
+                rows = b + int(rng.integers(0, 20))
+                costs.observe_verify(b, rows, rows * 300, 0.01 + 0.002 * rows + float(rng.uniform(0, 0.003)))
+                costs.observe_propose(int(rng.integers(1, 5)), b, 0.004 * b, float(rng.uniform(0, 400)))
+        planner = DraftPlanner(6, costs, topk=2 if tree else 1, max_depth=4 if tree else None)
+        n = int(rng.integers(1, 9))
+        seqs = [_seq(_observed(planner, float(rng.uniform(0, 1)), n=5, tree=tree, seed=trial * 10 + i),
+                     greedy=bool(rng.integers(0, 2)), context=int(rng.integers(10, 3000)), cap=int(rng.integers(0, 7)),
+                     catch_up=int(rng.integers(0, 3000)), remaining=int(rng.integers(0, 500))) for i in range(n)]
+        shape = "tree" if tree else "chain"
+        options, values = [], []
+        for s in seqs:
+            allowed = sorted({min(b, s.cap) for b in planner.budgets(tree)})
+            rates = planner.acceptance.rates(s.state.counts.get(shape), shape, s.greedy, planner.depth(allowed[-1], tree))
+            options.append(allowed)
+            values.append([expected_accepted(rates, planner.depth(b, tree)) for b in allowed])
+        assert planner._climb(seqs, options, values, tree) == _reference_climb(planner, seqs, options, values, tree), trial
+
+
 @pytest.mark.parametrize("rate,costs,want", [
     (0.05, CPU_LIKE, "zero"),  # drafts rejected, rows dear: nothing pays
     (0.05, GPU_LIKE, "zero"),  # ... nor where rows are free: the proposer call still costs
