@@ -1,7 +1,8 @@
 """Seeded sampled requests draw coupled (rayspec.sampling, "Two kinds of draw"): what they emit is
-target-only decoding with the same seed, token for token, whatever proposes (n-gram, a draft model
-mostly accepted or never, EAGLE-3 chains and trees), whatever the cost-aware planner drafts (measured
-costs: timing-dependent plans), alone, in a batch, joining mid-decode and beside unseeded requests.
+target-only decoding with the same seed, token for token, whatever proposes (n-gram, a draft model,
+synchronous or pre-drafting, mostly accepted or never, EAGLE-3 chains and trees), whatever the
+cost-aware planner drafts (measured costs: timing-dependent plans), alone, in a batch, joining
+mid-decode and beside unseeded requests.
 Exact equality, no statistics: with tests/test_units.py's check that a coupled draw is distributed as
 its row (chi-square over seeds), it is the losslessness of the seeded path."""
 
@@ -60,6 +61,8 @@ METHODS = {
     # the planner on host timers: its budgets vary with the machine's load, the output may not
     "draft-self-measured": dict(method="draft_model", k=4, draft_num_layers=1, draft_model="self", adaptive=True,
                                 measured_costs=True),
+    # asynchronous drafting (rayspec.proposers.pre_draft): drafts from the speculation cache too
+    "draft-self-async": dict(method="draft_model", k=3, draft_num_layers=1, draft_model="self"),
     "eagle3-chain": dict(method="eagle3", k=4, draft_model="head", tree_max_batch=0),
     "eagle3-tree": dict(method="eagle3", k=6, draft_model="head", eagle_topk=2, tree_max_batch=8),
 }
@@ -71,7 +74,12 @@ def _engine(name, tiny_model_dir, tiny_draft_dir, head_dir, loaded):
                            None: None}[spec.get("draft_model")]
     if spec["draft_model"] is None:
         del spec["draft_model"]
-    return make_engine(tiny_model_dir, loaded=loaded, **spec)
+    engine = make_engine(tiny_model_dir, loaded=loaded, **spec)
+    if name.endswith("-async"):
+        from rayspec.proposers.pre_draft import PreDraftingProposer
+
+        engine.proposer = PreDraftingProposer(engine.proposer, 4, max_model_len=256)  # every hypothesis drafted
+    return engine
 
 
 def _run(engine, mode, temperature):
@@ -108,6 +116,8 @@ def test_seeded_output_is_target_only_decoding(tiny_model_dir, tiny_draft_dir, h
     # the accepted paths ran (the measured planner may stop drafting before any is accepted)
     if name not in ("draft-other", "draft-self-measured"):
         assert stats.num_accepted_tokens > 0, f"{name}/{mode}: no draft accepted"
+    if name.endswith("-async"):  # drafts from the speculation cache were verified
+        assert engine.proposer.pre_drafter.stats.num_hits > 0, engine.proposer.pre_drafter.stats.as_dict()
 
 
 def test_seeds_and_positions_change_the_draws(tiny_model_dir, loaded, reference):
