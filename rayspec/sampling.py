@@ -257,6 +257,27 @@ def draw_rows(probs: torch.Tensor, sources: list, token_ids: torch.Tensor | int 
     return out.index_copy_(0, index, sample_rows(probs.index_select(0, index), [sources[i] for i in streams]))
 
 
+class DraftSources:
+    """What a proposer draws each sampled draft token from (`draw_rows`' sources): a seeded request's
+    coupled key at the token's position (the target's draw uses the same noise), else the sequence's
+    own stream, seeded from its stream_seed xor `salt` (apart from the target's) or from the OS."""
+
+    def __init__(self, device, salt: int):
+        self.device, self.salt = device, salt
+        self._streams: dict[str, torch.Generator] = {}
+
+    def source(self, seq_id: str, seed: int | None, stream_seed: int | None, position: int):
+        if seed is not None:
+            return coupled_key(seed, position)
+        if seq_id not in self._streams:
+            self._streams[seq_id] = make_generator(None if stream_seed is None else stream_seed ^ self.salt,
+                                                   self.device)
+        return self._streams[seq_id]
+
+    def release(self, seq_id: str) -> None:
+        self._streams.pop(seq_id, None)
+
+
 def _count_on_host(device: torch.device) -> bool:
     """Whether logits_to_probs narrows a top-p by counting its possible tokens (a host read)."""
     return device.type == "cpu"

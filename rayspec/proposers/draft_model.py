@@ -11,7 +11,7 @@ from rayspec.device_io import to_device, to_host
 from rayspec.model import CausalLM
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import coupled_key, draw_rows, make_generator, probs_of_rows
+from rayspec.sampling import DraftSources, draw_rows, probs_of_rows
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -60,7 +60,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(model, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
                                   block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self._fed: dict[str, list[int]] = {}  # tokens whose KV the draft cache holds, per sequence
-        self._generators: dict[str, torch.Generator] = {}
+        self._sources = DraftSources(self.runner.device, salt=1)  # sampled drafts' draws
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
         self._clock = itertools.count()
         # asynchronous drafting (rayspec.proposers.pre_draft): keep each draft position's top
@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
     def release(self, seq_id: str) -> None:
         self.runner.free(seq_id)
         self._fed.pop(seq_id, None)
-        self._generators.pop(seq_id, None)
+        self._sources.release(seq_id)
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
 
@@ -92,16 +92,6 @@ class DraftModelProposer(Proposer):
         # (verified tokens: a cached prefix may be shared)
         cached = self.runner.allocate(seq_id, token_ids, cache_salt=cache_salt)
         self._fed[seq_id] = list(token_ids[:cached])
-
-    def _source(self, req: ProposeRequest, position: int):
-        """What a sampled draft token at `position` is drawn from: a seeded request's coupled key
-        there (the target's draw uses the same noise: rayspec.sampling), else the sequence's stream."""
-        if req.seed is not None:
-            return coupled_key(req.seed, position)
-        if req.seq_id not in self._generators:  # (a stream of its own, apart from the target's)
-            seed = None if req.stream_seed is None else req.stream_seed ^ 1
-            self._generators[req.seq_id] = make_generator(seed, self.runner.device)
-        return self._generators[req.seq_id]
 
     def _forward_last(self, seq_ids: list[str], pending: list[list[int]]) -> torch.Tensor:
         """The catch-up forward ([B, vocab] last logits), in as few batches as fit the cache
@@ -156,8 +146,9 @@ class DraftModelProposer(Proposer):
             choice = logits.argmax(-1)  # [B]
             if sampled:  # one batch of kernels for all sampled rows, no host read
                 p = probs_of_rows(logits.index_select(0, rows), settings)
-                choice.index_copy_(0, rows, draw_rows(p, [self._source(active[i], len(active[i].token_ids) + step)
-                                                            for i in sampled]))
+                choice.index_copy_(0, rows, draw_rows(p, [
+                    self._sources.source(active[i].seq_id, active[i].seed, active[i].stream_seed,
+                                         len(active[i].token_ids) + step) for i in sampled]))
                 for j, i in enumerate(sampled):
                     probs[i].append(p[j])
             toks.append(choice)

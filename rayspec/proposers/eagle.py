@@ -38,7 +38,7 @@ from rayspec.eagle.head import EagleHead
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
-from rayspec.sampling import coupled_key, draw_rows, make_generator, probs_of_rows
+from rayspec.sampling import DraftSources, draw_rows, probs_of_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -118,7 +118,7 @@ class EagleProposer(Proposer):
         self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
                                   block_size=block_size, enable_prefix_caching=enable_prefix_caching)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
-        self._generators: dict[str, torch.Generator] = {}  # unseeded sampled sequences' streams
+        self._sources = DraftSources(self.runner.device, salt=0x5EED)  # sampled drafts' draws
         self._d2t_ids: tuple = (None, None)  # ((device, draft vocab), the target id of each draft id)
         self._salts: dict[str, str | None] = {}  # seq id -> its cache_salt, for the head's prefix cache
         self._last_used: dict[str, int] = {}  # seq id -> call clock (evicts the stalest when slots run out)
@@ -138,7 +138,7 @@ class EagleProposer(Proposer):
     def release(self, seq_id: str) -> None:
         self.runner.free(seq_id)
         self._features.pop(seq_id, None)
-        self._generators.pop(seq_id, None)
+        self._sources.release(seq_id)
         self._salts.pop(seq_id, None)
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
@@ -150,16 +150,6 @@ class EagleProposer(Proposer):
         if self._d2t_ids[0] != key:
             self._d2t_ids = (key, self.head.to_target(torch.arange(draft_vocab, device=device)))
         return self._d2t_ids[1]
-
-    def _source(self, req: ProposeRequest, position: int):
-        """What a sampled draft token at `position` is drawn from: a seeded request's coupled key
-        there (the target's draw uses the same noise: rayspec.sampling), else the sequence's stream."""
-        if req.seed is not None:
-            return coupled_key(req.seed, position)
-        if req.seq_id not in self._generators:  # (a stream of its own, apart from the target's)
-            seed = None if req.stream_seed is None else req.stream_seed ^ 0x5EED
-            self._generators[req.seq_id] = make_generator(seed, self.runner.device)
-        return self._generators[req.seq_id]
 
     # ---- prefix caching ----------------------------------------------------------------
     # Head position i holds the pair (target feature i, token i + 1), and feature i is a function of
@@ -537,7 +527,8 @@ class EagleProposer(Proposer):
             choice = logp.argmax(-1)  # [B] draft ids
             if sampled:  # one batch of kernels for all sampled rows, no host read
                 p = probs_of_rows(logits.index_select(0, rows), settings)  # [S, Vd]
-                sources = [self._source(reqs[i], len(reqs[i].token_ids) + d - 1) for i in sampled]
+                sources = [self._sources.source(reqs[i].seq_id, reqs[i].seed, reqs[i].stream_seed,
+                                                len(reqs[i].token_ids) + d - 1) for i in sampled]
                 choice.index_copy_(0, rows, draw_rows(p, sources, self._draft_to_target(p.shape[-1], dev)))
                 full = torch.zeros(len(sampled), V, dtype=p.dtype, device=dev)
                 full[:, self._draft_to_target(p.shape[-1], dev)] = p  # draft -> target ids
