@@ -621,6 +621,7 @@ def test_proposer_deployment_counts_rejected_connections(tmp_path):
     drafts = client.call([ProposeRequest("s", [1, 2, 3, 1, 2, 3, 1, 2], 2)], [])  # n-gram lookup
     client.close()
     assert drafts[0].tokens == [3, 1] and not marker.exists()
+    _wait_rejected(proposer._channel, 1)  # the server counts after it closes: wait, as above
     stats = proposer.stats()
     assert stats["channel_rejected"] == 1 and stats["channel_connections"] == 1
     proposer._channel.close()
