@@ -27,7 +27,7 @@ def engine(tiny_model_dir, tiny):
     (list(range(3, 3 + MAX_LEN)), SamplingParams(max_tokens=1), "at most 64"),  # no room for one token
     (list(range(3, 3 + MAX_LEN - 10)), SamplingParams(max_tokens=11), "exceeds max_model_len"),
     ([], SamplingParams(), "empty"),
-    ([5, 10**6], SamplingParams(), r"token ids must be in \[0, 49152\)"),
+    ([5, 10**6], SamplingParams(), r"token ids must be in \[0, 8192\)"),
     ([5, -1], SamplingParams(), "token ids"),
 ])
 def test_invalid_requests_raise(engine, prompt, params, match):
