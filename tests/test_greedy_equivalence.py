@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import make_tiny_model_dir
 from engine_utils import (cached_model, greedy_reference, make_engine, run_alone, run_batch, run_joining,
                           run_to_completion)
 from rayspec.proposers.draft_model import DraftModelProposer
@@ -17,6 +18,17 @@ TINY_PROMPTS = [
     "a b c d a b c d a b c d a b",
 ]
 TINY_PARAMS = SamplingParams(temperature=0, max_tokens=32)
+
+
+# This module's tiny model: conftest's with seed 4, where its first layer as a draft ("self") is
+# accepted 46 of 219 drafted tokens on TINY_PROMPTS (seed 0: 21 of 290, too rarely for cost-aware
+# drafting to find a draft that pays within 32 tokens), and n-gram drafts are accepted at times.
+# (Seeds 1, 4-7 pass every case here; seed 1 shares its embedding and first layer with conftest's
+# tiny_draft_dir, the "other" draft.)
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-seed4") / "model", seed=4)
+
 
 # cost-aware drafting (the -adaptive cases) under modelled costs where drafts are cheap: the tiny
 # drafts, mostly rejected, still pay now and then, so the planned budgets vary and both verdicts occur
