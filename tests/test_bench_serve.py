@@ -124,8 +124,8 @@ def test_bench_serve_rounds_sum_tokens_and_time(server, reference, tmp_path):
     from rayspec.bench.serve import run_serve_benchmark
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"question_id": 0, "turns": [PROMPTS[0]]}) + "\n")
-    want = _summed([reference(PROMPTS[0])] * 3)
+    prompts.write_text(json.dumps({"question_id": 0, "turns": [PROMPTS[1]]}) + "\n")  # its drafts are accepted
+    want = _summed([reference(PROMPTS[1])] * 3)
     order = []
     result = run_serve_benchmark([server, server + "/v1"], ["A", "B"], model="tiny", prompts_file=str(prompts),
                                  max_tokens=MAX_TOKENS, concurrency=[1], warmup=0, rounds=3, log=order.append)

@@ -210,9 +210,9 @@ def test_config_enables_it_with_several_verifier_replicas():
 
 # ---- served: 2 verifier replicas ----------------------------------------------------------------
 
-WORDS = ("river", "stone", "cloud", "lamp", "orange", "violin", "harbor", "candle", "meadow", "copper", "whisper",
-         "garden", "silver", "thunder", "pepper", "marble")
-PREFIX_WORDS = 1500  # about 1,500 tokens with the SmolLM2 tokenizer (one per word)
+WORDS = ("river", "stone", "cloud", "garden", "water", "light", "green", "house", "paper", "table", "music",
+         "bread", "snow", "field", "road", "tree")  # one token each (with its space), in the tiny models' 8,192 ids
+PREFIX_WORDS = 1500  # about 1,500 tokens (one per word)
 
 
 def _prefix(k: int) -> str:

@@ -19,7 +19,7 @@ from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine import LLMEngine  # noqa: E402
 from rayspec.sampling import SamplingParams  # noqa: E402
 
-PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps"  # the tiny model repeats it: n-gram drafts accepted
 TOOLS = [{"type": "function", "function": {
              "name": "get_weather", "description": "The weather in a city",
              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -731,16 +731,17 @@ def test_structured_output(client, local_engine):
                                                  response_format=fmt, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     # json_object, sampled with a seed: the served text is the in-process engine's under the same
-    # constraint and seed. Left alone the random model writes one endless key (cut by max_tokens);
+    # constraint and seed (3: with most seeds this random model writes `{}` at once). Left alone it
+    # writes one endless key (cut by max_tokens);
     # with quotes favoured (logit_bias) it closes keys, and the object closes and parses
     any_object = StructuredOutput.json_schema({"type": "object"})
     chat_ids = local_engine.encode_chat(messages)
 
     def json_object(max_tokens, **bias):
         obj = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0.7,
-                                             seed=1, response_format={"type": "json_object"}, **bias)
+                                             seed=3, response_format={"type": "json_object"}, **bias)
         ref = local_engine.generate([chat_ids], SamplingParams(
-            temperature=0.7, seed=1, max_tokens=max_tokens, structured=any_object,
+            temperature=0.7, seed=3, max_tokens=max_tokens, structured=any_object,
             logit_bias={int(t): b for t, b in bias.get("logit_bias", {}).items()}))[0]
         assert obj.choices[0].message.content == ref.text and obj.choices[0].finish_reason == ref.finish_reason
         return obj.choices[0].message.content, obj.choices[0].finish_reason
