@@ -17,6 +17,8 @@ import torch
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
+from rayspec.drafting import PROBE_SHARE
+
 # unknown keys are errors (a misspelt setting must not pass silently as its default)
 _STRICT = ConfigDict(extra="forbid")
 
@@ -40,11 +42,12 @@ class SpeculativeConfig:
     # or fixed coefficients (rayspec.drafting.ModelledCosts: step_s, row_s, row_context_s,
     # propose_s, propose_depth_s, propose_depth_batch_s, propose_catch_up_s), the same plans on every machine
     draft_costs: dict[str, float] | None = None
-    # a budget for probes (rayspec.drafting): at most this share of the estimated step time, e.g.
-    # 0.02; None: probes paced engine-wide only. Off by default: its gain was within the noise of
-    # the runs made (benchmarks/README.md), and it delays the probes that restart drafting after a
-    # stretch without drafts (a batch at disable_by_batch_size), where no budget accrued
-    probe_share: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    # a budget for probes (rayspec.drafting): at most this share of the estimated step time (steps
+    # at disable_by_batch_size accrue it too). A probe of a draft model first catches up on the whole
+    # context it skipped, ~a quarter of a prefill for an 8-of-30-layer self-draft: unbudgeted, traffic
+    # it cannot guess paid several % for its probes (benchmarks/results/never_loses_chains_*.json).
+    # None: probes paced engine-wide only
+    probe_share: Annotated[float, Field(gt=0.0, lt=1.0)] | None = PROBE_SHARE
     # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
     prompt_lookup_min: Positive = 2
     prompt_lookup_max: Positive = 5

@@ -27,8 +27,8 @@ steps have passed since the last probing step; a probe that finds nothing double
 `max_probe_gap`), an accepted draft halves it. Traffic no draft can guess so pays for a probe step
 every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
 the whole context it skipped, and on a CPU any multi-row verification jumps in cost. Probes may
-also have a budget (SpeculativeConfig.probe_share, e.g. 0.02; off by default): each planned step
-adds that share of its estimated cost, a probing step takes what its probes add (a draft model's
+have a budget (SpeculativeConfig.probe_share, 2% by default): each step adds that share of its
+estimated cost (a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing step takes what its probes add (a draft model's
 catch-up counted whole), and the sequences due probe only as far as the budget covers,
 longest-waiting first; where nothing is ever accepted, probes then cost at most that share of the
 time plus one probing step's worth.
@@ -55,7 +55,7 @@ SEQ_DISCOUNT, POOL_DISCOUNT = 0.9, 0.98
 PRIOR_MEAN, PRIOR_WEIGHT = 0.5, 2.0  # the pool's own prior at every depth
 POOL_WEIGHT = 3.0  # pseudo-observations the pool lends a sequence's estimate at each depth
 # a probe budget that keeps probes (paced, engine-wide) to this share of the estimated step time:
-# what SpeculativeConfig.probe_share takes (off by default there)
+# SpeculativeConfig.probe_share's default
 PROBE_SHARE = 0.02
 
 
@@ -253,6 +253,10 @@ class PlanInput:
     cap: int  # the most it may draft (remaining tokens, its own num_speculative_tokens)
     catch_up: int = 0  # tokens the proposer would first run through to draft for it (Proposer.catch_up_tokens)
     remaining: int = 0  # tokens the request may still produce (0: unknown; its catch-up is not spread)
+    # what its accepted tokens are worth, per token emitted: 1, unless the batch is closed (nothing
+    # waits or has joined lately) and it is ahead of the batch's slowest: then 0, as finishing it
+    # sooner ends no step sooner (the batch runs as long as its slowest), and saves only its row
+    weight: float = 1.0
 
 
 class DraftPlanner:
@@ -300,12 +304,15 @@ class DraftPlanner:
             rates = self.acceptance.rates(s.state.counts.get(shape), shape, s.greedy, self.depth(allowed[-1], tree))
             options.append(allowed)
             values.append([expected_accepted(rates, self.depth(b, tree)) for b in allowed])
+        full_values = [v[-1] for v in values]  # the pace a sequence's context grows at (catch-up spreading)
         if not self.costs.known:  # nothing timed yet: the full budget, so the costs get measured
             choice = [len(o) - 1 for o in options]
         else:
-            choice = self._climb(seqs, options, values, tree)
+            worth = [[s.weight * x for x in v] for s, v in zip(seqs, values)] if any(s.weight != 1.0 for s in seqs) \
+                else values
+            choice = self._climb(seqs, options, worth, full_values, tree)
         out = [o[c] for o, c in zip(options, choice)]
-        self._probe(seqs, options, [v[-1] for v in values], out, tree)
+        self._probe(seqs, options, full_values, out, tree)
         return out
 
     def _probe(self, seqs: list[PlanInput], options: list[list[int]], full_values: list[float], out: list[int],
@@ -318,7 +325,7 @@ class DraftPlanner:
         for i, (s, o) in enumerate(zip(seqs, options)):
             state = s.state
             state.probing = False
-            if out[i] == 0 and len(o) > 1:
+            if out[i] == 0 and len(o) > 1 and s.weight > 0:  # (a probe of a sequence worth 0 tells nothing of use)
                 state.steps_at_zero += 1
                 if state.steps_at_zero >= (state.probe_every or self.probe_every):
                     due.append(i)
@@ -327,9 +334,7 @@ class DraftPlanner:
         self.since_probe += 1
         paced_ok = self.since_probe >= self.probe_gap
         if self.probe_share is not None and self.costs.known:
-            plain = self._step_cost(seqs, out, full_values, tree)
-            cap = self.probe_share * plain * self.max_probe_gap  # no more than max_probe_gap steps bank
-            self.probe_budget = min(self.probe_budget + self.probe_share * plain, cap)
+            self._accrue(self._step_cost(seqs, out, full_values, tree))
             if paced_ok and due:  # those due longest first, as many as the budget covers
                 joint = sorted(due, key=lambda i: -seqs[i].state.steps_at_zero)
                 base = self._step_cost(seqs, out, full_values, tree, spread=False)
@@ -352,7 +357,21 @@ class DraftPlanner:
         if probed:
             self.since_probe, self._round_open = 0, True
 
-    def _climb(self, seqs: list[PlanInput], options, values, tree: bool) -> list[int]:
+    def skip(self, seqs: list[PlanInput]) -> None:
+        """A step decoded without consulting the planner (a batch at disable_by_batch_size): the probe
+        budget accrues its share of the step as of a planned one, so the probes that restart drafting
+        once the batch shrinks are not held back by a stretch that banked nothing."""
+        if self.probe_share is None or not self.costs.known or not seqs:
+            return
+        self._accrue(self._step_cost(seqs, [0] * len(seqs), [0.0] * len(seqs), tree=False))
+
+    def _accrue(self, step_s: float) -> None:
+        """The probe budget gains probe_share of a step's estimated seconds (no more than
+        max_probe_gap steps' worth banked)."""
+        self.probe_budget = min(self.probe_budget + self.probe_share * step_s,
+                                self.probe_share * step_s * self.max_probe_gap)
+
+    def _climb(self, seqs: list[PlanInput], options, values, full_values, tree: bool) -> list[int]:
         """From every sequence at its smallest budget, repeatedly move the one sequence whose next
         budget gives the best step rate, to the top; return the best point of the climb (climbing
         on through worse points, as the proposer's fixed cost is paid once: the first drafts alone
@@ -360,7 +379,7 @@ class DraftPlanner:
         updates (a batch of 8 planned in ~0.5 ms, not ~7: on a GPU a whole step takes a few ms)."""
         (v0, v1, v2, v3), (p0, p1, p2, p3) = self.costs.coefficients()
         n = len(seqs)
-        catch = [self._charged_catch_up(s, v[-1]) for s, v in zip(seqs, values)]  # charged when it drafts
+        catch = [self._charged_catch_up(s, f) for s, f in zip(seqs, full_values)]  # charged when it drafts
         choice = [0] * n
         budget = [o[0] for o in options]
         rows = sum(1 + b for b in budget)

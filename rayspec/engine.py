@@ -563,7 +563,11 @@ class LLMEngine:
         """(trees or chains, each sequence's draft budget): small batches verify token trees (of up
         to max_k nodes), larger ones chains, the largest (disable_by_batch_size) nothing; the
         planner sizes either per sequence."""
-        if self.max_k == 0 or (self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size):
+        if self.max_k == 0:
+            return False, [0] * len(seqs)
+        if self.disable_by_batch_size and len(seqs) >= self.disable_by_batch_size:
+            if self.adaptive:  # the probe budget accrues over the stretch (rayspec.drafting)
+                self.planner.skip([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), 0) for s in seqs])
             return False, [0] * len(seqs)
         tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
         return tree, self._draft_lens(seqs, tree)
@@ -600,10 +604,20 @@ class LLMEngine:
         caps = [self._draft_len(s, self.max_k) for s in seqs]
         if not self.adaptive:
             return caps
+        weights = self._token_weights(seqs)
         return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
                                             catch_up=self.proposer.catch_up_tokens(s.request_id, len(s.token_ids)),
-                                            remaining=s.remaining_tokens)
-                                  for s, cap in zip(seqs, caps)], tree)
+                                            remaining=s.remaining_tokens, weight=w)
+                                  for s, cap, w in zip(seqs, caps, weights)], tree)
+
+    def _token_weights(self, seqs: list[Sequence]) -> list[float]:
+        """What each sequence's accepted tokens are worth to the planner (PlanInput.weight): 1, but in
+        a closed batch (Scheduler.closed_batch) 0 for a sequence more than one draft ahead of the
+        slowest (the most tokens left): the batch takes as many steps either way."""
+        if len(seqs) < 2 or not self.scheduler.closed_batch():
+            return [1.0] * len(seqs)
+        slowest = max(s.remaining_tokens for s in seqs)
+        return [1.0 if s.remaining_tokens + self.max_k >= slowest else 0.0 for s in seqs]
 
     # ---- verify ---------------------------------------------------------------------------
     def _verify(self, proposal: Proposal) -> Verdict:

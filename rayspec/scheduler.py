@@ -40,6 +40,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
+        # schedules so far, and the last one that admitted a new request beside decoding ones (traffic
+        # that joins a running batch: its freed slots get taken; see closed_batch)
+        self.num_schedules, self._joined_at = 0, None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -54,7 +57,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def closed_batch(self, window: int = 128) -> bool:
+        """Nothing waits and no new request has joined a decoding batch in the last `window`
+        schedules: the running sequences look like one batch that ends with its slowest (an offline
+        generate() of many prompts), not open traffic whose finished requests are replaced at once
+        (a server's clients). The draft planner then values only the slowest sequences' tokens."""
+        return not self.waiting and (self._joined_at is None or self.num_schedules - self._joined_at > window)
+
     def schedule(self) -> ScheduledStep:
+        self.num_schedules += 1
         decode = self._reserve([s for s in self.running if s.prefilled])
         self._admit()
         return ScheduledStep(self._prefill_chunks([s for s in self.running if not s.prefilled]), decode)
@@ -80,6 +91,8 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_cached_tokens is None:  # (a preempted one reports its first admission's)
                 seq.num_cached_tokens = cached
+                if any(s.prefilled for s in self.running):  # a new request joins a decoding batch
+                    self._joined_at = self.num_schedules
             seq.status = Status.RUNNING
             self.running.append(seq)
 

@@ -54,8 +54,9 @@ def test_rejected_drafts_stop(tiny_model_dir, tiny_draft_dir, loaded, reference,
     if not adaptive:
         assert len(calls) == steps - 1 and all(n == [3] * len(PROMPTS) for n in calls[:-2])  # (the last token: none)
         return
-    # after the first draft, only probes: the full budget, after 16 undrafted steps, then 32 (nothing found)
-    assert 2 <= len(calls) <= 4 and all(c == [3] * len(PROMPTS) for c in calls[1:]), calls
+    # after the first draft, only probes: the full budget for the sequences due (after 16 undrafted
+    # steps, then 32: nothing found) that the probe budget (2% of the steps) covers, the rest none
+    assert 2 <= len(calls) <= 4 and all(set(c) <= {0, 3} and any(c) for c in calls[1:]), calls
     assert engine.stats.num_draft_tokens < 0.15 * 3 * steps * len(PROMPTS)
 
 

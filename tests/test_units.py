@@ -145,9 +145,8 @@ def _step_rate(planner: DraftPlanner, seqs, budgets, tree=False) -> float:
     return tokens / cost
 
 
-def _reference_climb(planner: DraftPlanner, seqs, options, values, tree):
+def _reference_climb(planner: DraftPlanner, seqs, options, values, full, tree):
     """The climb written plainly: every candidate's rate from _step_cost over all sequences."""
-    full = [v[-1] for v in values]
 
     def rate(ch):
         return (sum(1 + v[c] for v, c in zip(values, ch))
@@ -202,7 +201,11 @@ def test_incremental_climb_is_the_plain_climb(tree):
             rates = planner.acceptance.rates(s.state.counts.get(shape), shape, s.greedy, planner.depth(allowed[-1], tree))
             options.append(allowed)
             values.append([expected_accepted(rates, planner.depth(b, tree)) for b in allowed])
-        assert planner._climb(seqs, options, values, tree) == _reference_climb(planner, seqs, options, values, tree), trial
+        full = [v[-1] for v in values]
+        weights = rng.choice([1.0, 1.0, 0.0, 0.5], size=len(values))  # PlanInput.weight
+        worth = [[x * float(w) for x in v] for v, w in zip(values, weights)]
+        assert (planner._climb(seqs, options, worth, full, tree)
+                == _reference_climb(planner, seqs, options, worth, full, tree)), trial
 
 
 @pytest.mark.parametrize("rate,costs,want", [
@@ -349,6 +352,27 @@ def test_probes_cost_at_most_their_share():
     cheap = _probe_run(0.02, dear_catch_up, catch_up=0)
     dearer = _probe_run(0.02, dear_catch_up, catch_up=2000)
     assert dearer[0] < shared[0] < cheap[0] and dearer[0] >= 8, (cheap, shared, dearer)
+
+
+def test_steps_without_planning_fill_the_probe_budget():
+    """A stretch at disable_by_batch_size (the planner not asked) banks probe budget as planned steps
+    do, so the sequences due probe once the batch shrinks; a planner without a budget banks nothing."""
+    costs = {**CPU_LIKE, "propose_catch_up_s": 0.02}
+    planner = DraftPlanner(4, ModelledCosts(costs), probe_share=0.02, probe_every=4, max_probe_gap=64)
+    states = [_observed(planner, 0.0, seed=i) for i in range(4)]
+    seqs = [_seq(st, catch_up=300, remaining=10_000) for st in states]
+    plain = planner._step_cost(seqs, [0] * 4, [0.0] * 4, False)
+    for _ in range(10):
+        planner.skip(seqs)
+    assert planner.probe_budget == pytest.approx(0.02 * plain * 10)
+    for _ in range(200):
+        planner.skip(seqs)
+    assert planner.probe_budget == pytest.approx(0.02 * plain * 64)  # banked up to max_probe_gap steps
+    plans = [planner.plan(seqs, tree=False) for _ in range(4)]
+    assert plans[:3] == [[0] * 4] * 3 and any(plans[3]), plans  # due after 4 steps at zero: the bank pays
+    unbudgeted = DraftPlanner(4, ModelledCosts(costs), probe_share=None)
+    unbudgeted.skip(seqs)
+    assert unbudgeted.probe_budget == 0.0
 
 
 def test_catch_up_is_spread_over_the_tokens_left():
