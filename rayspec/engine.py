@@ -612,12 +612,16 @@ class LLMEngine:
 
     def _token_weights(self, seqs: list[Sequence]) -> list[float]:
         """What each sequence's accepted tokens are worth to the planner (PlanInput.weight): 1, but in
-        a closed batch (Scheduler.closed_batch) 0 for a sequence more than one draft ahead of the
-        slowest (the most tokens left): the batch takes as many steps either way."""
+        a closed batch (Scheduler.closed_batch), which runs as many steps as its slowest sequence
+        needs, 0 for a sequence more than one draft ahead of the slowest (the most tokens left: its
+        tokens end no step sooner) and n / m for the m of the n that are not (theirs end the batch
+        sooner for all n: a step they all advance by a token more is a step fewer for the batch)."""
         if len(seqs) < 2 or not self.scheduler.closed_batch():
             return [1.0] * len(seqs)
         slowest = max(s.remaining_tokens for s in seqs)
-        return [1.0 if s.remaining_tokens + self.max_k >= slowest else 0.0 for s in seqs]
+        behind = [s.remaining_tokens + self.max_k >= slowest for s in seqs]
+        worth = len(seqs) / sum(behind)
+        return [worth if b else 0.0 for b in behind]
 
     # ---- verify ---------------------------------------------------------------------------
     def _verify(self, proposal: Proposal) -> Verdict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import OracleProposer, cached_model, make_engine
+from engine_utils import OracleProposer, cached_model, make_engine, run_to_completion
 from rayspec.drafting import MeasuredCosts
 from rayspec.sampling import SamplingParams
 
@@ -117,6 +117,37 @@ def test_accepted_drafts_are_made_in_full(tiny_model_dir, loaded, reference):
     # from the prior (half accepted: 2 tokens pay) up to the full k in three steps, kept there but
     # for the last step (capped by the tokens left)
     assert calls[0] == [2, 2, 2] and all(c == [4, 4, 4] for c in calls[3:-1]) and len(calls) >= 6, calls
+
+
+def test_a_closed_batch_drafts_for_its_slowest(tiny_model_dir, loaded, reference):
+    """Requests started together with nothing joining them (a closed batch, an offline generate()):
+    the batch runs as long as its slowest, so the two requests with 8 tokens to make are not drafted
+    for while the 40-token one is more than a draft ahead of them, though a perfect oracle's drafts
+    would all be accepted; the 40-token one drafts. Once a request joins mid-decode (open traffic,
+    whose finished requests are replaced at once) every sequence drafts. Outputs unchanged."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 8, 8)]
+    want = [r[:p.max_tokens] for r, p in zip(reference, params)]
+
+    def oracle_engine():
+        engine = make_engine(tiny_model_dir, "ngram", k=4, loaded=loaded, adaptive=True)
+        prompt_ids = [tuple(engine.encode(p)) for p in PROMPTS]
+        engine.proposer = OracleProposer(dict(zip(prompt_ids, [r + [0] * 8 for r in reference])), k=4, wrong=0)
+        return engine, [list(p) for p in prompt_ids], _asked(engine)
+
+    engine, prompt_ids, calls = oracle_engine()
+    assert [o.token_ids for o in engine.generate(prompt_ids, params)] == want
+    batched = [c for c in calls if len(c) == 3]
+    assert batched and all(c[1:] == [0, 0] and c[0] > 0 for c in batched), calls
+    assert engine.scheduler.closed_batch()
+
+    engine, prompt_ids, calls = oracle_engine()
+    ids = [engine.add_request(prompt_ids[0], params[0])]
+    done = {out.request_id: out for _ in range(3) for out in engine.step() if out.finished}
+    ids += [engine.add_request(p, sp) for p, sp in zip(prompt_ids[1:], params[1:])]  # joining mid-decode
+    run_to_completion(engine, done)
+    assert [done[i].token_ids for i in ids] == want
+    assert not engine.scheduler.closed_batch()
+    assert any(len(c) == 3 and c[1] > 0 and c[2] > 0 for c in calls), calls
 
 
 def test_measured_costs_are_timed(tiny_model_dir, loaded):
