@@ -16,8 +16,7 @@ that maximises the step's expected output tokens per second:
 - worth: an accepted token counts as an emitted one (the rate's numerator), except in a closed
   batch (the engine's Scheduler.closed_batch: nothing waiting or joining), which runs as many steps
   as its slowest sequence needs: there a sequence more than one draft ahead of the slowest counts
-  for nothing (PlanInput.weight 0; it drafts again once the slowest catch up), and the m of n
-  sequences that are not count n / m each (a token more for each of them is a step fewer for all).
+  for nothing (PlanInput.weight 0; it drafts again once the slowest catch up).
 - costs: `MeasuredCosts` fits both functions online to the engine's host-timed steps (discounted
   least squares; rows are nearly free on a GPU and not on a CPU, and the fit says so), seeded by
   a calibration at warm-up; `ModelledCosts` (SpeculativeConfig.draft_costs) takes fixed
@@ -259,8 +258,8 @@ class PlanInput:
     catch_up: int = 0  # tokens the proposer would first run through to draft for it (Proposer.catch_up_tokens)
     remaining: int = 0  # tokens the request may still produce (0: unknown; its catch-up is not spread)
     # what its accepted tokens are worth, per token emitted: 1, unless the batch is closed (nothing
-    # waits or has joined lately; LLMEngine._token_weights): then 0 when it is ahead of the batch's
-    # slowest (finishing it sooner ends no step sooner), n / m for the m of n sequences that are not
+    # waits or has joined lately; LLMEngine._token_weights) and it is ahead of the batch's slowest:
+    # then 0, as finishing it sooner ends no step sooner
     weight: float = 1.0
 
 

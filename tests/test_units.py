@@ -389,19 +389,6 @@ def test_a_sequence_worth_nothing_does_not_draft():
     assert ahead.steps_at_zero == 0  # no probe comes due
 
 
-def test_the_slowest_of_a_closed_batch_drafts_for_all():
-    """A closed batch of 4 where one sequence lags (weight 4 = n / m, the others 0): a token more for
-    it is a step fewer for the batch, so it drafts at an acceptance (0.4, rows a quarter of a step)
-    where four sequences at weight 1 draft nothing."""
-    planner = DraftPlanner(4, ModelledCosts(CPU_LIKE))
-    states = [_observed(planner, 0.4, seed=i) for i in range(4)]
-    assert planner.plan([_seq(st, remaining=60) for st in states], tree=False) == [0, 0, 0, 0]
-    lagging = [PlanInput(states[0], True, 100, 8, remaining=60, weight=4.0)]
-    ahead = [PlanInput(st, True, 100, 8, remaining=10, weight=0.0) for st in states[1:]]
-    plan = planner.plan(lagging + ahead, tree=False)
-    assert plan[0] >= 2 and plan[1:] == [0, 0, 0], plan
-
-
 def test_catch_up_is_spread_over_the_tokens_left():
     """A draft model that has not seen a sequence's 2,000-token context catches up once, then drafts
     from it for the rest of the request: with drafts mostly accepted and many tokens left the
