@@ -32,10 +32,10 @@ steps have passed since the last probing step; a probe that finds nothing double
 every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
 the whole context it skipped, and on a CPU any multi-row verification jumps in cost. Probes may
 have a budget (SpeculativeConfig.probe_share, 2% by default): each step adds that share of its
-estimated cost (a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing step takes what its probes add (a draft model's
-catch-up counted whole), and the sequences due probe only as far as the budget covers,
-longest-waiting first; where nothing is ever accepted, probes then cost at most that share of the
-time plus one probing step's worth.
+estimated cost (a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing
+step takes what its probes add (a draft model's catch-up counted whole), and the sequences due
+probe only as far as the budget covers, longest-waiting first; where nothing is ever accepted,
+probes then cost at most that share of the time plus one probing step's worth.
 - catch-up: a proposer with a model of its own runs through the context it has not seen before it
   drafts (Proposer.catch_up_tokens: a draft model after steps without drafts, or a new sequence's
   prompt). Its cost is a term of the proposer fit; the planner spreads the part past one step's
