@@ -42,11 +42,11 @@ class SpeculativeConfig:
     # or fixed coefficients (rayspec.drafting.ModelledCosts: step_s, row_s, row_context_s,
     # propose_s, propose_depth_s, propose_depth_batch_s, propose_catch_up_s), the same plans on every machine
     draft_costs: dict[str, float] | None = None
-    # a budget for probes (rayspec.drafting): at most this share of the estimated step time (steps
-    # at disable_by_batch_size accrue it too). A probe of a draft model first catches up on the whole
-    # context it skipped, ~a quarter of a prefill for an 8-of-30-layer self-draft: unbudgeted, traffic
-    # it cannot guess paid several % for its probes (benchmarks/results/never_loses_chains_*.json).
-    # None: probes paced engine-wide only
+    # a budget for the probes that first catch up on a context (rayspec.drafting): at most this share
+    # of the estimated step time (steps at disable_by_batch_size accrue it too). A draft model's probe
+    # catches up on the whole context it skipped, ~a quarter of a prefill for an 8-of-30-layer
+    # self-draft: unbudgeted, on text it cannot guess, its probes drafted 96-156 tokens where budgeted
+    # 9 (8 prompts x 64 tokens x 3, batch 8). None: probes paced engine-wide only
     probe_share: Annotated[float, Field(gt=0.0, lt=1.0)] | None = PROBE_SHARE
     # ngram (names as vLLM's prompt_lookup_min / prompt_lookup_max)
     prompt_lookup_min: Positive = 2

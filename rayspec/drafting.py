@@ -30,12 +30,15 @@ engine-wide: the sequences due take their probes together, in one step, and only
 steps have passed since the last probing step; a probe that finds nothing doubles that gap (up to
 `max_probe_gap`), an accepted draft halves it. Traffic no draft can guess so pays for a probe step
 every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
-the whole context it skipped, and on a CPU any multi-row verification jumps in cost. Probes may
-have a budget (SpeculativeConfig.probe_share, 2% by default): each step adds that share of its
-estimated cost (a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing
-step takes what its probes add (a draft model's catch-up counted whole), and the sequences due
-probe only as far as the budget covers, longest-waiting first; where nothing is ever accepted,
-probes then cost at most that share of the time plus one probing step's worth.
+the whole context it skipped, and on a CPU any multi-row verification jumps in cost. The probes
+that must first catch up on a context (a draft model's) also have a budget
+(SpeculativeConfig.probe_share, 2% by default): each step adds that share of its estimated cost
+(a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing step takes what
+those probes add (their catch-up counted whole), and the sequences due probe only as far as the
+budget covers, longest-waiting first; where nothing is ever accepted, they then cost at most that
+share of the time plus one probing step's worth. A probe with nothing to catch up on (n-gram, an
+EAGLE head) costs at most one multi-row step and is paced only: budgeted, a fresh engine's first
+requests could end before one came due (seen: configs/default.yaml's head, 24 tokens, no draft).
 - catch-up: a proposer with a model of its own runs through the context it has not seen before it
   drafts (Proposer.catch_up_tokens: a draft model after steps without drafts, or a new sequence's
   prompt). Its cost is a term of the proposer fit; the planner spreads the part past one step's
@@ -322,9 +325,10 @@ class DraftPlanner:
     def _probe(self, seqs: list[PlanInput], options: list[list[int]], full_values: list[float], out: list[int],
                tree: bool) -> None:
         """Now and then a sequence left at zero drafts its full budget (a probe): those due probe
-        together once the engine-wide gap has passed and the probe budget covers the step's extra
-        cost (its catch-up unspread: a probe that finds nothing has no later steps to spread it
-        over)."""
+        together once the engine-wide gap has passed; one whose proposer must first catch up on its
+        context (more than a drafting step's tokens) only as far as the probe budget covers the
+        extra cost (its catch-up unspread: a probe that finds nothing has no later steps to spread
+        it over)."""
         due = []
         for i, (s, o) in enumerate(zip(seqs, options)):
             state = s.state
@@ -339,21 +343,21 @@ class DraftPlanner:
         paced_ok = self.since_probe >= self.probe_gap
         if self.probe_share is not None and self.costs.known:
             self._accrue(self._step_cost(seqs, out, full_values, tree))
-            if paced_ok and due:  # those due longest first, as many as the budget covers
-                joint = sorted(due, key=lambda i: -seqs[i].state.steps_at_zero)
-                base = self._step_cost(seqs, out, full_values, tree, spread=False)
-                probing, covered = list(out), []
-                for i in joint:
+            dear = [i for i in due if seqs[i].catch_up > 1 + self.max_k]  # a context to catch up on first
+            if paced_ok and dear:  # those longest waiting first, as many as the budget covers
+                probing = [options[i][-1] if i in due and i not in dear else b for i, b in enumerate(out)]
+                base = self._step_cost(seqs, probing, full_values, tree, spread=False)
+                covered, spent = [], 0.0
+                for i in sorted(dear, key=lambda i: -seqs[i].state.steps_at_zero):
                     probing[i] = options[i][-1]
                     extra = self._step_cost(seqs, probing, full_values, tree, spread=False) - base
                     if extra > self.probe_budget:
                         break
                     covered.append(i)
                     spent = extra
-                if covered:
-                    self.probe_budget -= spent
-                due = covered
-                paced_ok = bool(covered)
+                self.probe_budget -= spent
+                due = [i for i in due if i not in dear] + covered
+                paced_ok = bool(due)
         probed = due if paced_ok else []
         for i in probed:
             seqs[i].state.steps_at_zero, seqs[i].state.probing = 0, True

@@ -285,14 +285,7 @@ def test_default_yaml_greedy_equals_target_only(smol_engine, smol_requests, targ
     ])
     trace = spy(engine)
     before = engine.stats.as_dict()
-    # the trees after the disabled stretch below come from probes (LONG's context is ~2,000 tokens, where
-    # measured costs rarely let a tree pay outright): probes paced only, one after 16 undrafted steps, as
-    # the budgeted ones (probe_share, 2% of the step time) may not come due within LONG's last ~60 steps
-    share, engine.planner.probe_share = engine.planner.probe_share, None
-    try:
-        outputs = drive(engine, plan, trace)
-    finally:
-        engine.planner.probe_share = share
+    outputs = drive(engine, plan, trace)
 
     _assert_equal(outputs, plan, target_only)
 

@@ -354,6 +354,23 @@ def test_probes_cost_at_most_their_share():
     assert dearer[0] < shared[0] < cheap[0] and dearer[0] >= 8, (cheap, shared, dearer)
 
 
+def test_only_probes_that_catch_up_wait_for_the_budget():
+    """A probe with no context to catch up on (n-gram, an EAGLE head) costs at most one multi-row
+    step and comes due after probe_every steps at zero, budget or not (a fresh engine's first short
+    requests must see one); one that must catch up on 500 tokens first waits until the budget
+    (2% of the steps since) covers it."""
+    costs = {**CPU_LIKE, "propose_catch_up_s": 0.02}
+    first_probe = {}
+    for catch_up in (0, 500):
+        planner = DraftPlanner(4, ModelledCosts(costs), probe_share=0.02, probe_every=16)
+        state = _observed(planner, 0.0)
+        for step in range(1, 400):
+            if any(planner.plan([_seq(state, catch_up=catch_up, remaining=10_000)], tree=False)):
+                first_probe[catch_up] = step
+                break
+    assert first_probe[0] == 16 and first_probe[500] > 50, first_probe
+
+
 def test_steps_without_planning_fill_the_probe_budget():
     """A stretch at disable_by_batch_size (the planner not asked) banks probe budget as planned steps
     do, so the sequences due probe once the batch shrinks; a planner without a budget banks nothing."""
