@@ -174,6 +174,29 @@ def test_a_burst_chosen_at_once_spills_past_the_threshold():
     assert asyncio.run(router.choose_replicas([a, b], _pending(prefix + "later")))[0] == [b]
 
 
+def test_a_request_is_counted_once_from_when_serve_sends_it(monkeypatch):
+    """Serve adds a request to its queue lengths (on_send_request) as soon as it has chosen the
+    replica, a round trip before the replica accepts it (on_request_routed): the reservation ends at
+    the choice, or a burst's other requests see that replica one request busier than it is."""
+    from ray.serve.request_router import RequestRouter
+
+    router = _router(imbalance_threshold=1, min_match_ratio=0.5, block_size=8)
+    a, b = (SimpleNamespace(replica_id=r, max_ongoing_requests=16) for r in ("a", "b"))
+    router.loads = {"a": 0, "b": 0}
+    prefix = "shared system prompt, a long one. " * 8
+    router.on_request_routed(_pending(prefix + "warm up"), "b", None)
+    first = _pending(prefix + "question 1")
+    assert asyncio.run(router.choose_replicas([a, b], first))[0] == [b]
+
+    async def serve_chooses(self, pending_request, *, is_retry=False):
+        return b
+
+    monkeypatch.setattr(RequestRouter, "_choose_replica_for_request", serve_chooses)
+    assert asyncio.run(router._choose_replica_for_request(first)) is b
+    router.loads = {"a": 0, "b": 1}  # Serve's on_send_request; not yet accepted (no on_request_routed)
+    assert asyncio.run(router.choose_replicas([a, b], _pending(prefix + "question 2")))[0] == [b]  # 1 - 0 <= 1
+
+
 def test_router_falls_back_when_the_policy_fails():
     router = _router(block_size=8)
     a, b = (SimpleNamespace(replica_id=r, max_ongoing_requests=8) for r in ("a", "b"))
@@ -279,4 +302,8 @@ def test_a_saturated_replica_spills_to_the_other(served):
     replicas = [_replica(r.result(timeout_s=180)) for r in responses]
     on_owner = replicas.count(owner)
     print(f"saturated: {on_owner}/10 on the prefix's replica, {len(replicas) - on_owner}/10 spilled to the other")
-    assert on_owner >= 3 and len(replicas) - on_owner >= 2, replicas
+    # the router prefers the owner while it has at most 2 more ongoing requests (3 of the burst); of
+    # the rest, Serve sends each to the less busy replica by its own queue-length cache, whose entries
+    # replicas' late accept replies can move down: how many spill varies run to run (1 to 6 of 10
+    # seen in 14 runs), that some do does not
+    assert on_owner >= 3 and len(replicas) - on_owner >= 1, replicas

@@ -228,6 +228,19 @@ class PrefixAwareRouter(RequestRouter):
                     loads[r.replica_id] = load
         return loads
 
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *, is_retry: bool = False
+                                          ) -> RunningReplica:
+        # Serve counts a request in its queue-length cache (on_send_request) right after this returns,
+        # with no await in between: the reservation ends here, so the request is never counted twice.
+        # Counted twice until it was accepted (on_request_routed, one round trip later), a burst's
+        # concurrent routing tasks saw the prefix's replica one or more requests busier than it was
+        # and spilled early. (A private hook of Serve's RequestRouter; were it renamed, this is never
+        # called and the reservation ends at on_request_routed, as before.)
+        try:
+            return await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        finally:
+            self._reserved.pop(pending_request.metadata.internal_request_id, None)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._reserved.pop(pending_request.metadata.internal_request_id, None)  # Serve's cache counts it now
         keys, _ = self._keys(pending_request)
