@@ -1,6 +1,8 @@
 """The table of benchmarks/run_never_loses.sh: each proposer's speedup over the target alone, by prompt
 set, temperature and concurrency, from `rayspec bench sweep` JSON files; the floor the issue sets
-(0.97x) is marked. Markdown on stdout.
+(0.97x) is marked. "output = target's": greedy, or seeded at temperature > 0 (a seeded request's
+draws are coupled to positions, so the speculative run emits the baseline's tokens); "-" for unseeded
+sampling, where each run samples its own. Markdown on stdout.
 
     python benchmarks/never_loses_table.py benchmarks/results/never_loses_*.json
 """
@@ -22,21 +24,25 @@ def rows(paths: list[str]) -> list[dict]:
         for r in result["results"]:
             out.append({"set": Path(cfg["prompts"]).stem, "temperature": cfg["temperature"], "method": r["method"],
                         "k": r["num_speculative_tokens"], "concurrency": r["concurrency"], "speedup": r["speedup"],
-                        "acceptance_length": r["acceptance_length"], "greedy_match": r["greedy_match"],
+                        "acceptance_length": r["acceptance_length"],
+                        # the same tokens as the baseline: greedy, or seeded at temperature > 0
+                        "greedy_match": r["greedy_match"] if r["greedy_match"] is not None else r.get("seeded_match"),
+                        "seeded": bool(cfg.get("seeded")) and cfg["temperature"] > 0,
                         "num_drafts": r["num_drafts"], "by_round": r.get("speedup_by_round") or [],
                         "cpu": result["environment"].get("cpu_model")})
     return out
 
 
 def table(found: list[dict]) -> str:
-    lines = ["| set | T | method (k) | conc | speedup | rounds (min-max) | drafts | acc. length | greedy = target |",
+    lines = ["| set | T | method (k) | conc | speedup | rounds (min-max) | drafts | acc. length | output = target's |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(found, key=lambda r: (r["set"], r["temperature"], r["method"], r["concurrency"])):
+    for r in sorted(found, key=lambda r: (r["set"], r["temperature"], r["seeded"], r["method"], r["concurrency"])):
         mark = "" if r["speedup"] is None or r["speedup"] >= FLOOR else " **below 0.97**"
         greedy = "-" if r["greedy_match"] is None else ("yes" if r["greedy_match"] else "**NO**")
         spread = "-" if len(r["by_round"]) < 2 else (f"{len(r['by_round'])}: {min(r['by_round']):.2f}-"
                                                        f"{max(r['by_round']):.2f}x")
-        lines.append(f"| {r['set']} | {r['temperature']:g} | {r['method']} ({r['k']}) | {r['concurrency']} | "
+        temp = f"{r['temperature']:g}" + (" seeded" if r["seeded"] else "")
+        lines.append(f"| {r['set']} | {temp} | {r['method']} ({r['k']}) | {r['concurrency']} | "
                      f"{r['speedup']:.2f}x{mark} | {spread} | {r['num_drafts']} | {r['acceptance_length']:.2f} | {greedy} |")
     speedups = [r["speedup"] for r in found if r["speedup"] is not None]
     # runs that drafted nothing did the baseline's work: their spread is the measurement's noise

@@ -203,6 +203,7 @@ class Page:
                  "the shared 2-core CPU VMs the absolute tok/s drift by 10-30% between sittings; read the ratios,",
                  "which come from systems run interleaved in one sitting.", "")
         self.offline()
+        self.never_loses()
         self.draft_length_sweeps()
         self.served_sweeps()
         self.async_runs()
@@ -265,8 +266,27 @@ class Page:
 
             self.plot("offline_speedup_by_prompt_set.png", "offline speedup by prompt set", draw)
 
+    def never_loses(self):
+        """benchmarks/run_never_loses.sh's sweeps (one k per method): one table over all of them, no plots."""
+        files = [rel for rel, d in self.data.items() if is_draft_sweep(d) and Path(rel).stem.startswith("never_loses_")]
+        if not files:
+            return
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import never_loses_table
+
+        self.used.update(files)
+        found = never_loses_table.rows([str(self.results / rel) for rel in sorted(files)])
+        machines = sorted({self.m.of(rel, self.data[rel]) for rel in files})
+        self.add("## Speculation that never loses (`benchmarks/run_never_loses.sh`, no Ray)", "",
+                 "Each proposer at its shipped settings against the target alone, interleaved batch by batch, one torch",
+                 "thread (`benchmarks/README.md`: the noise, and why temperature 1 is run seeded and concurrency 8 with",
+                 "more rounds: a level appears twice where a `_c8` file, 8 rounds, sits beside the 2-round sweep).",
+                 f"Files: `results/never_loses_*.json`; machine {', '.join(machines)}.", "",
+                 never_loses_table.table(found), "")
+
     def draft_length_sweeps(self):
-        sweeps = [rel for rel, d in self.data.items() if is_draft_sweep(d)]
+        sweeps = [rel for rel, d in self.data.items()
+                  if is_draft_sweep(d) and not Path(rel).stem.startswith("never_loses_")]
         if not sweeps:
             return
         self.add("## Methods x draft lengths (`rayspec bench sweep`, no Ray)", "",

@@ -6,6 +6,9 @@
 # unseeded, as served requests come. Writes benchmarks/results/never_loses_served_<set>_t<T>.json.
 #   benchmarks/run_never_loses_served.sh [NUM_PROMPTS] [MAX_TOKENS]      (default 8 64)
 #   SETS="unguessable" TEMPS=1 ROUNDS=2 benchmarks/run_never_loses_served.sh     (subsets)
+#   SEEDED=1 TEMPS=1 benchmarks/run_never_loses_served.sh   (every request with "seed": 0: the speculative
+#     app emits the base app's tokens, so both do the same work; unseeded, EOS ends different requests
+#     in each: a noise of its own at concurrency 8). Writes never_loses_served_<set>_t<T>_seeded.json
 # Inside .venv, on a quiet machine (the two apps share its cores; one is busy at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,11 +26,17 @@ for app in spec base; do
 done
 for set in ${SETS:-mt_bench humaneval gsm8k unguessable long_documents}; do
   for t in ${TEMPS:-0 1}; do
-    out="$OUT/never_loses_served_${set}_t${t}.json"
+    extra=()
+    suffix=""
+    if [ "$t" != 0 ] && [ "${SEEDED:-0}" = 1 ]; then  # every request seeded: spec emits base's tokens
+      extra=(--extra-body '{"seed": 0}')
+      suffix=_seeded
+    fi
+    out="$OUT/never_loses_served_${set}_t${t}${suffix}.json"
     echo "== served, $set, temperature $t -> $out" >&2
     $PY -m rayspec_cli bench serve --endpoint "http://127.0.0.1:$PORT/spec" --label eagle3 \
       --endpoint "http://127.0.0.1:$PORT/base" --label base --prompts "$set" --num-prompts "$N" \
       --max-tokens "$MAX" --temperature "$t" --concurrency 1,8 --rounds "${ROUNDS:-2}" --waves "${WAVES:-2}" \
-      --output-json "$out"
+      "${extra[@]}" --output-json "$out"
   done
 done
