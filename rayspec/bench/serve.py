@@ -1,4 +1,5 @@
 """`rayspec bench serve`: a serving benchmark against running OpenAI-compatible endpoints.
+(Over 500 lines: the request loop, the per-level metrics, the table and the plot all read one result dict.)
 
 Each prompt (Spec-Bench JSONL, `turns[0]` as the user message) is sent as a streaming chat
 completion. For every endpoint and every concurrency level of the sweep, exactly `concurrency`
