@@ -9,7 +9,7 @@
 #   SETS="mt_bench unguessable" TEMPS=1 PROPOSERS=eagle3 benchmarks/run_never_loses.sh 8 32   (subsets)
 #   ROUNDS=3 benchmarks/run_never_loses.sh   (each sweep's batches 3 times over, interleaved; default 1)
 #   CONCURRENCY=8 ROUNDS=8 benchmarks/run_never_loses.sh   (one level, more rounds: a batch of 8 runs in ~3 s,
-#     +-4% apart run to run, so a concurrency-8 ratio needs several rounds; file names end _c8)
+#     +-4% apart run to run on the 2-core AMD EPYC, so a concurrency-8 ratio needs several rounds; file names end _c8)
 #   SEEDED=1 TEMPS=1 benchmarks/run_never_loses.sh   (seeded requests: each run emits the baseline's tokens
 #     exactly, so both do the same work; unseeded, the runs sample their own outputs and EOS ends a
 #     different set of sequences each time: at concurrency 8 a noise of its own, 0.79-0.95x seen for an

@@ -163,7 +163,8 @@ class PrefixAwareRouter(RequestRouter):
         # (replica, when). Counted in that replica's load, so a burst of requests chosen at once
         # (Serve runs several routing tasks concurrently, each reading the same queue lengths
         # before any of them is sent) spills past imbalance_threshold instead of all going to
-        # the prefix's replica. Forgotten when routed or completed, or after RESERVATION_TTL_S.
+        # the prefix's replica. Forgotten once Serve has chosen its replica (_choose_replica_for_request;
+        # on_request_routed where that hook is missing) or it completed, or after RESERVATION_TTL_S.
         self._reserved: dict[str, tuple[ReplicaID, float]] = {}
 
     def _keys(self, pending_request: PendingRequest | None) -> tuple[list[int], int]:
@@ -242,7 +243,7 @@ class PrefixAwareRouter(RequestRouter):
             self._reserved.pop(pending_request.metadata.internal_request_id, None)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._reserved.pop(pending_request.metadata.internal_request_id, None)  # Serve's cache counts it now
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)  # a fallback: normally gone at the choice
         keys, _ = self._keys(pending_request)
         if keys:
             self.index.insert(keys, replica_id)
