@@ -243,7 +243,7 @@ class PrefixAwareRouter(RequestRouter):
             self._reserved.pop(pending_request.metadata.internal_request_id, None)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._reserved.pop(pending_request.metadata.internal_request_id, None)  # a fallback: normally gone at the choice
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)  # normally gone at the choice
         keys, _ = self._keys(pending_request)
         if keys:
             self.index.insert(keys, replica_id)
