@@ -46,7 +46,9 @@ TINY_METHODS = [
     ("draft-other-model", dict(method="draft_model", k=2), "other"),
     ("draft-adaptive", dict(method="draft_model", k=3, adaptive=True, draft_num_layers=1, draft_costs=CHEAP_DRAFTS),
      "self"),
-    # the target itself with weight-only int8 linears (rayspec.quantize): mostly accepted
+    # the target itself with weight-only int8 linears (rayspec.quantize): mostly accepted, and whether any
+    # draft is rejected depends on the CPU's rounding (all 92 were accepted on one CI machine), so this case
+    # asks for equality and acceptance only; the other drafts exercise rejection
     ("draft-self-int8", dict(method="draft_model", k=3, draft_quantization="int8"), "self"),
 ]
 
@@ -88,7 +90,8 @@ def test_tiny_greedy_matches_baseline(tiny_model_dir, tiny_draft_dir, tiny_loade
         assert stats.num_drafts > 0, f"{name}: no drafts proposed"
         if draft != "other":
             assert stats.num_accepted_tokens > 0, f"{name}: no draft accepted"
-        assert stats.num_accepted_tokens < stats.num_draft_tokens, f"{name}: no draft rejected"
+        if name != "draft-self-int8":
+            assert stats.num_accepted_tokens < stats.num_draft_tokens, f"{name}: no draft rejected"
     assert engine.num_running == engine.num_waiting == 0
     assert engine.runner.num_free_slots == engine.num_slots
 
