@@ -30,11 +30,12 @@ engine-wide: the sequences due take their probes together, in one step, and only
 steps have passed since the last probing step; a probe that finds nothing doubles that gap (up to
 `max_probe_gap`), an accepted draft halves it. Traffic no draft can guess so pays for a probe step
 every few hundred steps, not one per sequence every few dozen: a draft model's probe catches up on
-the whole context it skipped, and on a CPU any multi-row verification jumps in cost. The probes
+the context it skipped (its last Proposer.probe_window tokens at most: the draft restarts from
+there), and on a CPU any multi-row verification jumps in cost. The probes
 that must first catch up on a context (a draft model's) also have a budget
 (SpeculativeConfig.probe_share, 2% by default): each step adds that share of its estimated cost
 (a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing step takes what
-those probes add (their catch-up counted whole), and the sequences due probe only as far as the
+those probes add (their catch-up, windowed, counted whole), and the sequences due probe only as far as the
 budget covers, longest-waiting first; where nothing is ever accepted, they then cost at most that
 share of the time plus one probing step's worth. A probe with nothing to catch up on (n-gram, an
 EAGLE head) costs at most one multi-row step and is paced only: budgeted, a fresh engine's first
@@ -51,6 +52,7 @@ is planned like any other.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -264,6 +266,7 @@ class PlanInput:
     # waits or has joined lately; LLMEngine._token_weights) and it is ahead of the batch's slowest:
     # then 0, as finishing it sooner ends no step sooner
     weight: float = 1.0
+    probe_catch_up: int | None = None  # the same for a probe (Proposer.probe_window); None: catch_up
 
 
 class DraftPlanner:
@@ -343,14 +346,17 @@ class DraftPlanner:
         paced_ok = self.since_probe >= self.probe_gap
         if self.probe_share is not None and self.costs.known:
             self._accrue(self._step_cost(seqs, out, full_values, tree))
-            dear = [i for i in due if seqs[i].catch_up > 1 + self.max_k]  # a context to catch up on first
+            # a probe's catch-up (a draft model's: at most its probe window)
+            probes = [s if s.probe_catch_up is None else dataclasses.replace(s, catch_up=s.probe_catch_up)
+                      for s in seqs]
+            dear = [i for i in due if probes[i].catch_up > 1 + self.max_k]  # a context to catch up on first
             if paced_ok and dear:  # those longest waiting first, as many as the budget covers
                 probing = [options[i][-1] if i in due and i not in dear else b for i, b in enumerate(out)]
-                base = self._step_cost(seqs, probing, full_values, tree, spread=False)
+                base = self._step_cost(probes, probing, full_values, tree, spread=False)
                 covered, spent = [], 0.0
                 for i in sorted(dear, key=lambda i: -seqs[i].state.steps_at_zero):
                     probing[i] = options[i][-1]
-                    extra = self._step_cost(seqs, probing, full_values, tree, spread=False) - base
+                    extra = self._step_cost(probes, probing, full_values, tree, spread=False) - base
                     if extra > self.probe_budget:
                         break
                     covered.append(i)

@@ -548,7 +548,7 @@ class LLMEngine:
     # ---- propose --------------------------------------------------------------------------
     def _propose(self, seqs: list[Sequence]) -> Proposal:
         tree, draft_lens = self._plan_drafts(seqs)
-        catch_up = sum(self.proposer.catch_up_tokens(s.request_id, len(s.token_ids))
+        catch_up = sum(self.proposer.catch_up_tokens(s.request_id, len(s.token_ids), self._max_catch_up(s))
                        for s, n in zip(seqs, draft_lens) if n)
         drafts, propose_s = self._ask_proposer(seqs, draft_lens, tree)
         # under a grammar, draft what it forces even where the proposer was not asked (a large
@@ -578,7 +578,8 @@ class LLMEngine:
             return [Draft([]) for _ in seqs], 0.0
         requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature, s.params.top_k,
                                    s.params.top_p, s.params.seed, *self._take_features(s), tree=tree,
-                                   cache_salt=s.params.cache_salt, stream_seed=s.stream_seed)
+                                   cache_salt=s.params.cache_salt, stream_seed=s.stream_seed,
+                                   max_catch_up=self._max_catch_up(s))
                     for s, n in zip(seqs, draft_lens)]
         started = time.perf_counter()
         # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
@@ -590,6 +591,10 @@ class LLMEngine:
         if lost:  # a remote proposer resends itself (deployments.transport.remote_proposer); here it is a bug
             raise RuntimeError(f"the proposer lost the target features of {lost}")
         return drafts, propose_s
+
+    def _max_catch_up(self, seq: Sequence) -> int | None:
+        """A probe's catch-up limit (Proposer.probe_window); None for any other draft."""
+        return self.proposer.probe_window if seq.drafting.probing else None
 
     def _draft_len(self, seq: Sequence, k: int) -> int:
         """k, capped by the request's own num_speculative_tokens and the tokens it has left."""
@@ -605,8 +610,10 @@ class LLMEngine:
         if not self.adaptive:
             return caps
         weights = self._token_weights(seqs)
+        catch_up, window = self.proposer.catch_up_tokens, self.proposer.probe_window
         return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
-                                            catch_up=self.proposer.catch_up_tokens(s.request_id, len(s.token_ids)),
+                                            catch_up=catch_up(s.request_id, len(s.token_ids)),
+                                            probe_catch_up=catch_up(s.request_id, len(s.token_ids), window),
                                             remaining=s.remaining_tokens, weight=w)
                                   for s, cap, w in zip(seqs, caps, weights)], tree)
 

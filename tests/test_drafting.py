@@ -168,3 +168,58 @@ def test_measured_costs_are_timed(tiny_model_dir, loaded):
     engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))
     assert costs.verify.num_observed > calibrated
     assert costs.propose.num_observed > 0
+
+
+def test_a_probe_catches_up_on_its_window_only(tiny_model_dir, tiny_draft_dir):
+    """A draft model asked for a probe (ProposeRequest.max_catch_up) with more context unseen than
+    the window runs only the context's last `window` tokens through its model, and drafts what a
+    draft model given just those tokens drafts; the next call continues from there (its catch-up:
+    the tokens since), drafting as that fresh draft model does on the same tokens."""
+    from rayspec import loader
+    from rayspec.proposers.base import ProposeRequest
+    from rayspec.proposers.draft_model import DraftModelProposer
+
+    model, _ = loader.load_model(str(tiny_draft_dir), tokenizer=False)
+    proposer, fresh = DraftModelProposer(model, 128, 2, 3), DraftModelProposer(model, 128, 2, 3)
+    fed, forward = [], proposer.runner.forward
+
+    def recording(seq_ids, tokens, *args, **kwargs):
+        fed.append(sum(len(t) for t in tokens))
+        return forward(seq_ids, tokens, *args, **kwargs)
+
+    proposer.runner.forward = recording
+    context = [(7 * i + 3) % 500 + 20 for i in range(40)]
+    assert proposer.catch_up_tokens("s", len(context)) == 40 and proposer.catch_up_tokens("s", 40, 8) == 8
+    (draft,) = proposer.propose([ProposeRequest("s", context, 3, max_catch_up=8)])
+    assert fed[0] == 8, fed  # the window, then one token per further draft position
+    (want,) = fresh.propose([ProposeRequest("f", context[-8:], 3)])
+    assert draft.tokens == want.tokens and len(draft.tokens) == 3
+    # the first drafted token accepted, then the target's own: the draft continues from its window
+    context += [draft.tokens[0], 11]
+    assert proposer.catch_up_tokens("s", len(context)) == 1  # (its cached first draft token is kept)
+    fed.clear()
+    (draft,) = proposer.propose([ProposeRequest("s", context, 3, max_catch_up=8)])
+    (want,) = fresh.propose([ProposeRequest("f", context[-10:], 3)])
+    assert fed[0] == 1 and draft.tokens == want.tokens
+
+
+def test_windowed_probes_keep_the_output(tiny_model_dir, tiny_draft_dir, loaded, reference):
+    """Cost-aware drafting with an unrelated draft model, its probes windowed to 4 tokens: probes
+    restart the draft's context (every probe here has more than 4 tokens unseen) and the outputs are
+    target-only decoding's."""
+    engine = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, adaptive=True,
+                         draft_model=str(tiny_draft_dir))
+    engine.proposer.probe_window = 4
+    windows, propose = [], engine.proposer.propose
+
+    def recording(requests):
+        windows.extend(r.max_catch_up for r in requests if r.num_tokens)
+        return propose(requests)
+
+    engine.proposer.propose = recording
+    restarts, restart = [], engine.proposer._restart
+    engine.proposer._restart = lambda seq_id, offset: (restarts.append(offset), restart(seq_id, offset))
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert None in windows and 4 in windows, windows  # the first drafts whole, later probes windowed
+    assert restarts and all(r > 0 for r in restarts), restarts

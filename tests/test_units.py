@@ -3,6 +3,7 @@ and the speculation counters."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -318,7 +319,7 @@ def test_probes_are_paced_engine_wide():
     assert planner.probe_gap == gap // 2
 
 
-def _probe_run(share, costs, catch_up=0, steps=1200, num_seqs=8):
+def _probe_run(share, costs, catch_up=0, steps=1200, num_seqs=8, probe_catch_up=None):
     """num_seqs sequences no draft helps, `steps` steps: (probes (a sequence drafting in a step), the
     planner's estimated seconds of the probing steps' extra cost, of all steps without probes)."""
     planner = DraftPlanner(4, ModelledCosts(costs), probe_share=share)
@@ -326,7 +327,11 @@ def _probe_run(share, costs, catch_up=0, steps=1200, num_seqs=8):
     probing, extra, plain = 0, 0.0, 0.0
     for _ in range(steps):
         seqs = [_seq(st, catch_up=catch_up, remaining=10_000) for st in states]
+        for s in seqs:
+            s.probe_catch_up = probe_catch_up
         plan = planner.plan(seqs, tree=False)
+        if probe_catch_up is not None:  # a probe catches up on its window
+            seqs = [dataclasses.replace(s, catch_up=probe_catch_up) for s in seqs]
         zero = planner._step_cost(seqs, [0] * num_seqs, [0.0] * num_seqs, False)
         plain += zero
         if any(plan):
@@ -352,6 +357,16 @@ def test_probes_cost_at_most_their_share():
     cheap = _probe_run(0.02, dear_catch_up, catch_up=0)
     dearer = _probe_run(0.02, dear_catch_up, catch_up=2000)
     assert dearer[0] < shared[0] < cheap[0] and dearer[0] >= 8, (cheap, shared, dearer)
+
+
+def test_a_probe_window_is_what_a_probe_is_charged():
+    """A draft model whose probes catch up on at most a window (Proposer.probe_window, 64 tokens)
+    of a 2,000-token context: the budget is charged the window's catch-up, so it probes as often as
+    a proposer with 64 tokens to catch up on, more than one charged the whole context."""
+    costs = {**CPU_LIKE, "propose_catch_up_s": 0.02}
+    windowed = _probe_run(0.02, costs, catch_up=2000, probe_catch_up=64)
+    assert windowed == _probe_run(0.02, costs, catch_up=64)
+    assert windowed[0] > _probe_run(0.02, costs, catch_up=2000)[0]
 
 
 def test_only_probes_that_catch_up_wait_for_the_budget():

@@ -34,6 +34,9 @@ class ProposeRequest:
     # a sampled request without a seed: its stream's seed when the engine has one (EngineConfig.seed),
     # from which a proposer seeds its own draws for it (None: from the OS's entropy)
     stream_seed: int | None = None
+    # a probe (rayspec.drafting) of a proposer with a probe_window: catch up on at most this many
+    # tokens, the context's last ones, before drafting (None: the whole context it has not seen)
+    max_catch_up: int | None = None
 
 
 @dataclass
@@ -72,6 +75,11 @@ class Proposer(ABC):
 
     # None: no target features needed; () the final hidden state; (i, j, ...) the inputs of those layers
     feature_layers: tuple[int, ...] | None = None
+    # a proposer that catches up on a context with a model of its own (a draft model) may draft a
+    # probe from the context's last probe_window tokens only (ProposeRequest.max_catch_up): a probe
+    # asks whether drafts pay again, and on text no draft guesses its catch-up was most of its cost.
+    # None: probes catch up whole
+    probe_window: int | None = None
 
     def cached_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None = None) -> int | None:
         """A proposer drafting from target features (feature_layers) whose own cache can start a new
@@ -82,12 +90,12 @@ class Proposer(ABC):
         registered, among that salt's sequences only, as the target's is."""
         return None
 
-    def catch_up_tokens(self, seq_id: str, num_tokens: int) -> int:
+    def catch_up_tokens(self, seq_id: str, num_tokens: int, window: int | None = None) -> int:
         """Tokens of a sequence now `num_tokens` long that a draft for it would first run through
         the proposer's own model: its context past what the proposer holds (a draft model that
-        skipped steps, or never saw the sequence, prefills them). The planner weighs them
-        (rayspec.drafting). Default 0: no per-sequence model state (n-gram), or a catch-up too
-        cheap to count."""
+        skipped steps, or never saw the sequence, prefills them), at most `window` (a probe's
+        max_catch_up). The planner weighs them (rayspec.drafting). Default 0: no per-sequence model
+        state (n-gram), or a catch-up too cheap to count."""
         return 0
 
     def trim_prefix(self, seq_id: str, num_tokens: int) -> None:
