@@ -128,6 +128,8 @@ def delete_apps(names=None) -> None:
     if _shared is None or "http_port" not in _shared:
         return
     status = serve.status().applications
-    for name in (list(status) if names is None else names):
-        if name in status:
-            serve.delete(name)
+    names = [name for name in (list(status) if names is None else names) if name in status]
+    if names:  # all at once: each app's replicas drain and stop beside the others'
+        from ray.serve.context import _get_global_client
+
+        _get_global_client().delete_apps(names, blocking=True)

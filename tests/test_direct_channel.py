@@ -625,3 +625,50 @@ def test_proposer_deployment_counts_rejected_connections(tmp_path):
     stats = proposer.stats()
     assert stats["channel_rejected"] == 1 and stats["channel_connections"] == 1
     proposer._channel.close()
+
+
+def test_closing_a_remote_proposer_ends_the_call_it_waits_on():
+    """A replica shutting down (EngineLoop.shutdown) closes its remote proposer from another thread:
+    a propose call waiting on a proposer that will never answer (its deployment going down too)
+    returns at once without drafts, not after timeout_s, and later calls do not wait at all."""
+    from deployments.transport.remote_proposer import RemoteProposer
+
+    cancelled = threading.Event()
+
+    class _Hanging:
+        def result(self, timeout_s=None):
+            if not cancelled.wait(timeout_s):
+                raise TimeoutError
+            raise RuntimeError("cancelled")
+
+        def cancel(self):
+            cancelled.set()
+
+    class _HangingHandle(_Handle):
+        def __getattr__(self, name):
+            if name != "propose":
+                return super().__getattr__(name)
+            outer = self
+
+            class _Method:
+                def remote(self, *args):
+                    outer.propose_calls += 1
+                    return _Hanging()
+
+            return _Method()
+
+    handle = _HangingHandle(None, None)
+    remote = RemoteProposer(handle, timeout_s=60.0)
+    out = []
+    waiting = threading.Thread(target=lambda: out.append(remote.propose([ProposeRequest("s", [1, 2], 3)])))
+    waiting.start()
+    deadline = time.monotonic() + OK_S
+    while handle.propose_calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    remote.close()
+    waiting.join(timeout=OK_S)
+    assert not waiting.is_alive() and time.monotonic() - started < 5.0
+    assert [d.tokens for d in out[0]] == [[]] and remote.num_failed_calls == 1
+    assert [d.tokens for d in remote.propose([ProposeRequest("s", [1, 2, 3], 3)])] == [[]]
+    assert handle.propose_calls == 1

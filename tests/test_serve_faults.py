@@ -170,7 +170,7 @@ def test_overload_gets_only_200s_and_429s_with_retry_after(served, reference):
     """A burst of 16 requests (streamed and not) into an app that runs 2, lets 5 into its ingress
     replica, queues 1 per caller for the verifier and keeps none waiting in the engine: each one is
     a 200 with the target's greedy output or a 429 with Retry-After and OpenAI error JSON, refused
-    within seconds; the three bounds each refused some."""
+    within seconds; the three bounds each refused some (in one of up to 3 bursts)."""
     max_tokens = 200
     want = reference(max_tokens)
     url = f"{served}/bounded/v1/completions"
@@ -186,31 +186,39 @@ def test_overload_gets_only_200s_and_429s_with_retry_after(served, reference):
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
             return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS))), DEADLINE_S)
 
-    before = httpx.get(f"{served}/bounded/v1/stats", timeout=60).json()
-    results = asyncio.run(burst())
-    statuses = sorted(resp.status_code for _, resp, _ in results)
-    assert set(statuses) <= {200, 429}, statuses
-    assert 2 <= statuses.count(200) <= 5 and statuses.count(429) >= NUM_CLIENTS - 5, statuses
-    for i, resp, seconds in results:
-        if resp.status_code == 429:
-            assert resp.headers["retry-after"] == "2"
-            assert resp.headers["content-type"] == "application/json", (resp.headers, resp.text)
-            error = resp.json()["error"]
-            assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded", error
-            assert seconds < 30, seconds  # refused, not queued until the others are done
-        elif i % 2 == 0:
-            events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) == want[i]
-        else:
-            assert resp.json()["choices"][0]["text"] == want[i]
-    after = httpx.get(f"{served}/bounded/v1/stats", timeout=60).json()
-    gate = after["num_refused_at_ingress"] - before["num_refused_at_ingress"]
-    downstream = after["num_refused_downstream"] - before["num_refused_downstream"]
-    engine = after["num_rejected"] - before["num_rejected"]
-    # arrivals race with the refusals (a refused request leaves the gate at once): each bound refused some
-    assert gate >= 1 and downstream >= engine >= 1, (gate, downstream, engine)
-    assert gate + downstream == statuses.count(429)
+    refused = {"gate": 0, "downstream": 0, "engine": 0}
+    # arrivals race with the refusals (a refused request leaves the gate at once), so which bound
+    # refuses whom varies: a burst at a time, up to 3, until each bound has refused some
+    for _ in range(3):
+        wait_for(lambda: _idle("bounded", 1), timeout=60)
+        before = httpx.get(f"{served}/bounded/v1/stats", timeout=60).json()
+        results = asyncio.run(burst())
+        statuses = sorted(resp.status_code for _, resp, _ in results)
+        assert set(statuses) <= {200, 429}, statuses
+        assert 2 <= statuses.count(200) <= 5 and statuses.count(429) >= NUM_CLIENTS - 5, statuses
+        for i, resp, seconds in results:
+            if resp.status_code == 429:
+                assert resp.headers["retry-after"] == "2"
+                assert resp.headers["content-type"] == "application/json", (resp.headers, resp.text)
+                error = resp.json()["error"]
+                assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded", error
+                assert seconds < 30, seconds  # refused, not queued until the others are done
+            elif i % 2 == 0:
+                events = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) == want[i]
+            else:
+                assert resp.json()["choices"][0]["text"] == want[i]
+        after = httpx.get(f"{served}/bounded/v1/stats", timeout=60).json()
+        gate = after["num_refused_at_ingress"] - before["num_refused_at_ingress"]
+        downstream = after["num_refused_downstream"] - before["num_refused_downstream"]
+        engine = after["num_rejected"] - before["num_rejected"]
+        assert gate + downstream == statuses.count(429) and downstream >= engine
+        refused = {"gate": refused["gate"] + gate, "downstream": refused["downstream"] + downstream,
+                   "engine": refused["engine"] + engine}
+        if refused["gate"] and refused["engine"]:
+            break
+    assert refused["gate"] >= 1 and refused["downstream"] >= refused["engine"] >= 1, refused
     assert after["ingress_in_flight"] == 0  # every request, refused or served, left the gate
     wait_for(lambda: _idle("bounded", 1), timeout=60)
     # the server takes requests again once the burst is over

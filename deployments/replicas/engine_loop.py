@@ -149,6 +149,11 @@ class EngineLoop:
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(_Stop())
+        # a remote proposer's call in flight (its deployment may be going down too) ends now
+        # (Proposer.close is the one call made from outside the loop thread)
+        proposer = getattr(self.engine, "proposer", None)
+        if proposer is not None:
+            proposer.close()
         self._thread.join(timeout=10)
 
     # ---- the loop thread ------------------------------------------------------------------

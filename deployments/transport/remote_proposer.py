@@ -114,6 +114,8 @@ class RemoteProposer(Proposer):
         layers = handle.feature_layers.remote().result(timeout_s=startup_timeout_s)
         self.feature_layers: tuple[int, ...] | None = None if layers is None else tuple(layers)
         self._sent: dict[str, list[torch.Tensor]] = {}  # seq id -> CPU features sent so far, in order
+        self._inflight = None  # the handle call being waited on (close() cancels it)
+        self._closed = False
 
     def _portable(self, req: ProposeRequest) -> ProposeRequest:
         update = {}
@@ -129,8 +131,31 @@ class RemoteProposer(Proposer):
         sent = torch.cat(self._sent.get(req.seq_id) or [torch.empty(0)])
         return dataclasses.replace(req, features=sent[start:] if len(sent) > start else None, features_start=start)
 
+    def close(self) -> None:
+        """The replica is shutting down (EngineLoop.shutdown, from another thread than the engine's):
+        no call waits on the proposer any more, and one waiting now is cancelled (a proposer
+        deployment going down with the app would otherwise hold the engine thread up to timeout_s)."""
+        self._closed = True
+        response = self._inflight
+        if response is not None:
+            response.cancel()
+        self._drop_channel()
+
+    def _result(self, response):
+        """A handle call's result, cancellable by close()."""
+        self._inflight = response
+        try:
+            if self._closed:
+                raise RuntimeError("the remote proposer is closed")
+            return response.result(timeout_s=self.timeout_s)
+        except Exception:
+            response.cancel()  # a timed-out call must not run later on stale state (no-op once failed)
+            raise
+        finally:
+            self._inflight = None
+
     def _pin(self) -> None:
-        answer = self.handle.pin.remote().result(timeout_s=self.timeout_s)
+        answer = self._result(self.handle.pin.remote())
         self._pinned = True
         self._pinned_at = self._clock()
         address = (answer or {}).get("channel") if isinstance(answer, dict) else None
@@ -158,9 +183,9 @@ class RemoteProposer(Proposer):
         self._pinned = False
 
     def _drop_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()  # a reply still on its way would be read as the next call's
-            self._channel = None
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()  # a reply still on its way would be read as the next call's
 
     def _call(self, requests: list[ProposeRequest], released: list[str]) -> list[Draft]:
         started = time.perf_counter()
@@ -175,12 +200,7 @@ class RemoteProposer(Proposer):
                 self._drop_channel()
                 raise
         if drafts is None:
-            response = self.handle.propose.remote(requests, released)
-            try:
-                drafts = response.result(timeout_s=self.timeout_s)
-            except Exception:
-                response.cancel()  # a timed-out call must not run later on stale state (no-op once failed)
-                raise
+            drafts = self._result(self.handle.propose.remote(requests, released))
         self.num_calls += 1
         took = time.perf_counter() - started
         self.call_seconds += took
@@ -193,6 +213,8 @@ class RemoteProposer(Proposer):
         requests = [self._portable(r) for r in requests]
         for r in requests:
             self._remember(r)
+        if self._closed:
+            return [Draft([]) for _ in requests]
         if self._clock() < self._skip_until:  # a recent failure: do not wait on the proposer again yet
             self.num_skipped_steps += 1
             return [Draft([]) for _ in requests]

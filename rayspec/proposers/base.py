@@ -110,3 +110,7 @@ class Proposer(ABC):
 
     def release(self, seq_id: str) -> None:
         """Forget a finished or aborted sequence."""
+
+    def close(self) -> None:
+        """The engine is going away (a replica shutting down; may be called from another thread
+        than the engine's): stop background work and end any wait on another process."""
