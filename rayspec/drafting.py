@@ -346,9 +346,9 @@ class DraftPlanner:
         paced_ok = self.since_probe >= self.probe_gap
         if self.probe_share is not None and self.costs.known:
             self._accrue(self._step_cost(seqs, out, full_values, tree))
-            # a probe's catch-up (a draft model's: at most its probe window)
+            # a probe's catch-up (a draft model's: at most its probe window), built on steps with probes due
             probes = [s if s.probe_catch_up is None else dataclasses.replace(s, catch_up=s.probe_catch_up)
-                      for s in seqs]
+                      for s in seqs] if due else seqs
             dear = [i for i in due if probes[i].catch_up > 1 + self.max_k]  # a context to catch up on first
             if paced_ok and dear:  # those longest waiting first, as many as the budget covers
                 probing = [options[i][-1] if i in due and i not in dear else b for i, b in enumerate(out)]

@@ -610,12 +610,12 @@ class LLMEngine:
         if not self.adaptive:
             return caps
         weights = self._token_weights(seqs)
-        catch_up, window = self.proposer.catch_up_tokens, self.proposer.probe_window
-        return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap,
-                                            catch_up=catch_up(s.request_id, len(s.token_ids)),
-                                            probe_catch_up=catch_up(s.request_id, len(s.token_ids), window),
+        window = self.proposer.probe_window
+        catch_ups = [self.proposer.catch_up_tokens(s.request_id, len(s.token_ids)) for s in seqs]
+        return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap, catch_up=c,
+                                            probe_catch_up=None if window is None else min(c, window),
                                             remaining=s.remaining_tokens, weight=w)
-                                  for s, cap, w in zip(seqs, caps, weights)], tree)
+                                  for s, cap, w, c in zip(seqs, caps, weights, catch_ups)], tree)
 
     def _token_weights(self, seqs: list[Sequence]) -> list[float]:
         """What each sequence's accepted tokens are worth to the planner (PlanInput.weight): 1, but in
