@@ -27,6 +27,10 @@ PROMPT = "one two three four five six seven one two three four five six seven on
 def test_disaggregated_graph_in_throughput_optimized_mode(tiny_model_dir, tiny_draft_dir, monkeypatch, own_cluster):
     # the raylet and every worker (controller, proxy, replicas) inherit this from the driver
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    # that mode serves HTTP from the ingress replica itself (direct ingress), and Serve then holds a
+    # stopping ingress replica open RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (30 s by default)
+    # for an external load balancer to deregister it: none here, so the app's delete need not wait
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
     spec = {"method": "draft_model", "draft_model": str(tiny_draft_dir), "num_speculative_tokens": 3}
     ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
