@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Speculation that never loses, served (issue #34): configs/default.yaml's EAGLE-3 settings against the
-# target alone, both behind HTTP in one Serve instance (benchmarks/serve_bench.yaml: apps /spec and
-# /base), `rayspec bench serve` taking turns between them (order rotating per round), per prompt set
+# Speculation that never loses, served (issue #34): each proposer at its shipped settings against the
+# target alone, all behind HTTP in one Serve instance (benchmarks/serve_never_loses.yaml: /base, and
+# /spec configs/default.yaml's EAGLE-3, /ngram n-gram at k = 4, /draft configs/draft_model.yaml's draft
+# model), `rayspec bench serve` taking turns between them (order rotating per round), per prompt set
 # and temperature, at concurrency 1 and 8 (WAVES x 8 requests at 8). Temperature > 0 requests are
-# unseeded, as served requests come. Writes benchmarks/results/never_loses_served_<set>_t<T>.json.
+# unseeded, as served requests come. Writes benchmarks/results/never_loses_served_<set>_t<T>.json
+# (EAGLE-3 alone, PROPOSERS=eagle3, the default) or never_loses_served_<proposers>_<set>_t<T>.json.
 #   benchmarks/run_never_loses_served.sh [NUM_PROMPTS] [MAX_TOKENS]      (default 8 64)
 #   SETS="unguessable" TEMPS=1 ROUNDS=2 benchmarks/run_never_loses_served.sh     (subsets)
+#   PROPOSERS="ngram draft_model" benchmarks/run_never_loses_served.sh   (other endpoints, one run each)
 #   SEEDED=1 TEMPS=1 benchmarks/run_never_loses_served.sh   (every request with "seed": 0: the speculative
 #     app emits the base app's tokens, so both do the same work; unseeded, EOS ends different requests
-#     in each: a noise of its own at concurrency 8). Writes never_loses_served_<set>_t<T>_seeded.json
-# Inside .venv, on a quiet machine (the two apps share its cores; one is busy at a time).
+#     in each: a noise of its own at concurrency 8). Writes never_loses_served_..._t<T>_seeded.json
+# Inside .venv, on a quiet machine (the apps share its cores; one is busy at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-8}
@@ -18,10 +21,17 @@ PY=${PYTHON:-python}
 OUT=${OUT:-benchmarks/results}
 PORT=${PORT:-8000}
 serve shutdown -y > /dev/null 2>&1 || true
-serve run benchmarks/serve_bench.yaml > "${TMPDIR:-/tmp}/rayspec_never_loses_served.log" 2>&1 &
+serve run benchmarks/serve_never_loses.yaml > "${TMPDIR:-/tmp}/rayspec_never_loses_served.log" 2>&1 &
 SERVE_PID=$!
 trap 'serve shutdown -y > /dev/null 2>&1 || true; kill $SERVE_PID 2> /dev/null || true' EXIT
-for app in spec base; do
+PROPOSERS=${PROPOSERS:-eagle3}
+declare -A APP=([eagle3]=spec [ngram]=ngram [draft_model]=draft)
+apps=(base)
+for p in $PROPOSERS; do
+  [ -n "${APP[$p]:-}" ] || { echo "unknown proposer $p (eagle3, ngram, draft_model)" >&2; exit 2; }
+  apps+=("${APP[$p]}")
+done
+for app in "${apps[@]}"; do
   until curl -sf "http://127.0.0.1:$PORT/$app/v1/models" > /dev/null; do sleep 3; done
 done
 for set in ${SETS:-mt_bench humaneval gsm8k unguessable long_documents}; do
@@ -32,9 +42,13 @@ for set in ${SETS:-mt_bench humaneval gsm8k unguessable long_documents}; do
       extra=(--extra-body '{"seed": 0}')
       suffix=_seeded
     fi
-    out="$OUT/never_loses_served_${set}_t${t}${suffix}.json"
-    echo "== served, $set, temperature $t -> $out" >&2
-    $PY -m rayspec_cli bench serve --endpoint "http://127.0.0.1:$PORT/spec" --label eagle3 \
+    name=""
+    [ "$PROPOSERS" = eagle3 ] || name="${PROPOSERS// /_}_"
+    out="$OUT/never_loses_served_${name}${set}_t${t}${suffix}.json"
+    endpoints=()
+    for p in $PROPOSERS; do endpoints+=(--endpoint "http://127.0.0.1:$PORT/${APP[$p]}" --label "$p"); done
+    echo "== served, $PROPOSERS, $set, temperature $t -> $out" >&2
+    $PY -m rayspec_cli bench serve "${endpoints[@]}" \
       --endpoint "http://127.0.0.1:$PORT/base" --label base --prompts "$set" --num-prompts "$N" \
       --max-tokens "$MAX" --temperature "$t" --concurrency 1,8 --rounds "${ROUNDS:-2}" --waves "${WAVES:-2}" \
       "${extra[@]}" --output-json "$out"

@@ -15,8 +15,11 @@ that maximises the step's expected output tokens per second:
   acceptance is what their verification reports).
 - worth: an accepted token counts as an emitted one (the rate's numerator), except in a closed
   batch (the engine's Scheduler.closed_batch: nothing waiting or joining), which runs as many steps
-  as its slowest sequence needs: there a sequence more than one draft ahead of the slowest counts
-  for nothing (PlanInput.weight 0; it drafts again once the slowest catch up).
+  as its slowest sequences need: there the slowest (PlanInput.weight 1: within one draft of the
+  one with most tokens left) bring the end nearer only by what the least advancing of them
+  advances, so a step is worth n x (1 + min E_i) over them, and a sequence ahead nothing (it
+  drafts again once the slowest catch up). `Proposer.draftable` caps a budget at what the
+  proposer can draft now (an n-gram lookup without a match: 0).
 - costs: `MeasuredCosts` fits both functions online to the engine's host-timed steps (discounted
   least squares; rows are nearly free on a GPU and not on a CPU, and the fit says so), seeded by
   a calibration at warm-up; `ModelledCosts` (SpeculativeConfig.draft_costs) takes fixed
@@ -304,8 +307,9 @@ class DraftPlanner:
         min(num_steps, budget) deep and keeps the best `budget` nodes)."""
         return min(self.max_depth, budget) if tree else budget
 
-    def plan(self, seqs: list[PlanInput], tree: bool) -> list[int]:
-        """Per sequence, the budget to ask the proposer for (0: none)."""
+    def plan(self, seqs: list[PlanInput], tree: bool, closed: bool = False) -> list[int]:
+        """Per sequence, the budget to ask the proposer for (0: none). closed: the batch runs as many
+        steps as its slowest sequences need (Scheduler.closed_batch; the slowest have weight 1)."""
         shape = "tree" if tree else "chain"
         menu = self.budgets(tree)
         options, values = [], []  # per sequence: allowed budgets (ascending) and E at each
@@ -317,6 +321,8 @@ class DraftPlanner:
         full_values = [v[-1] for v in values]  # the pace a sequence's context grows at (catch-up spreading)
         if not self.costs.known:  # nothing timed yet: the full budget, so the costs get measured
             choice = [len(o) - 1 for o in options]
+        elif closed and len(seqs) > 1:
+            choice = self._closed(seqs, options, values, full_values, tree)
         else:
             worth = [[s.weight * x for x in v] for s, v in zip(seqs, values)] if any(s.weight != 1.0 for s in seqs) \
                 else values
@@ -384,6 +390,31 @@ class DraftPlanner:
         max_probe_gap steps' worth banked)."""
         self.probe_budget = min(self.probe_budget + self.probe_share * step_s,
                                 self.probe_share * step_s * self.max_probe_gap)
+
+    def _closed(self, seqs: list[PlanInput], options, values, full_values, tree: bool) -> list[int]:
+        """A closed batch ends when its slowest sequences (weight 1) do, so a step brings the end
+        nearer by what the least advancing of them advances: its worth is n x (1 + min_i E_i(b_i))
+        over them, not the sum of every sequence's tokens (which counted a step's accepted tokens
+        of a few as if the batch had gained them all). Drafting pays only where all of them draft.
+        The plans weighed: per budget level, the least E_i any of them reaches at it (its largest
+        budget up to the level) is the step's gain, and each drafts the least that reaches that gain
+        (a likelier sequence needs a shorter draft for it); the sequences ahead draft nothing. The
+        best rate wins, no drafts included. A slowest
+        sequence the proposer can draft nothing for now (capped to 0: an n-gram lookup with no
+        match) leaves the step without drafts."""
+        n = len(seqs)
+        slow = [i for i, s in enumerate(seqs) if s.weight > 0]
+        best, best_rate = [0] * n, -1.0
+        for level in sorted({b for o in options for b in o}):
+            gain = min((values[i][max(c for c, b in enumerate(options[i]) if b <= level)] for i in slow), default=0.0)
+            choice = [0] * n
+            for i in slow:  # values[i] rise with the budget
+                choice[i] = next(c for c, v in enumerate(values[i]) if v >= gain - 1e-12)
+            cost = self._step_cost(seqs, [o[c] for o, c in zip(options, choice)], full_values, tree)
+            rate = n * (1.0 + gain) / max(cost, 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = choice, rate
+        return best
 
     def _climb(self, seqs: list[PlanInput], options, values, full_values, tree: bool) -> list[int]:
         """From every sequence at its smallest budget, repeatedly move the one sequence whose next

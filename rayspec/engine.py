@@ -609,22 +609,24 @@ class LLMEngine:
         caps = [self._draft_len(s, self.max_k) for s in seqs]
         if not self.adaptive:
             return caps
-        weights = self._token_weights(seqs)
+        # what the proposer can draft now (an n-gram lookup's match, else 0), known before the plan
+        caps = [self.proposer.draftable(s.request_id, s.token_ids, c) if c else 0 for s, c in zip(seqs, caps)]
+        closed = len(seqs) > 1 and self.scheduler.closed_batch()
+        weights = self._token_weights(seqs, closed)
         window = self.proposer.probe_window
         catch_ups = [self.proposer.catch_up_tokens(s.request_id, len(s.token_ids)) for s in seqs]
         return self.planner.plan([PlanInput(s.drafting, s.params.greedy, len(s.token_ids), cap, catch_up=c,
                                             probe_catch_up=None if window is None else min(c, window),
                                             remaining=s.remaining_tokens, weight=w)
-                                  for s, cap, w, c in zip(seqs, caps, weights, catch_ups)], tree)
+                                  for s, cap, w, c in zip(seqs, caps, weights, catch_ups)], tree, closed)
 
-    def _token_weights(self, seqs: list[Sequence]) -> list[float]:
+    def _token_weights(self, seqs: list[Sequence], closed: bool) -> list[float]:
         """What each sequence's accepted tokens are worth to the planner (PlanInput.weight): 1, but in
-        a closed batch (Scheduler.closed_batch), which runs as many steps as its slowest sequence
-        needs, 0 for a sequence more than one draft ahead of the slowest (the most tokens left): its
-        tokens end no step sooner. (Not more than 1 for the slowest: where several are about as slow,
-        the batch gains a step only when all of them advance; counted n / m each, a batch of 8 on
-        the AMD EPYC here drafted twice the rejected rows for 3 more steps saved, a loss.)"""
-        if len(seqs) < 2 or not self.scheduler.closed_batch():
+        a closed batch (Scheduler.closed_batch), which runs as many steps as its slowest sequences
+        need, 0 for a sequence more than one draft ahead of the slowest (the most tokens left): its
+        tokens end no step sooner (the planner then values the slowest's least advance:
+        DraftPlanner._closed)."""
+        if not closed:
             return [1.0] * len(seqs)
         slowest = max(s.remaining_tokens for s in seqs)
         return [1.0 if s.remaining_tokens + self.max_k >= slowest else 0.0 for s in seqs]

@@ -96,8 +96,9 @@ def smollm2_dir() -> Path:
 
 
 # ---- tiers ----------------------------------------------------------------------------------------
-# Every test gets one tier marker (registered in pyproject.toml), and the run goes tier by tier in
-# this order, each module's tests in their own order within a tier:
+# Every test gets one tier marker (registered in pyproject.toml), and the run goes tier by tier
+# (unit, engine, then cluster before serve, see pytest_collection_modifyitems), each module's tests
+# in their own order within a tier:
 #   unit     no model engine, or a few steps of a tiny one: seconds in all per module
 #   engine   in-process engines and model loads (tiny models, the real SmolLM2-135M, torch.compile)
 #   serve    apps on the session's shared Ray cluster (tests/ray_utils.py; fixtures ray_cluster, serve_url)
@@ -119,6 +120,11 @@ ENGINE_MODULES = {
 # Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
 # which must be its app's alone (tests/test_serve_openai.py, fixture server).
 SERVE_FIRST = ("test_serve_openai",)
+# Cluster-tier modules that take the whole machine (marker `alone`, run last and by themselves:
+# scripts/test runs the other serve and cluster modules on two workers): test_serve_node_autoscaling
+# starts its head on Ray's fixed port 6379 and ends with `ray stop --force`, which stops every Ray
+# process on the machine.
+ALONE = ("test_serve_node_autoscaling",)
 
 
 def item_tier(item) -> str:
@@ -136,7 +142,13 @@ def pytest_collection_modifyitems(session, config, items):
     for index, item in enumerate(items):
         tier = item_tier(item)
         item.add_marker(tier)
-        keys[item] = (TIERS.index(tier), not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
+        alone = tier == "cluster" and item.module.__name__ in ALONE
+        if alone:
+            item.add_marker("alone")
+        # cluster modules before the serve ones (the shared cluster then starts once, after them; on
+        # two workers the many short serve modules fill the tail), those taking the machine last
+        order = {"unit": 0, "engine": 1, "cluster": 2, "serve": 3}[tier] + (2 if alone else 0)
+        keys[item] = (order, not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
     items.sort(key=keys.__getitem__)
 
 

@@ -6,7 +6,7 @@ needs nothing special of its cluster takes this one (the `ray_cluster` and `serv
 tests/conftest.py): it is started on first use and stopped at the end of the session, or by
 `release_shared_cluster()` before a test that brings its own cluster (a `ray.cluster_utils.Cluster`,
 `ray start`, a cluster with its own environment or runtime_env, a `rayspec serve` process). The
-conftest runs those modules last (tier `cluster`), so the shared cluster starts once.
+conftest runs those modules (tier `cluster`) before the serve tier, so the shared cluster starts once.
 
 Its settings are the union of what the modules asked of their own clusters: logical CPUs for the
 largest (12, test_serve_pool_scaling) with headroom, no GPUs, Serve's autoscaling metrics pushed

@@ -260,6 +260,55 @@ def test_plan_is_the_best_rate():
     assert g > b == 0
 
 
+def _closed_rate(planner: DraftPlanner, seqs, budgets) -> float:
+    """A closed batch's worth per second (DraftPlanner._closed): n x (1 + the least E of the slowest)."""
+    gains = [expected_accepted(planner.acceptance.rates(s.state.counts.get("chain"), "chain", s.greedy, 8), b)
+             for s, b in zip(seqs, budgets) if s.weight > 0]
+    return len(seqs) * (1 + min(gains)) / planner._step_cost(seqs, budgets, [0.0] * len(seqs), False)
+
+
+def test_a_closed_batch_is_worth_its_least_advancing_slowest():
+    """A closed batch ends with its slowest sequences (weight 1; those more than a draft ahead 0), so a
+    step is worth n x (1 + the least E among them), not the sum of every sequence's tokens: the plan is
+    within 1% of the best such rate over every combination of budgets; a slowest sequence the proposer
+    can draft nothing for (capped at 0: no n-gram match) leaves the whole step without drafts, where
+    the same batch open drafts for the other two; a sequence ahead drafts nothing."""
+    import itertools
+
+    planner = DraftPlanner(4, ModelledCosts({"step_s": 0.01, "multirow_s": 0.002, "row_s": 0.0004,
+                                             "propose_s": 0.001, "propose_depth_s": 0.0005}))
+    rng = np.random.default_rng(2)
+    for trial in range(6):
+        seqs = [_seq(_observed(planner, float(r), seed=trial * 10 + i), context=int(c))
+                for i, (r, c) in enumerate(zip(rng.uniform(0.3, 0.95, 3), rng.integers(10, 1500, 3)))]
+        if trial % 2:
+            seqs[trial % 3] = dataclasses.replace(seqs[trial % 3], weight=0.0)
+        plan = planner.plan(seqs, tree=False, closed=True)
+        best = max(_closed_rate(planner, seqs, combo) for combo in itertools.product(range(5), repeat=3))
+        assert _closed_rate(planner, seqs, plan) >= 0.99 * best, (trial, plan)
+    likely = [_seq(_observed(planner, 0.9, seed=i)) for i in range(3)]
+    assert all(b > 0 for b in planner.plan(likely, tree=False, closed=True))
+    unmatched = likely[:2] + [_seq(likely[2].state, cap=0)]
+    assert planner.plan(unmatched, tree=False, closed=True) == [0, 0, 0]
+    open_plan = planner.plan(unmatched, tree=False)
+    assert open_plan[0] > 0 and open_plan[1] > 0 and open_plan[2] == 0
+    ahead = planner.plan(likely[:2] + [dataclasses.replace(likely[2], weight=0.0)], tree=False, closed=True)
+    assert ahead[0] > 0 and ahead[1] > 0 and ahead[2] == 0
+
+
+def test_ngram_draftable_is_its_lookup():
+    """NgramProposer.draftable: the continuation its lookup finds now (capped at k), 0 without a match;
+    the draft then proposed is that lookup's."""
+    ngram = NgramProposer(2, 3)
+    tokens = [5, 6, 7, 8, 9, 5, 6]  # "5 6" seen before, followed by 7 8 9 5 6
+    assert ngram.draftable("a", tokens, 4) == 4 and ngram.draftable("a", tokens, 2) == 2
+    assert ngram.propose([ProposeRequest("a", tokens, 3)])[0].tokens == [7, 8, 9]
+    assert ngram.draftable("b", [1, 2, 3, 4], 4) == 0  # no earlier match
+    assert ngram.draftable("c", [1, 2, 3, 1, 2], 4) == 3  # what follows the match: 3 1 2
+    ngram.release("a")
+    assert "a" not in ngram._looked_up
+
+
 def test_tree_budgets_and_zero():
     planner = DraftPlanner(8, ModelledCosts(CPU_LIKE), topk=2, max_depth=4)
     assert planner.budgets(tree=True) == [0, 2, 4, 6, 8]  # whole depths of topk nodes

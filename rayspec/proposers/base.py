@@ -90,6 +90,13 @@ class Proposer(ABC):
         registered, among that salt's sequences only, as the target's is."""
         return None
 
+    def draftable(self, seq_id: str, token_ids: list[int], k: int) -> int:
+        """The most tokens (<= k) a draft for this sequence can hold now, known before drafting:
+        an n-gram lookup finds its match, or none (0). The planner gives a sequence no budget past
+        it (a budget it cannot fill buys nothing, and in a closed batch an empty draft leaves its
+        sequence where it was). Default k: a model drafts whatever it is asked."""
+        return k
+
     def catch_up_tokens(self, seq_id: str, num_tokens: int, window: int | None = None) -> int:
         """Tokens of a sequence now `num_tokens` long that a draft for it would first run through
         the proposer's own model: its context past what the proposer holds (a draft model that
