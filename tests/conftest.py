@@ -120,11 +120,6 @@ ENGINE_MODULES = {
 # Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
 # which must be its app's alone (tests/test_serve_openai.py, fixture server).
 SERVE_FIRST = ("test_serve_openai",)
-# Cluster-tier modules that take the whole machine (marker `alone`, run last and by themselves:
-# scripts/test runs the other serve and cluster modules on two workers): test_serve_node_autoscaling
-# starts its head on Ray's fixed port 6379 and ends with `ray stop --force`, which stops every Ray
-# process on the machine.
-ALONE = ("test_serve_node_autoscaling",)
 
 
 def item_tier(item) -> str:
@@ -142,12 +137,9 @@ def pytest_collection_modifyitems(session, config, items):
     for index, item in enumerate(items):
         tier = item_tier(item)
         item.add_marker(tier)
-        alone = tier == "cluster" and item.module.__name__ in ALONE
-        if alone:
-            item.add_marker("alone")
-        # cluster modules before the serve ones (the shared cluster then starts once, after them; on
-        # two workers the many short serve modules fill the tail), those taking the machine last
-        order = {"unit": 0, "engine": 1, "cluster": 2, "serve": 3}[tier] + (2 if alone else 0)
+        # cluster modules before the serve ones: the shared cluster then starts once, after them, and
+        # on two workers (scripts/test) the many short serve modules fill the tail
+        order = {"unit": 0, "engine": 1, "cluster": 2, "serve": 3}[tier]
         keys[item] = (order, not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
     items.sort(key=keys.__getitem__)
 
@@ -211,8 +203,11 @@ def serve_url(ray_cluster) -> str:
 
 @pytest.fixture(scope="module")
 def own_cluster() -> None:
-    """For tests that start a Ray cluster of their own (in this process or another): the shared one
-    is stopped first (one cluster at a time on this 2-core machine)."""
+    """For tests that start a Ray cluster of their own (in this process or another): this worker's
+    shared one is stopped first (one cluster per test worker at a time). Its ports must be chosen
+    free (ray.init(address="local"), ray.cluster_utils.Cluster), or be its alone (node autoscaling's
+    6379): another test worker's cluster may be up beside it; and it is stopped by its own processes,
+    never `ray stop`, which stops every Ray process on the machine."""
     from ray_utils import release_shared_cluster
 
     release_shared_cluster()

@@ -85,6 +85,12 @@ def test_tiny_greedy_matches_baseline(tiny_model_dir, tiny_draft_dir, tiny_loade
     stats = engine.stats
     if spec["method"] == "none":
         assert stats.num_draft_tokens == 0
+    elif spec.get("adaptive") and mode == "batch":
+        # a closed batch (all requests started together, nothing joining): cost-aware drafting drafts
+        # only where every one of its slowest sequences drafts and that pays (DraftPlanner._closed),
+        # which these tiny drafts seldom do (n-gram: one draft in 32 steps here); outputs checked
+        # above, verdicts in the alone and joining modes
+        pass
     else:
         # speculation really happened, and both outcomes of verification were exercised
         assert stats.num_drafts > 0, f"{name}: no drafts proposed"

@@ -12,14 +12,17 @@ of configs/cluster.yaml (deployments/README.md, "Node types").
   text, and the autoscaler starts a node in its place.
 
 Its own Ray instance: `ray start --head` with the autoscaling config on port 6379 (the fake provider
-connects its nodes there), and `ray stop --force` at the end, which stops every Ray process on the
-machine: no other module's cluster is up at that point (each shuts its own down).
+connects its nodes there; every other cluster of the suite takes ports chosen free), connected to by
+that address, and stopped at the end by its own processes (those naming the port, with their
+children), not `ray stop`, which would stop every Ray process on the machine: another test worker's
+cluster may be up beside it (scripts/test).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +40,7 @@ from serve_utils import free_port, stream_completion, target_only_texts, tiny_ar
 from deployments.app import build_app
 
 RAY = str(Path(sys.executable).with_name("ray"))
+HEAD_PORT = 6379  # the fake multi-node provider's nodes join the head here
 NODE_TYPES = {
     "target_gpu": {"resources": {"CPU": 2, "GPU": 1, "target_node": 1}, "node_config": {},
                    "min_workers": 0, "max_workers": 2},
@@ -79,14 +83,18 @@ def _app_args(model_dir) -> dict:
 def cluster(tmp_path_factory, own_cluster):
     config = tmp_path_factory.mktemp("autoscaler") / "cluster.json"
     config.write_text(json.dumps(_autoscaling_config()))
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
-    subprocess.run([RAY, "start", "--head", "--port=6379", "--num-cpus=3", "--num-gpus=0",
+    # RAY_AUTH_MODE disabled: a head started with an autoscaling config turns Ray's token
+    # authentication on, whose token only address="auto" finds (from the session it reads)
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled"}
+    subprocess.run([RAY, "start", "--head", f"--port={HEAD_PORT}", "--num-cpus=3", "--num-gpus=0",
                     "--include-dashboard=false", f"--autoscaling-config={config}",
                     # a lost node is declared dead after ~3 s instead of ~15
                     '--system-config={"health_check_period_ms":1000,"health_check_failure_threshold":3}'], env=env, check=True,
                    stdout=subprocess.DEVNULL, timeout=120)
     try:
-        ray.init(address="auto", log_to_driver=False)  # the head just started here
+        # the head just started here, by its address: "auto" takes the cluster started last on this
+        # machine, which may be another test worker's
+        ray.init(address=f"{ray.util.get_node_ip_address()}:{HEAD_PORT}", log_to_driver=False)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
@@ -95,7 +103,34 @@ def cluster(tmp_path_factory, own_cluster):
             serve.shutdown()
         finally:
             ray.shutdown()
-            subprocess.run([RAY, "stop", "--force"], stdout=subprocess.DEVNULL, timeout=120)
+            _stop_cluster(HEAD_PORT)
+
+
+def _stop_cluster(port: int) -> None:
+    """Stop the Ray processes of the cluster whose head listens on `port` (those naming it: its GCS,
+    raylets, agents, the autoscaler and the raylets it launched) and their children (workers, whose
+    process titles no longer name it)."""
+    naming = re.compile(rf"[:=]{port}\b")
+    mine: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.pid != os.getpid() and naming.search(" ".join(proc.info["cmdline"] or [])):
+                for p in [proc, *proc.children(recursive=True)]:
+                    mine[p.pid] = p
+        except psutil.Error:
+            continue
+    for p in mine.values():
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(mine.values()), timeout=20)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=10)
 
 
 @pytest.fixture(scope="module")
