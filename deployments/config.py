@@ -369,10 +369,12 @@ def replica_device(configured: str | None) -> str:
     import ray
     import torch
 
-    try:
-        has_gpu = bool(ray.get_gpu_ids())
-    except Exception:  # noqa: BLE001 - outside a Ray worker
-        has_gpu = True
+    has_gpu = True  # outside Ray: whatever torch sees
+    if ray.is_initialized():  # (asking a process outside Ray would start a Ray instance, or join a running one)
+        try:
+            has_gpu = bool(ray.get_gpu_ids())
+        except Exception:  # noqa: BLE001 - not a Ray worker
+            pass
     return "cuda" if has_gpu and torch.cuda.is_available() else "cpu"
 
 

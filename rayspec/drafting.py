@@ -1,5 +1,8 @@
 """Cost-aware drafting: per step and per sequence, draft only what pays.
 
+(Over 500 lines: one model of a step's worth, its three parts read together: the acceptance
+estimates, the cost fits, and the plan that weighs one against the other.)
+
 A draft is a bet. Drafting n more tokens of sequence i costs a proposer call (once per step, for
 the batch) and n more verification rows in the target's forward; it returns the tokens of it the
 target accepts. The planner estimates both sides and picks, per sequence, the draft budget n_i

@@ -131,6 +131,16 @@ def _stop_cluster(port: int) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=10)
+    # and the address `ray start` left for ray.init() without an address to join (`ray stop` removes
+    # it too): a later one would wait on this dead head
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        path = Path(get_ray_address_file(None))
+        if path.is_file() and naming.search(path.read_text()):
+            path.unlink()
+    except (ImportError, OSError):
+        pass
 
 
 @pytest.fixture(scope="module")
