@@ -1,4 +1,4 @@
-"""The test session's one shared local Ray cluster (and its one Serve instance), not a test module.
+"""The test session's shared local Ray cluster and its Serve instance (one per pytest-xdist worker), not a test module.
 
 Starting a local Ray cluster and Serve's controller and proxy costs 10-30 s on the 2-core CI
 machine, stopping them as much again; modules used to do both once each. Now every module that
