@@ -240,6 +240,12 @@ def test_plan_jumps_over_dear_small_drafts():
     assert planner.plan([_seq(_observed(planner, 0.15, depth=8, seed=1))], tree=False) == [0]
 
 
+def _random_batch(planner: DraftPlanner, rng, trial: int, lowest_rate: float, n: int = 3) -> list[PlanInput]:
+    """n sequences with acceptance rates drawn from [lowest_rate, 0.95) and contexts from [10, 1500)."""
+    return [_seq(_observed(planner, float(r), seed=trial * 10 + i), context=int(c))
+            for i, (r, c) in enumerate(zip(rng.uniform(lowest_rate, 0.95, n), rng.integers(10, 1500, n)))]
+
+
 def test_plan_is_the_best_rate():
     """On batches of sequences with mixed acceptance, the plan is within 1% of the best rate over
     every combination of budgets (the climb is greedy; brute force checks it)."""
@@ -249,8 +255,7 @@ def test_plan_is_the_best_rate():
                                              "propose_depth_s": 0.001, "propose_depth_batch_s": 0.0002}))
     rng = np.random.default_rng(1)
     for trial in range(6):
-        seqs = [_seq(_observed(planner, float(r), seed=trial * 10 + i), context=int(c))
-                for i, (r, c) in enumerate(zip(rng.uniform(0.1, 0.95, 3), rng.integers(10, 1500, 3)))]
+        seqs = _random_batch(planner, rng, trial, lowest_rate=0.1)
         plan = planner.plan(seqs, tree=False)
         best = max(_step_rate(planner, seqs, combo) for combo in itertools.product(range(5), repeat=3))
         assert _step_rate(planner, seqs, plan) >= 0.99 * best, (trial, plan)
@@ -279,8 +284,7 @@ def test_a_closed_batch_is_worth_its_least_advancing_slowest():
                                              "propose_s": 0.001, "propose_depth_s": 0.0005}))
     rng = np.random.default_rng(2)
     for trial in range(6):
-        seqs = [_seq(_observed(planner, float(r), seed=trial * 10 + i), context=int(c))
-                for i, (r, c) in enumerate(zip(rng.uniform(0.3, 0.95, 3), rng.integers(10, 1500, 3)))]
+        seqs = _random_batch(planner, rng, trial, lowest_rate=0.3)
         if trial % 2:
             seqs[trial % 3] = dataclasses.replace(seqs[trial % 3], weight=0.0)
         plan = planner.plan(seqs, tree=False, closed=True)
