@@ -637,6 +637,21 @@ class Page:
                 self.add(*table(["max_num_batched_tokens", "peak above weights and cache MiB", "outputs equal"],
                                 [[r["max_num_batched_tokens"] or "unchunked", fmt(r["peak_above_weights_and_cache_mib"]),
                                   fmt(cp.get("outputs_equal"))] for r in cp["rows"]]))
+        for rel, d in sorted(self.data.items()):
+            if not (Path(rel).name.startswith("gpu_never_loses") and isinstance(d, dict) and "cells" in d):
+                continue
+            self.used.add(rel)
+            self.add(f"### Cost-aware drafting on the GPU: `{Path(rel).stem}` ({d.get('device')}, torch {d.get('torch')})", "",
+                     f"{link(rel)} (`benchmarks/gpu_never_loses.py`): random targets whose acceptance is set by"
+                     f" construction; {d.get('dtype')}, compile {d.get('compile')}, {d.get('max_tokens')} tokens,"
+                     f" {d.get('rounds')} rounds; speedups over the target alone, adaptive (the default) and fixed"
+                     f" (always the full draft). {d.get('note', '')}", "")
+            self.add(*table(["target", "T", "conc", "proposer", "base tok/s", "adaptive", "fixed",
+                             "drafted / accepted (adaptive)", "drafted / accepted (fixed)", "equal (adaptive, fixed)"],
+                            [[c["target"], fmt(c["temperature"], 0), c["concurrency"], c["proposer"], fmt(c["base_tok_s"]),
+                              fmt(c["adaptive_speedup"], 2, "x"), fmt(c["fixed_speedup"], 2, "x"),
+                              f"{c['adaptive_drafted']} / {c['adaptive_accepted']}", f"{c['fixed_drafted']} / {c['fixed_accepted']}",
+                              f"{c['adaptive_equal']}, {c['fixed_equal']}"] for c in d["cells"] if "proposer" in c]))
         served = sorted((self.results / "gpu").glob("*/summary.json"))
         if served:
             path = served[-1]

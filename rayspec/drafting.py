@@ -25,7 +25,9 @@ that maximises the step's expected output tokens per second:
   proposer can draft now (an n-gram lookup without a match: 0).
 - costs: `MeasuredCosts` fits both functions online to the engine's host-timed steps (discounted
   least squares; rows are nearly free on a GPU and not on a CPU, and the fit says so), seeded by
-  a calibration at warm-up; `ModelledCosts` (SpeculativeConfig.draft_costs) takes fixed
+  a calibration at warm-up, robust to one-sided timing noise (a shape's first timing left out,
+  later ones clipped at OUTLIER x the prediction, a proposer fit far above a fresh timing
+  restarted: on an H200 one cold call otherwise stopped a draft model that was always right); `ModelledCosts` (SpeculativeConfig.draft_costs) takes fixed
   coefficients instead, so tests and anyone needing determinism get the same plans on any machine.
 
 Zero drafts when nothing pays (a plain decode step: the proposer is not called). A sequence left
@@ -43,7 +45,9 @@ that must first catch up on a context (a draft model's) also have a budget
 (a step at disable_by_batch_size, planned without drafts, too: `skip`), a probing step takes what
 those probes add (their catch-up, windowed, counted whole), and the sequences due probe only as far as the
 budget covers, longest-waiting first; where nothing is ever accepted, they then cost at most that
-share of the time plus one probing step's worth. A probe with nothing to catch up on (n-gram, an
+share of the time plus one probing step's worth; a probe dearer than the budget ever banks
+(max_probe_gap steps' share) goes once the bank is full, so an estimate too high is re-measured
+now and then instead of never. A probe with nothing to catch up on (n-gram, an
 EAGLE head) costs at most one multi-row step and is paced only: budgeted, a fresh engine's first
 requests could end before one came due (seen: configs/default.yaml's head, 24 tokens, no draft).
 - catch-up: a proposer with a model of its own runs through the context it has not seen before it
@@ -159,9 +163,19 @@ class LinearFit:
         self.b = np.zeros(n)
         self.discount = discount
         self.num_observed = 0
+        self.num_clipped = self.num_restarts = 0
         self.theta = self.theta0.copy()
 
-    def observe(self, x: np.ndarray, y: float) -> None:
+    def observe(self, x: np.ndarray, y: float, clip: float | None = None, restart: bool = False) -> None:
+        """clip: once the fit has data, y counts at most clip x the fit's prediction (winsorised);
+        restart: and a y below 1 / clip of it restarts the fit from y (what it learnt is not the
+        present: an outlier it was seeded with; for a fit observed only now and then)."""
+        if clip is not None and self.num_observed:
+            predicted = self.predict(x)
+            if predicted > 0 and y > clip * predicted:
+                y, self.num_clipped = clip * predicted, self.num_clipped + 1
+            elif restart and y * clip < predicted:
+                self.a, self.b, self.num_restarts = np.zeros_like(self.a), np.zeros_like(self.b), self.num_restarts + 1
         self.a = self.discount * self.a + np.outer(x, x)
         self.b = self.discount * self.b + x * y
         self.num_observed += 1
@@ -170,6 +184,11 @@ class LinearFit:
 
     def predict(self, x: np.ndarray) -> float:
         return float(self.theta @ x)
+
+
+# a timed step counts at most this many times the fit's prediction (MeasuredCosts): step times have
+# one-sided noise (one-off work, preemption), and one outlier must not stop drafting for good
+OUTLIER = 3.0
 
 
 class MeasuredCosts:
@@ -184,6 +203,8 @@ class MeasuredCosts:
         # noisy, and rows x context moves with rows; attention's share must show in the data
         self.verify = LinearFit([0.0, 0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2, 10.0])
         self.propose = LinearFit([0.0, 0.0, 0.0, 0.0], ridge=[1e-6, 1e-2, 1e-2, 1e-2])
+        self._seen: set[tuple] = set()  # step shapes timed once already (_first_seen)
+        self.num_first_seen = 0  # timings left out as a shape's first
 
     def verify_s(self, batch: int, rows: int, row_context: float) -> float:
         return self.verify.predict(verify_features(batch, rows, row_context))
@@ -197,11 +218,34 @@ class MeasuredCosts:
         propose = self.propose.theta.tolist() if self.propose.num_observed else [0.0] * 4
         return self.verify.theta.tolist(), propose
 
-    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
-        self.verify.observe(verify_features(batch, rows, row_context), seconds)
+    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float, warm: bool = False) -> None:
+        """warm: a timing known to be of warm kernels (calibrate_costs' medians), kept even for a shape
+        seen the first time."""
+        if self._first_seen(("verify", batch, rows), warm):
+            return
+        self.verify.observe(verify_features(batch, rows, row_context), seconds, clip=OUTLIER)
 
     def observe_propose(self, depth: int, batch: int, seconds: float, catch_up: float = 0.0) -> None:
-        self.propose.observe(propose_features(depth, batch, catch_up), seconds)
+        if self._first_seen(("propose", depth, batch), False):
+            return
+        # (observed only when drafting: a fit too high, which stops the drafts, restarts on the next
+        # probe's timing; the verification fit is observed every step and outgrows an outlier)
+        self.propose.observe(propose_features(depth, batch, catch_up), seconds, clip=OUTLIER, restart=True)
+
+    def _first_seen(self, shape: tuple, warm: bool) -> bool:
+        """Whether this is the first timing of a step of this shape (then left out of the fit): the
+        first call of a shape pays one-off work, lazily loaded CUDA kernels, a compiled shape's
+        compilation and graph capture, a CPU library's first primitives. Later one-off costs (a
+        kernel first loaded for a new prefill length, a preempted thread) count at most OUTLIER x
+        the fit's prediction. Kept whole, such outliers (an EAGLE head's first tree on an H200,
+        eager: 0.3 s against ~20 ms warm; a draft model's first catch-ups) set the proposer's fit so
+        high that the planner stopped drafting and its rare probes could not bring it back
+        (benchmarks/gpu_never_loses.py, results/gpu_never_loses_h200.json)."""
+        if shape in self._seen:
+            return False
+        self._seen.add(shape)
+        self.num_first_seen += not warm
+        return not warm
 
     @property
     def known(self) -> bool:
@@ -239,7 +283,7 @@ class ModelledCosts:
     def coefficients(self) -> tuple[list[float], list[float]]:
         return self.verify_theta.tolist(), self.propose_theta.tolist()
 
-    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float) -> None:
+    def observe_verify(self, batch: int, rows: int, row_context: float, seconds: float, warm: bool = False) -> None:
         pass
 
     def observe_propose(self, depth: int, batch: int, seconds: float, catch_up: float = 0.0) -> None:
@@ -292,6 +336,7 @@ class DraftPlanner:
         # what probes may cost: each planned step adds probe_share of its own estimated cost, a
         # paced probing step takes its estimated extra cost (catch-up included); None: no limit
         self.probe_share, self.probe_budget = probe_share, 0.0
+        self._bank_cap = math.inf  # the most the budget banks (max_probe_gap steps' share), as last accrued
 
     def budgets(self, tree: bool) -> list[int]:
         """The draft budgets a step may give a sequence: any k for chains; for trees whole depths
@@ -366,7 +411,9 @@ class DraftPlanner:
                 for i in sorted(dear, key=lambda i: -seqs[i].state.steps_at_zero):
                     probing[i] = options[i][-1]
                     extra = self._step_cost(probes, probing, full_values, tree, spread=False) - base
-                    if extra > self.probe_budget:
+                    # a probe dearer than the most the budget banks goes once the bank is full:
+                    # else an estimate too high (one outlier timed) would never be re-measured
+                    if extra > self.probe_budget and (covered or self.probe_budget < self._bank_cap):
                         break
                     covered.append(i)
                     spent = extra
@@ -391,8 +438,8 @@ class DraftPlanner:
     def _accrue(self, step_s: float) -> None:
         """The probe budget gains probe_share of a step's estimated seconds (no more than
         max_probe_gap steps' worth banked)."""
-        self.probe_budget = min(self.probe_budget + self.probe_share * step_s,
-                                self.probe_share * step_s * self.max_probe_gap)
+        self._bank_cap = self.probe_share * step_s * self.max_probe_gap
+        self.probe_budget = min(self.probe_budget + self.probe_share * step_s, self._bank_cap)
 
     def _closed(self, seqs: list[PlanInput], options, values, full_values, tree: bool) -> list[int]:
         """A closed batch ends when its slowest sequences (weight 1) do, so a step brings the end

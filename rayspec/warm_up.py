@@ -35,7 +35,7 @@ def calibrate_costs(engine, costs: MeasuredCosts, context: int = 32, repeats: in
                     hidden, _ = engine._target_forward([seq_id], [[0] * rows], packed=True, static=True)
                     to_host(engine.model.logits(hidden).argmax(-1))
                     times.append(time.perf_counter() - started)
-                costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2])
+                costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2], warm=True)
     finally:
         runner.free(seq_id)
 

@@ -167,7 +167,11 @@ def test_measured_costs_are_timed(tiny_model_dir, loaded):
     assert calibrated >= 4 and costs.verify_s(1, 5, 500) > costs.verify_s(1, 1, 100) > 0
     engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))
     assert costs.verify.num_observed > calibrated
-    assert costs.propose.num_observed > 0
+    # a shape's first timing is left out (MeasuredCosts._first_seen); the same shapes again count
+    first_seen = costs.num_first_seen
+    assert first_seen > 0
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12))
+    assert costs.propose.num_observed > 0 and costs.num_first_seen == first_seen
 
 
 def test_a_probe_catches_up_on_its_window_only(tiny_model_dir, tiny_draft_dir):

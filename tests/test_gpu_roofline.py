@@ -1,4 +1,5 @@
-"""The prepared GPU scripts of the roofline issue run unchanged on CPU (their --dry-run, tiny shapes):
+"""The prepared GPU scripts run unchanged on CPU (their --dry-run, tiny shapes): benchmarks/gpu_never_loses.py,
+and those of the roofline issue:
 benchmarks/gpu_roofline.py (bandwidth, our decode eager and compiled, tree and chain verification,
 an EAGLE-3 head step, transformers' static-cache compiled decode, the compiled step with paged attention
 against the gather, FlexAttention over the paged pool against gather + SDPA; JSON, table, plot) and
@@ -51,3 +52,24 @@ def test_compiled_pool_dry_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["compiled"]) for r in rows} == {False, True} and len({r["pool_mb"] for r in rows}) == 2
     assert all(r["ms_per_step_median"] > 0 for r in rows)
+
+
+def test_gpu_never_loses_dry_run(tmp_path):
+    """benchmarks/gpu_never_loses.py (cost-aware drafting on a GPU, issue 34) on CPU: every proposer at
+    concurrency 1 and 2, greedy and seeded temperature 1, adaptive and fixed beside the target alone,
+    outputs equal to the target's (greedy: the same tokens; seeded: coupled draws), the fits recorded."""
+    out = tmp_path / "never_loses.json"
+    proc = _run("gpu_never_loses.py", "--json", str(out), "--targets", "plain")
+    results = json.loads(out.read_text())
+    cells = results["cells"]
+    assert not [c for c in cells if "error" in c or "skipped" in c], cells
+    assert {(c["temperature"], c["concurrency"], c["proposer"]) for c in cells} == {
+        (t, c, p) for t in (0.0, 1.0) for c in (1, 2) for p in ("ngram", "draft_model", "draft_model_other", "eagle3")}
+    for c in cells:
+        n = 1 if c["concurrency"] == 1 else 2
+        assert c["adaptive_equal"] == c["fixed_equal"] == f"{n}/{n}", c
+        assert c["base_tok_s"] > 0 and c["adaptive_speedup"] > 0 and c["fixed_drafted"] > 0, c
+    fits = {r["engine"]: r["fitted"] for r in results["costs"]}
+    assert set(fits) == {"base", "ngram adaptive", "draft_model adaptive", "draft_model_other adaptive", "eagle3 adaptive"}
+    assert fits["draft_model adaptive"]["verify"][0] > 0  # ms per step
+    assert "| plain | 0 | 1 | ngram |" in proc.stdout  # the table

@@ -439,6 +439,45 @@ def test_only_probes_that_catch_up_wait_for_the_budget():
     assert first_probe[0] == 16 and first_probe[500] > 50, first_probe
 
 
+def test_a_probe_dearer_than_the_bank_still_comes():
+    """A probe whose estimated catch-up costs more than the budget ever banks (max_probe_gap steps'
+    share: here 256 x 2% of a 10 ms step, 51 ms, against 500 tokens at 0.2 ms each) goes once the
+    bank is full, and then waits for the bank to refill past what it cost: an estimate too high
+    (one outlier timed) is re-measured now and then, never frozen; the probes stay rare."""
+    dear = {**CPU_LIKE, "propose_catch_up_s": 0.2}
+    probes, extra, plain = _probe_run(0.02, dear, catch_up=500, steps=3000, num_seqs=1)
+    assert 2 <= probes <= 3000 // 256, (probes, extra, plain)
+    assert extra <= 0.02 * plain + extra / probes, (probes, extra, plain)
+
+
+def test_a_timing_far_off_the_fit_is_clipped_or_restarts_it():
+    """Step times have one-sided noise: a shape's first timing (lazy CUDA kernels, a compile) is
+    left out; later, one above OUTLIER x the prediction counts as OUTLIER x it. A proposer timing
+    far below a fit seeded by an outlier restarts that fit (the proposer is timed only when it
+    drafts: a fit too high would stop the drafts that could correct it); the verification fit,
+    timed every step, is only clipped."""
+    from rayspec.drafting import OUTLIER
+
+    costs = MeasuredCosts()
+    for rows in (1, 2, 5):
+        costs.observe_verify(1, rows, rows * 100, 0.010 + 0.001 * rows, warm=True)
+    costs.observe_propose(4, 1, 2.0)  # the first of its shape: left out
+    assert costs.num_first_seen == 1 and costs.propose.num_observed == 0
+    costs.observe_propose(4, 1, 0.300)  # a cold call of a shape seen: the fit's first datum
+    assert costs.propose_s(4, 1) == pytest.approx(0.300, rel=0.05)
+    costs.observe_propose(4, 1, 0.005)  # the next probe: far below, the fit restarts from it
+    assert costs.propose.num_restarts == 1 and costs.propose_s(4, 1) == pytest.approx(0.005, rel=0.05)
+    for _ in range(20):
+        costs.observe_propose(4, 1, 0.005)
+    costs.observe_propose(4, 1, 1.0)  # a preempted call: counts as OUTLIER x the prediction
+    assert costs.propose.num_clipped == 1 and costs.propose_s(4, 1) < 0.005 * OUTLIER
+    before = costs.verify_s(1, 5, 500)
+    costs.observe_verify(1, 5, 500, 1.0)
+    assert costs.verify.num_clipped == 1 and costs.verify_s(1, 5, 500) < before * OUTLIER
+    costs.observe_verify(1, 5, 500, before / 10)  # far below: the verification fit only moves
+    assert costs.verify.num_restarts == 0 and costs.verify_s(1, 5, 500) > before / 10 * 2
+
+
 def test_steps_without_planning_fill_the_probe_budget():
     """A stretch at disable_by_batch_size (the planner not asked) banks probe budget as planned steps
     do, so the sequences due probe once the batch shrinks; a planner without a budget banks nothing."""
@@ -493,9 +532,9 @@ def test_unmeasured_then_measured_and_sampled_alike():
     planner = DraftPlanner(6, MeasuredCosts())
     bad = _observed(planner, 0.0)
     assert planner.plan([_seq(bad)], tree=False) == [6]  # nothing timed yet: the full budget, to be timed
-    planner.costs.observe_verify(1, 1, 100, 0.010)
-    planner.costs.observe_verify(1, 2, 200, 0.016)
-    planner.costs.observe_verify(1, 7, 700, 0.025)
+    planner.costs.observe_verify(1, 1, 100, 0.010, warm=True)  # (synthetic timings: warm)
+    planner.costs.observe_verify(1, 2, 200, 0.016, warm=True)
+    planner.costs.observe_verify(1, 7, 700, 0.025, warm=True)
     assert planner.plan([_seq(bad), _seq(bad, greedy=False, cap=5)], tree=False) == [0, 0]
     planner = DraftPlanner(4, ModelledCosts(CPU_LIKE))
     new = planner.plan([_seq(greedy=False)], tree=False)[0]
