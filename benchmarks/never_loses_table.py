@@ -5,6 +5,7 @@ draws are coupled to positions, so the speculative run emits the baseline's toke
 sampling, where each run samples its own. Markdown on stdout.
 
     python benchmarks/never_loses_table.py benchmarks/results/never_loses_*.json
+    python benchmarks/never_loses_table.py --served benchmarks/results/never_loses_served_*.json
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 FLOOR = 0.97
+SETS = ("mt_bench", "humaneval", "gsm8k", "unguessable", "long_documents")
 
 
 def rows(paths: list[str]) -> list[dict]:
@@ -57,10 +59,55 @@ def table(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def served_rows(paths: list[str]) -> list[dict]:
+    """benchmarks/run_never_loses_served.sh's files (`rayspec bench serve`, endpoints labelled by
+    proposer and `base`): per proposer and concurrency, its output tok/s over base's."""
+    out = []
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        cfg = result["config"]
+        by = {(r["label"], r["concurrency"]): r for r in result["results"]}
+        for (label, conc), r in sorted(by.items()):
+            base = by.get(("base", conc))
+            if label == "base" or base is None or not base["output_throughput"]:
+                continue
+            rounds = [a / b for a, b in zip(r.get("round_output_throughput") or [], base.get("round_output_throughput") or [])
+                      if a and b]
+            name = Path(path).stem  # never_loses_served_[<proposers>_]<set>_t<T>[_seeded]
+            found_set = next((x for x in SETS if f"_{x}_t" in name), cfg.get("prompts"))
+            out.append({"set": found_set, "temperature": cfg.get("temperature"),
+                        "seeded": "seed" in json.dumps(cfg.get("extra_body") or {}), "method": label,
+                        "concurrency": conc, "speedup": r["output_throughput"] / base["output_throughput"],
+                        "by_round": rounds, "tpot_ms": r.get("mean_tpot_ms"), "base_tpot_ms": base.get("mean_tpot_ms"),
+                        "failed": r.get("failed", 0) + base.get("failed", 0),
+                        "cpu": (result.get("environment") or {}).get("cpu_model"), "file": Path(path).name})
+    return out
+
+
+def served_table(found: list[dict]) -> str:
+    lines = ["| set | T | method | conc | speedup (tok/s over base) | rounds | TPOT ms (base) | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(found, key=lambda r: (r["set"], r["temperature"], r["seeded"], r["method"], r["concurrency"])):
+        mark = "" if r["speedup"] >= FLOOR else " **below 0.97**"
+        spread = ", ".join(f"{x:.2f}" for x in r["by_round"]) or "-"
+        temp = f"{r['temperature']:g}" + (" seeded" if r["seeded"] else "")
+        tpot = "-" if r["tpot_ms"] is None else f"{r['tpot_ms']:.1f} ({r['base_tpot_ms']:.1f})"
+        lines.append(f"| {r['set']} | {temp} | {r['method']} | {r['concurrency']} | {r['speedup']:.2f}x{mark} | {spread} | "
+                     f"{tpot} | {r['failed']} |")
+    if found:
+        speedups = [r["speedup"] for r in found]
+        lines.append(f"\n{len(found)} served runs, lowest {min(speedups):.2f}x, {sum(s < FLOOR for s in speedups)} below "
+                     f"{FLOOR}x; CPU: {', '.join(sorted({str(r['cpu']) for r in found}))}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[0] == "--served":
+        print(served_table(served_rows(argv[1:])))
+        return 0
     print(table(rows(argv)))
     return 0
 

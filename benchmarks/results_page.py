@@ -283,6 +283,18 @@ class Page:
                  "more rounds: a level appears twice where a `_c8` file, 8 rounds, sits beside the 2-round sweep).",
                  f"Files: `results/never_loses_*.json`; machine {', '.join(machines)}.", "",
                  never_loses_table.table(found), "")
+        served = sorted(rel for rel, d in self.data.items() if is_serve(d) and Path(rel).stem.startswith("never_loses_served_"))
+        if served:
+            self.add("### Served (`benchmarks/run_never_loses_served.sh`: each proposer's app beside /base in one Serve"
+                     " instance, over HTTP)", "",
+                     "Per file its own section below; here the speedups together (output tok/s over /base's at the same"
+                     " concurrency; `rounds`: the same per round). Files named `never_loses_served_ngram_draft_model_*`"
+                     " (every app of `serve_never_loses.yaml` started) and the EAGLE-3 ones without a proposer in the name"
+                     " were measured from `/v1/models` answering, which the ingress does before its engine is up (apps"
+                     " possibly still loading beside them); the script now starts only the apps measured and waits"
+                     " for `/health` and one request each. Older files are superseded where a newer covers the cell.", "",
+                     never_loses_table.served_table(never_loses_table.served_rows([str(self.results / rel) for rel in served])),
+                     "")
 
     def draft_length_sweeps(self):
         sweeps = [rel for rel, d in self.data.items()

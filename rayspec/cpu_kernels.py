@@ -11,6 +11,15 @@ sequences, a verification of k+1 = 9, a slice of prefill), and keeps the fastest
 `Linear` then dispatches on its input's row count (`path_for`). `RAYSPEC_CPU_KERNELS` names one
 kernel for every row count instead (`flinear`, `wxt`, `onednn`, `onednn_pad4`), e.g. for runs that
 must compute the same bits on every load.
+
+A measurement taken while other processes keep this process's cores busy picks wrongly: their
+threads preempt a multi-threaded kernel's (a fork-join waits for the slowest), so a one-thread
+kernel wins there that runs half as fast once the cores are free (two replicas loading at once on
+2 cores: one chose F.linear for single rows, and decoded at 25 tok/s where oneDNN gave 47). So
+`choose` also measures how busy the cores were (`busy`: other processes' share of the CPUs this
+process may run on, from /proc/stat); past BUSY_SHARE the choice is provisional (`contended`) and
+`CausalLM.remeasure_cpu_kernels` measures again, as a serving loop does once it is idle
+(deployments.replicas.engine_loop).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ ONEDNN = {"onednn": 1, "onednn_pad4": 4}  # oneDNN variants -> rows padded up to
 ROWS = (1, 2, 4, 9, 32)  # each stands for the row counts up to it (past 32: the 32 choice)
 ENV = "RAYSPEC_CPU_KERNELS"
 MEASURE_BUDGET_S = 1.5  # at most about this long per model load
+BUSY_SHARE = 0.25  # other processes' share of our CPUs during a measurement past which it is provisional
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,12 @@ class CpuKernels:
     per_rows: dict[int, str]  # a ROWS bucket -> the variant used for row counts up to it
     source: str  # "measured", "RAYSPEC_CPU_KERNELS", "no oneDNN", or "default"
     median_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # variant -> rows -> ms (measured)
+    busy: float | None = None  # other processes' share of our CPUs while measuring (None: not known)
+
+    @property
+    def contended(self) -> bool:
+        """Measured on cores other processes kept busy: a provisional choice (module docstring)."""
+        return self.busy is not None and self.busy > BUSY_SHARE
 
     @classmethod
     def single(cls, variant: str, source: str) -> "CpuKernels":
@@ -67,7 +83,47 @@ class CpuKernels:
         if not self.median_ms:
             return f"{self.variant} ({self.source})"
         table = {v: [round(ms[n], 3) for n in ROWS] for v, ms in self.median_ms.items()}
-        return f"{self.variant} ({self.source}; one MLP, medians in ms at rows {list(ROWS)}: {table})"
+        busy = "" if self.busy is None else f"; other processes {self.busy:.0%} of the CPUs" + \
+            (", provisional" if self.contended else "")
+        return f"{self.variant} ({self.source}{busy}; one MLP, medians in ms at rows {list(ROWS)}: {table})"
+
+
+class BusyMeter:
+    """Other processes' share of the CPUs this process may run on, between start() and share():
+    their busy time (from /proc/stat, those CPUs' lines) less this process's own CPU time, over
+    wall time x CPUs. None where /proc/stat is not there (not Linux)."""
+
+    def __init__(self):
+        try:
+            self.cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = list(range(os.cpu_count() or 1))
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._start = None
+
+    def _busy_s(self) -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        wanted, total = {f"cpu{i}" for i in self.cpus}, 0
+        for line in lines:
+            parts = line.split()
+            if parts and parts[0] in wanted:  # user nice system idle iowait irq softirq steal ...
+                values = [int(v) for v in parts[1:9]]
+                total += sum(values) - values[3] - values[4]
+        return total / self.hz
+
+    def start(self) -> None:
+        self._start = (self._busy_s(), time.process_time(), time.perf_counter())
+
+    def share(self) -> float | None:
+        busy, own, wall = self._busy_s(), time.process_time(), time.perf_counter()
+        if busy is None or self._start is None or self._start[0] is None:
+            return None
+        others = (busy - self._start[0]) - (own - self._start[1])
+        return max(0.0, min(1.0, others / max((wall - self._start[2]) * len(self.cpus), 1e-9)))
 
 
 def onednn_available() -> bool:
@@ -80,9 +136,11 @@ def pick(medians: dict[str, dict[int, float]]) -> dict[int, str]:
     return {n: min(medians, key=lambda v: (medians[v][n], VARIANTS.index(v))) for n in ROWS}
 
 
-def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_counter) -> CpuKernels:
+def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_counter,
+           variants: tuple[str, ...] = VARIANTS) -> CpuKernels:
     """mlp_factory(variant) -> a callable MLP that uses that variant for every row count (rayspec.model
-    builds it from the model's first layer, sharing its weights). See the module docstring."""
+    builds it from the model's first layer, sharing its weights); `variants`: the candidates. See the
+    module docstring."""
     forced = os.environ.get(ENV, "measure").strip()
     if forced != "measure":
         if forced not in VARIANTS:
@@ -90,9 +148,10 @@ def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_co
         if forced in ONEDNN and not onednn_available():
             return CpuKernels.single("flinear", "no oneDNN")
         return CpuKernels.single(forced, ENV)
-    candidates = [v for v in VARIANTS if v not in ONEDNN or onednn_available()]
+    candidates = [v for v in variants if v not in ONEDNN or onednn_available()]
     mlps = {v: mlp_factory(v) for v in candidates}
     inputs = {n: torch.randn(n, hidden_size).to(dtype) for n in ROWS}
+    meter = BusyMeter()
     with torch.inference_mode():
         for mlp in mlps.values():  # warm up (first calls allocate, pick kernels)
             for x in inputs.values():
@@ -103,11 +162,13 @@ def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_co
         once = max(timer() - started, 1e-6)  # one pass of one variant
         rounds = max(3, min(15, int(MEASURE_BUDGET_S / (once * len(candidates)))))
         samples: dict[str, dict[int, list[float]]] = {v: {n: [] for n in ROWS} for v in candidates}
+        meter.start()
         for _ in range(rounds):  # interleaved: a slow moment of the machine hits every variant alike
             for n, x in inputs.items():
                 for v, mlp in mlps.items():
                     t0 = timer()
                     mlp(x)
                     samples[v][n].append((timer() - t0) * 1e3)
+        busy = meter.share()
     medians = {v: {n: statistics.median(s) for n, s in per.items()} for v, per in samples.items()}
-    return CpuKernels(pick(medians), "measured", medians)
+    return CpuKernels(pick(medians), "measured", medians, busy)

@@ -320,6 +320,26 @@ class CausalLM(Float32Rotary):
             return hidden
         return hidden, batch.output(torch.cat(aux, dim=-1))
 
+    def remeasure_cpu_kernels(self) -> "cpu_kernels.CpuKernels | None":
+        """Measure the CPU kernels again (a provisional choice: `CpuKernels.contended`) and use the
+        new choice; oneDNN is among the candidates only if the projections hold packed copies (the
+        first choice had it somewhere). Returns the choice in use (None off the CPU)."""
+        old = self.cpu_kernels
+        if old is None or old.source != "measured":
+            return old
+        mlp = next(m for m in self.modules() if isinstance(m, MLP))
+        packed = any(m._packed is not None for m in self.modules() if isinstance(m, Linear))
+        variants = cpu_kernels.VARIANTS if packed else tuple(v for v in cpu_kernels.VARIANTS
+                                                              if v not in cpu_kernels.ONEDNN)
+        new = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
+                                 mlp.gate_proj.weight.dtype, variants=variants)
+        logger.info("CPU matmul kernels measured again: %s (were %s)", new.describe(), old.variant)
+        self.cpu_kernels = new
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.kernels = new
+        return new
+
     def pack_for_cpu(self) -> "CausalLM":
         """On CPU, pick the projections' matmul kernel per row count by measuring this CPU
         (rayspec.cpu_kernels) and, when any is oneDNN, prepack every projection, q/k/v and gate/up

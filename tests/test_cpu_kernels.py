@@ -160,3 +160,64 @@ def test_mixed_kernels_greedy_verification_equals_single_row_decode(smollm2, mon
         done = run_to_completion(engine)
         assert_same([done[i] for i in ids], ("batch", tree))
         assert engine.stats.num_accepted_tokens >= 2 * len(MIXED_PROMPTS) * 32 // 2  # most tokens from verification
+
+
+def test_a_measurement_on_busy_cores_is_provisional(monkeypatch):
+    """Other processes' share of our CPUs while measuring (BusyMeter) past BUSY_SHARE makes the
+    choice provisional (`contended`): their threads preempt a multi-threaded kernel's, so a
+    one-thread kernel wins there that runs half as fast on free cores."""
+    monkeypatch.setenv(cpu_kernels.ENV, "measure")
+    for share, contended in ((0.6, True), (0.1, False), (None, False)):
+        monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self, share=share: share)
+        chosen = choose(lambda v: (lambda x: None), 16, torch.float32, variants=("flinear", "wxt"))
+        assert set(chosen.per_rows.values()) <= {"flinear", "wxt"} and chosen.busy == share
+        assert chosen.contended == contended and ("provisional" in chosen.describe()) == contended
+
+
+def test_the_busy_meter_counts_other_processes_only(monkeypatch):
+    """Busy time on our CPUs (from /proc/stat) less our own CPU time, over wall time x CPUs."""
+    meter = cpu_kernels.BusyMeter()
+    meter.cpus = [0, 1]
+    clock = {"busy": 100.0, "own": 5.0, "wall": 50.0}
+    monkeypatch.setattr(meter, "_busy_s", lambda: clock["busy"])
+    monkeypatch.setattr(cpu_kernels.time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(cpu_kernels.time, "perf_counter", lambda: clock["wall"])
+    meter.start()
+    clock.update(busy=101.6, own=5.8, wall=51.0)  # 1.6 s busy in 1 s on 2 CPUs, 0.8 s of it ours
+    assert meter.share() == pytest.approx(0.4)
+    monkeypatch.setattr(meter, "_busy_s", lambda: None)  # no /proc/stat
+    assert meter.share() is None
+
+
+def test_an_idle_serving_loop_measures_a_provisional_choice_again(tiny_model_dir, monkeypatch):
+    """A replica whose kernels were measured on busy cores (replicas loading beside it) measures them
+    again once idle (deployments.replicas.engine_loop), and every projection then uses the new choice;
+    outputs stay the target's."""
+    from deployments.replicas import engine_loop
+    from engine_utils import make_engine
+    from rayspec import loader
+
+    monkeypatch.setenv(cpu_kernels.ENV, "measure")
+    loaded = loader.load_model(str(tiny_model_dir))
+    model = loaded[0]
+    provisional = CpuKernels({n: "flinear" for n in ROWS}, "measured", {}, busy=0.9)
+    assert provisional.contended
+    model.cpu_kernels = provisional
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.kernels = provisional
+    monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self: 0.0)  # the cores free by now
+    monkeypatch.setattr(engine_loop, "KERNEL_CHECK_S", 0.0)
+    loop = engine_loop.EngineLoop(lambda: make_engine(tiny_model_dir, "ngram", loaded=loaded))
+    try:
+        loop.wait_ready(120)
+        deadline = time.time() + 60
+        while model.cpu_kernels is provisional and time.time() < deadline:
+            time.sleep(0.1)
+        chosen = model.cpu_kernels
+        assert chosen is not provisional and not chosen.contended and chosen.source == "measured"
+        assert all(m.kernels is chosen for m in model.modules() if isinstance(m, Linear))
+        time.sleep(0.5)
+        assert model.cpu_kernels is chosen  # settled: not measured again
+    finally:
+        loop.shutdown()

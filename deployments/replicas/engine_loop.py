@@ -45,6 +45,9 @@ class ChatPrompt:
 Prompt = Union[str, list[int], ChatPrompt]
 
 
+KERNEL_CHECK_S = 5.0  # a provisional CPU kernel choice is measured again, while idle, this long apart at least
+KERNEL_CHECKS = 6  # and at most this many times
+
 # the commands callers put on the loop's queue, run in order on the loop thread
 @dataclass
 class _Add:
@@ -96,6 +99,8 @@ class EngineLoop:
         self.num_failed_steps = 0
         self.failed_steps_in_a_row = 0  # steps that raised since the last one that did not
         self.step_seconds = 0.0  # engine.step() wall time, to tell engine time from serving overhead
+        # provisional CPU kernel choices (measured on busy cores) are measured again while idle
+        self._kernel_checks, self._last_kernel_check = 0, time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="rayspec-engine", daemon=True)
         self._thread.start()
 
@@ -192,6 +197,7 @@ class EngineLoop:
                         flush()
                     except Exception:  # noqa: BLE001 - releases are retried on the next call
                         logger.exception("proposer flush failed")
+                self._settle_cpu_kernels(engine)
                 self._update_snapshot()
                 continue
             try:
@@ -219,6 +225,27 @@ class EngineLoop:
                 self._dispatch(out, now, stats)
             self._observe(stats)
             self._update_snapshot()
+
+    def _settle_cpu_kernels(self, engine) -> None:
+        """While idle, measure a provisional CPU kernel choice again (rayspec.cpu_kernels: one measured
+        while other processes kept the cores busy, e.g. replicas loading beside this one), every
+        KERNEL_CHECK_S at most, KERNEL_CHECKS times at most, until a measurement is not contended.
+        A request arriving meanwhile waits for it (~MEASURE_BUDGET_S)."""
+        if self._kernel_checks >= KERNEL_CHECKS or time.perf_counter() - self._last_kernel_check < KERNEL_CHECK_S:
+            return
+        proposer = engine.proposer
+        models = [engine.model, getattr(getattr(proposer, "runner", None), "model", None), getattr(proposer, "head", None)]
+        pending = [m for m in models if getattr(getattr(m, "cpu_kernels", None), "contended", False)
+                   and hasattr(m, "remeasure_cpu_kernels")]
+        if not pending:
+            return
+        self._kernel_checks += 1
+        for model in pending:
+            try:
+                model.remeasure_cpu_kernels()
+            except Exception:  # noqa: BLE001 - the choice in use stays
+                logger.exception("measuring the CPU kernels again failed")
+        self._last_kernel_check = time.perf_counter()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -357,7 +384,7 @@ class EngineLoop:
             "kv_cache_usage": round(engine.kv_cache_usage(), 6),
             "max_model_len": engine.max_model_len,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "cpu_kernels": getattr(getattr(engine.model, "cpu_kernels", None), "variant", None),
+            "cpu_kernels": _kernels_label(getattr(engine.model, "cpu_kernels", None)),
             "num_running": engine.num_running,
             "num_waiting": engine.num_waiting,
             "num_finished": self.num_finished,
@@ -386,3 +413,10 @@ class EngineLoop:
                 self.metrics.update(self.snapshot)
             except Exception:  # noqa: BLE001 - metrics are best effort
                 logger.exception("metrics update failed")
+
+
+def _kernels_label(kernels) -> str | None:
+    """/v1/stats' cpu_kernels: the choice, marked while provisional (measured on busy cores)."""
+    if kernels is None:
+        return None
+    return kernels.variant + (" (provisional: measured on busy cores)" if getattr(kernels, "contended", False) else "")
