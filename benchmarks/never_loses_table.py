@@ -80,20 +80,26 @@ def served_rows(paths: list[str]) -> list[dict]:
                         "concurrency": conc, "speedup": r["output_throughput"] / base["output_throughput"],
                         "by_round": rounds, "tpot_ms": r.get("mean_tpot_ms"), "base_tpot_ms": base.get("mean_tpot_ms"),
                         "failed": r.get("failed", 0) + base.get("failed", 0),
+                        "drafted": (r.get("server_stats") or {}).get("num_draft_tokens"),
+                        "accepted": (r.get("server_stats") or {}).get("num_accepted_tokens"),
                         "cpu": (result.get("environment") or {}).get("cpu_model"), "file": Path(path).name})
     return out
 
 
 def served_table(found: list[dict]) -> str:
-    lines = ["| set | T | method | conc | speedup (tok/s over base) | rounds | TPOT ms (base) | failed |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | T | method | conc | speedup (tok/s over base) | rounds | drafted / accepted | TPOT ms (base) | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(found, key=lambda r: (r["set"], r["temperature"], r["seeded"], r["method"], r["concurrency"])):
         mark = "" if r["speedup"] >= FLOOR else " **below 0.97**"
         spread = ", ".join(f"{x:.2f}" for x in r["by_round"]) or "-"
         temp = f"{r['temperature']:g}" + (" seeded" if r["seeded"] else "")
         tpot = "-" if r["tpot_ms"] is None else f"{r['tpot_ms']:.1f} ({r['base_tpot_ms']:.1f})"
+        drafts = "-" if r["drafted"] is None else f"{r['drafted']} / {r['accepted']}"
         lines.append(f"| {r['set']} | {temp} | {r['method']} | {r['concurrency']} | {r['speedup']:.2f}x{mark} | {spread} | "
-                     f"{tpot} | {r['failed']} |")
+                     f"{drafts} | {tpot} | {r['failed']} |")
+    same_work = [r["speedup"] for r in found if r["drafted"] == 0]
+    if same_work:
+        lines.append(f"\nnoise floor: {len(same_work)} runs drafted nothing: {min(same_work):.2f}x-{max(same_work):.2f}x")
     if found:
         speedups = [r["speedup"] for r in found]
         lines.append(f"\n{len(found)} served runs, lowest {min(speedups):.2f}x, {sum(s < FLOOR for s in speedups)} below "

@@ -288,11 +288,11 @@ class Page:
             self.add("### Served (`benchmarks/run_never_loses_served.sh`: each proposer's app beside /base in one Serve"
                      " instance, over HTTP)", "",
                      "Per file its own section below; here the speedups together (output tok/s over /base's at the same"
-                     " concurrency; `rounds`: the same per round). Files named `never_loses_served_ngram_draft_model_*`"
-                     " (every app of `serve_never_loses.yaml` started) and the EAGLE-3 ones without a proposer in the name"
-                     " were measured from `/v1/models` answering, which the ingress does before its engine is up (apps"
-                     " possibly still loading beside them); the script now starts only the apps measured and waits"
-                     " for `/health` and one request each. Older files are superseded where a newer covers the cell.", "",
+                     " concurrency; `rounds`: the same per round). The script starts only /base and the measured app, waits"
+                     " for `/health`, one request each and settled CPU kernel choices (`rayspec/cpu_kernels.py`: a"
+                     " choice measured while other apps loaded beside it ran single rows at half speed). Files written"
+                     " before that (2026-11-28, 22:00 UTC: `results/history/never_loses_served_ngram_draft_model_*`,"
+                     " and EAGLE-3's `never_loses_served_unguessable_t1_seeded.json`) are not comparable.", "",
                      never_loses_table.served_table(never_loses_table.served_rows([str(self.results / rel) for rel in served])),
                      "")
 
