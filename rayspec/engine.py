@@ -182,11 +182,11 @@ class LLMEngine:
     def _kv_plan(self, model: CausalLM, spec, in_process: bool = True):
         """in_process: the proposer (a draft model's cache) shares this process's KV budget; a
         disaggregated one (deployments.transport.remote_proposer) keeps its cache in its own deployment."""
-        from rayspec.memory import kv_cache_plan  # the one sizing function (`rayspec plan` reports it too)
+        from rayspec.memory import draft_kv_fraction, kv_cache_plan  # the one sizing (`rayspec plan` reports it too)
 
         return kv_cache_plan(model.args, self.dtype, self.max_model_len, self.max_k, self.config.max_num_seqs,
                              self.config.kv_cache_memory_gb, spec.method if in_process else "none",
-                             self.config.block_size)
+                             self.config.block_size, draft_kv_fraction(spec, self.config.model, model.args))
 
     @property
     def num_slots(self) -> int:

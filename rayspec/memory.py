@@ -93,19 +93,23 @@ class KVPlan:
 
 
 def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k: int, max_num_seqs: int,
-                  kv_cache_memory_gb: float, method: str, block_size: int = DEFAULT_BLOCK_SIZE) -> KVPlan:
+                  kv_cache_memory_gb: float, method: str, block_size: int = DEFAULT_BLOCK_SIZE,
+                  draft_fraction: float = 1.0) -> KVPlan:
     """The target's KV cache as LLMEngine sizes it: as many blocks as `kv_cache_memory_gb` (GiB)
     holds (the scratch block included), at most what max_num_seqs sequences of max_model_len +
     max_k + 1 positions (a verification writes the pending token and k drafts past the committed
     ones) can fill. `max_model_len` is the engine's: min(EngineConfig.max_model_len,
     args.max_position_embeddings).
 
-    With method draft_model the budget also pays for the draft's own cache, counted as large as
-    the target's (a draft is usually smaller, so this undercounts the blocks the budget could
-    hold; `proposer_cache_plan` gives the draft cache's real size)."""
+    With method draft_model the budget also pays for the draft's own cache: `draft_fraction` of the
+    target's per token (draft_kv_fraction: a self-draft's first N layers, N / the target's layers;
+    any other draft counted as large as the target's, which undercounts the blocks the budget could
+    hold; `proposer_cache_plan` gives the draft cache's real size). Counted whole, an 8-of-30-layer
+    self-draft halved the target's pool: its cached long documents were evicted before they came
+    back, served 0.55-0.89x on the long-documents set."""
     capacity = max_model_len + max_k + 1
     per_token = KVCache.bytes_per_token(args, dtype)
-    budget_per_token = 2 * per_token if method == "draft_model" else per_token
+    budget_per_token = int(per_token * (1 + draft_fraction)) if method == "draft_model" else per_token
     per_block = budget_per_token * block_size
     num_blocks = min(default_num_blocks(max_num_seqs, capacity, block_size),
                      int(kv_cache_memory_gb * GiB // per_block) - 1)
@@ -114,6 +118,16 @@ def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k
             f"kv_cache_memory_gb={kv_cache_memory_gb} cannot hold one token and its drafts "
             f"({max_k + 2} positions of {budget_per_token:,} B, in blocks of {block_size}); raise it")
     return KVPlan(max_num_seqs, capacity, per_token, num_blocks, block_size)
+
+
+def draft_kv_fraction(spec, target_model: str, target_args: ModelArgs) -> float:
+    """A draft model's KV bytes per token over the target's, where the config alone tells: the
+    target's own checkpoint (draft_model unset or the target's name) cut to draft_num_layers layers,
+    in the target's dtype, holds that share of its layers' KV; otherwise 1 (counted as large)."""
+    own = spec.draft_model in (None, target_model)
+    if spec.method != "draft_model" or not own or not spec.draft_num_layers or spec.draft_dtype is not None:
+        return 1.0
+    return min(1.0, spec.draft_num_layers / max(1, target_args.num_layers))
 
 
 # ---- proposers ----------------------------------------------------------------------------
@@ -272,7 +286,7 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
     total_kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
                              config.kv_cache_memory_gb,  # the blocks: every rank has them all
                              spec.method if proposer_in_process else "none",  # a remote draft: its own budget
-                             config.block_size)
+                             config.block_size, draft_kv_fraction(spec, config.model, target))
     kv = total_kv.rank_share(tp_size)
     plan = ProcessPlan("engine", device, dtype, kv=kv, rank=rank, tp_size=tp_size)
     weights = shape.weights(dtype, tp_size)

@@ -104,8 +104,10 @@ def test_draft_model_figures_are_the_engines(smollm2, smol):
                          kv_cache_memory_gb=0.1, draft_model=smollm2, draft_num_layers=8)
     plan = plan_for(engine)
     draft = engine.proposer.runner
-    # the budget pays for a draft cache as large as the target's
-    assert plan.kv.num_blocks == engine.num_blocks and plan.kv.sequences_of(plan.kv.capacity) == 4
+    # the budget pays for the self-draft's cache at its real size, 8 of the target's 30 layers per
+    # token (counted as large as the target's it held 4 sequences: rayspec.memory.draft_kv_fraction)
+    assert plan.kv.num_blocks == engine.num_blocks and plan.kv.sequences_of(plan.kv.capacity) == 6
+    assert plan.kv.bytes + plan.draft_kv.bytes <= 0.1 * GiB * 1.02
     assert plan.draft_kv.bytes == cache_bytes(draft) and plan.draft_kv.num_blocks == draft.num_blocks
     weights = causal_lm_weights(draft.model.args, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(draft.model)
