@@ -331,14 +331,18 @@ class CausalLM(Float32Rotary):
         packed = any(m._packed is not None for m in self.modules() if isinstance(m, Linear))
         variants = cpu_kernels.VARIANTS if packed else tuple(v for v in cpu_kernels.VARIANTS
                                                               if v not in cpu_kernels.ONEDNN)
-        new = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
-                                 mlp.gate_proj.weight.dtype, variants=variants)
+        new = self._use_cpu_kernels(mlp, variants)
         logger.info("CPU matmul kernels measured again: %s (were %s)", new.describe(), old.variant)
-        self.cpu_kernels = new
+        return new
+
+    def _use_cpu_kernels(self, mlp: "MLP", variants: tuple[str, ...]) -> "cpu_kernels.CpuKernels":
+        """Measure the candidates on `mlp` (rayspec.cpu_kernels.choose) and have every projection use the choice."""
+        self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
+                                              mlp.gate_proj.weight.dtype, variants=variants)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.kernels = new
-        return new
+                module.kernels = self.cpu_kernels
+        return self.cpu_kernels
 
     def pack_for_cpu(self) -> "CausalLM":
         """On CPU, pick the projections' matmul kernel per row count by measuring this CPU
@@ -357,12 +361,8 @@ class CausalLM(Float32Rotary):
             return self
         if mlp is None:
             return self
-        self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
-                                              mlp.gate_proj.weight.dtype)
+        self._use_cpu_kernels(mlp, cpu_kernels.VARIANTS)
         logger.info("CPU matmul kernels: %s", self.cpu_kernels.describe())
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.kernels = self.cpu_kernels
         if not self.cpu_kernels.onednn:
             return self
         for module in self.modules():

@@ -112,6 +112,7 @@ class EagleHead(Float32Rotary):
 
     pack_for_cpu = CausalLM.pack_for_cpu  # the same oneDNN prepacking of every projection
     remeasure_cpu_kernels = CausalLM.remeasure_cpu_kernels
+    _use_cpu_kernels = CausalLM._use_cpu_kernels
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
