@@ -42,6 +42,10 @@ ROWS = (1, 2, 4, 9, 32)  # each stands for the row counts up to it (past 32: the
 ENV = "RAYSPEC_CPU_KERNELS"
 MEASURE_BUDGET_S = 1.5  # at most about this long per model load
 BUSY_SHARE = 0.25  # other processes' share of our CPUs during a measurement past which it is provisional
+# variants within this fraction of the fastest at a row count count as tied: the first in VARIANTS
+# is taken (replicas of one machine measured onednn and wxt ~4% apart in either order, and served
+# A/Bs between them then compared two kernels; F.linear and W @ x^T also keep no prepacked copy)
+TIE = 0.05
 
 
 @dataclass(frozen=True)
@@ -131,9 +135,14 @@ def onednn_available() -> bool:
         and torch.backends.mkldnn.is_available()
 
 
-def pick(medians: dict[str, dict[int, float]]) -> dict[int, str]:
-    """The fastest variant at each row count (ties: the first in VARIANTS)."""
-    return {n: min(medians, key=lambda v: (medians[v][n], VARIANTS.index(v))) for n in ROWS}
+def pick(medians: dict[str, dict[int, float]], tie: float = TIE) -> dict[int, str]:
+    """The fastest variant at each row count; of those within `tie` (a fraction) of the fastest,
+    the first in VARIANTS (near-equal kernels: the same choice whichever won this measurement)."""
+    chosen = {}
+    for n in ROWS:
+        fastest = min(ms[n] for ms in medians.values())
+        chosen[n] = min((v for v, ms in medians.items() if ms[n] <= fastest * (1 + tie)), key=VARIANTS.index)
+    return chosen
 
 
 def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_counter,

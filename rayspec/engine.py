@@ -186,7 +186,8 @@ class LLMEngine:
 
         return kv_cache_plan(model.args, self.dtype, self.max_model_len, self.max_k, self.config.max_num_seqs,
                              self.config.kv_cache_memory_gb, spec.method if in_process else "none",
-                             self.config.block_size, draft_kv_fraction(spec, self.config.model, model.args))
+                             self.config.block_size,
+                             draft_kv_fraction(spec, self.config.model, model.args, self.dtype, device=self.device))
 
     @property
     def num_slots(self) -> int:

@@ -102,9 +102,8 @@ def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k
     args.max_position_embeddings).
 
     With method draft_model the budget also pays for the draft's own cache: `draft_fraction` of the
-    target's per token (draft_kv_fraction: a self-draft's first N layers, N / the target's layers;
-    any other draft counted as large as the target's, which undercounts the blocks the budget could
-    hold; `proposer_cache_plan` gives the draft cache's real size). Counted whole, an 8-of-30-layer
+    target's per token (draft_kv_fraction: from the draft's layers, KV heads, head size and dtype;
+    1 where its config cannot be read). Counted whole, an 8-of-30-layer
     self-draft halved the target's pool: its cached long documents were evicted before they came
     back, served 0.55-0.89x on the long-documents set."""
     capacity = max_model_len + max_k + 1
@@ -120,14 +119,44 @@ def kv_cache_plan(args: ModelArgs, dtype: torch.dtype, max_model_len: int, max_k
     return KVPlan(max_num_seqs, capacity, per_token, num_blocks, block_size)
 
 
-def draft_kv_fraction(spec, target_model: str, target_args: ModelArgs) -> float:
-    """A draft model's KV bytes per token over the target's, where the config alone tells: the
-    target's own checkpoint (draft_model unset or the target's name) cut to draft_num_layers layers,
-    in the target's dtype, holds that share of its layers' KV; otherwise 1 (counted as large)."""
-    own = spec.draft_model in (None, target_model)
-    if spec.method != "draft_model" or not own or not spec.draft_num_layers or spec.draft_dtype is not None:
+def draft_kv_fraction(spec, target_model: str, target_args: ModelArgs, dtype: torch.dtype | None = None,
+                      draft_args: ModelArgs | None = None, device: str | torch.device = "cpu") -> float:
+    """A draft model's KV bytes per token over the target's (`dtype`: the target's; the draft runs
+    in spec.draft_dtype or the same). `draft_args`: the draft's shape (draft_num_layers applied),
+    else found as the proposer loads it: the target's own checkpoint (draft_model unset or the
+    target's name) cut to draft_num_layers layers, or another checkpoint's config file read
+    (`draft_args_from_config`); 1 (counted as large as the target's) where neither tells."""
+    if spec.method != "draft_model":
         return 1.0
-    return min(1.0, spec.draft_num_layers / max(1, target_args.num_layers))
+    if draft_args is None:
+        draft_args = draft_args_from_config(spec, target_model, target_args)
+        if draft_args is None:
+            return 1.0
+    target_dtype = dtype if dtype is not None else torch.float32
+    draft_dtype = resolve_dtype(spec.draft_dtype, device) if spec.draft_dtype is not None else target_dtype
+    return KVCache.bytes_per_token(draft_args, draft_dtype) / KVCache.bytes_per_token(target_args, target_dtype)
+
+
+def draft_args_from_config(spec, target_model: str, target_args: ModelArgs) -> ModelArgs | None:
+    """The shape of the draft model `spec` (a SpeculativeConfig) loads, cut to draft_num_layers:
+    the target's own args, or the draft checkpoint's config file (a local folder, a .gguf, a hub id:
+    the file the load reads anyway); None where it cannot be read or rayspec.model does not run
+    the family natively (the generic path keeps a cache of its own shape)."""
+    import logging
+
+    args = target_args
+    if spec.draft_model not in (None, target_model):
+        from rayspec.weights import hub
+
+        try:
+            args = ModelArgs.from_hf_config(hub.load_model_config(spec.draft_model))
+        except Exception as e:  # noqa: BLE001 - any unreadable config: counted as large, the load reports it
+            logging.getLogger(__name__).info("draft %s's KV size unknown (%s): budgeted as the target's",
+                                             spec.draft_model, e)
+            return None
+    if spec.draft_num_layers:
+        args = dataclasses.replace(args, num_layers=min(spec.draft_num_layers, args.num_layers))
+    return args
 
 
 # ---- proposers ----------------------------------------------------------------------------
@@ -286,7 +315,8 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
     total_kv = kv_cache_plan(target, dtype, max_model_len, spec.num_speculative_tokens, config.max_num_seqs,
                              config.kv_cache_memory_gb,  # the blocks: every rank has them all
                              spec.method if proposer_in_process else "none",  # a remote draft: its own budget
-                             config.block_size, draft_kv_fraction(spec, config.model, target))
+                             config.block_size,
+                             draft_kv_fraction(spec, config.model, target, dtype, draft.model, device))
     kv = total_kv.rank_share(tp_size)
     plan = ProcessPlan("engine", device, dtype, kv=kv, rank=rank, tp_size=tp_size)
     weights = shape.weights(dtype, tp_size)

@@ -26,6 +26,18 @@ def test_pick_takes_the_fastest_per_row_count():
     assert not CpuKernels.single("wxt", "x").onednn and CpuKernels.single("wxt", "x").variant == "wxt"
 
 
+def test_near_equal_kernels_get_the_same_choice_whichever_measured_faster():
+    """Two replicas of one machine measured onednn and wxt ~4% apart, in either order: within TIE
+    of the fastest, the first in VARIANTS is taken, so both choose alike; past it, the fastest."""
+    def medians(wxt, onednn):
+        return {"flinear": {n: 2.0 for n in ROWS}, "wxt": {n: wxt for n in ROWS},
+                "onednn": {n: onednn for n in ROWS}, "onednn_pad4": {n: 1.5 for n in ROWS}}
+
+    assert pick(medians(1.00, 0.96))[1] == pick(medians(0.96, 1.00))[1] == "wxt"
+    assert pick(medians(1.00, 0.90))[1] == "onednn"  # 10% faster: not a tie
+    assert pick(medians(1.00, 0.96), tie=0.0)[1] == "onednn"
+
+
 @needs_onednn
 @pytest.mark.parametrize("fast", VARIANTS)
 def test_choose_keeps_what_runs_fastest(monkeypatch, fast):

@@ -16,7 +16,7 @@ from rayspec.block_manager import BlockManager, block_hash
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import InvalidRequestError, LLMEngine
 from rayspec.kv_cache import KVCache
-from rayspec.memory import GiB
+from rayspec.memory import GiB, draft_kv_fraction
 from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams
 
@@ -152,12 +152,16 @@ def eagle_dir(target_dir, reference, tmp_path_factory):
 
 def _engine(target_dir, target, method="none", pool_tokens=None, caching=True, max_num_seqs=8, **spec):
     """pool_tokens: a KV budget of that many tokens (in blocks of BS, the scratch block besides)."""
-    per_token = KVCache.bytes_per_token(target[0].args, torch.float32) * (2 if method == "draft_model" else 1)
-    budget = 2.0 if pool_tokens is None else (pool_tokens + BS + 0.5) * per_token / GiB
     spec.setdefault("num_speculative_tokens", 0 if method == "none" else 4)
+    speculative = SpeculativeConfig(method=method, adaptive=False, **spec)
+    # a draft model's cache is paid from the same budget, at its own size per token
+    share = draft_kv_fraction(speculative, str(target_dir), target[0].args, torch.float32) \
+        if method == "draft_model" else 0.0
+    per_token = KVCache.bytes_per_token(target[0].args, torch.float32) * (1 + share)
+    budget = 2.0 if pool_tokens is None else (pool_tokens + BS + 0.5) * per_token / GiB
     config = EngineConfig(model=str(target_dir), max_model_len=128, max_num_seqs=max_num_seqs,
                           kv_cache_memory_gb=budget, block_size=BS, enable_prefix_caching=caching,
-                          speculative=SpeculativeConfig(method=method, adaptive=False, **spec))
+                          speculative=speculative)
     return LLMEngine(config, model=target[0], tokenizer=None)
 
 

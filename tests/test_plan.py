@@ -114,6 +114,31 @@ def test_draft_model_figures_are_the_engines(smollm2, smol):
     assert {i.name: i.bytes for i in plan.items}["draft model weights"] == weights.bytes
 
 
+def test_a_separate_draft_checkpoint_is_budgeted_at_its_own_size(tiny_model_dir, tiny_draft_dir, tmp_path):
+    """A draft other than the target's checkpoint (as Llama-3.2-1B drafts for 8B) pays for its KV
+    cache at its own size per token, read from its config file: tiny_draft_dir has 1 layer of the
+    target's 2 (half), in bfloat16 a quarter; an unreadable config is counted as large as the target's."""
+    from rayspec.memory import draft_kv_fraction
+
+    target = model_shape(str(tiny_model_dir)).args
+    spec = SpeculativeConfig(method="draft_model", draft_model=str(tiny_draft_dir), num_speculative_tokens=4)
+    assert draft_kv_fraction(spec, str(tiny_model_dir), target, torch.float32) == 0.5
+    half = dataclasses.replace(spec, draft_dtype="bfloat16")
+    assert draft_kv_fraction(half, str(tiny_model_dir), target, torch.float32) == 0.25
+    assert draft_kv_fraction(dataclasses.replace(spec, draft_model=str(tmp_path / "nothing")), str(tiny_model_dir),
+                             target, torch.float32) == 1.0
+    assert draft_kv_fraction(SpeculativeConfig(method="ngram"), str(tiny_model_dir), target) == 1.0
+    # the engine sizes its pool so: more blocks than a draft counted as large leaves it
+    budget = 2 * 1024 ** 2 / GiB
+    engine = make_engine(tiny_model_dir, "draft_model", k=4, max_model_len=2048, max_num_seqs=8,
+                         kv_cache_memory_gb=budget, draft_model=str(tiny_draft_dir))
+    as_large = kv_cache_plan(target, torch.float32, 2048, 4, 8, budget, "draft_model")
+    own_size = kv_cache_plan(target, torch.float32, 2048, 4, 8, budget, "draft_model", draft_fraction=0.5)
+    assert engine.num_blocks == own_size.num_blocks > as_large.num_blocks
+    # both caches within the budget (the draft's: the target's blocks and its slack per sequence)
+    assert cache_bytes(engine.runner) + cache_bytes(engine.proposer.runner) <= budget * GiB * 1.05
+
+
 def test_too_small_a_budget_is_refused_alike(smollm2, smol):
     args = smol[0].args
     with pytest.raises(ValueError) as planned:
