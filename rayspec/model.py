@@ -337,8 +337,11 @@ class CausalLM(Float32Rotary):
 
     def _use_cpu_kernels(self, mlp: "MLP", variants: tuple[str, ...]) -> "cpu_kernels.CpuKernels":
         """Measure the candidates on `mlp` (rayspec.cpu_kernels.choose) and have every projection use the choice."""
+        weight = mlp.gate_proj.weight
+        key = cpu_kernels.machine_key(f"MLP {mlp.gate_proj.in_features}x{mlp.gate_proj.out_features} {weight.dtype}")
         self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
-                                              mlp.gate_proj.weight.dtype, variants=variants)
+                                              weight.dtype, variants=variants, cache=cpu_kernels.KernelCache.from_env(),
+                                              cache_key=key)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.kernels = self.cpu_kernels

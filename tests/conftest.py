@@ -25,6 +25,8 @@ from rayspec.weights.hub import DEFAULT_MODEL, resolve_model_dir
 # measured choice (rayspec.cpu_kernels) may differ between loads. tests/test_cpu_kernels.py
 # measures.
 os.environ.setdefault("RAYSPEC_CPU_KERNELS", "onednn_pad4")  # the path of sessions 8-15
+# and no test takes (or leaves) a choice kept by an earlier load on this machine
+os.environ.setdefault("RAYSPEC_CPU_KERNELS_CACHE", "off")
 
 
 # The tiny models' tokenizer: SmolLM2's, cut to its first TINY_VOCAB ids. Every per-row cost that

@@ -3,6 +3,7 @@ by a constant measured on one CPU."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -233,3 +234,78 @@ def test_an_idle_serving_loop_measures_a_provisional_choice_again(tiny_model_dir
         assert model.cpu_kernels is chosen  # settled: not measured again
     finally:
         loop.shutdown()
+
+
+def _factory(fast, calls=None):
+    def factory(variant):
+        if calls is not None:
+            calls.append(variant)
+        return lambda x: time.sleep(0 if variant == fast else 0.002)
+    return factory
+
+
+def test_a_quiet_choice_is_kept_for_the_machine_and_taken_by_the_next_load(tmp_path, monkeypatch):
+    """Replicas measured apart picked different near-equal kernels and served 15% apart: a quiet
+    measurement is kept (KernelCache), and the next load of the same key takes it without measuring,
+    even where its own measurement would have chosen otherwise; another key measures."""
+    monkeypatch.setenv(cpu_kernels.ENV, "measure")
+    monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self: 0.0)
+    cache, variants = cpu_kernels.KernelCache(tmp_path / "k.json"), ("flinear", "wxt")
+    first = choose(_factory("wxt"), 16, torch.float32, variants=variants, cache=cache, cache_key="a")
+    assert first.per_rows == {n: "wxt" for n in ROWS} and first.kept_at is None
+    calls = []
+    second = choose(_factory("flinear", calls), 16, torch.float32, variants=variants, cache=cache, cache_key="a")
+    assert calls == [] and second.per_rows == first.per_rows and second.source == "measured"
+    assert list(second.per_rows) == list(ROWS) and second.variant == "wxt"
+    assert second.kept_at is not None and "kept from a load" in second.describe() and not second.contended
+    other = choose(_factory("flinear", calls), 16, torch.float32, variants=variants, cache=cache, cache_key="b")
+    assert calls and other.per_rows == {n: "flinear" for n in ROWS}
+    # a kept choice outside the candidates (oneDNN where the projections hold no packed copies): measured
+    cache.keep("c", CpuKernels.single("onednn", "measured"))
+    assert choose(_factory("wxt"), 16, torch.float32, variants=variants, cache=cache,
+                  cache_key="c").per_rows == {n: "wxt" for n in ROWS}
+
+
+def test_a_busy_measurement_is_not_kept_and_the_first_kept_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, "measure")
+    cache, variants = cpu_kernels.KernelCache(tmp_path / "k.json"), ("flinear", "wxt")
+    monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self: 0.6)
+    busy = choose(_factory("flinear"), 16, torch.float32, variants=variants, cache=cache, cache_key="a")
+    assert busy.contended and cache.get("a") is None
+    monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self: 0.0)
+    # another process kept its quiet choice while this one measured: this one adopts it
+    real_keep = cache.keep
+    monkeypatch.setattr(cache, "keep", lambda key, k: (real_keep(key, CpuKernels.single("wxt", "measured")),
+                                                        real_keep(key, k))[1])
+    adopted = choose(_factory("flinear"), 16, torch.float32, variants=variants, cache=cache, cache_key="a")
+    assert adopted.per_rows == {n: "wxt" for n in ROWS} and adopted.kept_at is not None
+
+
+def test_a_kept_choice_expires_and_a_broken_file_is_ignored(tmp_path):
+    now = [1000.0]
+    cache = cpu_kernels.KernelCache(tmp_path / "k.json", ttl_s=100, clock=lambda: now[0])
+    cache.keep("a", CpuKernels.single("wxt", "measured"))
+    assert cache.get("a").per_rows[1] == "wxt"
+    now[0] += 101
+    assert cache.get("a") is None
+    cache.keep("b", CpuKernels.single("flinear", "measured"))  # rewriting drops the stale key
+    assert set(json.loads((tmp_path / "k.json").read_text())) == {"b"}
+    (tmp_path / "k.json").write_text("{not json")
+    assert cache.get("b") is None
+    assert cache.keep("b", CpuKernels.single("wxt", "measured")).per_rows[1] == "wxt"
+
+
+def test_loads_of_one_model_share_the_machines_choice(tiny_model_dir, tmp_path, monkeypatch):
+    """Two loads of a model in a process with the cache on: the second takes the first's choice;
+    RAYSPEC_CPU_KERNELS_CACHE=off measures every load."""
+    from rayspec import loader
+
+    monkeypatch.setenv(cpu_kernels.ENV, "measure")
+    monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self: 0.0)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path / "k.json"))
+    first = loader.load_model(str(tiny_model_dir))[0].cpu_kernels
+    second = loader.load_model(str(tiny_model_dir))[0].cpu_kernels
+    assert first.kept_at is None and second.kept_at is not None and second.per_rows == first.per_rows
+    assert len(json.loads((tmp_path / "k.json").read_text())) == 1
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, "off")
+    assert loader.load_model(str(tiny_model_dir))[0].cpu_kernels.kept_at is None
