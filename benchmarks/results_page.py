@@ -291,8 +291,12 @@ class Page:
                      " concurrency; `rounds`: the same per round). The script starts only /base and the measured app, waits"
                      " for `/health`, one request each and settled CPU kernel choices (`rayspec/cpu_kernels.py`: a"
                      " choice measured while other apps loaded beside it ran single rows at half speed). Files written"
-                     " before that (2026-11-28, 22:00 UTC: `results/history/never_loses_served_ngram_draft_model_*`,"
-                     " and EAGLE-3's `never_loses_served_unguessable_t1_seeded.json`) are not comparable.", "",
+                     " before that (2026-11-28, 22:00 UTC: `results/history/never_loses_served_ngram_draft_model_*`)"
+                     " are not comparable. Since 2026-11-29 every app of a machine runs one kernel choice (the first"
+                     " quiet measurement, kept: apps measured apart had served 15% apart drafting nothing) and"
+                     " EAGLE-3 and the draft model are measured in one instance, T=1 seeded"
+                     " (`never_loses_served_eagle3_draft_model_*`; their earlier files in `results/history/`). The"
+                     " n-gram files predate both (unseeded T=1).", "",
                      never_loses_table.served_table(never_loses_table.served_rows([str(self.results / rel) for rel in served])),
                      "")
 
