@@ -270,10 +270,12 @@ def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_co
         return CpuKernels.single(forced, ENV)
     candidates = [v for v in variants if v not in ONEDNN or onednn_available()]
     use_cache = cache is not None and cache_key is not None
-    if use_cache:
-        kept = cache.get(cache_key)
-        if kept is not None and set(kept.per_rows.values()) <= set(candidates):
-            return kept
+
+    def usable(kept: CpuKernels | None) -> bool:  # a kept choice among this load's candidates
+        return kept is not None and set(kept.per_rows.values()) <= set(candidates)
+
+    if use_cache and usable(kept := cache.get(cache_key)):
+        return kept
     mlps = {v: mlp_factory(v) for v in candidates}
     inputs = {n: torch.randn(n, hidden_size).to(dtype) for n in ROWS}
     meter = BusyMeter()
@@ -299,6 +301,6 @@ def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_co
     chosen = CpuKernels(pick(medians), "measured", medians, busy)
     if use_cache and not chosen.contended:
         kept = cache.keep(cache_key, chosen)
-        if kept is not chosen and set(kept.per_rows.values()) <= set(candidates):
+        if kept is not chosen and usable(kept):
             return kept  # another load of this machine kept its choice first: the same for both
     return chosen

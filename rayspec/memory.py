@@ -30,6 +30,7 @@ the meta device (`generic_weights`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,8 @@ from rayspec.weight_memory import (NO_WEIGHTS, ModelShape, Weights, as_shape, ea
                                    load_bytes, target_io_weights)
 
 GB, GiB = 10**9, 2**30
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
@@ -142,8 +145,6 @@ def draft_args_from_config(spec, target_model: str, target_args: ModelArgs) -> M
     the target's own args, or the draft checkpoint's config file (a local folder, a .gguf, a hub id:
     the file the load reads anyway); None where it cannot be read or rayspec.model does not run
     the family natively (the generic path keeps a cache of its own shape)."""
-    import logging
-
     args = target_args
     if spec.draft_model not in (None, target_model):
         from rayspec.weights import hub
@@ -151,7 +152,7 @@ def draft_args_from_config(spec, target_model: str, target_args: ModelArgs) -> M
         try:
             args = ModelArgs.from_hf_config(hub.load_model_config(spec.draft_model))
         except Exception as e:  # noqa: BLE001 - any unreadable config: counted as large, the load reports it
-            logging.getLogger(__name__).info("draft %s's KV size unknown (%s): budgeted as the target's",
+            logger.info("draft %s's KV size unknown (%s): budgeted as the target's",
                                              spec.draft_model, e)
             return None
     if spec.draft_num_layers:
