@@ -9,6 +9,15 @@ sequence with the same prefix starts with those blocks shared (their reference c
 many). A registered block nobody holds stays in an LRU and is evicted only when the free list is
 empty. Blocks holding unverified rows (drafts, tree nodes) are never registered: the caller commits
 only the tokens it has verified.
+
+A growing sequence takes the block after its last where it can, so a lone sequence's keys read as a
+view of the pool (`_take`). Where that block starts another request's cached text after the same
+prefix, that text is evicted only when it is short beside the prefix (EVICT_TAIL_RATIO: a prompt
+asked again, whose earlier answer follows it); otherwise the sequence's prefix blocks are copied to
+the start of a free run (`_relocate`; the runner copies their rows) and the other chain stays whole.
+Evicting it always, each new conversation after a shared system prompt took the previous
+conversation's blocks, and its whole cached prefix with them (8 documents of 1,600 tokens served
+twice: 6 of 8 recomputed the second time behind an EAGLE head, 0.68x the base's tok/s).
 """
 
 from __future__ import annotations
@@ -18,6 +27,14 @@ from collections import OrderedDict
 
 import numpy as np
 
+# a prefix of at most this many tokens is copied for a sequence whoever else holds it; a longer one
+# only where the sequence holds it alone (the copies' memory is then one sequence's)
+RELOCATE_MAX_TOKENS = 256
+# another request's cached text after a prefix is evicted for consecutiveness only when the prefix is
+# this many times longer (a block's recomputation costs hundreds of times its copy, and the evicted
+# text is lost only if asked for again)
+EVICT_TAIL_RATIO = 16
+_RUN_SCAN = 4096  # free blocks tried as the start of a run before a relocation gives up
 
 def chain_root(cache_salt: str | None) -> bytes:
     """Where a sequence's hash chain starts: b"" without a salt; with one (vLLM's `cache_salt`, one
@@ -33,7 +50,8 @@ def block_hash(prev: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, first_block: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, first_block: int = 0,
+                 relocate_max_tokens: int = RELOCATE_MAX_TOKENS):
         """Blocks first_block .. first_block + num_blocks - 1 (ids below first_block are the caller's)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
@@ -50,6 +68,8 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}
         self._roots: dict[str, bytes] = {}  # per salted sequence: its chain's root (chain_root)
         self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its first full blocks
+        self.relocate_max_tokens = relocate_max_tokens
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks the caller has to copy
 
     # ---- counts ---------------------------------------------------------------------------------
     @property
@@ -105,9 +125,23 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(table)
         if need > self.num_free_blocks:
             return False
-        for _ in range(need):
-            table.append(self._take(prefer=table[-1] + 1 if table else None, after=self._chain_end(seq_id)))
+        after = None  # a cached tail after the table's prefix that the first block may evict
+        if need > 0 and table and self.enable_prefix_caching and not self._open(table[-1] + 1):
+            end = self._chain_end(seq_id)
+            tail = self._tail(table[-1] + 1, end, len(table) // EVICT_TAIL_RATIO + 1)
+            if tail is not None and tail * EVICT_TAIL_RATIO <= len(table):
+                after = end
+            else:
+                self._relocate(seq_id, need)
+        for i in range(need):
+            table.append(self._take(prefer=table[-1] + 1 if table else None, after=after if i == 0 else None))
         return True
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Blocks `grow` relocated since the last call, as (source, destination): the caller copies
+        their rows before the sequence's next forward reads them."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def shrink(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]:
         """Keep the positions below num_tokens: whole blocks past them go back, registrations past
@@ -168,14 +202,64 @@ class BlockManager:
         parent = self._parent_of.get(block, b"")
         return len(parent) == hashlib.sha256().digest_size and parent not in self._cached  # (not a root)
 
+    def _open(self, block: int) -> bool:
+        """Free, or registered but unreachable: a sequence may take it without costing anyone's prefix."""
+        return self._ref.get(block, 1) == 0 and (block not in self._lru or self._orphan(block))
+
+    def _relocate(self, seq_id: str, need: int) -> None:
+        """seq_id's table is registered blocks only (a cached prefix, nothing of its own past it) and
+        the block after it is not open: copy the table to the start of a free run, so it grows on
+        consecutively and the chain after it stays. Only for a short prefix (relocate_max_tokens: a
+        chat template's system prompt, whoever holds it) or one the sequence holds alone (a
+        conversation's history, a document asked about again: it will likely run alone, where a view
+        pays); nothing where no run of free blocks is found (it then goes on elsewhere, gathered)."""
+        table = self.tables[seq_id]
+        k = len(table)
+        if len(self._hashes[seq_id]) != k or k + need > len(self._free):
+            return
+        if k * self.block_size > self.relocate_max_tokens and self._ref[table[-1]] > 1:
+            return  # a long prefix others hold too: they run beside it (keys gathered anyway), no copies
+        start = self._free_run(k + 1)
+        if start is None:
+            return
+        run = list(range(start, start + k))
+        taken = set(run)
+        self._free = [b for b in self._free if b not in taken]
+        for b in run:
+            self._ref[b] = 1
+        for b in reversed(table):
+            self._release(b)  # (registered: they stay cached for others)
+        self._copies += list(zip(table, run))
+        table[:] = run
+
+    def _tail(self, block: int, after: bytes | None, limit: int) -> int | None:
+        """When `block` starts another request's cached text after the prefix `after` (registered,
+        nobody holds it): its chain's length in consecutive blocks, counted up to limit; else None."""
+        if after is None or block not in self._lru or self._parent_of.get(block) != after:
+            return None
+        m = 1
+        while m < limit and block + m in self._lru and self._parent_of.get(block + m) == self._hash_of[block + m - 1]:
+            m += 1
+        return m
+
+    def _free_run(self, n: int) -> int | None:
+        """The first of n consecutive free blocks, trying the most recently freed first; None if none
+        among the first _RUN_SCAN tried."""
+        for tried, b in enumerate(reversed(self._free)):
+            if tried >= _RUN_SCAN:
+                break
+            if all(self._ref.get(c, 1) == 0 and c not in self._lru for c in range(b + 1, b + n)):
+                return b
+        return None
+
     def _take(self, prefer: int | None = None, after: bytes | None = None) -> int:
         """A block for a sequence to write: `prefer` (the one after its last) when nobody holds it, so
         its blocks stay consecutive and a lone sequence's keys are read as a view of the pool, not
         gathered (a gather reads and writes the whole context per layer per step: 0.77x decode speed at
         1,500 tokens of SmolLM2 on a 2-core AMD EPYC). A cached block nobody holds is evicted for it
-        only when it continues the same prefix (`after`: the hash the sequence's table ends with), that
-        is another request's own text after a prefix both share, or when no lookup can reach it any more
-        (its parent's registration is gone: `_orphan`); never the head or middle of a live chain."""
+        only when it continues the same prefix (`after`, which `grow` gives only where that text is
+        short beside the prefix: EVICT_TAIL_RATIO), or when no lookup can reach it any more (its
+        parent's registration is gone: `_orphan`); never the head or middle of a live chain."""
         if prefer is not None and self._ref.get(prefer, 1) == 0 and (
                 prefer not in self._lru or self._parent_of.get(prefer) == after or self._orphan(prefer)):
             if prefer in self._lru:

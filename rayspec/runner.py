@@ -131,7 +131,9 @@ class ModelRunner:
         """Blocks for positions up to num_tokens of seq_id; False (none taken) when the pool lacks them."""
         if num_tokens > self.capacity:
             raise CacheFullError(f"sequence {seq_id} exceeds the cache capacity")
-        return self.blocks.grow(seq_id, num_tokens)
+        grown = self.blocks.grow(seq_id, num_tokens)
+        self._copy_blocks(self.blocks.pop_copies())  # (a shared prefix moved to where it grows on)
+        return grown
 
     def cached_len(self, seq_id: str) -> int:
         return self._cached_len[seq_id]

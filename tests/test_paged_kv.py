@@ -82,12 +82,9 @@ def test_lru_eviction_only_when_the_free_list_is_empty():
     assert bm.allocate("a2", [1, 2, 3]) == 0 and bm.allocate("b2", [4, 5, 6]) == 2
 
 
-def test_growing_keeps_blocks_consecutive_without_breaking_other_prefixes():
-    """A sequence takes the block after its last where it can (its keys then read as a view): a free
-    one, a cached one that continues its own prefix (another request's text after it), or one no lookup
-    can reach; never the head of another prefix's chain."""
-    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
-    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14]  # a: blocks of 2, b after it in the pool
+def _two_chains(bm):
+    """a (4 blocks of 2) and b right after it in the pool, both registered and given back."""
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14]
     for s, toks in (("a", a), ("b", b)):
         bm.allocate(s, toks)
         bm.grow(s, len(toks))
@@ -96,15 +93,78 @@ def test_growing_keeps_blocks_consecutive_without_breaking_other_prefixes():
     assert table_b[0] == table_a[-1] + 1  # b lies right after a
     bm.free("a")
     bm.free("b")
-    # a's first 2 blocks again, then its own text: a's third block (a sibling after the shared prefix)
-    # and its fourth (now unreachable) are taken, so the table is consecutive
+    return a, b, table_a, table_b
+
+
+def test_a_short_shared_prefix_is_copied_rather_than_another_chain_evicted():
+    """A new sequence after a short shared prefix (a chat template's system block) whose next block
+    continues another request's text: the prefix blocks are copied to a free run (the runner copies
+    their rows) and it grows on there, consecutively; the other request's chain stays whole."""
+    bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
+    a, b, table_a, table_b = _two_chains(bm)
     c = a[:4] + [90, 91, 92, 93, 94]
-    assert bm.allocate("c", c) == 4
+    assert bm.allocate("c", c) == 4 and bm.tables["c"] == table_a[:2]
     bm.grow("c", len(c))
-    assert bm.tables["c"][:4] == table_a  # 2 shared, then a's sibling block and its orphaned successor
-    # the next block would be b's head: b's chain stays, c's fifth block comes from elsewhere
-    assert bm.tables["c"][4] != table_b[0]
-    assert bm.allocate("b2", b + [15]) == 4  # b's prefix still found whole
+    table_c = bm.tables["c"]
+    assert table_c == list(range(table_c[0], table_c[0] + 5))  # consecutive: its keys read as a view
+    assert not set(table_c) & set(table_a + table_b)
+    assert bm.pop_copies() == list(zip(table_a[:2], table_c[:2])) and bm.pop_copies() == []
+    assert bm.ref_count(table_a[0]) == 0  # the originals stay cached, held by nobody
+    assert bm.allocate("a2", a) == 6 and bm.tables["a2"] == table_a[:3]  # a's prefix found whole
+    assert bm.allocate("b2", b + [15]) == 4
+    # growing on from its own (unregistered) rows moves nothing
+    bm.grow("c", 12)
+    assert bm.pop_copies() == []
+
+
+def test_a_long_prefix_is_copied_only_where_its_sequence_holds_it_alone():
+    """Past relocate_max_tokens the copies' memory counts: a prefix the sequence holds alone (it will
+    likely run alone, where a view pays) is copied; one another running sequence holds too is not, and
+    the sequence goes on elsewhere. In neither case is the other request's chain evicted."""
+    for held in (False, True):
+        bm = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True, relocate_max_tokens=2)
+        a, b, table_a, table_b = _two_chains(bm)
+        c = a[:4] + [90, 91, 92, 93, 94]
+        if held:
+            assert bm.allocate("other", a[:4] + [70]) == 4
+        assert bm.allocate("c", c) == 4
+        bm.grow("c", len(c))
+        copies, table_c = bm.pop_copies(), bm.tables["c"]
+        if held:
+            assert copies == [] and table_c[:2] == table_a[:2] and table_c[2] not in table_a + table_b
+        else:
+            assert copies == list(zip(table_a[:2], table_c[:2]))
+            assert table_c == list(range(table_c[0], table_c[0] + 5))
+        assert bm.allocate("a2", a) == 6 and bm.allocate("b2", b + [15]) == 4  # both chains whole
+
+
+def test_a_short_tail_after_a_long_prefix_is_evicted_to_stay_consecutive():
+    """A prompt asked again: its earlier answer's blocks follow its cached prefix. Short beside the
+    prefix (EVICT_TAIL_RATIO), that tail is taken (the table stays consecutive, nothing is copied);
+    a block after the prefix that is free, or unreachable, is taken as it is."""
+    from rayspec.block_manager import EVICT_TAIL_RATIO
+
+    bm = BlockManager(num_blocks=128, block_size=2, enable_prefix_caching=True)
+    prompt = list(range(3, 3 + 2 * 2 * EVICT_TAIL_RATIO))  # 2 x EVICT_TAIL_RATIO full blocks
+    first = prompt + [200, 201, 202, 203]  # then a 2-block answer
+    bm.allocate("a", first)
+    bm.grow("a", len(first))
+    bm.commit("a", first, len(first))
+    table_a = list(bm.tables["a"])
+    bm.free("a")
+    again = prompt + [7]
+    assert bm.allocate("b", again) == len(prompt)
+    bm.grow("b", len(again) + 4)
+    assert bm.pop_copies() == [] and bm.tables["b"][: len(table_a)] == table_a
+    # free next block: grown in place
+    bm2 = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    bm2.allocate("x", [1, 2, 3])
+    bm2.grow("x", 3)
+    bm2.commit("x", [1, 2, 3], 3)
+    bm2.free("x")  # its partial block goes back free, its full one stays cached
+    assert bm2.allocate("y", [1, 2, 9, 9]) == 2
+    bm2.grow("y", 4)
+    assert bm2.pop_copies() == [] and bm2.tables["y"][1] == bm2.tables["y"][0] + 1
 
 
 def test_shrinking_into_a_shared_block_copies_it():
@@ -254,3 +314,28 @@ def test_runner_keep_path_across_blocks(target):
     want = fresh.forward(["f"], [prompt + [12, 13, 15, 16]], last_only=True)[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert runner.kv_cache_usage() == 3 / runner.num_blocks
+
+
+def test_a_relocated_prefix_keeps_its_keys_and_values(target):
+    """A shared prefix block copied to where the sequence grows on (BlockManager._relocate): the runner
+    copies its rows, every layer, and the sequence's logits are those of a fresh computation."""
+    model = target[0]
+    runner = ModelRunner(model, 64, num_slots=2, slack=16, num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    first = PREFIX[:BS] + [5, 6, 7, 8, 9, 10, 11, 12]  # one shared block, then its own text
+    runner.allocate("a", first)
+    runner.forward(["a"], [first], last_only=True)
+    runner.commit("a", first)
+    table_a = list(runner.blocks.tables["a"])
+    runner.free("a")
+    second = PREFIX[:BS] + [40, 41, 42, 43, 44]
+    assert runner.allocate("b", second) == BS
+    got = runner.forward(["b"], [second[BS:]], last_only=True)[0]
+    table_b = runner.blocks.tables["b"]
+    assert table_b[0] != table_a[0] and table_b == list(range(table_b[0], table_b[0] + len(table_b)))
+    for cache in runner.cache.tensors():
+        torch.testing.assert_close(cache[table_b[0] * BS: (table_b[0] + 1) * BS], cache[table_a[0] * BS: (table_a[0] + 1) * BS],
+                                   rtol=0, atol=0)
+    fresh = ModelRunner(model, 64, num_slots=1, slack=16, block_size=BS)
+    fresh.allocate("f")
+    torch.testing.assert_close(got, fresh.forward(["f"], [second], last_only=True)[0], rtol=1e-4, atol=1e-4)
+    assert runner.allocate("a2", first) == 2 * BS  # a's chain (its own text included) found whole
