@@ -78,10 +78,8 @@ class Attention(nn.Module):
     def fuse_for_device(self) -> None:
         self.qkv_fused = fuse_weights([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
-        # x: [N, H] real tokens (batch.pack); cos / sin: [N, 1, head_dim] (CausalLM.rotary: sin signed);
-        # cache_k/v: [rows, kv_heads, head_dim] (one layer's block pool) -> [N, H]
-        B, Q = batch.shape
+    def _project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, d_in] -> q [N, heads, head_dim], k and v [N, kv_heads, head_dim], q and k rotated."""
         N, hd, nq, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         fused = self.qkv(x) if self.qkv is not None else None
         if fused is None and self.qkv_fused is not None and x.device == self.qkv_fused[0].device:
@@ -97,6 +95,20 @@ class Attention(nn.Module):
             q, k, v = fused or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
             q, k, v = q.view(N, nq, hd), k.view(N, nkv, hd), v.view(N, nkv, hd)
             q, k = self._rotate(q, k, cos, sin)
+        return q, k, v
+
+    def write_kv(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> None:
+        """The keys and values of x's tokens into the cache, no attention (a one-layer EAGLE head's
+        positions whose outputs nobody reads). The same projections as forward: the same rows."""
+        _, k, v = self._project(x, cos, sin)
+        batch.write_tokens_kv(cache_k, cache_v, k, v, batch.token_write_rows())
+
+    def forward(self, x, cos, sin, cache_k, cache_v, batch: ForwardBatch) -> torch.Tensor:
+        # x: [N, H] real tokens (batch.pack); cos / sin: [N, 1, head_dim] (CausalLM.rotary: sin signed);
+        # cache_k/v: [rows, kv_heads, head_dim] (one layer's block pool) -> [N, H]
+        B, Q = batch.shape
+        N, hd, nq = x.shape[0], self.head_dim, self.num_heads
+        q, k, v = self._project(x, cos, sin)
         # this step's keys/values, then every key through the block tables
         batch.write_tokens_kv(cache_k, cache_v, k, v, batch.token_write_rows())
         q = batch.unpack(q.reshape(N, nq * hd)).view(B, Q, nq, hd).transpose(1, 2)  # padding rows zero

@@ -242,6 +242,22 @@ class ModelRunner:
                 self._cached_len[s] = start + n
         return out, lengths
 
+    @torch.inference_mode()
+    def write_kv(self, seq_ids, token_lists, **model_kwargs) -> None:
+        """Cache the keys and values of token_lists (host lists, each extending its sequence) without
+        running the model past them (`model.write_kv`: a one-layer EAGLE head's positions whose
+        outputs nobody reads); the cached lengths grow as with forward_hidden. No masks are built."""
+        lengths = [len(t) for t in token_lists]
+        Q = max(lengths)
+        starts = [self._cached_len[s] for s in seq_ids]
+        kv_len = self._grow_for(seq_ids, starts, lengths, Q, None)
+        t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, None, kv_len)))
+        batch = ForwardBatch(write_index=t["write_index"], read_index=t["read_index"], positions=t["positions"],
+                             kv_len=kv_len, mask=None, real_rows=t.get("real_rows"), write_rows=t.get("write_rows"))
+        self.model.write_kv(t["input_ids"], self.cache, batch, **model_kwargs)
+        for s, start, n in zip(seq_ids, starts, lengths):
+            self._cached_len[s] = start + n
+
     def _eager_host(self, seq_ids, token_lists, lengths, starts, trees, kv_len) -> tuple[list[str], list]:
         """The eager forward's index arrays, built on the host and sent in one non-blocking copy:
         (names, device tensors)."""

@@ -30,7 +30,8 @@ TEST_COMPILE = True if os.environ.get("RAYSPEC_TEST_COMPILE", "").strip() in ("1
 def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
                 kv_cache_memory_gb: float = 2.0, measured_costs: bool = False,
-                max_num_batched_tokens: int | None = 2048, engine_seed: int | None = None, **spec) -> LLMEngine:
+                max_num_batched_tokens: int | None = 2048, engine_seed: int | None = None,
+                enable_prefix_caching: bool = False, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
     engine_seed: EngineConfig.seed (unseeded sampled requests draw reproducible streams).
 
@@ -41,7 +42,7 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
         spec.setdefault("draft_costs", MODELLED_COSTS)
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           kv_cache_memory_gb=kv_cache_memory_gb, max_num_batched_tokens=max_num_batched_tokens,
-                          compile=TEST_COMPILE, seed=engine_seed,
+                          compile=TEST_COMPILE, seed=engine_seed, enable_prefix_caching=enable_prefix_caching,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                         adaptive=adaptive, **spec))
     if loaded is None:

@@ -1075,3 +1075,38 @@ def test_long_prompt_joins_beside_a_sequence_near_its_end(target_dir, target, ra
     run_to_completion(engine, done)
     assert [done[first].token_ids, done[second].token_ids] == want
     assert engine.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_catch_up_writes_keys_alone_where_no_row_is_read(target_dir, target, trained, kind, monkeypatch):
+    """A one-layer head's catch-up runs only each sequence's last row through the layer; the rows
+    before it (a prompt's, a finished sequence's for the prefix cache) have their keys and values
+    written alone (ModelRunner.write_kv). The head's drafts, its acceptance and the output are those
+    of the catch-up running every row through."""
+    from rayspec.eagle.head import EagleHead
+    from rayspec.runner import ModelRunner as Runner
+
+    prompts = PROMPTS + [PROMPTS[0] + [_rng.randrange(VOCAB) for _ in range(20)]]  # one long prompt
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    runs, written = {}, []
+    original = Runner.write_kv
+
+    def spy(self, seq_ids, token_lists, **kw):
+        written.append(sum(len(t) for t in token_lists))
+        return original(self, seq_ids, token_lists, **kw)
+
+    monkeypatch.setattr(Runner, "write_kv", spy)
+    for alone in (True, False):
+        for cls in (EagleHead, Eagle1Head):
+            monkeypatch.setattr(cls, "writes_kv_alone", property(lambda self, a=alone: a))
+        engine = _eagle_engine(target_dir, target, trained[kind][0], kind, k=4, topk=2, depth=3,
+                               enable_prefix_caching=True)
+        outs = engine.generate(prompts, params)
+        runs[alone] = ([o.token_ids for o in outs], engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens)
+        if alone:  # the prompts' rows (but each last one) and the finished sequences', keys alone
+            assert sum(written) >= sum(len(p) - 2 for p in prompts), written
+        else:
+            assert written == []
+        written.clear()
+    assert runs[True] == runs[False]
+    assert runs[True][2] > 0

@@ -67,11 +67,16 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)  # for the fused features
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    def _input(self, emb, hidden):
+        return torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [N, 2H]
+
     def forward(self, emb, hidden, cos, sin, cache_k, cache_v, batch):
         # emb, hidden: [N, H] -> [N, H]
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)  # [N, 2H]
-        h = hidden + self.self_attn(x, cos, sin, cache_k, cache_v, batch)
+        h = hidden + self.self_attn(self._input(emb, hidden), cos, sin, cache_k, cache_v, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def write_kv(self, emb, hidden, cos, sin, cache_k, cache_v, batch) -> None:
+        self.self_attn.write_kv(self._input(emb, hidden), cos, sin, cache_k, cache_v, batch)
 
 
 class Eagle1Layer(nn.Module):
@@ -87,6 +92,10 @@ class Eagle1Layer(nn.Module):
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
         x = x + self.self_attn(normed, cos, sin, cache_k, cache_v, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def write_kv(self, x, cos, sin, cache_k, cache_v, batch) -> None:
+        normed = x if self.input_layernorm is None else self.input_layernorm(x)
+        self.self_attn.write_kv(normed, cos, sin, cache_k, cache_v, batch)
 
 
 class EagleHead(Float32Rotary):
@@ -117,6 +126,13 @@ class EagleHead(Float32Rotary):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    @property
+    def writes_kv_alone(self) -> bool:
+        """Whether `write_kv` can cache positions without running them through: with one layer, a
+        position's keys and values depend on its own inputs only (a catch-up's rows before its last,
+        whose outputs nobody reads, then cost their projections, not attention and the MLP)."""
+        return True
+
 
 class Eagle3Head(EagleHead):
     def __init__(self, config: EagleConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
@@ -138,6 +154,15 @@ class Eagle3Head(EagleHead):
         hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
         cos, sin = self.rotary(batch, dtype)
         return batch.output(self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch))
+
+    def write_kv(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor) -> None:
+        """forward's keys and values of these positions, and nothing past them (writes_kv_alone)."""
+        dtype = self.compute_dtype
+        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)
+        features = batch.pack(features).to(dtype)
+        hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
+        cos, sin = self.rotary(batch, dtype)
+        self.midlayer.write_kv(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [..., H] -> [..., draft_vocab] float32
@@ -164,6 +189,19 @@ class Eagle1Head(EagleHead):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
         return batch.output(x)
+
+    @property
+    def writes_kv_alone(self) -> bool:
+        return len(self.layers) == 1  # (a second layer's keys need the first one's outputs)
+
+    def write_kv(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor) -> None:
+        if not self.writes_kv_alone:
+            raise ValueError("write_kv needs a one-layer head")
+        dtype = self.compute_dtype
+        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)
+        x = self.fc(torch.cat((emb, batch.pack(features).to(dtype)), dim=-1))
+        cos, sin = self.rotary(batch, x.dtype)
+        self.layers[0].write_kv(x, cos, sin, cache.k[0], cache.v[0], batch)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target_lm_head(hidden.to(self.target_lm_head.weight.dtype)).float()

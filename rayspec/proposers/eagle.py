@@ -209,7 +209,7 @@ class EagleProposer(Proposer):
             feats.append(f[:n])
             reqs.append(req)
         if ids:
-            self._catch_up(ids, toks, feats)
+            self._catch_up(ids, toks, feats, outputs=False)
             for s, req in zip(ids, reqs):
                 self.runner.commit(s, self._pair_tokens(req.token_ids[: self.runner.cached_len(s) + 1]))
 
@@ -314,29 +314,59 @@ class EagleProposer(Proposer):
     def _stop(self) -> bool:
         return self.should_stop is not None and self.should_stop()
 
-    def _catch_up(self, ids: list[str], toks: list[list[int]], feats: list[torch.Tensor]) -> torch.Tensor:
+    def _catch_up(self, ids: list[str], toks: list[list[int]], feats: list[torch.Tensor],
+                  outputs: bool = True) -> torch.Tensor | None:
         """The head over every committed position not yet cached; [B, H] the last hidden row of
-        each. feats[i]: [len(toks[i]), F]. Split into batches that fit the cache
-        (ModelRunner.padded_groups: a new long prompt beside a sequence near its end) and the
-        chunk budget (catch_up_pieces: a long prompt's first catch-up)."""
+        each (None without `outputs`: positions cached for a later prompt). feats[i]:
+        [len(toks[i]), F]. Split into batches that fit the cache (ModelRunner.padded_groups: a new
+        long prompt beside a sequence near its end) and the chunk budget (catch_up_pieces: a long
+        prompt's first catch-up). A one-layer head (writes_kv_alone) runs only the rows whose
+        outputs are read through the layer: the others' keys and values are written alone (for a
+        1,600-token prompt about a third of the work)."""
         out: list[torch.Tensor | None] = [None] * len(ids)
+        alone = self.head.writes_kv_alone
         for pieces in catch_up_pieces([len(t) for t in toks], self.runner.max_chunk_tokens):
             p_ids = [ids[i] for i, _, _ in pieces]
             p_toks = [toks[i][lo:hi] for i, lo, hi in pieces]
             p_feats = [feats[i][lo:hi] for i, lo, hi in pieces]
-            for idx in self.runner.padded_groups(p_ids, [len(t) for t in p_toks]):
-                q = max(len(p_toks[j]) for j in idx)
-                f0 = p_feats[idx[0]]
-                padded = torch.zeros(len(idx), q, f0.shape[-1], dtype=f0.dtype, device=f0.device)  # [b, q, F]
-                for r, j in enumerate(idx):
-                    padded[r, : len(p_feats[j])] = p_feats[j]
-                hidden, lengths = self.runner.forward_hidden([p_ids[j] for j in idx], [p_toks[j] for j in idx],
-                                                             features=padded)
-                for j, row in zip(idx, last_rows(hidden, lengths)):
-                    i, _, hi = pieces[j]
-                    if hi == len(toks[i]):
-                        out[i] = row
-        return torch.stack(out)
+            ends = [outputs and hi == len(toks[i]) for i, _, hi in pieces]  # whose last row is read
+            if alone:  # keys and values alone, then the read rows through the layer
+                cut = [len(t) - 1 if end else len(t) for t, end in zip(p_toks, ends)]
+                kv = [j for j, n in enumerate(cut) if n > 0]
+                self._run_rows([p_ids[j] for j in kv], [p_toks[j][: cut[j]] for j in kv],
+                               [p_feats[j][: cut[j]] for j in kv], kv_only=True)
+                read = [j for j, end in enumerate(ends) if end]
+                rows = self._run_rows([p_ids[j] for j in read], [p_toks[j][-1:] for j in read],
+                                      [p_feats[j][-1:] for j in read])
+            else:
+                read = list(range(len(pieces)))
+                rows = self._run_rows(p_ids, p_toks, p_feats)
+            for j, row in zip(read, rows):
+                if ends[j]:
+                    out[pieces[j][0]] = row
+        return torch.stack(out) if outputs else None
+
+    def _run_rows(self, ids: list[str], toks: list[list[int]], feats: list[torch.Tensor],
+                  kv_only: bool = False) -> list[torch.Tensor]:
+        """The head over toks (each extending its sequence) with their features, in padded batches
+        that fit the cache; the last hidden row of each ([] with kv_only: keys and values only)."""
+        rows: list[torch.Tensor | None] = [None] * len(ids)
+        if not ids:
+            return []
+        for idx in self.runner.padded_groups(ids, [len(t) for t in toks]):
+            q = max(len(toks[j]) for j in idx)
+            f0 = feats[idx[0]]
+            padded = torch.zeros(len(idx), q, f0.shape[-1], dtype=f0.dtype, device=f0.device)  # [b, q, F]
+            for r, j in enumerate(idx):
+                padded[r, : len(feats[j])] = feats[j]
+            if kv_only:
+                self.runner.write_kv([ids[j] for j in idx], [toks[j] for j in idx], features=padded)
+                continue
+            hidden, lengths = self.runner.forward_hidden([ids[j] for j in idx], [toks[j] for j in idx],
+                                                         features=padded)
+            for j, row in zip(idx, last_rows(hidden, lengths)):
+                rows[j] = row
+        return [] if kv_only else rows
 
     # ---- drafting --------------------------------------------------------------------
     # Drafts grow on the device: every depth's choices (top-k children, the best frontier, sampled
