@@ -295,8 +295,12 @@ class Page:
                      " are not comparable. Since 2026-11-29 every app of a machine runs one kernel choice (the first"
                      " quiet measurement, kept: apps measured apart had served 15% apart drafting nothing) and"
                      " EAGLE-3 and the draft model are measured in one instance, T=1 seeded"
-                     " (`never_loses_served_eagle3_draft_model_*`; their earlier files in `results/history/`). The"
-                     " n-gram files predate both (unseeded T=1).", "",
+                     " (`never_loses_served_eagle3_draft_model_*`; their earlier files in `results/history/`). Written"
+                     " from 2026-11-29 03:45 UTC, with the prefix cache's relocation of short shared prefixes and the"
+                     " EAGLE head's keys-alone catch-up (README, Prefix caching): EAGLE-3 and the draft model greedy on"
+                     " long documents, MT-bench and GSM8K (3 rounds), and every n-gram file (T=1 now seeded as well;"
+                     " the unseeded ones in `results/history/`). Long documents at concurrency 8 behind EAGLE-3 read"
+                     " 0.94x before (twice): each new conversation evicted the previous document's cached blocks.", "",
                      never_loses_table.served_table(never_loses_table.served_rows([str(self.results / rel) for rel in served])),
                      "")
 
