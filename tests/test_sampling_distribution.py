@@ -277,8 +277,9 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
     if spec["method"] == "none":
         assert stats.num_draft_tokens == 0
     else:
-        # tokens 2 and 3 went through verification; both outcomes happened many times
-        assert stats.num_drafts >= NUM_REQUESTS
+        # tokens 2 and 3 went through verification; both outcomes happened many times (the cost-aware
+        # engine drafts less once its estimates are calibrated against the few accepted: ~2,100 drafts)
+        assert stats.num_drafts >= NUM_REQUESTS // 2
         assert 0.05 * stats.num_draft_tokens < stats.num_accepted_tokens < 0.95 * stats.num_draft_tokens, \
             stats.as_dict()
 

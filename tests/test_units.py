@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rayspec.config import SpeculativeConfig
-from rayspec.drafting import (DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput, SeqDraftState,
+from rayspec.drafting import (DepthCounts, DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput, SeqDraftState,
                               expected_accepted)
 from rayspec.metrics import SpecDecodeStats
 from rayspec.proposers import PROPOSERS, build_proposer
@@ -222,6 +222,43 @@ def test_plan_drafts_what_pays(rate, costs, want):
     (budget,) = planner.plan([_seq(_observed(planner, rate, depth=8))], tree=False)
     assert {"zero": budget == 0, "some": 0 < budget < 8, "long": 6 <= budget < 8,
             "full": budget == 8}[want], budget
+
+
+def test_planned_drafts_that_accept_less_than_expected_lower_the_estimates():
+    """The planner checks what it expected of its planned drafts against what their verification
+    accepted (DraftPlanner.calibration): drafts accepting less than expected scale every later
+    estimate down, and the plan drafts less; drafts accepting more never scale it up; probes and
+    another shape or sampling kind do not count."""
+    costs = {"step_s": 0.010, "row_s": 0.0005, "propose_s": 0.001, "propose_depth_s": 0.0005}
+    for accepted_share, want in ((0.3, "lower"), (1.5, "same")):
+        planner = DraftPlanner(8, ModelledCosts(costs))
+        state = _observed(planner, 0.8, depth=8)
+        (before,) = planner.plan([_seq(state)], tree=False)
+        assert before > 0 and planner.calibration("chain", True) == 1.0
+        expected = expected_accepted(planner.acceptance.rates(state.counts["chain"], "chain", True, before), before)
+        for _ in range(30):  # planned, verified: accepted_share of what was expected
+            fresh = SeqDraftState(counts={k: DepthCounts(list(v.accepted), list(v.tried)) for k, v in state.counts.items()})
+            (b,) = planner.plan([_seq(fresh)], tree=False)
+            assert b > 0 and fresh.expected_rates is not None
+            planner.observe(fresh, False, True, b, min(b, round(accepted_share * expected)))
+        factor = planner.calibration("chain", True)
+        assert planner.calibration("tree", True) == 1.0 and planner.calibration("chain", False) == 1.0
+        if want == "lower":
+            assert factor < 0.8
+            # sequences of every acceptance: planned no longer (and some shorter) than unscaled
+            states = [_observed(DraftPlanner(8, ModelledCosts(costs)), r, depth=8, seed=3) for r in np.linspace(0.2, 0.9, 15)]
+            calibrated = [planner.plan([_seq(st)], tree=False)[0] for st in states]
+            planner.calibration = lambda shape, greedy: 1.0  # the same estimates, unscaled
+            uncalibrated = [planner.plan([_seq(st)], tree=False)[0] for st in states]
+            assert all(c <= u for c, u in zip(calibrated, uncalibrated)) and calibrated != uncalibrated, \
+                (calibrated, uncalibrated)
+        else:
+            assert factor == 1.0
+    # a probe's outcome does not count
+    planner = DraftPlanner(8, ModelledCosts(costs))
+    probe = SeqDraftState(probing=True, expected_rates=[0.9] * 8)
+    planner.observe(probe, False, True, 8, 0)
+    assert planner.calibration("chain", True) == 1.0 and probe.expected_rates is None
 
 
 def test_plan_jumps_over_dear_small_drafts():
