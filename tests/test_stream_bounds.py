@@ -41,12 +41,15 @@ def test_a_reader_that_stops_reading_is_cut_off(tiny_model_dir):
     from deployments.replicas.verifier import StreamBacklogError, Verifier
 
     verifier = Verifier.func_or_class(tiny_args(tiny_model_dir))
-    verifier.max_buffered_outputs = 4
+    # the bound is lowered only once the first output is read: on a busy machine the engine's thread
+    # ran 4 outputs ahead before the event loop handed over the first (cut off before any read)
+    verifier.max_buffered_outputs = 10_000
 
     async def read_one_then_stall():
         stream = verifier.generate_stream(GenerateRequest(prompt=[5, 6, 7], max_tokens=200, temperature=0,
                                                           ignore_eos=True))
         first = await stream.__anext__()
+        verifier.max_buffered_outputs = 4
         deadline = time.monotonic() + 60
         while verifier.loop.num_aborted == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # not reading: the engine runs ahead
