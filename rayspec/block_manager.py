@@ -202,9 +202,13 @@ class BlockManager:
         parent = self._parent_of.get(block, b"")
         return len(parent) == hashlib.sha256().digest_size and parent not in self._cached  # (not a root)
 
+    def _free_block(self, block: int) -> bool:
+        """In the pool, held by nobody and registered by none."""
+        return self._ref.get(block, 1) == 0 and block not in self._lru
+
     def _open(self, block: int) -> bool:
         """Free, or registered but unreachable: a sequence may take it without costing anyone's prefix."""
-        return self._ref.get(block, 1) == 0 and (block not in self._lru or self._orphan(block))
+        return self._free_block(block) or (self._ref.get(block, 1) == 0 and self._orphan(block))
 
     def _relocate(self, seq_id: str, need: int) -> None:
         """seq_id's table is registered blocks only (a cached prefix, nothing of its own past it) and
@@ -248,7 +252,7 @@ class BlockManager:
         for tried, b in enumerate(reversed(self._free)):
             if tried >= _RUN_SCAN:
                 break
-            if all(self._ref.get(c, 1) == 0 and c not in self._lru for c in range(b + 1, b + n)):
+            if all(self._free_block(c) for c in range(b + 1, b + n)):
                 return b
         return None
 

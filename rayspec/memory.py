@@ -152,8 +152,7 @@ def draft_args_from_config(spec, target_model: str, target_args: ModelArgs) -> M
         try:
             args = ModelArgs.from_hf_config(hub.load_model_config(spec.draft_model))
         except Exception as e:  # noqa: BLE001 - any unreadable config: counted as large, the load reports it
-            logger.info("draft %s's KV size unknown (%s): budgeted as the target's",
-                                             spec.draft_model, e)
+            logger.info("draft %s's KV size unknown (%s): budgeted as the target's", spec.draft_model, e)
             return None
     if spec.draft_num_layers:
         args = dataclasses.replace(args, num_layers=min(spec.draft_num_layers, args.num_layers))

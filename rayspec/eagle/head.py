@@ -148,21 +148,19 @@ class Eagle3Head(EagleHead):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor):
         """input_ids: [B, Q]; features: [B, Q, 3 x target hidden] (fused target features) or
         [B, Q, H] (the head's own previous output) -> [B, Q, H]."""
+        return batch.output(self.midlayer(*self._inputs(input_ids, batch, features), cache.k[0], cache.v[0], batch))
+
+    def write_kv(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor) -> None:
+        """forward's keys and values of these positions, and nothing past them (writes_kv_alone)."""
+        self.midlayer.write_kv(*self._inputs(input_ids, batch, features), cache.k[0], cache.v[0], batch)
+
+    def _inputs(self, input_ids, batch: ForwardBatch, features):
+        """The layer's inputs for the batch's real tokens: (emb [N, H], hidden [N, H], cos, sin)."""
         dtype = self.compute_dtype
         emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
         features = batch.pack(features).to(dtype)
         hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
-        cos, sin = self.rotary(batch, dtype)
-        return batch.output(self.midlayer(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch))
-
-    def write_kv(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor) -> None:
-        """forward's keys and values of these positions, and nothing past them (writes_kv_alone)."""
-        dtype = self.compute_dtype
-        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)
-        features = batch.pack(features).to(dtype)
-        hidden = self.fc(features) if features.shape[-1] != self.args.hidden_size else features
-        cos, sin = self.rotary(batch, dtype)
-        self.midlayer.write_kv(emb, hidden, cos, sin, cache.k[0], cache.v[0], batch)
+        return (emb, hidden, *self.rotary(batch, dtype))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [..., H] -> [..., draft_vocab] float32
@@ -182,10 +180,7 @@ class Eagle1Head(EagleHead):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor):
         """input_ids: [B, Q]; features: [B, Q, H] last target hidden state or own output -> [B, Q, H]."""
-        dtype = self.compute_dtype
-        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
-        x = self.fc(torch.cat((emb, batch.pack(features).to(dtype)), dim=-1))
-        cos, sin = self.rotary(batch, x.dtype)
+        x, cos, sin = self._inputs(input_ids, batch, features)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
         return batch.output(x)
@@ -197,11 +192,14 @@ class Eagle1Head(EagleHead):
     def write_kv(self, input_ids: torch.Tensor, cache: KVCache, batch: ForwardBatch, features: torch.Tensor) -> None:
         if not self.writes_kv_alone:
             raise ValueError("write_kv needs a one-layer head")
+        self.layers[0].write_kv(*self._inputs(input_ids, batch, features), cache.k[0], cache.v[0], batch)
+
+    def _inputs(self, input_ids, batch: ForwardBatch, features):
+        """The first layer's input for the batch's real tokens: (x [N, H], cos, sin)."""
         dtype = self.compute_dtype
-        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)
+        emb = self.embed_tokens(batch.pack(input_ids)).to(dtype)  # [N, H]: real tokens only
         x = self.fc(torch.cat((emb, batch.pack(features).to(dtype)), dim=-1))
-        cos, sin = self.rotary(batch, x.dtype)
-        self.layers[0].write_kv(x, cos, sin, cache.k[0], cache.v[0], batch)
+        return (x, *self.rotary(batch, x.dtype))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target_lm_head(hidden.to(self.target_lm_head.weight.dtype)).float()
