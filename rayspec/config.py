@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 from rayspec.drafting import PROBE_SHARE
+from rayspec.weights.hub import DEFAULT_MODEL  # (defined there, with the package it comes from)
 
 # unknown keys are errors (a misspelt setting must not pass silently as its default)
 _STRICT = ConfigDict(extra="forbid")
@@ -148,9 +149,6 @@ class EngineSettings:
     def __post_init__(self):
         if self.paged_attention and self.compile is False:
             raise ValueError("paged_attention is the compiled step's attention: it needs compile true (or unset)")
-
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(config=_STRICT)

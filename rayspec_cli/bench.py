@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rayspec_cli.flags import engine_flag_fields
+from rayspec_cli.flags import engine_flag_fields, speculative_args, speculative_config
 
 
 def _ray_rank_launcher():
@@ -28,14 +28,14 @@ def cmd_bench_offline(args) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    try:
+        spec = speculative_config(args)
+    except ValueError as err:
+        print(f"rayspec bench offline: {err}", file=sys.stderr)
+        return 2
     result = run_offline_benchmark(
-        model=args.model, method=args.method, num_speculative_tokens=args.num_speculative_tokens,
-        prompts_file=args.prompts, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-        concurrency=args.concurrency, adaptive=not args.no_adaptive, draft_model=args.draft_model,
-        draft_num_layers=args.draft_num_layers, draft_quantization=args.draft_quantization,
-        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max, with_hf=not args.no_hf,
-        eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
-        eagle_prompt_lookup=args.eagle_prompt_lookup, disable_by_batch_size=args.disable_by_batch_size,
+        model=args.model, spec=spec, prompts_file=args.prompts, num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens, concurrency=args.concurrency, with_hf=not args.no_hf,
         tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, device=args.device,
         rank_launcher=_ray_rank_launcher() if args.tensor_parallel_size > 1 else None,
         engine_overrides=bench_engine_overrides(args), temperature=args.temperature, seeded=not args.unseeded)
@@ -60,12 +60,7 @@ def cmd_bench_sweep(args) -> int:
     except ValueError as err:
         print(f"rayspec bench sweep: {err}", file=sys.stderr)
         return 2
-    opts = MethodOptions(eagle_head=args.eagle_head, draft_model=args.draft_model,
-                         draft_num_layers=args.draft_num_layers, draft_quantization=args.draft_quantization,
-                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-                         eagle_topk=args.eagle_topk, num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
-                         eagle_prompt_lookup=args.eagle_prompt_lookup, adaptive=not args.no_adaptive,
-                         disable_by_batch_size=args.disable_by_batch_size)
+    opts = MethodOptions(eagle_head=args.eagle_head, speculative=speculative_args(args, skip=SWEEP_OWN_FLAGS))
     try:
         result = run_sweep(args.model, methods, ks, args.prompts, args.num_prompts, args.max_tokens, concurrency,
                            opts, temperature=args.temperature, seeded=not args.unseeded, device=args.device,
@@ -85,6 +80,8 @@ def cmd_bench_sweep(args) -> int:
 
 # engine flags `bench offline` takes as its own options (their defaults differ from the engine's)
 BENCH_OWN_FLAGS = ("device", "dtype", "tensor_parallel_size", "num_threads")
+# speculative settings `bench sweep` takes as its own options: lists to sweep (--methods, --num-speculative-tokens)
+SWEEP_OWN_FLAGS = ("method", "num_speculative_tokens")
 
 
 def bench_engine_overrides(args) -> dict:

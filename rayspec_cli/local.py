@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from rayspec_cli.flags import speculative_config
+
 
 def cmd_fetch_model(args) -> int:
     from rayspec.weights.hub import convert_gguf, fetch_default_model
@@ -33,19 +35,11 @@ def _structured(args):
 
 
 def cmd_generate(args) -> int:
-    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.config import EngineConfig
     from rayspec.engine import LLMEngine
     from rayspec.sampling import SamplingParams
 
-    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
-                             adaptive=not args.no_adaptive, draft_model=args.draft_model,
-                             draft_num_layers=args.draft_num_layers, draft_quantization=args.draft_quantization,
-                             prompt_lookup_min=args.prompt_lookup_min,
-                             prompt_lookup_max=args.prompt_lookup_max, eagle_topk=args.eagle_topk,
-                             num_steps=args.num_steps, eagle_stop_prob=args.eagle_stop_prob,
-                             eagle_prompt_lookup=args.eagle_prompt_lookup,
-                             disable_by_batch_size=args.disable_by_batch_size)
-    engine = LLMEngine(EngineConfig(model=args.model, speculative=spec))
+    engine = LLMEngine(EngineConfig(model=args.model, speculative=speculative_config(args)))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])
     engine.add_request(ids, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
                                            structured=_structured(args)))

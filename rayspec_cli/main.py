@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from rayspec_cli.bench import BENCH_OWN_FLAGS, cmd_bench_offline, cmd_bench_serve, cmd_bench_sweep
-from rayspec_cli.flags import add_engine_args, add_engine_flags
+from rayspec_cli.bench import BENCH_OWN_FLAGS, SWEEP_OWN_FLAGS, cmd_bench_offline, cmd_bench_serve, cmd_bench_sweep
+from rayspec_cli.flags import add_engine_args, add_engine_flags, add_speculative_flags
 from rayspec_cli.local import cmd_configs_dir, cmd_fetch_model, cmd_generate, cmd_train
 from rayspec_cli.serve import cmd_kuberay, cmd_plan, cmd_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rayspec.config import DEFAULT_MODEL
+    from rayspec.proposers import PROPOSERS
+
     parser = argparse.ArgumentParser(prog="rayspec", description="lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -36,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(its first application's args, either builder) or a flat mapping of app args; "
                                    "MODEL and the flags override it.")
     p.add_argument("model", nargs="?", default=None,
-                   help="hub id, directory, .gguf or smollm2-135m-instruct (default: the config's, else that)")
+                   help=f"hub id, directory, .gguf or {DEFAULT_MODEL} (default: the config's, else that)")
     p.add_argument("--config", default=None,
                    help="a serve config YAML (configs/*.yaml; a shipped one by name too: `--config default`, "
                         "from any directory) or a YAML of app args")
@@ -127,25 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "acceptance length, acceptance rate, acceptance by draft position, greedy match and the "
                     "proposer's memory (weights + KV cache as `rayspec plan` sizes them; the measured RSS "
                     "delta of building each method's engine is in the JSON); --output-json, --plot (PNG).")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, directory, .gguf or the default")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id, directory, .gguf or the default")
     p.add_argument("--methods", default="ngram,draft_model",
-                   help="comma-separated: ngram, draft_model, eagle3, eagle (default: ngram,draft_model)")
+                   help=f"comma-separated: {', '.join(m for m in PROPOSERS if m != 'none')} (default: ngram,draft_model)")
     p.add_argument("--num-speculative-tokens", default="1,2,3,4,8", help="comma-separated draft lengths k")
     p.add_argument("--concurrency", default="1", help="comma-separated prompts in flight, e.g. 1,8")
     p.add_argument("--eagle-head", default=None,
                    help="eagle3/eagle: the head (default for SmolLM2: the shipped heads/smollm2-135m-eagle3)")
-    p.add_argument("--draft-model", default=None, help="draft_model: the draft LM (default: the target, a self-draft)")
-    p.add_argument("--draft-num-layers", type=int, default=None, help="draft_model: keep only the first N layers")
-    p.add_argument("--draft-quantization", default=None, choices=["int8"],
-                   help="draft_model: weight-only int8 draft linears")
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--prompt-lookup-max", type=int, default=5)
-    p.add_argument("--eagle-topk", type=int, default=1, help="eagle3/eagle: branching per tree node (1: a chain)")
-    p.add_argument("--num-steps", type=int, default=None, help="eagle3/eagle: tree depth")
-    p.add_argument("--eagle-stop-prob", type=float, default=0.0)
-    p.add_argument("--eagle-prompt-lookup", type=int, default=0)
-    p.add_argument("--no-adaptive", action="store_true", help="draft exactly k (default: the adaptive length, at most k)")
-    p.add_argument("--disable-by-batch-size", type=int, default=None)
     p.add_argument("--prompts", required=True,
                    help="a bundled evaluation set (mt_bench, humaneval, gsm8k) or a Spec-Bench JSONL file")
     p.add_argument("--num-prompts", type=int, default=10)
@@ -166,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "draft position at the largest k")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: float32 on CPU)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_speculative_flags(p, skip=SWEEP_OWN_FLAGS)  # --draft-model, --no-adaptive, --eagle-topk, ...
     add_engine_flags(p, skip=BENCH_OWN_FLAGS)
     p.set_defaults(func=cmd_bench_sweep)
 
@@ -173,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="kind", required=True)
     for kind in ("eagle3", "eagle"):
         t = p.add_parser(kind, help=f"train an {kind} head for a target model")
-        t.add_argument("--target", default="smollm2-135m-instruct")
+        t.add_argument("--target", default=DEFAULT_MODEL)
         t.add_argument("--prompts", nargs="+", required=True,
                        help="JSONL prompt files (Spec-Bench `turns` or GSM8K-style `question`); FILE:N takes N at random")
         t.add_argument("--work-dir", required=True, help="answers, features, checkpoints (resumable)")
@@ -216,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base URL, e.g. http://localhost:8000 (repeat to compare endpoints side by side)")
     p.add_argument("--label", action="append", default=None, help="name for each --endpoint, in order (repeat)")
     p.add_argument("--model", action="append", default=None,
-                   help="served model name (default smollm2-135m-instruct): once for every endpoint, or once "
+                   help=f"served model name (default {DEFAULT_MODEL}): once for every endpoint, or once "
                         "per --endpoint in order (a peer server serving the model under another name)")
     p.add_argument("--prompts", required=True,
                    help="a bundled evaluation set (mt_bench, humaneval, gsm8k) or a Spec-Bench JSONL file "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -119,17 +119,13 @@ def chat_prompts(engine: LLMEngine, prompts_file: str, num_prompts: int | None) 
     return [engine.encode_chat([{"role": "user", "content": t}]) for t in load_prompts(prompts_file, num_prompts)]
 
 
-def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, prompts_file: str,
-                          num_prompts: int, max_tokens: int, concurrency: int = 1, adaptive: bool = True,
-                          draft_model: str | None = None, draft_num_layers: int | None = None,
-                          prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, with_hf: bool = True,
-                          eagle_topk: int = 1, num_steps: int | None = None, eagle_stop_prob: float = 0.0,
-                          eagle_prompt_lookup: int = 0, disable_by_batch_size: int | None = None,
-                          progress: bool = True, tensor_parallel_size: int = 1, dtype: str | None = None,
-                          device: str = "cpu", rank_launcher=None, draft_quantization: str | None = None,
-                          engine_overrides: dict | None = None, temperature: float = 0.0,
+def run_offline_benchmark(model: str, spec: SpeculativeConfig, prompts_file: str, num_prompts: int, max_tokens: int,
+                          concurrency: int = 1, with_hf: bool = True, progress: bool = True,
+                          tensor_parallel_size: int = 1, dtype: str | None = None, device: str = "cpu",
+                          rank_launcher=None, engine_overrides: dict | None = None, temperature: float = 0.0,
                           seeded: bool = True) -> dict:
-    """temperature > 0: every system samples (prompt i seeded alike, or with seeded=False unseeded);
+    """The target alone against the target with spec's proposer (and HF transformers' assisted decoding).
+    temperature > 0: every system samples (prompt i seeded alike, or with seeded=False unseeded);
     greedy_match is then None.
     engine_overrides: EngineConfig fields for every engine (compile, kv_cache_memory_gb,
     max_model_len, ...: the flags `rayspec serve` takes).
@@ -150,14 +146,10 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     if tensor_parallel_size > 1:
         tp1 = engine(SpeculativeConfig(method="none", num_speculative_tokens=0),
                      on=loader.load_model(model, device=device, dtype=dtype, tokenizer=False)[0])
-    spec_cfg = SpeculativeConfig(method=method, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
-                                 draft_model=draft_model, draft_num_layers=draft_num_layers,
-                                 draft_quantization=draft_quantization, prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max,
-                                 eagle_topk=eagle_topk, num_steps=num_steps, eagle_stop_prob=eagle_stop_prob,
-                                 eagle_prompt_lookup=eagle_prompt_lookup, disable_by_batch_size=disable_by_batch_size)
-    speculative = engine(spec_cfg)
+    speculative = engine(spec)
     prompt_ids = chat_prompts(baseline, prompts_file, num_prompts)
 
+    method, k = spec.method, spec.num_speculative_tokens
     hf_model = hf_assistant = None
     hf_kwargs: dict = {}
     with_hf = with_hf and concurrency == 1
@@ -165,10 +157,9 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
         model_dir = hub.resolve_model_dir(model)
         hf_model = _load_hf(model_dir)
         if method == "ngram":
-            hf_kwargs = {"prompt_lookup_num_tokens": num_speculative_tokens,
-                         "max_matching_ngram_size": prompt_lookup_max}
+            hf_kwargs = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": spec.prompt_lookup_max}
         elif method == "draft_model":  # (a float assistant even where ours is int8: transformers has no such draft)
-            hf_assistant = _load_hf(hub.resolve_model_dir(draft_model or model), draft_num_layers)
+            hf_assistant = _load_hf(hub.resolve_model_dir(spec.draft_model or model), spec.draft_num_layers)
             hf_kwargs = {"assistant_model": hf_assistant}
 
     # warm-up (allocations, kernel selection) outside the timed runs
@@ -205,20 +196,20 @@ def run_offline_benchmark(model: str, method: str, num_speculative_tokens: int, 
     draft_tokens = stats.num_draft_tokens - spec_stats_before["num_draft_tokens"]
     accepted = stats.num_accepted_tokens - spec_stats_before["num_accepted_tokens"]
     base, meth, tp1_run = runs["baseline"], runs["method"], runs["tp1"]
+    eagle = method in ("eagle3", "eagle")
     if ranks is not None:
         target.tp.stop()
         ranks.shutdown()
     return {
         "model": model,
         "method": method,
-        "num_speculative_tokens": num_speculative_tokens,
-        "adaptive": adaptive,
-        "draft_model": draft_model,
-        "eagle_topk": eagle_topk if method in ("eagle3", "eagle") else None,
-        "num_steps": num_steps if method in ("eagle3", "eagle") else None,
-        "eagle_stop_prob": eagle_stop_prob if method in ("eagle3", "eagle") else None,
-        "eagle_prompt_lookup": eagle_prompt_lookup if method in ("eagle3", "eagle") else None,
-        "disable_by_batch_size": disable_by_batch_size,
+        "num_speculative_tokens": k,
+        "adaptive": spec.adaptive,
+        "draft_model": spec.draft_model,
+        **{name: getattr(spec, name) if eagle else None
+           for name in ("eagle_topk", "num_steps", "eagle_stop_prob", "eagle_prompt_lookup")},
+        "disable_by_batch_size": spec.disable_by_batch_size,
+        "speculative": asdict(spec),
         "prompts": prompts_file,
         "num_prompts": len(prompt_ids),
         "max_tokens": max_tokens,

@@ -41,29 +41,29 @@ from pathlib import Path
 
 from rayspec.bench.environment import environment
 from rayspec.bench.offline import SystemRun, _run_engine, build_engine, chat_prompts, load_target
-from rayspec.config import SpeculativeConfig
+from rayspec.config import DEFAULT_MODEL, SpeculativeConfig
 from rayspec.engine import LLMEngine
 from rayspec.progress import progress_bar
+from rayspec.proposers import PROPOSERS
 
-METHODS = ("ngram", "draft_model", "eagle3", "eagle")
+METHODS = tuple(m for m in PROPOSERS if m != "none")  # every proposer (the target alone is the baseline)
+_EAGLE = ("eagle3", "eagle")
+# SpeculativeConfig fields only some methods read: a sweep gives each to those methods' engines, the others
+# keep the dataclass's default (draft_quantization, for one, is refused for any method but draft_model)
+METHOD_FIELDS = {"draft_num_layers": ("draft_model",), "draft_quantization": ("draft_model",),
+                 "draft_tensor_parallel_size": ("draft_model",), "draft_dtype": ("draft_model", *_EAGLE),
+                 "eagle_topk": _EAGLE, "num_steps": _EAGLE, "eagle_stop_prob": _EAGLE, "eagle_prompt_lookup": _EAGLE,
+                 "tree_max_batch": _EAGLE}
 
 
 @dataclasses.dataclass
 class MethodOptions:
-    """Per-method draft options (the flags of `bench sweep`)."""
+    """Per-method draft options (the flags of `bench sweep`): SpeculativeConfig fields by name, for every
+    method's engine but those of METHOD_FIELDS (method and num_speculative_tokens are the sweep's)."""
 
     eagle_head: str | None = None  # eagle3 / eagle: the head (default: the shipped SmolLM2 head for SmolLM2)
-    draft_model: str | None = None  # draft_model: the draft LM (default: the target itself, a self-draft)
-    draft_num_layers: int | None = None
-    draft_quantization: str | None = None
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
-    eagle_topk: int = 1
-    num_steps: int | None = None
-    eagle_stop_prob: float = 0.0
-    eagle_prompt_lookup: int = 0
-    adaptive: bool = True
-    disable_by_batch_size: int | None = None
+    # draft_model among them: method draft_model's draft LM (default: the target itself, a self-draft)
+    speculative: dict = dataclasses.field(default_factory=dict)
 
 
 def parse_list(text: str | list, kind=int) -> list:
@@ -77,7 +77,6 @@ def parse_list(text: str | list, kind=int) -> list:
 
 def default_eagle_head(model: str) -> str | None:
     from rayspec.assets import assets_root
-    from rayspec.weights.hub import DEFAULT_MODEL
 
     head = assets_root() / "heads" / "smollm2-135m-eagle3"
     return str(head) if model == DEFAULT_MODEL and head.is_dir() else None
@@ -86,23 +85,18 @@ def default_eagle_head(model: str) -> str | None:
 def spec_config(method: str, k: int, model: str, opts: MethodOptions) -> SpeculativeConfig:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r} (one of {', '.join(METHODS)})")
-    draft = None
-    if method in ("eagle3", "eagle"):
+    given = dict(opts.speculative)
+    draft = given.pop("draft_model", None)
+    if method in _EAGLE:
         draft = opts.eagle_head or default_eagle_head(model)
         if draft is None:
             raise ValueError(f"{method} needs --eagle-head (a head trained for {model})")
     elif method == "draft_model":
-        draft = opts.draft_model or model
-    eagle = method in ("eagle3", "eagle")
-    return SpeculativeConfig(
-        method=method, num_speculative_tokens=k, adaptive=opts.adaptive, draft_model=draft,
-        draft_num_layers=opts.draft_num_layers if method == "draft_model" else None,
-        draft_quantization=opts.draft_quantization if method == "draft_model" else None,
-        prompt_lookup_min=opts.prompt_lookup_min, prompt_lookup_max=opts.prompt_lookup_max,
-        eagle_topk=opts.eagle_topk if eagle else 1, num_steps=opts.num_steps if eagle else None,
-        eagle_stop_prob=opts.eagle_stop_prob if eagle else 0.0,
-        eagle_prompt_lookup=opts.eagle_prompt_lookup if eagle else 0,
-        disable_by_batch_size=opts.disable_by_batch_size)
+        draft = draft or model
+    else:
+        draft = None
+    taken = {name: value for name, value in given.items() if method in METHOD_FIELDS.get(name, (method,))}
+    return SpeculativeConfig(**{**taken, "method": method, "num_speculative_tokens": k, "draft_model": draft})
 
 
 def _rss_bytes() -> int | None:
@@ -224,9 +218,9 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
                    "rounds": rounds,
                    "temperature": temperature, "seeded": seeded if temperature > 0 else None, "mode": "offline",
                    # how a step sizes its drafts with `adaptive` (rayspec.drafting)
-                   "drafting": "cost-aware" if opts.adaptive else "fixed", "device": str(baseline.device),
+                   "drafting": "cost-aware" if specs[methods[0]].adaptive else "fixed", "device": str(baseline.device),
                    "dtype": str(baseline.dtype).removeprefix("torch."),
-                   "options": dataclasses.asdict(opts),
+                   "options": {"eagle_head": opts.eagle_head, **opts.speculative},
                    "draft_models": {m: specs[m].draft_model for m in methods},
                    "engine": {"compile": baseline.compile, "max_model_len": baseline.config.max_model_len,
                               "max_num_seqs": baseline.config.max_num_seqs,

