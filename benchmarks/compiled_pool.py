@@ -27,7 +27,7 @@ from rayspec.bench.environment import environment  # noqa: E402
 from rayspec.families import ModelArgs  # noqa: E402
 from rayspec.kv_cache import KVCache  # noqa: E402
 from rayspec.model import CausalLM  # noqa: E402
-from rayspec.runner import ModelRunner  # noqa: E402
+from rayspec.runner import make_runner  # noqa: E402
 
 WIDTHS = {  # name -> (hidden, intermediate, heads, kv heads, head_dim)
     "llama8b": (4096, 14336, 32, 8, 128),
@@ -54,15 +54,15 @@ def build(width: str, layers: int, dtype) -> CausalLM:
 def runner_for(model: CausalLM, pool_mb: float, context: int, compile: bool, block_size: int = 16):
     per_token = KVCache.bytes_per_token(model.args, model.compute_dtype)
     num_blocks = max(int(pool_mb * 2**20 / per_token) // block_size, context // block_size + 4)
-    runner = ModelRunner(model, max_model_len=context + 64, num_slots=1, slack=0, num_blocks=num_blocks,
+    runner = make_runner(model, max_model_len=context + 64, num_slots=1, slack=0, num_blocks=num_blocks,
                          block_size=block_size, compile=compile)
-    runner.allocate("s")
+    runner.kv.allocate("s")
     runner.forward_hidden(["s"], [[(7 * i) % 1000 + 3 for i in range(context)]])  # the context, eager
     return runner
 
 
 def step(runner: ModelRunner, context: int) -> None:
-    runner.set_cached_len("s", context)  # every step decodes the token at `context` again
+    runner.kv.set_cached_len("s", context)  # every step decodes the token at `context` again
     runner.forward_hidden(["s"], [[5]], packed=True, static=True)
 
 

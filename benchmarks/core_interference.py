@@ -19,20 +19,20 @@ def forward_ms(quantization: str | None, seconds: float, start_at: float) -> flo
     import torch
 
     from rayspec.loader import load_model
-    from rayspec.runner import ModelRunner
+    from rayspec.runner import make_runner
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     model, _ = load_model("smollm2-135m-instruct", quantization=quantization, tokenizer=False)
-    runner = ModelRunner(model, 2048, 2, slack=8)
+    runner = make_runner(model, 2048, 2, slack=8)
     ids = list(range(300))
-    runner.allocate("a", ids)
-    runner.commit("a", ids)
+    runner.kv.allocate("a", ids)
+    runner.kv.commit("a", ids)
     runner.forward(["a"], [ids], last_only=True)
     time.sleep(max(0.0, start_at - time.time()))
     started, n = time.perf_counter(), 0
     while time.perf_counter() - started < seconds:
-        runner.set_cached_len("a", len(ids))
+        runner.kv.set_cached_len("a", len(ids))
         runner.forward(["a"], [[5]], last_only=True)
         n += 1
     return 1e3 * (time.perf_counter() - started) / n

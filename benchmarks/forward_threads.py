@@ -15,7 +15,7 @@ import time
 import torch
 
 from rayspec.loader import load_model
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 
 
 def _busy():
@@ -30,21 +30,21 @@ def main(load: bool) -> None:
     if load:
         mp.Process(target=_busy, daemon=True).start()
     model, _ = load_model("default", device="cpu", dtype=torch.float32)
-    runner = ModelRunner(model, 1024, 8, slack=64)
+    runner = make_runner(model, 1024, 8, slack=64)
     seqs = [f"s{i}" for i in range(8)]
     for s in seqs:
-        runner.allocate(s)
+        runner.kv.allocate(s)
         runner.forward([s], [list(range(100, 300))], last_only=True)
 
     def median_ms(nseq: int, ntok: int, reps: int = 15) -> float:
         times = []
         for _ in range(reps):
-            lens = [runner.cached_len(s) for s in seqs[:nseq]]
+            lens = [runner.kv.cached_len(s) for s in seqs[:nseq]]
             start = time.perf_counter()
             runner.forward(seqs[:nseq], [list(range(500, 500 + ntok))] * nseq, last_only=False)
             times.append(time.perf_counter() - start)
             for s, n in zip(seqs[:nseq], lens):
-                runner.set_cached_len(s, n)
+                runner.kv.set_cached_len(s, n)
         return round(1000 * statistics.median(times), 1)
 
     for threads in (1, 2):  # warm-up: oneDNN picks kernels per shape and thread count

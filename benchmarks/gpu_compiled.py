@@ -74,7 +74,10 @@ def syncs(root: Path) -> None:
              ("baseline, batch 8", 8, "none", {})]
     for label, batch, method, spec in cases:
         engine = engine_for(target_dir, loaded, method, **spec)
-        per_step, decode = [], engine._decode_step
+        per_step, prepare, commit = [], engine._decode_prepare, engine._decode_commit
+
+        def decode(seqs, prepare=prepare, commit=commit):  # a whole decode step: propose -> verify -> commit
+            return commit(seqs, prepare(seqs))
 
         def counted(seqs, decode=decode, per_step=per_step):
             torch.cuda.synchronize()
@@ -82,13 +85,15 @@ def syncs(root: Path) -> None:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    decode(seqs)
+                    done = decode(seqs)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             cuda = [w for w in caught if "synchroniz" in str(w.message)]
             per_step.append((len(seqs), len(cuda), reads.count, sorted({str(w.filename).split("/")[-1] + ":" + str(w.lineno) for w in cuda})))
+            return done
 
-        engine._decode_step = counted
+        engine._decode_prepare = lambda seqs: seqs  # (the whole step runs in the commit spy)
+        engine._decode_commit = lambda seqs, _, counted=counted: counted(seqs)
         engine.generate(prompts(batch, VOCAB), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
         full = [s for s in per_step if s[0] == batch]
         record("syncs", {"case": label, "steps": len(full), "cuda_syncs_per_step_max": max(s[1] for s in full),

@@ -44,7 +44,7 @@ from rayspec.bench.environment import environment  # noqa: E402
 from rayspec.families import ModelArgs  # noqa: E402
 from rayspec.kv_cache import KVCache  # noqa: E402
 from rayspec.model import CausalLM  # noqa: E402
-from rayspec.runner import ModelRunner  # noqa: E402
+from rayspec.runner import ModelRunner, make_runner  # noqa: E402
 
 SHAPES = {  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim, rope theta
     "llama3.1-8b": (128256, 4096, 14336, 32, 32, 8, 128, 500000.0),
@@ -124,10 +124,10 @@ def weight_bytes(model) -> int:
 
 
 def runner_with_context(model, batch: int, context: int, compile: bool, extra_rows: int = 16) -> ModelRunner:
-    runner = ModelRunner(model, max_model_len=context + extra_rows + 64, num_slots=batch, slack=0, compile=compile)
+    runner = make_runner(model, max_model_len=context + extra_rows + 64, num_slots=batch, slack=0, compile=compile)
     vocab = model.args.vocab_size
     for b in range(batch):
-        runner.allocate(f"s{b}")
+        runner.kv.allocate(f"s{b}")
         runner.forward_hidden([f"s{b}"], [[(7 * i + b) % (vocab - 3) + 3 for i in range(context)]])
     return runner
 
@@ -135,11 +135,11 @@ def runner_with_context(model, batch: int, context: int, compile: bool, extra_ro
 def decode_step(runner: ModelRunner, model, batch: int, context: int):
     ids = [f"s{b}" for b in range(batch)]
     for s in ids:
-        runner.set_cached_len(s, context)  # every step decodes position `context` again
+        runner.kv.set_cached_len(s, context)  # every step decodes position `context` again
 
     def step():
         for s in ids:
-            runner.set_cached_len(s, context)
+            runner.kv.set_cached_len(s, context)
         hidden, _ = runner.forward_hidden(ids, [[5]] * batch, packed=True, static=True)
         return model.logits(hidden).argmax(-1)
 
@@ -148,7 +148,7 @@ def decode_step(runner: ModelRunner, model, batch: int, context: int):
 
 def verify_step(runner: ModelRunner, model, context: int, tree: bool):
     def step():
-        runner.set_cached_len("s0", context)
+        runner.kv.set_cached_len("s0", context)
         if tree:
             toks = [5 + j for j in range(len(TREE_PARENTS))]
             hidden, _ = runner.forward_hidden(["s0"], [toks], trees=[TreeQuery(parents=list(TREE_PARENTS))],
@@ -313,7 +313,7 @@ def paged_step(a, device, dtype, clock: Clock, out) -> None:
                 times[paged] = clock.time(step, iters=a.iters)
                 ids = [f"s{b}" for b in range(batch)]
                 for s_ in ids:
-                    runner.set_cached_len(s_, a.context)
+                    runner.kv.set_cached_len(s_, a.context)
                 if tree:
                     toks = [[5 + j for j in range(len(TREE_PARENTS))]]
                     hiddens[paged], _ = runner.forward_hidden(["s0"], toks, trees=[TreeQuery(parents=list(TREE_PARENTS))],

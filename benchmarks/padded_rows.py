@@ -15,7 +15,7 @@ import time
 import torch
 
 from rayspec import loader
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 
 CASES = ([1] * 8, [1] * 7 + [6], [2] * 8, [1] * 4 + [6] * 4, [3] * 8, [6] * 8)
 
@@ -28,11 +28,11 @@ def main(threads: int, reps: int) -> None:
 
 
 def run(model, reps: int) -> None:
-    runner = ModelRunner(model, 1024, 8, slack=16)
+    runner = make_runner(model, 1024, 8, slack=16)
     ids = [f"s{i}" for i in range(8)]
     gen = torch.Generator().manual_seed(0)
     for s in ids:
-        runner.allocate(s)
+        runner.kv.allocate(s)
         runner.forward_hidden([s], [torch.randint(100, 40000, (300,), generator=gen).tolist()])
 
     def median_ms(lengths: list[int]) -> float:
@@ -43,7 +43,7 @@ def run(model, reps: int) -> None:
             model.logits(hidden)
             times.append(time.perf_counter() - t)
             for s in ids:
-                runner.set_cached_len(s, 300)
+                runner.kv.set_cached_len(s, 300)
         return statistics.median(times) * 1e3
 
     median_ms([1] * 8)  # warm-up

@@ -55,8 +55,8 @@ def mt_bench(engine: LLMEngine, n: int) -> list[list[int]]:
 def layout(engine: LLMEngine) -> dict:
     runner = engine.runner
     if hasattr(runner, "num_blocks"):
-        return {"cache": "paged", "num_blocks": runner.num_blocks, "block_size": runner.block_size,
-                "max_num_seqs": runner.num_slots}
+        return {"cache": "paged", "num_blocks": runner.kv.num_blocks, "block_size": runner.kv.block_size,
+                "max_num_seqs": runner.kv.num_slots}
     return {"cache": "slots", "num_slots": runner.cache.num_slots, "capacity": runner.cache.capacity}
 
 

@@ -32,7 +32,7 @@ from rayspec.eagle.head import attach_target, build_head
 from rayspec.families import ModelArgs
 from rayspec.loader import build_model, empty_model
 from rayspec.memory import kv_cache_plan
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 from rayspec.weight_memory import causal_lm_weights, eagle_head_weights, load_bytes
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -78,7 +78,7 @@ def main() -> None:
 
     kv = kv_cache_plan(args, dtype, CONTEXT, 8, 32, 16.0, "eagle3")
     before = torch.cuda.memory_allocated()
-    runner = ModelRunner(target, CONTEXT, kv.num_slots, slack=9, num_blocks=kv.num_blocks, block_size=kv.block_size)
+    runner = make_runner(target, CONTEXT, kv.num_slots, slack=9, num_blocks=kv.num_blocks, block_size=kv.block_size)
     row(f"target KV cache ({kv.num_blocks} blocks of {kv.block_size})", kv.bytes, torch.cuda.memory_allocated() - before)
 
     head_hf = json.loads((DATA / "eagle3-llama3.1-instruct-8b" / "config.json").read_text())
@@ -93,8 +93,8 @@ def main() -> None:
         torch.cuda.max_memory_allocated() - before)
     row("eagle3 head weights", planned_head.bytes, torch.cuda.memory_allocated() - before)
 
-    runner.allocate("s")
-    runner.set_cached_len("s", CONTEXT - CHUNK)  # the last chunk of a long prompt: it sees every key
+    runner.kv.allocate("s")
+    runner.kv.set_cached_len("s", CONTEXT - CHUNK)  # the last chunk of a long prompt: it sees every key
     tokens = torch.randint(0, args.vocab_size, (CHUNK,)).tolist()
     aux = head_config.aux_layers
     estimate = forward_activations(args, dtype, CHUNK, CONTEXT, logit_rows=1, feature_size=head_config.feature_size)
@@ -110,7 +110,7 @@ def main() -> None:
             torch.cuda.synchronize()
         row(f"prefill {CHUNK} x {CONTEXT} keys, {backend}", planned, torch.cuda.max_memory_allocated() - base)
         del hidden, features, logits
-        runner.set_cached_len("s", CONTEXT - CHUNK)
+        runner.kv.set_cached_len("s", CONTEXT - CHUNK)
     print("estimate terms:", {k: round(v / 1e9, 3) for k, v in vars(estimate).items()
                                if k not in ("tokens", "kv_len", "logit_rows")})
 

@@ -262,9 +262,9 @@ class AppArgs(_Strict):
             if self.topology != "disaggregated":
                 raise ValueError("proposer_placement 'paired' needs topology 'disaggregated' (colocated: the "
                                  "proposer already runs inside the verifier replica)")
+            options = self.proposer.model_dump()  # (the proposer deployment's options)
             pool = [key for key in ("num_replicas", "autoscaling_config", "max_ongoing_requests",
-                                    "max_queued_requests", "placement_group_bundles")
-                    if getattr(self.proposer, key) is not None]
+                                    "max_queued_requests", "placement_group_bundles") if options[key] is not None]
             if pool or self.proposer_repin_interval_s is not None:
                 raise ValueError(f"proposer_placement 'paired' runs one proposer per verifier replica: "
                                  f"{pool or ['proposer_repin_interval_s']} apply to a proposer pool only "

@@ -12,19 +12,21 @@ One `step()` is schedule -> run -> postprocess:
             target forward over every draft, then rayspec.rejection.verify) -> commit (keep the
             accepted rows' KV and features, append the emitted tokens, record logprobs and stats);
   postprocess  outputs for the requests that took tokens; finished ones are released.
-Requests join and leave between steps. A forward that raises is retried in halves, so an
-error one request causes (an out-of-memory on its prompt, a processor that fails) finishes that
-request with finish_reason "error" and the others go on.
+Requests join and leave between steps. A prefill and a decode each run as a transaction
+(`_transact`): their forwards and the verdict (prepare) change no sequence and no KV book (rows
+are written past each cached length; rayspec.decode_step holds what passes between the phases),
+and commit applies them in one place. So a prepare that raises is simply tried again in halves:
+an error one request causes (an out-of-memory on its prompt, a processor that fails) finishes that
+request with finish_reason "error" and the others go on, with no rollback code.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import random
 import time
-from dataclasses import dataclass, replace
+from collections import deque
 
 import numpy as np
 import torch
@@ -34,57 +36,27 @@ from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
 from rayspec.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
 from rayspec.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
-from rayspec.logprobs import TokenLogprob, compute_logprobs, prompt_logprobs_rows
+from rayspec.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.malloc import keep_freed_memory
 from rayspec.metrics import SpecDecodeStats
 from rayspec.model import CausalLM
 from rayspec.outputs import (EngineOverloadedError, InvalidGrammarError, InvalidRequestError,  # noqa: F401 (re-exported)
                              RequestOutput, request_output)
+from rayspec.decode_step import Prefilled, Proposal, Verdict, cut_draft, draft_depth
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.rejection import coupled, coupled_choices, verify, verify_tree_parents
 from rayspec.batch_layout import TreeQuery, packed_offsets, prefill_groups
+from rayspec.kv_space import KVSpace
 from rayspec.runner import ModelRunner
 from rayspec.sampling import SamplingParams, coupled_key, coupled_sample, logits_to_probs, make_generator, sample
 from rayspec.scheduler import ScheduledStep, Scheduler
 from rayspec.sequence import IncrementalDetokenizer, Sequence
 from rayspec.structured import GrammarCompiler
-from rayspec.tools import inline_tools, template_messages
+from rayspec.intake import check_request, encode_chat, resume
 from rayspec.warm_up import calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees, time_decode
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Proposal:
-    """propose -> verify: what a decode step sends the target, per sequence."""
-    seqs: list[Sequence]
-    drafts: list[Draft]  # a chain, or a tree (parents); empty where nothing was drafted
-    draft_lens: list[int]  # the budget the proposer was asked for (0: not asked)
-    tree: bool  # the proposer was asked for trees (a small batch), else chains
-    pending: list[list[int]]  # the tokens without target KV yet (normally the last one), before the draft
-    propose_s: float  # seconds in the proposer
-    catch_up: int = 0  # tokens the proposer ran through first for the sequences drafted (catch_up_tokens)
-
-    @property
-    def inputs(self) -> list[list[int]]:
-        """Each sequence's verification row: its pending tokens, then its draft."""
-        return [p + d.tokens for p, d in zip(self.pending, self.drafts)]
-
-    @property
-    def has_tree(self) -> bool:
-        return any(not d.is_chain for d in self.drafts)
-
-
-@dataclass
-class Verdict:
-    """verify -> commit: what a decode step keeps, per sequence (rayspec.rejection.verify)."""
-    emitted: list[list[int]]  # the accepted drafts, then the recovered or bonus token
-    kept_rows: list[list[int]]  # the verification rows whose KV stays (pending, then accepted drafts)
-    raw_logits: torch.Tensor  # [N, vocab] the target's unprocessed logits over the packed rows (logprobs)
-    features: torch.Tensor | None  # [N, F] the target features of those rows (EAGLE heads), else None
-    starts: list[int]  # sequence i's rows begin at starts[i]
-    row_context: int  # sum over rows of the context each attends to (the planner's cost fit)
 
 
 class LLMEngine:
@@ -122,7 +94,7 @@ class LLMEngine:
         # unseeded sampled requests' stream seeds, a fixed sequence when the engine has a seed
         self._streams = random.Random(config.seed) if config.seed is not None else None
         self.max_model_len = min(config.max_model_len, model.args.max_position_embeddings)
-        self.kv_plan = self._kv_plan(model, spec, in_process=getattr(proposer, "in_process", True))
+        self.kv_plan = self._kv_plan(model, spec, in_process=proposer is None or proposer.in_process)
         num_slots, num_blocks = self.kv_plan.num_slots, self.kv_plan.num_blocks
         self.compile = config.compile if config.compile is not None else default_compile(self.device)
         context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model,
@@ -134,9 +106,12 @@ class LLMEngine:
         self.feature_layers = self.proposer.feature_layers
         self._warmed_up = False
         self.compile_timings: dict[str, float] | None = None  # the default's measurement (warm_up)
-        self.runner = ModelRunner(model, self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
-                                  block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                  compile=self.compile, paged_attention=config.paged_attention)
+        # the scheduler owns the target pool's books; the runner holds its tensors and reads them
+        self.scheduler = Scheduler(KVSpace(self.max_model_len, num_slots, slack=self.max_k + 1, num_blocks=num_blocks,
+                                           block_size=config.block_size,
+                                           enable_prefix_caching=config.enable_prefix_caching),
+                                   self._proposer, self.max_k, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()
@@ -147,12 +122,9 @@ class LLMEngine:
         # unfinished outputs carry only what they add (RequestOutput.delta_*), not copies of the
         # whole output so far: a server that streams sets this (deployments.replicas.engine_loop)
         self.delta_outputs = False
-        self.scheduler = Scheduler(self.runner, self.proposer, self.max_k, config.max_num_batched_tokens,
-                                   self.feature_layers)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
-        self._committing = False  # _decode_step past the point where sequences take tokens
         self.num_steps = 0
         if self.runner.compiled is not None:
             self.warm_up()
@@ -190,35 +162,28 @@ class LLMEngine:
                              draft_kv_fraction(spec, self.config.model, model.args, self.dtype, device=self.device))
 
     @property
+    def kv(self) -> KVSpace:
+        """The target pool's books (the scheduler's)."""
+        return self.scheduler.kv
+
+    @property
     def num_slots(self) -> int:
         """The most sequences running at once (max_num_seqs); their tokens share num_blocks blocks."""
-        return self.runner.num_slots
+        return self.kv.num_slots
 
     @property
     def num_blocks(self) -> int:
-        return self.runner.num_blocks
+        return self.kv.num_blocks
 
     def kv_cache_usage(self) -> float:
         """The fraction of the target's KV blocks held by sequences, 0..1."""
-        return self.runner.kv_cache_usage()
+        return self.kv.kv_cache_usage()
 
     # ---- requests ----------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
-        """The chat template's prompt; `tools` (function definitions, rayspec.tools) go to the
-        template, or into the system message where the template has no place for them."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template")
-        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-            template = self.tokenizer.chat_template
-            if "tools" in (template if isinstance(template, str) else json.dumps(template)):
-                messages = template_messages(messages)  # it renders tools, calls and results (Llama 3.1, Qwen)
-            else:  # e.g. SmolLM2's: tools described in the system message, calls written out as JSON
-                messages, tools = inline_tools(messages, tools or []), None
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=[{"type": "function", "function": t} for t in tools] if tools else None,
-            add_generation_prompt=add_generation_prompt, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The chat template's prompt (rayspec.intake.encode_chat)."""
+        return encode_chat(self.tokenizer, messages, tools, add_generation_prompt)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -237,35 +202,15 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         bound = self.config.max_num_waiting
         # those already waiting take the free slots first; past them, this one would wait too
-        if bound is not None and not resume_output_ids and len(self.waiting) - self.runner.num_free_slots >= bound:
+        if bound is not None and not resume_output_ids and len(self.waiting) - self.kv.num_free_slots >= bound:
             raise EngineOverloadedError(f"{self.num_running} requests run and {len(self.waiting)} wait for "
                                         f"a KV slot (max_num_waiting {bound})")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model.args.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this model serves at most {self.max_model_len} in all")
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})")
-        pool = self.runner.num_blocks * self.runner.block_size
-        if len(prompt_ids) + max_tokens + self.max_k > pool:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) + {self.max_k} draft positions "
-                f"exceed the whole KV cache ({pool} tokens, kv_cache_memory_gb {self.config.kv_cache_memory_gb:g})")
+        max_tokens = check_request(prompt_ids, params, self.model.args.vocab_size, self.max_model_len,
+                                   self.kv.num_blocks * self.kv.block_size, self.max_k,
+                                   self.config.kv_cache_memory_gb)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
         if params.stop and detok is None:
@@ -279,18 +224,7 @@ class LLMEngine:
         if params.structured is not None:
             seq.grammar = grammar if grammar is not None else self.prepare_grammar(params.structured)
         if resume_output_ids:
-            if any(not 0 <= t < vocab for t in resume_output_ids):
-                raise InvalidRequestError(f"resumed output token ids must be in [0, {vocab})")
-            if len(resume_output_ids) >= max_tokens:
-                raise InvalidRequestError("the resumed output leaves no token to generate")
-            seq.append_tokens(list(resume_output_ids))  # replays the text and the stop conditions
-            if seq.finished:
-                raise InvalidRequestError("the resumed output already ends the request")
-            seq.first_token_time = None
-            seq.mark_sent(resume_sent_chars)
-            seq.num_reported_tokens = seq.num_output_tokens  # the other engine reported those
-            if seq.logprobs is not None:  # those tokens' logprobs were handed out by the other engine
-                seq.logprobs.extend([None] * seq.num_output_tokens)
+            resume(seq, resume_output_ids, resume_sent_chars, self.model.args.vocab_size, max_tokens)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -355,9 +289,7 @@ class LLMEngine:
         return self.scheduler.num_preemptions
 
     def _release(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        self.runner.free(seq.request_id)
-        self.proposer.release(seq.request_id)
+        self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
 
     # ---- the step ----------------------------------------------------------------------
@@ -375,12 +307,11 @@ class LLMEngine:
         if scheduled.prefill:
             touched += self._prefill(scheduled.prefill)
         if scheduled.decode:
-            self._guarded(self._decode_batch, scheduled.decode, touched)
+            touched += self._transact(self._decode_prepare, self._decode_commit, scheduled.decode)
         return touched
 
     def _postprocess(self, touched: list[Sequence]) -> list[RequestOutput]:
-        for seq in self.running:  # their verified full blocks may serve later prompts (prefix caching)
-            self.runner.commit(seq.request_id, seq.token_ids)
+        self.scheduler.commit_verified()
         outputs = [self._output(s) for s in touched]
         self._commit_finished_features([s for s in touched if s.finished])
         for seq in touched:
@@ -393,12 +324,12 @@ class LLMEngine:
         prompt's where a request ends at its prefill, max_tokens 1): an EAGLE head caches those
         positions, so the next prompt sharing the prefix reuses it in the target too (its cached
         prefix is cut to the head's)."""
-        if self.feature_layers is None or not self.runner.prefix_caching:
+        if self.feature_layers is None or not self.kv.prefix_caching:
             return
         requests = []
         for seq in seqs:
             if seq.features and seq.finish_reason not in ("abort", "error"):
-                features, start = self._take_features(seq)
+                features, start = self._features_of(seq)
                 requests.append(ProposeRequest(seq.request_id, seq.token_ids, 0, features=features,
                                                features_start=start, cache_salt=seq.params.cache_salt))
         if requests:
@@ -407,49 +338,65 @@ class LLMEngine:
             except Exception as err:  # noqa: BLE001 - only a later request's cache hit is lost
                 logger.warning("caching the head's prefix of %d finished request(s) failed: %r", len(requests), err)
 
-    def _guarded(self, run, items: list, touched: list[Sequence]) -> None:
-        """touched += run(items); when it raises, retry the two halves on their own, down to one
-        request, which then fails alone (finish_reason "error"). run must leave no trace when it
-        raises, or raise _Applied (the batch is failed whole, nothing can be retried)."""
-        try:
-            touched += run(items)
-            return
-        except _Applied as applied:
-            if getattr(applied.__cause__, "fatal", False):
-                raise applied.__cause__
-            err, retry = applied.__cause__, False
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not fail the others
-            if getattr(exc, "fatal", False):  # the engine itself is broken (a tensor-parallel rank died)
-                raise
-            err, retry = exc, len(items) > 1
+    def _transact(self, prepare, commit, items: list) -> list[Sequence]:
+        """Run a batch as a transaction; returns the sequences commit touched, and those failed.
+
+        prepare(batch) (forwards, drafts, the verdict) changes no sequence and no KV book, so when it
+        raises the batch is tried again in halves, down to one request, which then fails alone
+        (finish_reason "error"): an error one request causes (an out-of-memory on its prompt, a
+        processor that fails) fails only that request. commit(batch, prepared) applies the result and
+        returns the sequences it touched; when it raises, the batch's sequences fail (some may have
+        taken tokens: nothing is retried). An error marked `fatal` (the engine itself is broken: a
+        tensor-parallel rank died) is raised. items: sequences, or (sequence, n) prefill chunks."""
+        touched: list[Sequence] = []
+        work = deque([items])
+        while work:
+            batch = work.popleft()
+            try:
+                prepared = prepare(batch)
+            except Exception as err:  # noqa: BLE001 - one request's failure must not fail the others
+                if getattr(err, "fatal", False):
+                    raise
+                if len(batch) > 1:
+                    logger.warning("a forward over %d requests failed (%r); retrying them in halves", len(batch), err)
+                    half = len(batch) // 2
+                    work.extendleft([batch[half:], batch[:half]])  # the first half next, then the second
+                else:
+                    touched += self._fail_all(batch, err)
+                continue
+            try:
+                touched += commit(batch, prepared)
+            except Exception as err:  # noqa: BLE001 - as above, but past the commit point: no retry
+                if getattr(err, "fatal", False):
+                    raise
+                touched += self._fail_all(batch, err)
+        return touched
+
+    def _fail_all(self, items: list, err: BaseException) -> list[Sequence]:
         seqs = [item[0] if isinstance(item, tuple) else item for item in items]
-        if retry:
-            logger.warning("a forward over %d requests failed (%r); retrying them in halves", len(items), err)
-            half = len(items) // 2
-            self._guarded(run, items[:half], touched)
-            self._guarded(run, items[half:], touched)
-            return
         for seq in seqs:
-            logger.error("request %s failed: %r", seq.request_id, err, exc_info=err)
-            self._fail(seq, err)
-            touched.append(seq)
+            if not seq.finished:
+                logger.error("request %s failed: %r", seq.request_id, err, exc_info=err)
+                self._fail(seq, err)
+        return seqs
 
     @staticmethod
     def _fail(seq: Sequence, err: BaseException) -> None:
         seq.error = f"{type(err).__name__}: {err}"
         seq.finish("error", flush=False)
 
-    def _target_forward(self, ids, inputs, trees=None, packed=False, static=False):
+    def _target_forward(self, ids, inputs, trees=None, packed=False, static=False, advance=True):
         """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
         `packed`, [N, H] and [N, F] over the real tokens only (batch_layout.packed_offsets). static: a
-        decode or verification forward (the compiled step's, when it is on)."""
+        decode or verification forward (the compiled step's, when it is on). advance: the rows count
+        as cached at once (else the caller's commit says what stays; ModelRunner.forward_hidden)."""
+        kwargs = dict(trees=trees, packed=packed, static=static, advance=advance)
         if self.feature_layers is None:
-            return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static)[0], None
+            return self.runner.forward_hidden(ids, inputs, **kwargs)[0], None
         if self.feature_layers == ():
-            hidden = self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static)[0]
+            hidden = self.runner.forward_hidden(ids, inputs, **kwargs)[0]
             return hidden, hidden
-        return self.runner.forward_hidden(ids, inputs, trees=trees, packed=packed, static=static,
-                                          aux_layers=self.feature_layers)[0]
+        return self.runner.forward_hidden(ids, inputs, aux_layers=self.feature_layers, **kwargs)[0]
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         """Prefill the chunks; returns the sequences that finished their prefill (their first token
@@ -464,42 +411,46 @@ class LLMEngine:
             batch = [chunks[i] for i in group]
             ids = [seq.request_id for seq, _ in batch]
             for fits in self.runner.padded_groups(ids, [n for _, n in batch]):  # padding must fit each cache row
-                self._guarded(self._prefill_batch, [batch[i] for i in fits], touched)
+                touched += self._transact(self._prefill_forward, self._prefill_commit, [batch[i] for i in fits])
         return touched
 
-    def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+    def _prefill_forward(self, chunks: list[tuple[Sequence, int]]) -> Prefilled:
+        """The chunks' target forward (their rows written, no cached length moved) and the logits of
+        every prompt that ends in this step."""
         seqs = [seq for seq, _ in chunks]
         ids = [s.request_id for s in seqs]
-        starts = [self.runner.cached_len(i) for i in ids]
+        starts = [self.kv.cached_len(i) for i in ids]
         inputs = [s.token_ids[c: c + n] for (s, n), c in zip(chunks, starts)]
-        try:
-            hidden, features = self._target_forward(ids, inputs, packed=True)  # [N, H], [N, F]
-        except Exception:
-            for i, c in zip(ids, starts):  # nothing of this forward stays
-                self.runner.set_cached_len(i, c)
-            raise
+        hidden, features = self._target_forward(ids, inputs, packed=True, advance=False)  # [N, H], [N, F]
         offsets = packed_offsets([len(x) for x in inputs])
         complete = [i for i, (s, x, c) in enumerate(zip(seqs, inputs, starts)) if c + len(x) == len(s.token_ids)]
         last = self.model.logits(hidden[[offsets[i] + len(inputs[i]) - 1 for i in complete]]) if complete else None
-        done: list[Sequence] = []
+        return Prefilled(starts, offsets, hidden, features, complete, last)
+
+    def _prefill_commit(self, chunks: list[tuple[Sequence, int]], done: Prefilled) -> list[Sequence]:
+        """The chunks' rows count as cached; a finished prompt samples its first token. Returns the
+        sequences that finished their prefill or failed."""
+        touched: list[Sequence] = []
         for i, (seq, n) in enumerate(chunks):
+            self.kv.extend(seq.request_id, done.starts[i] + n)
             try:
-                c, rows = starts[i], slice(offsets[i], offsets[i] + n)
+                c, rows = done.starts[i], slice(done.offsets[i], done.offsets[i] + n)
                 if seq.params.prompt_logprobs is not None and not seq.output_token_ids:  # (a resumed one had them)
                     seq.prompt_logprobs = (seq.prompt_logprobs if c else []) + prompt_logprobs_rows(
-                        self.model, self.tokenizer, seq.prompt_token_ids, hidden[rows], c, seq.params.prompt_logprobs)
-                if features is not None:
+                        self.model, self.tokenizer, seq.prompt_token_ids, done.hidden[rows], c,
+                        seq.params.prompt_logprobs)
+                if done.features is not None:
                     if c == seq.prefill_start:
                         seq.features, seq.features_start = [], c
-                    seq.features.append(features[rows].clone())
-                if i in complete:
-                    self._first_token(seq, last[complete.index(i)][None])
-                    done.append(seq)
+                    seq.features.append(done.features[rows].clone())
+                if i in done.complete:
+                    self._first_token(seq, done.last[done.complete.index(i)][None])
+                    touched.append(seq)
             except Exception as err:  # noqa: BLE001 - this request's processing failed; the others go on
                 logger.error("request %s failed in its prefill: %r", seq.request_id, err, exc_info=err)
                 self._fail(seq, err)
-                done.append(seq)
-        return done
+                touched.append(seq)
+        return touched
 
     def _first_token(self, seq: Sequence, raw: torch.Tensor) -> None:
         """The token after a finished prefill, from raw: [1, vocab] the last prompt row's logits."""
@@ -521,44 +472,34 @@ class LLMEngine:
             return int(coupled_sample(probs, [coupled_key(p.seed, len(seq.token_ids))])[0])
         return sample(probs[0], seq.generator)
 
-    def _decode_batch(self, seqs: list[Sequence]) -> list[Sequence]:
-        """_decode_step, leaving no trace when it raises before a sequence took its tokens (see
-        _guarded): the target's cache lengths and the features not yet drafted from go back; a
-        proposer that already caught up on those features rewinds when they come again."""
-        saved = [(s.features, s.features_start, self.runner.cached_len(s.request_id)) for s in seqs]
-        self._committing = False
-        try:
-            self._decode_step(seqs)
-        except Exception as err:
-            if self._committing:
-                raise _Applied() from err
-            for seq, (features, start, cached) in zip(seqs, saved):
-                seq.features, seq.features_start = features, start
-                self.runner.set_cached_len(seq.request_id, cached)
-            raise
-        return seqs
-
-    def _decode_step(self, seqs: list[Sequence]) -> None:
-        """Speculative decoding of the running sequences: propose -> verify -> commit."""
+    # ---- the decode step: propose -> verify -> commit ---------------------------------------
+    def _decode_prepare(self, seqs: list[Sequence]) -> tuple[Proposal, Verdict, float]:
+        """propose -> verify: drafts and the verdict on them, no sequence or KV book changed (the
+        verification's rows are written past each cached length, which only commit moves; a
+        proposer that caught up on features it is sent again rewinds)."""
         started = time.perf_counter()
         proposal = self._propose(seqs)
-        verdict = self._verify(proposal)
+        return proposal, self._verify(proposal), started
+
+    def _decode_commit(self, seqs: list[Sequence], prepared: tuple[Proposal, Verdict, float]) -> list[Sequence]:
+        proposal, verdict, started = prepared
         self._commit(proposal, verdict)
         self._observe_costs(proposal, verdict, time.perf_counter() - started)
+        return seqs
 
     # ---- propose --------------------------------------------------------------------------
     def _propose(self, seqs: list[Sequence]) -> Proposal:
         tree, draft_lens = self._plan_drafts(seqs)
         catch_up = sum(self.proposer.catch_up_tokens(s.request_id, len(s.token_ids), self._max_catch_up(s))
                        for s, n in zip(seqs, draft_lens) if n)
-        drafts, propose_s = self._ask_proposer(seqs, draft_lens, tree)
+        drafts, propose_s, features_sent = self._ask_proposer(seqs, draft_lens, tree)
         # under a grammar, draft what it forces even where the proposer was not asked (a large
         # batch, see disable_by_batch_size): those tokens are all but sure to be accepted
         drafts = [grammar_draft(s.grammar, d, max(n, self._draft_len(s, self.max_k))) if s.grammar is not None else d
                   for s, d, n in zip(seqs, drafts, draft_lens)]
         # the tokens without target KV yet (normally just the last one), verified before the drafts
-        pending = [s.token_ids[self.runner.cached_len(s.request_id):] for s in seqs]
-        return Proposal(seqs, drafts, draft_lens, tree, pending, propose_s, catch_up)
+        pending = [s.token_ids[self.kv.cached_len(s.request_id):] for s in seqs]
+        return Proposal(seqs, drafts, draft_lens, tree, pending, propose_s, catch_up, features_sent)
 
     def _plan_drafts(self, seqs: list[Sequence]) -> tuple[bool, list[int]]:
         """(trees or chains, each sequence's draft budget): small batches verify token trees (of up
@@ -573,25 +514,26 @@ class LLMEngine:
         tree = self.tree_topk > 1 and len(seqs) <= self.tree_max_batch
         return tree, self._draft_lens(seqs, tree)
 
-    def _ask_proposer(self, seqs: list[Sequence], draft_lens: list[int], tree: bool) -> tuple[list[Draft], float]:
-        """One batched proposer call: (a draft per sequence, seconds it took)."""
+    def _ask_proposer(self, seqs: list[Sequence], draft_lens: list[int], tree: bool
+                      ) -> tuple[list[Draft], float, list[int] | None]:
+        """One batched proposer call: (a draft per sequence, seconds it took, feature rows sent)."""
         if not any(draft_lens):
-            return [Draft([]) for _ in seqs], 0.0
+            return [Draft([]) for _ in seqs], 0.0, None
         requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature, s.params.top_k,
-                                   s.params.top_p, s.params.seed, *self._take_features(s), tree=tree,
+                                   s.params.top_p, s.params.seed, *self._features_of(s), tree=tree,
                                    cache_salt=s.params.cache_salt, stream_seed=s.stream_seed,
                                    max_catch_up=self._max_catch_up(s))
                     for s, n in zip(seqs, draft_lens)]
         started = time.perf_counter()
         # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
         # and verification rows this step did not budget for
-        drafts = [d if len(d.tokens) <= n else _cut(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
+        drafts = [d if len(d.tokens) <= n else cut_draft(d, n) for d, n in zip(self.proposer.propose(requests), draft_lens)]
         propose_s = time.perf_counter() - started
         self.stats.propose_seconds += propose_s
         lost = [r.seq_id for r, d, n in zip(requests, drafts, draft_lens) if d.resend_features_from is not None and n]
         if lost:  # a remote proposer resends itself (deployments.transport.remote_proposer); here it is a bug
             raise RuntimeError(f"the proposer lost the target features of {lost}")
-        return drafts, propose_s
+        return drafts, propose_s, [0 if r.features is None else len(r.features) for r in requests]
 
     def _max_catch_up(self, seq: Sequence) -> int | None:
         """A probe's catch-up limit (Proposer.probe_window); None for any other draft."""
@@ -641,9 +583,11 @@ class LLMEngine:
         trees = None
         if proposal.has_tree:
             trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(proposal.pending, proposal.drafts)]
-        row_context = sum(len(inp) * (self.runner.cached_len(i) + len(inp)) for i, inp in zip(ids, inputs))
-        # packed: rows of different lengths cost only their real tokens (no padding computed)
-        hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True)  # [N, H], [N, F]
+        row_context = sum(len(inp) * (self.kv.cached_len(i) + len(inp)) for i, inp in zip(ids, inputs))
+        # packed: rows of different lengths cost only their real tokens (no padding computed); the
+        # rows are written past each cached length, which only commit moves
+        hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True,
+                                                advance=False)  # [N, H], [N, F]
         raw = self.model.logits(hidden)  # [N, vocab]
         lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
@@ -655,15 +599,18 @@ class LLMEngine:
                                      [len(s.token_ids) for s in seqs])
             (target_choice,) = to_host(choice)
             target_choice = target_choice.tolist()
-        self._committing = True  # from here sequences take their tokens: a failure cannot be retried
         emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params,
                                     [s.generator for s in seqs])
         return Verdict(emitted, kept_rows, raw, features, starts, row_context)
 
     # ---- commit ---------------------------------------------------------------------------
     def _commit(self, proposal: Proposal, verdict: Verdict) -> None:
-        """The kept rows' KV and features stay; each sequence takes its emitted tokens."""
+        """The one place a decode step changes state: the kept rows' KV and features stay, the
+        features sent to the proposer leave the sequence, each sequence takes its emitted tokens."""
         self._keep_kv(proposal, verdict)
+        for seq, n in zip(proposal.seqs, proposal.features_sent or ()):
+            if n:  # (all it held: _features_of sends every row)
+                seq.features, seq.features_start = [], seq.features_start + n
         self._keep_features(proposal, verdict)
         for i, seq in enumerate(proposal.seqs):
             rows = slice(verdict.starts[i], verdict.starts[i] + len(proposal.pending[i]) + len(proposal.drafts[i].tokens))
@@ -672,10 +619,10 @@ class LLMEngine:
 
     def _keep_kv(self, proposal: Proposal, verdict: Verdict) -> None:
         if proposal.has_tree:  # the accepted nodes' KV follows each prefix (one copy for the batch)
-            self.runner.keep_paths([(s.request_id, rows) for s, rows in zip(proposal.seqs, verdict.kept_rows)])
+            self.kv.keep_paths([(s.request_id, rows) for s, rows in zip(proposal.seqs, verdict.kept_rows)])
             return
-        for s, inp, rows in zip(proposal.seqs, proposal.inputs, verdict.kept_rows):
-            self.runner.set_cached_len(s.request_id, self.runner.cached_len(s.request_id) - len(inp) + len(rows))
+        for s, rows in zip(proposal.seqs, verdict.kept_rows):
+            self.kv.set_cached_len(s.request_id, self.kv.cached_len(s.request_id) + len(rows))
 
     def _keep_features(self, proposal: Proposal, verdict: Verdict) -> None:
         """The kept rows' target features (an EAGLE head's input), gathered in one index_select."""
@@ -724,13 +671,12 @@ class LLMEngine:
             seq.logprobs += compute_logprobs(logits, tokens, seq.params.logprobs, self.tokenizer)
 
     @staticmethod
-    def _take_features(seq: Sequence) -> tuple[torch.Tensor | None, int]:
+    def _features_of(seq: Sequence) -> tuple[torch.Tensor | None, int]:
+        """The target features the sequence holds for its proposer, [m, F] from features_start (they
+        leave it at commit)."""
         if not seq.features:
             return None, seq.features_start
-        feats = torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]
-        start = seq.features_start
-        seq.features, seq.features_start = [], start + len(feats)
-        return feats, start
+        return (torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]), seq.features_start
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, whole=seq.finished or not self.delta_outputs)
@@ -747,31 +693,3 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
-
-
-def _cut(draft: Draft, n: int) -> Draft:
-    """The first n tokens of a draft (a tree's first n nodes are a tree: parents come first)."""
-    return replace(draft, tokens=draft.tokens[:n], probs=None if draft.probs is None else draft.probs[:n],
-                   parents=None if draft.parents is None else draft.parents[:n])
-
-
-def draft_depth(draft: Draft) -> int:
-    """The deepest token of a draft (a chain's length; a tree's longest path)."""
-    if draft.is_chain:
-        return len(draft.tokens)
-    depth: list[int] = []
-    for p in draft.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
-
-
-class _Applied(Exception):
-    """A decode failed after some sequences took their tokens: the batch cannot be retried."""
-
-
-def engine_summary(engine: LLMEngine) -> str:
-    kernels = getattr(engine.model, "cpu_kernels", None)
-    return json.dumps({"model": engine.config.model, "method": engine.config.speculative.method,
-                       "num_slots": engine.num_slots, "device": str(engine.device),
-                       "dtype": str(engine.dtype).removeprefix("torch."),
-                       "cpu_kernels": kernels.describe() if kernels is not None else None, **engine.stats.as_dict()})

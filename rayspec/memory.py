@@ -41,7 +41,7 @@ from rayspec.eagle.head import EagleConfig
 from rayspec.families import ModelArgs
 from rayspec.kv_cache import KVCache
 from rayspec.parallel import TPGroup, splits_vocab
-from rayspec.runner import DEFAULT_BLOCK_SIZE, default_num_blocks, proposer_num_blocks
+from rayspec.kv_space import DEFAULT_BLOCK_SIZE, default_num_blocks, proposer_num_blocks
 from rayspec.weight_memory import (NO_WEIGHTS, ModelShape, Weights, as_shape, eagle_head_weights, int8_weights,
                                    load_bytes, target_io_weights)
 

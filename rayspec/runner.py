@@ -1,10 +1,11 @@
 """ModelRunner: token lists in, logits out, over a paged KV cache with a fixed memory budget.
 
-Both the verifier (target) and the proposers (a draft model, an EAGLE head) use it, each with its
-own cache: a pool of fixed-size blocks (rayspec.block_manager keeps the books, the runner only reads
-block tables into the index tensors of a forward). Block 0 is a scratch block: padding tokens write
-there, and positions past a row's blocks read from it (masked). Where a batch's tokens go (trees,
-masks, prefill groups) is worked out by rayspec.batch_layout's functions.
+Both the verifier (target) and the proposers (a draft model, an EAGLE head) use it, each over its
+own pool. The runner holds the pool's device tensors (KVCache) and nothing of its books: it is
+handed the pool's KVSpace (rayspec.kv_space; the Scheduler owns the target's, a proposer its own)
+and reads block tables and cached lengths into the index tensors of a forward. Block 0 is a scratch
+block: padding tokens write there, and positions past a row's blocks read from it (masked). Where a
+batch's tokens go (trees, masks, prefill groups) is worked out by rayspec.batch_layout's functions.
 """
 
 from __future__ import annotations
@@ -14,57 +15,35 @@ import torch
 
 from rayspec.batch_layout import (TreeQuery, additive_mask, last_rows, pad_rows, sliding_window_mask,
                                   tree_layout_host)
-from rayspec.block_manager import BlockManager
 from rayspec.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
 from rayspec.device_io import to_device
 from rayspec.kv_cache import ForwardBatch, KVCache
+from rayspec.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
 from rayspec.model import CausalLM
 from rayspec.paged_attention import PagedLayout, chain_tail, tree_tail
 
-SCRATCH_BLOCK = 0
-DEFAULT_BLOCK_SIZE = 16
 
-
-class CacheFullError(RuntimeError):
-    pass
-
-
-def default_num_blocks(num_slots: int, capacity: int, block_size: int) -> int:
-    """The blocks that hold num_slots sequences of `capacity` positions each (the slot cache's size)."""
-    return num_slots * -(-capacity // block_size)
-
-
-def proposer_num_blocks(target_blocks: int | None, num_slots: int, capacity: int, slack: int,
-                        block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """A proposer's pool beside a target pool of target_blocks: as many blocks plus a sequence's
-    slack (drafts, tree nodes) per slot, at most num_slots whole sequences of `capacity`. None (a
-    proposer deployment serving any verifier): num_slots whole sequences."""
-    whole = default_num_blocks(num_slots, capacity, block_size)
-    return whole if target_blocks is None else min(whole, target_blocks + num_slots * -(-slack // block_size))
+def make_runner(model: CausalLM, max_model_len: int, num_slots: int, slack: int, num_blocks: int | None = None,
+                block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = False, compile: bool = False,
+                paged_attention: bool = False) -> "ModelRunner":
+    """A runner over a pool of its own books (a KVSpace made here, reached as runner.kv): for a model
+    run on its own (tests, benchmarks, a training data pass); an engine's scheduler and a proposer
+    make their KVSpace themselves and hand it in."""
+    kv = KVSpace(max_model_len, num_slots, slack, num_blocks, block_size, enable_prefix_caching)
+    return ModelRunner(model, kv, compile=compile, paged_attention=paged_attention)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, slack: int,
-                 num_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 enable_prefix_caching: bool = False, compile: bool = False, paged_attention: bool = False):
-        """num_slots: the most sequences held at once; slack: extra positions past max_model_len,
-        written by speculative/padded queries; num_blocks: the pool's blocks (None: enough for
-        num_slots sequences of max_model_len + slack), one scratch block besides."""
+    def __init__(self, model: CausalLM, kv: KVSpace, compile: bool = False, paged_attention: bool = False):
+        """kv: the books of the pool this runner's cache tensors hold (its owner's)."""
         self.model = model
         param = next(model.parameters())
         # the KV cache and inputs follow the layers' dtype (a head's embedding is the target's)
         self.device, self.dtype = param.device, getattr(model, "compute_dtype", param.dtype)
-        self.max_model_len = max_model_len
-        self.capacity = max_model_len + slack  # positions one sequence may write
-        self.num_slots = num_slots
-        self.block_size = block_size
-        if num_blocks is None:
-            num_blocks = default_num_blocks(num_slots, self.capacity, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, first_block=SCRATCH_BLOCK + 1)
+        self.kv = kv
         new_cache = getattr(model, "new_cache", None)  # a CausalLM's (tensor-parallel aware)
-        self.cache = (new_cache(num_blocks + 1, block_size) if new_cache is not None
-                      else KVCache(model.args, num_blocks + 1, block_size, self.dtype, self.device))
-        self._cached_len: dict[str, int] = {}  # tokens whose KV is valid, per sequence
+        self.cache = (new_cache(kv.num_pool_blocks, kv.block_size) if new_cache is not None
+                      else KVCache(model.args, kv.num_pool_blocks, kv.block_size, self.dtype, self.device))
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
         # the compiled step (rayspec.compiled): forwards asked for with `static` run through it
@@ -73,7 +52,6 @@ class ModelRunner:
         # in the compiled step, attention reads the pool in place (rayspec.paged_attention) rather
         # than gathering each row's keys and masking them densely
         self.paged_attention = paged_attention
-        self.max_blocks = -(-self.capacity // block_size)  # a block table's width (a static shape)
 
     def set_compile(self, on: bool) -> None:
         """Run static forwards (decode, verification, a proposer's drafting steps) through the compiled
@@ -83,95 +61,11 @@ class ModelRunner:
         elif self.compiled is None and compilable(self.model):
             self.compiled = CompiledForward(self.model, self.device)
 
-    # ---- sequences and blocks --------------------------------------------------------------------
-    @property
-    def num_free_slots(self) -> int:
-        """Sequences that may still join (max_num_seqs); whether their tokens fit is num_free_blocks'."""
-        return self.num_slots - len(self._cached_len)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.blocks.num_free_blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self.blocks.num_blocks
-
-    @property
-    def prefix_caching(self) -> bool:
-        return self.blocks.enable_prefix_caching
-
-    def kv_cache_usage(self) -> float:
-        """The fraction of the pool's blocks held by sequences (cached blocks nobody holds are free)."""
-        return self.blocks.num_used_blocks / self.blocks.num_blocks
-
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._cached_len
-
-    def allocate(self, seq_id: str, token_ids: list[int] | None = None, max_cached: int | None = None,
-                 cache_salt: str | None = None) -> int:
-        """Take a place for seq_id; with prefix caching and its token_ids, its cached prefix (full
-        blocks, at least one token left to compute, at most max_cached tokens) is found and counts as
-        computed. Returns the cached length it starts with."""
-        if seq_id in self._cached_len:
-            return self._cached_len[seq_id]
-        if self.num_free_slots == 0:
-            raise CacheFullError("no free KV cache slot")
-        self._cached_len[seq_id] = self.blocks.allocate(seq_id, token_ids, max_cached, cache_salt)
-        return self._cached_len[seq_id]
-
-    def free(self, seq_id: str) -> None:
-        if self._cached_len.pop(seq_id, None) is not None:
-            self.blocks.free(seq_id)
-
-    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.blocks.can_grow(seq_id, num_tokens)
-
-    def grow(self, seq_id: str, num_tokens: int) -> bool:
-        """Blocks for positions up to num_tokens of seq_id; False (none taken) when the pool lacks them."""
-        if num_tokens > self.capacity:
-            raise CacheFullError(f"sequence {seq_id} exceeds the cache capacity")
-        grown = self.blocks.grow(seq_id, num_tokens)
-        self._copy_blocks(self.blocks.pop_copies())  # (a shared prefix moved to where it grows on)
-        return grown
-
-    def cached_len(self, seq_id: str) -> int:
-        return self._cached_len[seq_id]
-
-    def set_cached_len(self, seq_id: str, n: int) -> None:
-        """Keep the first n cached tokens; later positions are garbage, overwritten next time (whole
-        blocks past them go back to the pool)."""
-        if n > len(self.blocks.tables[seq_id]) * self.block_size:
-            raise ValueError(f"sequence {seq_id} has no KV cached up to {n}")
-        self._cached_len[seq_id] = n
-        self._copy_blocks(self.blocks.shrink(seq_id, n))
-
-    def commit(self, seq_id: str, token_ids: list[int]) -> None:
-        """token_ids are seq_id's verified tokens: its full blocks among the cached ones may be shared
-        (prefix caching; never a block holding draft or tree rows past them)."""
-        if self.blocks.enable_prefix_caching and seq_id in self._cached_len:
-            self.blocks.commit(seq_id, token_ids, self._cached_len[seq_id])
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            bs = self.block_size
-            src = np.array([b * bs + r for b, _ in copies for r in range(bs)], dtype=np.int64)
-            dst = np.array([b * bs + r for _, b in copies for r in range(bs)], dtype=np.int64)
+    def apply_moves(self) -> None:
+        """Move the rows the books queued (copy-on-write, a relocated prefix, accepted tree paths) on
+        the pool's tensors, in order; every forward does so first."""
+        for src, dst in self.kv.pop_moves():
             self.cache.move_rows(*to_device(src, dst, device=self.device))
-
-    def _consecutive(self, seq_id: str, kv_len: int) -> bool:
-        blocks = self.blocks.tables[seq_id][: -(-kv_len // self.block_size)]
-        return len(blocks) * self.block_size >= kv_len and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-
-    def _rows(self, seq_ids: list[str], kv_len: int) -> np.ndarray:
-        """[B, kv_len] int64: the cache row of each row's positions 0..kv_len-1 (past its blocks: scratch)."""
-        bs = self.block_size
-        nb = -(-kv_len // bs)
-        table = np.full((len(seq_ids), nb), SCRATCH_BLOCK, dtype=np.int64)
-        for b, s in enumerate(seq_ids):
-            blocks = self.blocks.tables[s][:nb]
-            table[b, : len(blocks)] = blocks
-        return (table[:, :, None] * bs + np.arange(bs)).reshape(len(seq_ids), nb * bs)[:, :kv_len]
 
     # ---- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,7 +78,7 @@ class ModelRunner:
         groups, rest = [], list(range(len(seq_ids)))
         while rest:
             q = max(lengths[i] for i in rest)
-            fits = [i for i in rest if self._cached_len[seq_ids[i]] + q <= self.capacity]
+            fits = [i for i in rest if self.kv.cached_len(seq_ids[i]) + q <= self.kv.capacity]
             fits = fits or [max(rest, key=lambda i: lengths[i])]
             groups.append(fits)
             rest = [i for i in rest if i not in fits]
@@ -196,7 +90,7 @@ class ModelRunner:
 
         Returns [B, vocab] (last real token of each row) if last_only, else [B, Q, vocab]
         with Q = max row length (rows padded at the end; padded logits are meaningless).
-        The caller decides afterwards how many of the new tokens stay (`set_cached_len`).
+        The caller decides afterwards how many of the new tokens stay (`kv.set_cached_len`).
         """
         hidden, lengths = self.forward_hidden(seq_ids, token_lists, static=static)
         if last_only:
@@ -204,7 +98,7 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, packed: bool = False,
-                       static: bool = False, **model_kwargs):
+                       static: bool = False, advance: bool = True, **model_kwargs):
         """Run the model over new tokens; returns (model output, row lengths).
 
         token_lists: a list of token lists (host), or a [B, Q] long tensor on the device (drafted
@@ -212,11 +106,13 @@ class ModelRunner:
         The output is [B, Q, ...] with rows padded at the end (padding meaningless), or with
         `packed` [N, ...]: the real tokens only, row after row (see `packed_offsets`).
 
-        Without trees the tokens extend each sequence and its cached length grows.
+        Without trees the tokens extend each sequence, and with `advance` its cached length grows
+        over them (without, the rows are written and the caller decides what stays: the engine's
+        commit).
         With trees, row i computes nodes trees[i].first.. of a token tree hanging off the
         sequence's cached prefix: node j sits in cache row cached_len + j at rope position
         cached_len + depth(j) and sees the prefix plus its own ancestors. The cached length
-        does not move; the caller keeps an accepted path with `keep_path`.
+        does not move; the caller keeps an accepted path with `kv.keep_paths`.
         model_kwargs go to the model (aux_layers for a target, features for an EAGLE head).
         static: a decode or verification forward, which runs through the compiled step when the
         runner has one and the padded shape fits its buckets.
@@ -229,17 +125,19 @@ class ModelRunner:
         on_device = isinstance(token_lists, torch.Tensor)
         lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
+        starts = [self.kv.cached_len(s) for s in seq_ids]
         if static and self.compiled is not None and self.compiled.fits(B, Q):
-            return self._forward_static(seq_ids, token_lists, lengths, trees, packed, model_kwargs), lengths
-        starts = [self._cached_len[s] for s in seq_ids]
-        kv_len = self._grow_for(seq_ids, starts, lengths, Q, trees)
-        t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, trees, kv_len)))
-        input_ids = token_lists if on_device else t["input_ids"]
-        batch = self._eager_batch(seq_ids, starts, trees, kv_len, t, packed)
-        out = self.model(input_ids, self.cache, batch, **model_kwargs)
-        if trees is None:
+            out = self._forward_static(seq_ids, token_lists, lengths, starts, trees, packed, model_kwargs)
+        else:
+            kv_len = self._grow_for(seq_ids, starts, lengths, Q, trees)
+            self.apply_moves()
+            t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, trees, kv_len)))
+            input_ids = token_lists if on_device else t["input_ids"]
+            batch = self._eager_batch(seq_ids, starts, trees, kv_len, t, packed)
+            out = self.model(input_ids, self.cache, batch, **model_kwargs)
+        if trees is None and advance:
             for s, start, n in zip(seq_ids, starts, lengths):
-                self._cached_len[s] = start + n
+                self.kv.extend(s, start + n)
         return out, lengths
 
     @torch.inference_mode()
@@ -249,14 +147,15 @@ class ModelRunner:
         outputs nobody reads); the cached lengths grow as with forward_hidden. No masks are built."""
         lengths = [len(t) for t in token_lists]
         Q = max(lengths)
-        starts = [self._cached_len[s] for s in seq_ids]
+        starts = [self.kv.cached_len(s) for s in seq_ids]
         kv_len = self._grow_for(seq_ids, starts, lengths, Q, None)
+        self.apply_moves()
         t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, None, kv_len)))
         batch = ForwardBatch(write_index=t["write_index"], read_index=t["read_index"], positions=t["positions"],
                              kv_len=kv_len, mask=None, real_rows=t.get("real_rows"), write_rows=t.get("write_rows"))
         self.model.write_kv(t["input_ids"], self.cache, batch, **model_kwargs)
         for s, start, n in zip(seq_ids, starts, lengths):
-            self._cached_len[s] = start + n
+            self.kv.extend(s, start + n)
 
     def _eager_host(self, seq_ids, token_lists, lengths, starts, trees, kv_len) -> tuple[list[str], list]:
         """The eager forward's index arrays, built on the host and sent in one non-blocking copy:
@@ -277,7 +176,7 @@ class ModelRunner:
             host["positions"], host["cache_positions"], host["visible"] = positions, write_pos, visible_np
             if key_pos_np is not None:
                 host["key_positions"] = key_pos_np
-        read_np = host["read_index"] = self._rows(seq_ids, kv_len)  # [B, kv_len]
+        read_np = host["read_index"] = self.kv.rows(seq_ids, kv_len)  # [B, kv_len]
         host["write_index"] = np.take_along_axis(read_np, write_pos, axis=1)  # [B, Q]
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             host["real_rows"] = np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)])
@@ -309,8 +208,8 @@ class ModelRunner:
             sliding_start, sliding_mask = sliding_window_mask(visible, mask, positions_t, key_positions,
                                                               self.model.args.sliding_window, min(starts), kv_len)
         read_range = None
-        if len(seq_ids) == 1 and self._consecutive(seq_ids[0], kv_len):  # its keys are a view of the pool
-            lo = self.blocks.tables[seq_ids[0]][0] * self.block_size
+        if len(seq_ids) == 1 and self.kv.consecutive(seq_ids[0], kv_len):  # its keys are a view of the pool
+            lo = self.kv.table(seq_ids[0])[0] * self.kv.block_size
             read_range = (lo, lo + kv_len)
         return ForwardBatch(write_index=t["write_index"], read_index=t["read_index"], positions=positions_t,
                             kv_len=kv_len, mask=mask, cache_positions=cache_positions, real_rows=t.get("real_rows"),
@@ -326,18 +225,18 @@ class ModelRunner:
         else:
             ends = [start + max(t.num_nodes, t.first + Q) for start, t in zip(starts, trees)]
             real_ends = [start + max(t.num_nodes, t.first + n) for start, t, n in zip(starts, trees, lengths)]
-        for s, end in zip(seq_ids, real_ends):
-            if not self.grow(s, end):
+        for s, end in zip(seq_ids, real_ends):  # (the target's: reserved by its scheduler already)
+            if not self.kv.grow(s, end):
                 raise CacheFullError(f"no free KV block for sequence {s}")
         return max(ends)
 
-    def _forward_static(self, seq_ids, token_lists, lengths, trees, packed, model_kwargs):
+    def _forward_static(self, seq_ids, token_lists, lengths, starts, trees, packed, model_kwargs):
         """forward_hidden through the compiled step: batch and rows padded to powers of two, keys to
         a multiple of KV_BUCKET; padding rows read and write the scratch block, padded keys are masked."""
         B, Q = len(seq_ids), max(lengths)
         Bp, Qp = bucket(B), bucket(Q)
-        starts = [self._cached_len[s] for s in seq_ids]
         kv_len = round_up(self._grow_for(seq_ids, starts, lengths, Qp, trees), KV_BUCKET)
+        self.apply_moves()
         on_device = isinstance(token_lists, torch.Tensor)  # [B, Q] drafted on the device: padded there
         ids = np.zeros((Bp, Qp) if not on_device else (0, 0), dtype=np.int64)
         for b, t in enumerate([] if on_device else token_lists):
@@ -356,9 +255,6 @@ class ModelRunner:
                 return x.reshape(Bp * Qp, *x.shape[2:]).index_select(0, t_real)
             return x[:B, :Q]
 
-        if trees is None:
-            for s, start, n in zip(seq_ids, starts, lengths):
-                self._cached_len[s] = start + n
         return tuple(unpad(o) for o in out) if isinstance(out, tuple) else unpad(out)
 
     def _static_positions(self, starts, trees, Bp: int, Qp: int, kv_len: int, paged: bool):
@@ -385,14 +281,14 @@ class ModelRunner:
     def _static_batch(self, seq_ids, starts, trees, ids, real, Bp: int, Qp: int, kv_len: int):
         """The compiled step's inputs on the device, in one copy: (token ids, real rows, ForwardBatch),
         reading the pool through block tables (paged) or through every key's row and a dense mask."""
-        B, bs = len(seq_ids), self.block_size
+        B, bs = len(seq_ids), self.kv.block_size
         paged = self._pages(trees)
         positions, write_pos, visible = self._static_positions(starts, trees, Bp, Qp, kv_len, paged)
         if paged:  # block tables, not every key's row, and no dense mask (rayspec.paged_attention)
             table, context, tail = self._paged_arrays(seq_ids, starts, Bp, Qp, trees)
             block = write_pos // bs  # padding written past a table's width: the scratch block
-            write = np.where(block < self.max_blocks,
-                             np.take_along_axis(table, np.minimum(block, self.max_blocks - 1), axis=1),
+            width = self.kv.max_blocks
+            write = np.where(block < width, np.take_along_axis(table, np.minimum(block, width - 1), axis=1),
                              SCRATCH_BLOCK) * bs + write_pos % bs
             t_ids, t_pos, t_write, t_real, t_table, t_context, t_tail = to_device(
                 ids, positions, write, real, table, context, tail, device=self.device)
@@ -400,7 +296,7 @@ class ModelRunner:
             return t_ids, t_real, ForwardBatch(write_index=t_write, read_index=t_write[:, :0], positions=t_pos,
                                                kv_len=kv_len, mask=None, paged=layout)
         read = np.empty((Bp, kv_len), dtype=np.int64)
-        read[:B] = self._rows(seq_ids, kv_len)
+        read[:B] = self.kv.rows(seq_ids, kv_len)
         read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
         t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
             ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
@@ -419,10 +315,7 @@ class ModelRunner:
     def _paged_arrays(self, seq_ids, starts, Bp, Qp, trees):
         """A PagedLayout's table [Bp, max_blocks] (scratch past a row's blocks, and for padding rows),
         context [Bp] and tail [Bp, Qp, Qp], as numpy arrays."""
-        table = np.full((Bp, self.max_blocks), SCRATCH_BLOCK, dtype=np.int64)
-        for b, s in enumerate(seq_ids):
-            blocks = self.blocks.tables[s][: self.max_blocks]
-            table[b, : len(blocks)] = blocks
+        table = self.kv.block_tables(seq_ids, Bp)
         context = np.zeros(Bp, dtype=np.int64)
         context[: len(starts)] = starts
         tail = np.empty((Bp, Qp, Qp), dtype=bool)
@@ -430,23 +323,3 @@ class ModelRunner:
         for b, tree in enumerate(trees or []):
             tail[b] = tree_tail(tree.parents, Qp)
         return table, context, tail
-
-    def keep_path(self, seq_id: str, tree_rows: list[int]) -> None:
-        """After a tree forward: move the KV of the accepted nodes (tree-relative rows, in path
-        order) to follow the prefix contiguously, and extend the cached length over them."""
-        self.keep_paths([(seq_id, tree_rows)])
-
-    def keep_paths(self, paths: list[tuple[str, list[int]]]) -> None:
-        """keep_path for several sequences, their KV moves in one copy."""
-        src, dst = [], []
-        bs = self.block_size
-        for seq_id, tree_rows in paths:
-            if tree_rows != list(range(len(tree_rows))):
-                start, table = self._cached_len[seq_id], self.blocks.tables[seq_id]
-                src += [table[p // bs] * bs + p % bs for p in (start + r for r in tree_rows)]
-                dst += [table[p // bs] * bs + p % bs for p in range(start, start + len(tree_rows))]
-        if src:
-            self.cache.move_rows(*to_device(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
-                                            device=self.device))
-        for seq_id, tree_rows in paths:
-            self.set_cached_len(seq_id, self._cached_len[seq_id] + len(tree_rows))

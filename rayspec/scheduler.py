@@ -7,8 +7,10 @@
      shared) are free;
   3. cut the running sequences' unfinished prompts into this step's prefill chunks, within the
      prompt-token budget (max_num_batched_tokens).
-The engine asks for KV through the runner (`grow`, `allocate`, `free`); the scheduler never
-touches blocks itself.
+It owns the target's KV books (`kv`, a KVSpace: slots, block tables, cached lengths, prefix
+matching): sequences take, grow, commit and give back their blocks here and nowhere else; the
+runner only reads them. A proposer's own cache is reached through the Proposer interface
+(`cached_prefix`, `trim_prefix`, `release`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from rayspec.runner import ModelRunner
+from rayspec.kv_space import KVSpace
+from rayspec.proposers.base import Proposer
 from rayspec.sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -30,13 +33,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, proposer, max_k: int, max_num_batched_tokens: int | None,
-                 feature_layers=None):
-        """feature_layers: the proposer's (not None: an EAGLE head, which must hold its own keys for a
-        cached prefix, see _allocate)."""
-        self.runner, self.proposer = runner, proposer
+    def __init__(self, kv: KVSpace, proposer: Proposer, max_k: int, max_num_batched_tokens: int | None):
+        """kv: the target pool's books, owned from here on."""
+        self.kv, self.proposer = kv, proposer
         self.max_k, self.max_num_batched_tokens = max_k, max_num_batched_tokens
-        self.feature_layers = feature_layers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # sequences sent back to waiting because the KV blocks ran out
@@ -47,12 +47,20 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of its queue (its KV is the engine's to free)."""
+    def finish(self, seq: Sequence) -> None:
+        """A finished or aborted sequence leaves its queue, and its KV (the target's and the
+        proposer's) goes back."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.kv.free(seq.request_id)
+        self.proposer.release(seq.request_id)
+
+    def commit_verified(self) -> None:
+        """The running sequences' verified full blocks may serve later prompts (prefix caching)."""
+        for seq in self.running:
+            self.kv.commit(seq.request_id, seq.token_ids)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -74,12 +82,12 @@ class Scheduler:
         """Running sequences take waiting ones while max_num_seqs allows and the KV blocks of the
         prompt (its cached prefix shared) are free, with one block to spare per running sequence:
         admitting one only to preempt it at the next verification would waste its prefill."""
-        while self.waiting and self.runner.num_free_slots > 0:
+        while self.waiting and self.kv.num_free_slots > 0:
             seq = self.waiting[0]
             cached, limit = self._allocate(seq)
-            need = self.runner.blocks.blocks_for(len(seq.token_ids)) - cached // self.runner.block_size
-            if need + len(self.running) > self.runner.num_free_blocks:
-                self.runner.free(seq.request_id)
+            need = self.kv.blocks_for(len(seq.token_ids)) - cached // self.kv.block_size
+            if need + len(self.running) > self.kv.num_free_blocks:
+                self.kv.free(seq.request_id)
                 if limit is not None:  # (the head's place, taken by cached_prefix)
                     self.proposer.release(seq.request_id)
                 break
@@ -87,7 +95,7 @@ class Scheduler:
                 self.proposer.trim_prefix(seq.request_id, cached)  # (the target's prefix may be shorter)
             seq.prefill_start = cached
             seq.features, seq.features_start = [], cached
-            self.runner.grow(seq.request_id, len(seq.token_ids))
+            self.kv.grow(seq.request_id, len(seq.token_ids))
             self.waiting.popleft()
             if seq.num_cached_tokens is None:  # (a preempted one reports its first admission's)
                 seq.num_cached_tokens = cached
@@ -101,12 +109,11 @@ class Scheduler:
         # prompt logprobs need every prompt row computed: no cached prefix for those
         reuse = seq.params.prompt_logprobs is None or bool(seq.output_token_ids)
         limit = None
-        if reuse and self.feature_layers is not None:
+        if reuse and self.proposer.feature_layers is not None:
             # a cached prefix has no target features: an EAGLE head must hold its own keys for it
-            prefix = getattr(self.proposer, "cached_prefix", None)
-            limit = prefix(seq.request_id, seq.token_ids, seq.params.cache_salt) if prefix is not None else None
+            limit = self.proposer.cached_prefix(seq.request_id, seq.token_ids, seq.params.cache_salt)
             reuse = limit is not None
-        cached = self.runner.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
+        cached = self.kv.allocate(seq.request_id, seq.token_ids if reuse else None, limit,
                                       seq.params.cache_salt)
         return cached, limit
 
@@ -114,11 +121,11 @@ class Scheduler:
         """KV blocks for this step's verification of every sequence in seqs (its tokens and up to
         max_k drafts), oldest first; when the pool runs out, the youngest running sequence is
         preempted (see preempt). Returns those of seqs still running."""
-        cap = self.runner.capacity
+        cap = self.kv.capacity
         for seq in seqs:
             if seq.status is not Status.RUNNING:
                 continue
-            while not self.runner.grow(seq.request_id, min(len(seq.token_ids) + self.max_k, cap)):
+            while not self.kv.grow(seq.request_id, min(len(seq.token_ids) + self.max_k, cap)):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -132,8 +139,8 @@ class Scheduler:
         logger.info("KV cache full: request %s preempted (%d tokens), to be recomputed", seq.request_id,
                     len(seq.token_ids))
         self.running.remove(seq)
-        self.runner.commit(seq.request_id, seq.token_ids)
-        self.runner.free(seq.request_id)
+        self.kv.commit(seq.request_id, seq.token_ids)
+        self.kv.free(seq.request_id)
         self.proposer.release(seq.request_id)
         seq.prefilled, seq.status = False, Status.WAITING
         seq.features, seq.features_start = [], 0
@@ -155,7 +162,7 @@ class Scheduler:
         size = self.max_num_batched_tokens
         budget, chunks = size, []
         for seq in seqs:
-            done = self.runner.cached_len(seq.request_id)
+            done = self.kv.cached_len(seq.request_id)
             n = len(seq.token_ids) - done
             if size is not None:
                 n = min(n, size - done % size)  # up to the prompt's next cut

@@ -20,24 +20,24 @@ def calibrate_costs(engine, costs: MeasuredCosts, context: int = 32, repeats: in
     """Seed the planner's verification cost fit: a dummy sequence of `context` tokens verifies 1,
     2 and 1 + num_speculative_tokens rows (forward and logits, the median of `repeats` each).
     The engine's own steps refine the fit from then on."""
-    seq_id, runner = "__calibrate_costs", engine.runner
-    if runner.num_free_slots == 0:
+    seq_id, kv = "__calibrate_costs", engine.kv
+    if kv.num_free_slots == 0:
         return
-    runner.allocate(seq_id)
+    kv.allocate(seq_id)
     try:
         with torch.inference_mode():
             engine._target_forward([seq_id], [[0] * context], packed=True)
             for rows in (1, 2, 1 + engine.max_k, 1):
                 times = []
                 for _ in range(repeats):
-                    runner.set_cached_len(seq_id, context)
+                    kv.set_cached_len(seq_id, context)
                     started = time.perf_counter()
                     hidden, _ = engine._target_forward([seq_id], [[0] * rows], packed=True, static=True)
                     to_host(engine.model.logits(hidden).argmax(-1))
                     times.append(time.perf_counter() - started)
                 costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2], warm=True)
     finally:
-        runner.free(seq_id)
+        kv.free(seq_id)
 
 
 def keep_compiled_step(engine) -> bool:
@@ -51,30 +51,28 @@ def keep_compiled_step(engine) -> bool:
     logger.info("compiled step off: a decode forward took %.2f ms compiled, %.2f ms eager",
                 compiled_s * 1e3, eager_s * 1e3)
     engine.runner.compiled, engine.compile = None, False
-    proposer_runner = getattr(engine.proposer, "runner", None)
-    if proposer_runner is not None:
-        proposer_runner.set_compile(False)
+    engine.proposer.set_compile(False)
     return False
 
 
 def compile_buckets(engine) -> list[tuple[int, int]]:
     """Compile (and on CUDA capture) every batch bucket up to max_num_seqs at 1 row (decoding) and
     at the verification's rows (1 + num_speculative_tokens, bucketed). Returns the (batch, rows) done."""
-    runner, done = engine.runner, []
+    runner, kv, done = engine.runner, engine.kv, []
     for rows in sorted({1, bucket(1 + engine.max_k)}):
         b = 1
         while b <= bucket(engine.config.max_num_seqs) and runner.compiled.fits(b, rows):
-            ids = [f"__warm_up_{i}" for i in range(min(b, runner.num_free_slots))]
+            ids = [f"__warm_up_{i}" for i in range(min(b, kv.num_free_slots))]
             if len(ids) < b:
                 break
             try:
                 for i in ids:
-                    runner.allocate(i)
+                    kv.allocate(i)
                 engine._target_forward(ids, [[0] * rows for _ in ids], packed=True, static=True)
                 done.append((b, rows))
             finally:
                 for i in ids:
-                    runner.free(i)
+                    kv.free(i)
             b *= 2
     sync(engine.device)
     return done
@@ -88,17 +86,17 @@ def paged_attention_agrees(runner, context: int = 40, tolerance: float = 0.02) -
     attention is turned off with an error in the log, so a kernel fault costs speed, not
     correctness."""
     seq_id, hiddens = "__paged_check", []
-    runner.allocate(seq_id)
+    runner.kv.allocate(seq_id)
     try:
         prompt = [(7 * i + 3) % runner.model.args.vocab_size for i in range(context)]
         runner.forward_hidden([seq_id], [prompt])
         for paged in (False, True):
             runner.paged_attention = paged
-            runner.set_cached_len(seq_id, context)
+            runner.kv.set_cached_len(seq_id, context)
             hiddens.append(runner.forward_hidden([seq_id], [[5]], packed=True, static=True)[0].float())
     finally:
         runner.paged_attention = True
-        runner.free(seq_id)
+        runner.kv.free(seq_id)
     gather, paged = hiddens
     diff, scale = (paged - gather).abs().max().item(), gather.abs().max().item()
     if not diff <= tolerance * max(scale, 1e-6):  # (NaN fails too)
@@ -112,7 +110,7 @@ def paged_attention_agrees(runner, context: int = 40, tolerance: float = 0.02) -
 def time_decode(engine, static: bool, repeats: int = 10) -> float:
     """Seconds per one-token forward of a dummy sequence (the first calls, which compile, untimed)."""
     seq_id = "__time_decode"
-    engine.runner.allocate(seq_id)
+    engine.kv.allocate(seq_id)
     try:
         for _ in range(2):
             engine._target_forward([seq_id], [[0]], packed=True, static=static)
@@ -123,7 +121,7 @@ def time_decode(engine, static: bool, repeats: int = 10) -> float:
         sync(engine.device)
         return (time.perf_counter() - started) / repeats
     finally:
-        engine.runner.free(seq_id)
+        engine.kv.free(seq_id)
 
 
 def sync(device: torch.device) -> None:

@@ -136,14 +136,14 @@ def test_budget_holds_per_step_and_per_forward(target_dir, target):
     engine = _engine(target_dir, target, "ngram", budget)
     steps = _spy_target_tokens(engine, prefill_only=True)
     cuts: dict[str, list[int]] = {}
-    prefill = engine._prefill_batch
+    prefill = engine._prefill_forward
 
     def spy_batch(chunks):
         for seq, n in chunks:
-            cuts.setdefault(seq.request_id, []).append(engine.runner.cached_len(seq.request_id) + n)
+            cuts.setdefault(seq.request_id, []).append(engine.kv.cached_len(seq.request_id) + n)
         return prefill(chunks)
 
-    engine._prefill_batch = spy_batch
+    engine._prefill_forward = spy_batch
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
     engine.step()
     ids += [engine.add_request(p, GREEDY) for p in PROMPTS[2:]]
@@ -294,9 +294,72 @@ def test_a_failing_request_fails_alone(target_dir, target, head_dir, method, pha
     assert done[bad].finish_reason == "error" and "out of memory" in done[bad].error
     for i, ref in zip(ids, reference):
         assert done[i].error is None and done[i].token_ids == ref.token_ids, i
-    assert not engine.has_unfinished_requests() and engine.runner.num_free_slots == engine.num_slots
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_slots == engine.num_slots
     assert "retrying them in halves" in caplog.text
     assert "decodes without drafts" not in caplog.text  # the EAGLE head rewound: the others still draft
+
+
+def _state(engine, seqs) -> list:
+    """What a decode step may change of each sequence and of the target's KV books."""
+    feats = [torch.cat(s.features) if s.features else None for s in seqs]
+    return [(list(s.token_ids), engine.kv.cached_len(s.request_id), list(engine.kv.table(s.request_id)),
+             f, s.features_start, s.num_steps, s.num_draft_tokens) for s, f in zip(seqs, feats)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_a_failure_before_commit_leaves_every_sequence_as_it_was(target_dir, target, head_dir, method):
+    """propose -> verify change no sequence and no KV book (the decode step is a transaction):
+    when the step fails after the verification's forward wrote its rows, every sequence, its
+    cached length, block table and unsent features are as before, with no rollback code; the
+    step runs again and the outputs are those of an engine that never failed."""
+    prompts = [p for p in PROMPTS if POISON not in p][:3]
+    reference = _engine(target_dir, target, method, 64, head_dir=head_dir).generate(prompts, GREEDY)
+    engine = _engine(target_dir, target, method, 64, head_dir=head_dir)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.waiting or not all(s.prefilled and s.num_output_tokens >= 3 for s in engine.running):
+        assert not [out for out in engine.step() if out.finished]  # (the prompts ask for more)
+    seqs = [s for s in engine.running if s.prefilled]
+    before = _state(engine, seqs)
+    verify, verified = engine._verify, []
+
+    def failing(proposal):
+        verified.append(verify(proposal))  # the forward ran and wrote its rows
+        raise RuntimeError("simulated: fails past the verification's forward")
+
+    engine._verify = failing
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine._decode_prepare(seqs)
+    assert verified and sum(len(e) for e in verified[0].emitted) > len(seqs) - 1
+    after = _state(engine, seqs)
+    for b, a in zip(before, after):
+        assert b[:3] == a[:3] and b[4:] == a[4:]
+        assert (b[3] is None and a[3] is None) or torch.equal(b[3], a[3])
+    engine._verify = verify
+    done = run_to_completion(engine)
+    for i, ref in zip(ids, reference):
+        assert done[i].token_ids == ref.token_ids, i
+
+
+def test_a_failure_in_commit_fails_its_batch_without_retry(target_dir, target, caplog):
+    """Past the commit point sequences may have taken tokens: the batch's requests fail (finish
+    reason "error"), nothing is retried in halves, the engine goes on and frees every slot."""
+    engine = _engine(target_dir, target, "ngram", 64)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    while engine.waiting or not all(s.prefilled for s in engine.running):
+        engine.step()
+    commit = engine._commit
+
+    def failing(proposal, verdict):
+        commit(proposal, verdict)
+        raise RuntimeError("simulated: fails in commit")
+
+    engine._commit = failing
+    done = {out.request_id: out for out in engine.step() if out.finished}
+    engine._commit = commit
+    done = run_to_completion(engine, done)
+    assert all(done[i].finish_reason == "error" and "fails in commit" in done[i].error for i in ids), done
+    assert "retrying them in halves" not in caplog.text
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_slots == engine.num_slots
 
 
 # ---- attention kernels ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from rayspec.families import ModelArgs
 from rayspec.kv_cache import ForwardBatch, KVCache
 from rayspec.linear import Linear
 from rayspec.model import MLP, Attention, CausalLM
-from rayspec.runner import ModelRunner
+from rayspec.runner import ModelRunner, make_runner
 
 HEAD_DIM = 16
 
@@ -47,9 +47,9 @@ def tiny_model(num_layers: int, device_path: bool = False) -> CausalLM:
 
 
 def _runner(model, num_blocks: int, context: int, compile: bool) -> ModelRunner:
-    runner = ModelRunner(model, max_model_len=context + 64, num_slots=2, slack=0, num_blocks=num_blocks,
+    runner = make_runner(model, max_model_len=context + 64, num_slots=2, slack=0, num_blocks=num_blocks,
                          compile=compile)
-    runner.allocate("s")
+    runner.kv.allocate("s")
     with torch.inference_mode():
         runner.forward_hidden(["s"], [[(7 * i) % 250 + 3 for i in range(context)]])
     return runner
@@ -84,7 +84,7 @@ def test_compiled_step_writes_the_pool_in_place(case):
     pool_numel = runner.cache.k[0].numel()
 
     def step():
-        runner.set_cached_len("s", context)
+        runner.kv.set_cached_len("s", context)
         if case == "decode":
             runner.forward_hidden(["s"], [[5]], packed=True, static=True)
         elif case == "chain verification":
@@ -181,11 +181,11 @@ def test_eager_step_allocates_nothing_that_grows_with_the_pool(batch_size):
     model = tiny_model(2)
     totals = []
     for num_blocks in (32, 512):
-        runner = ModelRunner(model, max_model_len=128, num_slots=batch_size, slack=0, num_blocks=num_blocks)
+        runner = make_runner(model, max_model_len=128, num_slots=batch_size, slack=0, num_blocks=num_blocks)
         ids = [f"s{b}" for b in range(batch_size)]
         with torch.inference_mode():
             for b, s in enumerate(ids):
-                runner.allocate(s)
+                runner.kv.allocate(s)
                 runner.forward_hidden([s], [[(3 * i + b) % 250 + 3 for i in range(30 + b)]])
             with Allocations() as alloc:
                 runner.forward_hidden(ids, [[5]] * batch_size, packed=True, static=True)

@@ -135,8 +135,8 @@ def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
     engine = _engine(tiny_model_dir, "draft_model", True, draft_model=str(tiny_model_dir))
     assert engine._warmed_up and engine.warm_up() == []  # done when the engine was built, once
     assert engine.runner.compiled.shapes == {(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)}
-    assert engine.runner.num_free_slots == engine.num_slots
-    assert engine.runner.num_free_blocks == engine.num_blocks  # the dummy sequences left nothing behind
+    assert engine.kv.num_free_slots == engine.num_slots
+    assert engine.kv.num_free_blocks == engine.num_blocks  # the dummy sequences left nothing behind
     draft = engine.proposer.runner.compiled  # the draft's decode-shaped forwards compile as they come
     graphs, warmed, drafted = counters["stats"]["unique_graphs"], set(engine.runner.compiled.shapes), set(draft.shapes)
     out = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
@@ -196,4 +196,4 @@ def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
     compiled = engine._time_decode(True, repeats=3)
     assert calls[5:] == [True] * 5 and len(graph_calls) == 5  # compiled: every forward through it
     assert eager == pytest.approx(0.002) and compiled == pytest.approx(0.003)
-    assert engine.runner.num_free_blocks == engine.num_blocks and engine.runner.num_free_slots == engine.num_slots
+    assert engine.kv.num_free_blocks == engine.num_blocks and engine.kv.num_free_slots == engine.num_slots

@@ -97,7 +97,7 @@ def spy(engine: LLMEngine) -> Trace:
     """Record per decode step the batch size and what the proposer was asked for (instance
     attributes wrapping the engine's own methods: nothing in the engine changes)."""
     trace, current = Trace(), {}
-    decode, propose = engine._decode_step, engine.proposer.propose
+    prepare, propose = engine._decode_prepare, engine.proposer.propose
 
     def propose_spy(requests):
         drafts = propose(requests)
@@ -107,14 +107,15 @@ def spy(engine: LLMEngine) -> Trace:
         trace.calls += [(r.seq_id, len(r.token_ids), r.num_tokens, r.tree) for r in requests]
         return drafts
 
-    def decode_spy(seqs):
+    def decode_spy(seqs):  # (propose -> verify; commit follows)
         current.clear()
-        decode(seqs)
+        prepared = prepare(seqs)
         trace.batches.append(len(seqs))
         trace.modes.append(current.get("mode", "none"))
         trace.tree_drafts.append(current.get("tree_drafts", 0))
+        return prepared
 
-    engine._decode_step, engine.proposer.propose = decode_spy, propose_spy
+    engine._decode_prepare, engine.proposer.propose = decode_spy, propose_spy
     return trace
 
 
@@ -139,14 +140,14 @@ def drive(engine: LLMEngine, plan: list[Join], trace: Trace | None = None,
     else:
         raise AssertionError("the engine did not finish")
     assert engine.num_running == engine.num_waiting == 0
-    assert engine.runner.num_free_slots == engine.num_slots, "target KV slots leaked"
+    assert engine.kv.num_free_slots == engine.num_slots, "target KV slots leaked"
     if hasattr(engine.proposer, "runner"):
-        assert engine.proposer.runner.num_free_slots == engine.proposer.runner.num_slots, "head slots leaked"
+        assert engine.proposer.runner.kv.num_free_slots == engine.proposer.runner.kv.num_slots, "head slots leaked"
     return [done[ids[i]] for i in range(len(plan))]
 
 
 def expected_mode(spec, batch: int) -> str:
-    """What LLMEngine._decode_step asks the proposer for at this batch size (when anything)."""
+    """What LLMEngine._decode_prepare asks the proposer for at this batch size (when anything)."""
     if spec.disable_by_batch_size and batch >= spec.disable_by_batch_size:
         return "none"
     if spec.eagle_topk > 1 and batch <= spec.tree_max_batch:
@@ -272,7 +273,7 @@ def test_default_yaml_greedy_equals_target_only(smol_engine, smol_requests, targ
     spec = engine.config.speculative
     T, D = spec.tree_max_batch, spec.disable_by_batch_size
     assert spec.eagle_topk > 1 and T >= 1 and D is not None and D > T  # the switches this test crosses
-    assert engine.kv_plan.sequences_of(engine.runner.capacity) >= 8, "the YAML's KV budget no longer holds 8 sequences"
+    assert engine.kv_plan.sequences_of(engine.kv.capacity) >= 8, "the YAML's KV budget no longer holds 8 sequences"
     L = engine.max_model_len
     long_ids = smol_requests["LONG"][0]
     assert len(long_ids) > 1000
@@ -369,7 +370,7 @@ def tiny(tmp_path_factory):
 
 def _head_kv(runner, seq_id: str) -> list[torch.Tensor]:
     """A sequence's committed head-cache keys and values (ModelRunner internals, read only)."""
-    rows = runner._rows([seq_id], runner.cached_len(seq_id))[0]  # its block table, row by row
+    rows = runner.kv.rows([seq_id], runner.kv.cached_len(seq_id))[0]  # its block table, row by row
     return [torch.stack(c)[:, rows] for c in (runner.cache.k, runner.cache.v)]
 
 
@@ -390,7 +391,7 @@ def fresh_head_oracle(engine: LLMEngine, fresh) -> list[tuple[bool, bool]]:
         for r, d in zip(requests, drafts):
             if r.num_tokens > 0:
                 (want,) = fresh.propose([replace(r, features=torch.cat(history[r.seq_id]), features_start=0)])
-                same_kv = (mine.runner.cached_len(r.seq_id) == fresh.runner.cached_len(r.seq_id) == len(r.token_ids) - 1
+                same_kv = (mine.runner.kv.cached_len(r.seq_id) == fresh.runner.kv.cached_len(r.seq_id) == len(r.token_ids) - 1
                            and all(torch.allclose(x, y, rtol=1e-3, atol=1e-4)
                                    for x, y in zip(_head_kv(mine.runner, r.seq_id), _head_kv(fresh.runner, r.seq_id))))
                 fresh.release(r.seq_id)

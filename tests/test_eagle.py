@@ -29,7 +29,7 @@ from rayspec.eagle.head import Eagle1Head, Eagle3Head, attach_target, build_head
 from rayspec.eagle.train import collate, head_step, load_examples, ttt_loss, ttt_mask
 from rayspec.proposers.base import Draft
 from rayspec.rejection import verify_tree_greedy, verify_tree_parents
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 from rayspec.sampling import SamplingParams, logits_to_probs
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64  # the tiny target: 4 layers -> EAGLE-3 features of layers (0, 2, 3)
@@ -154,13 +154,13 @@ def _eagle_engine(target_dir, target, head_dir, kind, k, topk, depth=None, **kw)
 
 def _spy_keep_path(engine) -> list[list[int]]:
     """Record the tree rows the engine keeps (to see that non-contiguous paths were compacted)."""
-    kept, original = [], engine.runner.keep_paths
+    kept, original = [], engine.kv.keep_paths
 
     def keep_paths(paths):
         kept.extend(list(rows) for _, rows in paths)
         return original(paths)
 
-    engine.runner.keep_paths = keep_paths
+    engine.kv.keep_paths = keep_paths
     return kept
 
 
@@ -182,8 +182,8 @@ def test_eagle3_features_come_from_valid_layers(target_dir, target):
     cfg = new_eagle_config("eagle3", target_dir, LAYERS, HIDDEN)
     assert cfg.aux_layers == (0, 2, 3) and cfg.feature_size == 3 * HIDDEN
     model = target[0]
-    runner = ModelRunner(model, 64, 1, slack=4)
-    runner.allocate("s")
+    runner = make_runner(model, 64, 1, slack=4)
+    runner.kv.allocate("s")
     tokens = PROMPTS[0]
     hidden, aux = runner.forward_hidden(["s"], [tokens], aux_layers=cfg.aux_layers)[0]
     assert aux.shape == (1, len(tokens), 3 * HIDDEN)
@@ -240,8 +240,8 @@ def test_greedy_matches_baseline(target_dir, target, reference, trained, random_
             # some accepted path was not the first rows of the tree: keep_path really moved KV
             assert any(rows != list(range(len(rows))) for rows in kept), kept
     assert engine.num_running == engine.num_waiting == 0
-    assert engine.runner.num_free_slots == engine.num_slots
-    assert engine.proposer.runner.num_free_slots == engine.num_slots  # the head cache is released too
+    assert engine.kv.num_free_slots == engine.num_slots
+    assert engine.proposer.runner.kv.num_free_slots == engine.num_slots  # the head cache is released too
 
 
 def test_tree_batch_with_sampled_and_undrafted_requests(target_dir, target, reference, trained):
@@ -408,8 +408,8 @@ def _ref_mlp(x, sd, prefix):
 
 def _head_forward(head, tokens, feats):
     """The head's own forward over pairs (feats[i], tokens[i]) through a ModelRunner -> draft logits [T, V']."""
-    runner = ModelRunner(head, 64, 1, slack=4)
-    runner.allocate("s")
+    runner = make_runner(head, 64, 1, slack=4)
+    runner.kv.allocate("s")
     out, _ = runner.forward_hidden(["s"], [tokens], features=feats[None])
     return head.draft_logits(out[0])
 
@@ -617,17 +617,17 @@ def _path(parents: list[int], node: int) -> list[int]:
 
 def _plain_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits of every position of `tokens` run as one plain sequence on a fresh cache."""
-    runner = ModelRunner(model, 64, 1, slack=4)
-    runner.allocate("ref")
+    runner = make_runner(model, 64, 1, slack=4)
+    runner.kv.allocate("ref")
     return runner.forward(["ref"], [tokens], last_only=False)[0]
 
 
 def test_tree_forward_matches_each_path_run_alone(target):
     model = target[0]
-    runner = ModelRunner(model, 64, 2, slack=16)
+    runner = make_runner(model, 64, 2, slack=16)
     prefixes = {"a": PROMPTS[0] + [11, 12], "b": PROMPTS[2]}
     for s, p in prefixes.items():
-        runner.allocate(s)
+        runner.kv.allocate(s)
         runner.forward([s], [p[:-1]], last_only=True)  # the last prefix token stays pending, as in the engine
     # row a: a branching tree under the last prefix token; row b: 2 pending tokens + a smaller tree
     tree_a = Draft([40, 41, 50, 51, 52, 60, 70], None, [-1, -1, 0, 0, 1, 4, 5])
@@ -644,7 +644,7 @@ def test_tree_forward_matches_each_path_run_alone(target):
     hidden2, _ = runner.forward_hidden(["a", "b"], [inputs["a"][first:], inputs["b"][first:]],
                                        trees=[TreeQuery(parents["a"], first), TreeQuery(parents["b"], first)])
     logits = model.logits(torch.cat((hidden1, hidden2), dim=1))
-    assert runner.cached_len("a") == len(prefixes["a"]) - 1  # a tree forward does not move the cached length
+    assert runner.kv.cached_len("a") == len(prefixes["a"]) - 1  # a tree forward does not move the cached length
     for row, s in enumerate("ab"):
         prefix = prefixes[s][:-1]
         for node in range(len(inputs[s])):
@@ -658,8 +658,8 @@ def test_tree_forward_matches_each_path_run_alone(target):
     keep = {"a": [0, 1 + 1, 1 + 4, 1 + 5], "b": [0, 1, 2]}
     for s, rows in keep.items():
         with torch.inference_mode():  # as in the engine's step (its in-place KV moves need it)
-            runner.keep_path(s, rows)
-        assert runner.cached_len(s) == len(prefixes[s]) - 1 + len(rows)
+            runner.kv.keep_paths([(s, rows)])
+        assert runner.kv.cached_len(s) == len(prefixes[s]) - 1 + len(rows)
     nxt = {"a": [33, 34, 35], "b": [36, 37]}
     cont = runner.forward(["a", "b"], [nxt["a"], nxt["b"]], last_only=False)
     for row, s in enumerate("ab"):
@@ -756,10 +756,10 @@ def test_ttt_steps_equal_inference_drafting(target_dir, target, train_data, kind
             out = head_step(head, emb, hidden_in, cos, sin, stores, ttt_mask(T, s, lengths[:1]), first=s == 1)
             outs.append(out[0])
             hidden_in = torch.cat((torch.zeros_like(out[:, :1]), out[:, :-1]), dim=1)
-    runner = ModelRunner(head, 64, 1, slack=8)
+    runner = make_runner(head, 64, 1, slack=8)
     for i in (5, 11, T - 1):
         m = i - steps + 2  # true pairs 0..m-1
-        runner.allocate("s")
+        runner.kv.allocate("s")
         h, _ = runner.forward_hidden(["s"], [next_ids[0, :m].tolist()], features=feats[:, :m])
         h = h[:, -1]
         torch.testing.assert_close(h[0], outs[0][m - 1], atol=1e-4, rtol=1e-4)
@@ -770,7 +770,7 @@ def test_ttt_steps_equal_inference_drafting(target_dir, target, train_data, kind
             h = h[:, 0]
             torch.testing.assert_close(h[0], outs[depth - 1][pos], atol=1e-4, rtol=1e-4,
                                        msg=lambda msg: f"position {pos}, step {depth}: {msg}")
-        runner.free("s")
+        runner.kv.free("s")
 
 
 def test_training_writes_to_a_new_directory_by_default(tmp_path, monkeypatch):
@@ -1066,7 +1066,7 @@ def test_long_prompt_joins_beside_a_sequence_near_its_end(target_dir, target, ra
                          max_model_len=max_len, max_num_seqs=2)
     first = engine.add_request(deep, params[0])
     done: dict = {}
-    head_cache = engine.proposer.runner
+    head_cache = engine.proposer.kv
     # deep enough that the joiner's padded rows would run past the deep sequence's cache end
     while not head_cache.has(first) or head_cache.cached_len(first) + len(joiner) <= head_cache.capacity:
         for out in engine.step():

@@ -91,7 +91,7 @@ def test_kv_budget_of_two_slots_serves_five_requests(tiny_model_dir, tiny, metho
     budget = _two_slot_budget_gb(tiny, MAX_LEN, k, draft=method == "draft_model")
     engine = make_engine(tiny_model_dir, method, k=k, loaded=tiny, max_model_len=MAX_LEN,
                          kv_cache_memory_gb=budget, **spec)
-    assert engine.kv_plan.tokens >= 2 * engine.runner.capacity  # two of max_model_len; short ones share it
+    assert engine.kv_plan.tokens >= 2 * engine.kv.capacity  # two of max_model_len; short ones share it
     prompts = ["The cat sat on the mat.", "a b c a b c", "Hello", "one two one two", "x"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -124,22 +124,22 @@ def test_abort_frees_the_slot(tiny_model_dir, tiny, method, spec):
     a, b, c = (engine.add_request(p, params) for p in prompts)
     engine.step()
     engine.step()
-    assert (engine.num_running, engine.num_waiting, engine.runner.num_free_slots) == (2, 1, 0)
+    assert (engine.num_running, engine.num_waiting, engine.kv.num_free_slots) == (2, 1, 0)
     assert engine.abort_request(a)
-    assert (engine.num_running, engine.runner.num_free_slots) == (1, 1)
-    assert not engine.runner.has(a)
+    assert (engine.num_running, engine.kv.num_free_slots) == (1, 1)
+    assert not engine.kv.has(a)
     if method == "draft_model":
-        assert not engine.proposer.runner.has(a)
+        assert not engine.proposer.runner.kv.has(a)
     assert not engine.abort_request(a)  # unknown now
     assert not engine.abort_request("never-added")
     outs = engine.step()  # c is admitted into the freed slot
-    assert engine.runner.has(c) and engine.num_waiting == 0
+    assert engine.kv.has(c) and engine.num_waiting == 0
     assert a not in {o.request_id for o in outs}
     done = run_to_completion(engine, {o.request_id: o for o in outs if o.finished})
     assert set(done) == {b, c}
     alone = run_alone(make_engine(tiny_model_dir, "none", loaded=tiny, max_model_len=MAX_LEN), prompts, params)
     assert done[b].token_ids == alone[1] and done[c].token_ids == alone[2]
-    assert engine.runner.num_free_slots == 2
+    assert engine.kv.num_free_slots == 2
 
 
 def test_abort_waiting_request(engine):

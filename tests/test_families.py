@@ -22,7 +22,7 @@ from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
 from rayspec.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
 from rayspec.loader import rope_from_config
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +157,14 @@ def test_sliding_logits_prefill_chunks_decode_and_padding(build, name):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (48,), generator=g).tolist()
     expected = _hf_logits(hf, tokens)  # [48, vocab]
-    runner = ModelRunner(loaded[0], 96, num_slots=2, slack=8)
-    runner.allocate("a")
+    runner = make_runner(loaded[0], 96, num_slots=2, slack=8)
+    runner.kv.allocate("a")
     with torch.no_grad():
         got = [runner.forward(["a"], [tokens[:20]], last_only=False)[0],
                runner.forward(["a"], [tokens[20:30]], last_only=False)[0]]
         got += [runner.forward(["a"], [[t]], last_only=False)[0] for t in tokens[30:40]]
         # a second row joins far behind: padded [2, 8] queries, row "b" prefilling, row "a" at 40..47
-        runner.allocate("b")
+        runner.kv.allocate("b")
         other = torch.randint(0, VOCAB, (20,), generator=g).tolist()
         runner.forward(["b"], [other[:12]], last_only=False)
         both = runner.forward(["a", "b"], [tokens[40:48], other[12:18]], last_only=False)  # [2, 8, vocab]
@@ -193,10 +193,10 @@ def test_tree_rows_across_the_window_edge(build, name):
     parents = [-1, 0] + [i - 2 for i in range(2, 2 * (window + 2))]
     depth = max(len(_path(parents, n)) for n in range(len(parents)))
     assert depth > window  # the deepest nodes' first ancestors lie outside their window
-    runner = ModelRunner(loaded[0], 128, num_slots=2, slack=8)
+    runner = make_runner(loaded[0], 128, num_slots=2, slack=8)
     prefixes, trees_tokens = {}, {}
     for seq, plen in (("a", 30), ("b", 11)):
-        runner.allocate(seq)
+        runner.kv.allocate(seq)
         prefixes[seq] = torch.randint(0, VOCAB, (plen,), generator=g).tolist()
         with torch.no_grad():
             runner.forward([seq], [prefixes[seq]], last_only=False)
@@ -213,7 +213,7 @@ def test_tree_rows_across_the_window_edge(build, name):
     # keep the deep path of "a" and continue: the cache at the moved rows is a plain forward's
     deepest = max(range(len(parents)), key=lambda n: len(_path(parents, n)))
     kept = _path(parents, deepest)
-    runner.keep_path("a", kept)
+    runner.kv.keep_paths([("a", kept)])
     nxt = int(torch.randint(0, VOCAB, (1,), generator=g))
     with torch.no_grad():
         last = runner.forward(["a"], [[nxt]], last_only=True)[0]

@@ -16,7 +16,7 @@ from engine_utils import make_engine, run_alone, run_batch
 from rayspec.batch_layout import TreeQuery
 from rayspec.generic_model import GenericCausalLM, load_generic_model
 from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 from rayspec.sampling import SamplingParams
 
 WINDOW = 8  # sliding layers' window: far shorter than prompt + output, so it shapes every step
@@ -143,7 +143,7 @@ def test_generic_greedy_matches_transformers(model_dirs, arch, name, method, dra
         if draft != "other":
             assert stats.num_accepted_tokens > 0, f"{arch}/{name}: no draft accepted"
         assert stats.num_accepted_tokens < stats.num_draft_tokens, f"{arch}/{name}: no draft rejected"
-    assert engine.runner.num_free_slots == engine.num_slots
+    assert engine.kv.num_free_slots == engine.num_slots
 
 
 def test_sliding_window_holds_under_speculation(model_dirs, tmp_path):
@@ -170,8 +170,8 @@ def test_sliding_window_holds_under_speculation(model_dirs, tmp_path):
 
 
 def _tree_logits(model, prefix: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model, max_model_len=128, num_slots=1, slack=16)
-    runner.allocate("s")
+    runner = make_runner(model, max_model_len=128, num_slots=1, slack=16)
+    runner.kv.allocate("s")
     with torch.inference_mode():
         runner.forward(["s"], [prefix[:-1]], last_only=True)
         hidden, _ = runner.forward_hidden(["s"], [[prefix[-1]] + tokens], trees=[TreeQuery([-1] + parents)])
@@ -233,8 +233,8 @@ def test_aux_layers_are_layer_inputs(model_dirs, arch):
     target, _ = model_dirs[arch]
     model = _ours(target)
     prompt = PROMPTS[0]
-    runner = ModelRunner(model, max_model_len=128, num_slots=1, slack=8)
-    runner.allocate("s")
+    runner = make_runner(model, max_model_len=128, num_slots=1, slack=8)
+    runner.kv.allocate("s")
     with torch.inference_mode():
         (hidden, aux), _ = runner.forward_hidden(["s"], [prompt], aux_layers=(0, 1, 3))
     with torch.no_grad():

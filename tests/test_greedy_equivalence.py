@@ -99,7 +99,7 @@ def test_tiny_greedy_matches_baseline(tiny_model_dir, tiny_draft_dir, tiny_loade
         if name != "draft-self-int8":
             assert stats.num_accepted_tokens < stats.num_draft_tokens, f"{name}: no draft rejected"
     assert engine.num_running == engine.num_waiting == 0
-    assert engine.runner.num_free_slots == engine.num_slots
+    assert engine.kv.num_free_slots == engine.num_slots
 
 
 def test_tiny_joining_mixed_params(tiny_model_dir, tiny_loaded, tiny_reference):

@@ -68,14 +68,16 @@ class SyncAudit(TorchFunctionMode):
 
 def audit_decode_steps(engine, prompts, params: SamplingParams) -> list[tuple[int, int, list[str]]]:
     """Run the prompts to completion; (batch size, routed reads, unrouted reads) per decode step."""
-    steps, decode = [], engine._decode_step
+    steps, prepare, commit = [], engine._decode_prepare, engine._decode_commit
 
-    def audited(seqs):
+    def audited(seqs):  # a decode step: propose -> verify (prepare), then commit
         with SyncAudit() as audit, count_host_reads() as reads:
-            decode(seqs)
+            done = commit(seqs, prepare(seqs))
         steps.append((len(seqs), reads.count, audit.unrouted))
+        return done
 
-    engine._decode_step = audited
+    engine._decode_prepare = lambda seqs: seqs  # (the whole step runs in the commit spy)
+    engine._decode_commit = lambda seqs, _: audited(seqs)
     for p in prompts:
         engine.add_request(engine.encode_chat([{"role": "user", "content": p}]), params)
     while engine.has_unfinished_requests():

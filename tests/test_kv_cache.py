@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_utils import cached_model, make_engine, run_alone, run_to_completion
-from rayspec.runner import CacheFullError, ModelRunner
+from rayspec.runner import CacheFullError, make_runner
 from rayspec.sampling import SamplingParams
 
 ATOL = 1e-4
@@ -20,8 +20,8 @@ def tiny(tiny_model_dir):
 
 def fresh_logits(model, tokens: list[int], n_last: int) -> torch.Tensor:
     """Logits of the last n_last positions from a runner that only ever saw `tokens`."""
-    runner = ModelRunner(model, max_model_len=256, num_slots=1, slack=8)
-    runner.allocate("fresh")
+    runner = make_runner(model, max_model_len=256, num_slots=1, slack=8)
+    runner.kv.allocate("fresh")
     return runner.forward(["fresh"], [tokens], last_only=False)[0, -n_last:]
 
 
@@ -38,12 +38,12 @@ def test_model_matches_huggingface(tiny_model_dir, tiny):
 def test_incremental_equals_full_forward(tiny):
     model = tiny[0]
     tokens = [11, 22, 33, 44, 55, 66, 77, 88]
-    runner = ModelRunner(model, 256, 1, slack=8)
-    runner.allocate("s")
+    runner = make_runner(model, 256, 1, slack=8)
+    runner.kv.allocate("s")
     steps = [runner.forward(["s"], [tokens[:3]], last_only=True)[0]]
     for t in tokens[3:]:
         steps.append(runner.forward(["s"], [[t]], last_only=True)[0])
-    assert runner.cached_len("s") == len(tokens)
+    assert runner.kv.cached_len("s") == len(tokens)
     assert torch.allclose(torch.stack(steps), fresh_logits(model, tokens, len(tokens) - 2), atol=ATOL)
 
 
@@ -53,29 +53,29 @@ def test_rollback_then_overwrite(tiny, keep):
     that only ever saw the final tokens."""
     model = tiny[0]
     prompt, drafts, replacement = [7, 8, 9, 10, 11], [100, 200, 300], [41, 42, 43]
-    runner = ModelRunner(model, 256, num_slots=2, slack=8)
-    runner.allocate("s")
+    runner = make_runner(model, 256, num_slots=2, slack=8)
+    runner.kv.allocate("s")
     runner.forward(["s"], [prompt], last_only=True)
     runner.forward(["s"], [drafts], last_only=False)
-    assert runner.cached_len("s") == len(prompt) + 3
-    runner.set_cached_len("s", len(prompt) + keep)
+    assert runner.kv.cached_len("s") == len(prompt) + 3
+    runner.kv.set_cached_len("s", len(prompt) + keep)
     got = runner.forward(["s"], [replacement], last_only=False)[0]
     final = prompt + drafts[:keep] + replacement
-    assert runner.cached_len("s") == len(final)
+    assert runner.kv.cached_len("s") == len(final)
     assert torch.allclose(got, fresh_logits(model, final, len(replacement)), atol=ATOL)
 
 
 def test_rollback_batched_rows_of_different_lengths(tiny):
     """Two sequences in one batch, different draft lengths and different rollbacks."""
     model = tiny[0]
-    runner = ModelRunner(model, 256, num_slots=3, slack=8)
+    runner = make_runner(model, 256, num_slots=3, slack=8)
     prompts = {"a": [1, 2, 3, 4, 5, 6], "b": [9, 8, 7]}
     for s in prompts:
-        runner.allocate(s)
+        runner.kv.allocate(s)
     runner.forward(list(prompts), list(prompts.values()), last_only=True)
     runner.forward(["a", "b"], [[50, 51, 52, 53], [60]], last_only=False)  # b is padded
-    runner.set_cached_len("a", 6 + 1)  # a keeps one draft
-    runner.set_cached_len("b", 3)  # b keeps none
+    runner.kv.set_cached_len("a", 6 + 1)  # a keeps one draft
+    runner.kv.set_cached_len("b", 3)  # b keeps none
     got = runner.forward(["a", "b"], [[70, 71], [80, 81, 82]], last_only=False)
     a_final, b_final = prompts["a"] + [50, 70, 71], prompts["b"] + [80, 81, 82]
     assert torch.allclose(got[0, :2], fresh_logits(model, a_final, 2), atol=ATOL)
@@ -92,9 +92,9 @@ def test_padded_rows_are_not_computed(tiny):
     outputs = {}
     try:
         for packed in (False, True):
-            runner = ModelRunner(model, 256, num_slots=3, slack=8)
+            runner = make_runner(model, 256, num_slots=3, slack=8)
             for s in prompts:
-                runner.allocate(s)
+                runner.kv.allocate(s)
             with torch.inference_mode():
                 outputs[packed], lengths = runner.forward_hidden(list(prompts), list(prompts.values()), packed=packed)
     finally:
@@ -110,35 +110,35 @@ def test_padded_rows_are_not_computed(tiny):
 def test_freed_blocks_keep_other_sequences(tiny, freed):
     """Freeing a sequence returns its blocks to the pool; the others decode on unchanged."""
     model = tiny[0]
-    runner = ModelRunner(model, 256, num_slots=3, slack=8)
+    runner = make_runner(model, 256, num_slots=3, slack=8)
     prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9, 10], "c": [11, 12, 13]}
     for s in prompts:
-        runner.allocate(s)
+        runner.kv.allocate(s)
     runner.forward(list(prompts), list(prompts.values()), last_only=True)
-    held = runner.num_blocks - runner.num_free_blocks
-    runner.free(freed)
-    assert runner.num_free_slots == 1 and not runner.has(freed)
-    assert runner.num_blocks - runner.num_free_blocks == held - 1  # one block each (prompts under 16 tokens)
+    held = runner.kv.num_blocks - runner.kv.num_free_blocks
+    runner.kv.free(freed)
+    assert runner.kv.num_free_slots == 1 and not runner.kv.has(freed)
+    assert runner.kv.num_blocks - runner.kv.num_free_blocks == held - 1  # one block each (prompts under 16 tokens)
     rest = [s for s in prompts if s != freed]
     nxt = {s: [20 + i, 30 + i] for i, s in enumerate(rest)}
     got = runner.forward(rest, [nxt[s] for s in rest], last_only=False)
     for i, s in enumerate(rest):
         assert torch.allclose(got[i], fresh_logits(model, prompts[s] + nxt[s], 2), atol=ATOL), s
     # the hole is reusable, and a new sequence starts from an empty cache
-    runner.allocate("d")
+    runner.kv.allocate("d")
     got = runner.forward(["d"], [[3, 2, 1]], last_only=False)[0]
     assert torch.allclose(got, fresh_logits(model, [3, 2, 1], 3), atol=ATOL)
 
 
 def test_cache_capacity_is_enforced(tiny):
-    runner = ModelRunner(tiny[0], max_model_len=8, num_slots=1, slack=2)
-    runner.allocate("s")
+    runner = make_runner(tiny[0], max_model_len=8, num_slots=1, slack=2)
+    runner.kv.allocate("s")
     runner.forward(["s"], [list(range(1, 9))], last_only=True)
     with pytest.raises(CacheFullError):
         runner.forward(["s"], [[1, 2, 3]], last_only=True)
-    runner.allocate("s")  # allocating twice is a no-op
+    runner.kv.allocate("s")  # allocating twice is a no-op
     with pytest.raises(CacheFullError):
-        runner.allocate("t")
+        runner.kv.allocate("t")
 
 
 @pytest.mark.parametrize("method,spec", [
@@ -160,19 +160,19 @@ def test_engine_cache_after_rejections_equals_recomputation(tiny_model_dir, tiny
     seqs = [engine._requests[i] for i in ids]
     assert all(not s.finished for s in seqs)
     for s in seqs:
-        assert engine.runner.cached_len(s.request_id) == len(s.token_ids) - 1
+        assert engine.kv.cached_len(s.request_id) == len(s.token_ids) - 1
     logits = engine.runner.forward(ids, [[s.token_ids[-1]] for s in seqs], last_only=True)
     for i, s in enumerate(seqs):
         assert torch.allclose(logits[i], fresh_logits(tiny[0], s.token_ids, 1)[0], atol=ATOL)
-        engine.runner.set_cached_len(s.request_id, len(s.token_ids) - 1)  # undo the probe
+        engine.kv.set_cached_len(s.request_id, len(s.token_ids) - 1)  # undo the probe
     if method == "draft_model":  # the draft's own cache (rolled back implicitly) is right too
         runner = engine.proposer.runner
         for s in seqs:
             fed = engine.proposer._fed[s.request_id]
-            assert runner.cached_len(s.request_id) == len(fed)
+            assert runner.kv.cached_len(s.request_id) == len(fed)
             probe = runner.forward([s.request_id], [[5]], last_only=True)[0]
             assert torch.allclose(probe, fresh_logits(runner.model, fed + [5], 1)[0], atol=ATOL)
-            runner.set_cached_len(s.request_id, len(fed))
+            runner.kv.set_cached_len(s.request_id, len(fed))
     run_to_completion(engine)
 
 
@@ -192,11 +192,11 @@ def test_engine_compaction_when_middle_sequence_leaves(tiny_model_dir, tiny, met
            engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
            engine.add_request(prompts[2], long)]
     engine.step()
-    assert all(engine.runner.has(i) for i in ids)
+    assert all(engine.kv.has(i) for i in ids)
     done: dict = {}
     while ids[1] not in done:
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert not engine.runner.has(ids[1]) and engine.runner.has(ids[2])
+    assert not engine.kv.has(ids[1]) and engine.kv.has(ids[2])
     run_to_completion(engine, done)
     assert done[ids[0]].token_ids == alone[0]
     assert done[ids[1]].token_ids == alone[1][:3]

@@ -187,10 +187,10 @@ def _write_checkpoint(path, config: dict, state: dict[str, torch.Tensor], num_sh
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:
-    from rayspec.runner import ModelRunner
+    from rayspec.runner import make_runner
 
-    runner = ModelRunner(model, max_model_len=64, num_slots=1, slack=4)
-    runner.allocate("s")
+    runner = make_runner(model, max_model_len=64, num_slots=1, slack=4)
+    runner.kv.allocate("s")
     return runner.forward(["s"], [tokens], last_only=False)[0]  # [len(tokens), vocab]
 
 

@@ -106,16 +106,16 @@ def test_compiled_step_hidden_states_equal(tiny_model_dir, traced_step):
     """The runner's compiled step with and without paged attention: decode, a chain with rows of
     different lengths (padding), trees; rows of different contexts."""
     from rayspec.batch_layout import TreeQuery
-    from rayspec.runner import ModelRunner
+    from rayspec.runner import make_runner
 
     model = cached_model(str(tiny_model_dir))[0]
     results = []
     for paged in (False, True):
-        runner = ModelRunner(model, max_model_len=96, num_slots=4, slack=8, compile=True, paged_attention=paged)
+        runner = make_runner(model, max_model_len=96, num_slots=4, slack=8, compile=True, paged_attention=paged)
         out = []
         with torch.inference_mode():
             for b, n in enumerate([37, 5, 20]):
-                runner.allocate(f"s{b}")
+                runner.kv.allocate(f"s{b}")
                 runner.forward_hidden([f"s{b}"], [[(3 * i + b) % 90 + 3 for i in range(n)]])
             ids = ["s0", "s1", "s2"]
             out.append(runner.forward_hidden(ids, [[5], [6], [7]], packed=True, static=True)[0])

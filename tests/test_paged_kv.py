@@ -17,7 +17,7 @@ from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.engine import InvalidRequestError, LLMEngine
 from rayspec.kv_cache import KVCache
 from rayspec.memory import GiB, draft_kv_fraction
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 from rayspec.sampling import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64
@@ -248,12 +248,12 @@ def test_greedy_equals_target_only_with_shared_prefixes(target_dir, target, draf
     done = run_to_completion(engine)
     assert [done[i].token_ids for i in ids] == reference
     assert run_joining(engine, PROMPTS, GREEDY) == reference
-    assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
-    assert engine.runner.blocks.num_cached_blocks > 0
+    assert engine.kv.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
+    assert engine.kv.blocks.num_cached_blocks > 0
     again = engine.generate([PROMPTS[0]], GREEDY)[0]  # its whole prompt cached (all but its last block)
     assert again.token_ids == reference[0] and again.num_cached_tokens == (len(PROMPTS[0]) - 1) // BS * BS
     if name == "eagle3-tree":  # the head's cache too; most drafted paths accepted
-        assert engine.proposer.runner.blocks.num_cached_blocks > 0
+        assert engine.proposer.runner.kv.blocks.num_cached_blocks > 0
         stats = engine.stats
         print(f"{name}: {stats.as_dict()}")
         assert stats.num_accepted_tokens > 1.5 * stats.num_drafts, stats.as_dict()
@@ -269,7 +269,7 @@ def test_preempted_sequences_resume_losslessly(target_dir, target, draft_dir, ea
         assert engine.num_blocks == 96 // BS
         assert run_joining(engine, PROMPTS, GREEDY, first=3) == reference
         assert engine.num_preemptions > 0
-        assert engine.runner.num_free_blocks == engine.num_blocks
+        assert engine.kv.num_free_blocks == engine.num_blocks
 
 
 def test_request_that_can_never_fit_is_refused(target_dir, target):
@@ -300,42 +300,42 @@ def test_runner_keep_path_across_blocks(target):
     from rayspec.batch_layout import TreeQuery
 
     model = target[0]
-    runner = ModelRunner(model, 64, num_slots=1, slack=16, block_size=BS)
-    runner.allocate("s")
+    runner = make_runner(model, 64, num_slots=1, slack=16, block_size=BS)
+    runner.kv.allocate("s")
     prompt = [5, 6, 7, 8, 9, 10]
     runner.forward(["s"], [prompt], last_only=True)
     nodes, parents = [11, 12, 13, 14, 15], [-1, -1, 1, 2, 2]
     runner.forward_hidden(["s"], [nodes], trees=[TreeQuery(parents)])
-    runner.keep_path("s", [1, 2, 4])  # tokens 12, 13, 15
-    assert runner.cached_len("s") == 9
+    runner.kv.keep_paths([("s", [1, 2, 4])])  # tokens 12, 13, 15
+    assert runner.kv.cached_len("s") == 9
     got = runner.forward(["s"], [[16]], last_only=True)[0]
-    fresh = ModelRunner(model, 64, num_slots=1, slack=16, block_size=BS)
-    fresh.allocate("f")
+    fresh = make_runner(model, 64, num_slots=1, slack=16, block_size=BS)
+    fresh.kv.allocate("f")
     want = fresh.forward(["f"], [prompt + [12, 13, 15, 16]], last_only=True)[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert runner.kv_cache_usage() == 3 / runner.num_blocks
+    assert runner.kv.kv_cache_usage() == 3 / runner.kv.num_blocks
 
 
 def test_a_relocated_prefix_keeps_its_keys_and_values(target):
     """A shared prefix block copied to where the sequence grows on (BlockManager._relocate): the runner
     copies its rows, every layer, and the sequence's logits are those of a fresh computation."""
     model = target[0]
-    runner = ModelRunner(model, 64, num_slots=2, slack=16, num_blocks=16, block_size=BS, enable_prefix_caching=True)
+    runner = make_runner(model, 64, num_slots=2, slack=16, num_blocks=16, block_size=BS, enable_prefix_caching=True)
     first = PREFIX[:BS] + [5, 6, 7, 8, 9, 10, 11, 12]  # one shared block, then its own text
-    runner.allocate("a", first)
+    runner.kv.allocate("a", first)
     runner.forward(["a"], [first], last_only=True)
-    runner.commit("a", first)
-    table_a = list(runner.blocks.tables["a"])
-    runner.free("a")
+    runner.kv.commit("a", first)
+    table_a = list(runner.kv.blocks.tables["a"])
+    runner.kv.free("a")
     second = PREFIX[:BS] + [40, 41, 42, 43, 44]
-    assert runner.allocate("b", second) == BS
+    assert runner.kv.allocate("b", second) == BS
     got = runner.forward(["b"], [second[BS:]], last_only=True)[0]
-    table_b = runner.blocks.tables["b"]
+    table_b = runner.kv.blocks.tables["b"]
     assert table_b[0] != table_a[0] and table_b == list(range(table_b[0], table_b[0] + len(table_b)))
     for cache in runner.cache.tensors():
         torch.testing.assert_close(cache[table_b[0] * BS: (table_b[0] + 1) * BS], cache[table_a[0] * BS: (table_a[0] + 1) * BS],
                                    rtol=0, atol=0)
-    fresh = ModelRunner(model, 64, num_slots=1, slack=16, block_size=BS)
-    fresh.allocate("f")
+    fresh = make_runner(model, 64, num_slots=1, slack=16, block_size=BS)
+    fresh.kv.allocate("f")
     torch.testing.assert_close(got, fresh.forward(["f"], [second], last_only=True)[0], rtol=1e-4, atol=1e-4)
-    assert runner.allocate("a2", first) == 2 * BS  # a's chain (its own text included) found whole
+    assert runner.kv.allocate("a2", first) == 2 * BS  # a's chain (its own text included) found whole

@@ -75,7 +75,7 @@ def test_target_figures_are_the_engines(smollm2, smol, budget_gb):
     plan = plan_for(engine)
     assert plan.kv.num_slots == engine.num_slots == 8 and plan.kv.num_blocks == engine.num_blocks
     assert plan.kv.sequences_of(plan.kv.capacity) == (4 if budget_gb < 1 else 8)  # of max_model_len at once
-    assert plan.kv.capacity == engine.runner.capacity
+    assert plan.kv.capacity == engine.kv.capacity
     assert plan.kv.bytes == cache_bytes(engine.runner)
     weights = causal_lm_weights(engine.model.args, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(engine.model)
@@ -90,8 +90,8 @@ def test_eagle3_head_figures_are_the_engines(smollm2, smol):
     plan = plan_for(engine)
     head = engine.proposer.head
     assert plan.kv.num_slots == engine.num_slots
-    assert plan.draft_kv.capacity == engine.proposer.runner.capacity == MAX_LEN + 4 * 5 + 8 + 2
-    assert plan.draft_kv.num_blocks == engine.proposer.runner.num_blocks
+    assert plan.draft_kv.capacity == engine.proposer.runner.kv.capacity == MAX_LEN + 4 * 5 + 8 + 2
+    assert plan.draft_kv.num_blocks == engine.proposer.runner.kv.num_blocks
     assert plan.draft_kv.bytes == cache_bytes(engine.proposer.runner)
     weights = eagle_head_weights(head.config, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(head, besides=engine.model)  # embedding shared
@@ -108,7 +108,7 @@ def test_draft_model_figures_are_the_engines(smollm2, smol):
     # token (counted as large as the target's it held 4 sequences: rayspec.memory.draft_kv_fraction)
     assert plan.kv.num_blocks == engine.num_blocks and plan.kv.sequences_of(plan.kv.capacity) == 6
     assert plan.kv.bytes + plan.draft_kv.bytes <= 0.1 * GiB * 1.02
-    assert plan.draft_kv.bytes == cache_bytes(draft) and plan.draft_kv.num_blocks == draft.num_blocks
+    assert plan.draft_kv.bytes == cache_bytes(draft) and plan.draft_kv.num_blocks == draft.kv.num_blocks
     weights = causal_lm_weights(draft.model.args, engine.dtype)
     assert (weights.num_params, weights.bytes) == held_bytes(draft.model)
     assert {i.name: i.bytes for i in plan.items}["draft model weights"] == weights.bytes

@@ -77,7 +77,7 @@ def test_request_ending_at_prefill_leaves_its_prefix_reusable(target_dir, target
         first = engine.generate([FIRST], _params(first_tokens))[0]
         assert first.num_cached_tokens == 0 and len(first.token_ids) == first_tokens
         if name.startswith("eagle3"):  # the head holds the first prompt's pairs too
-            assert engine.proposer.runner.blocks.num_cached_blocks >= SHARED // BS
+            assert engine.proposer.runner.kv.blocks.num_cached_blocks >= SHARED // BS
         second = engine.generate([SECOND], _params(second_tokens))[0]
         assert second.num_cached_tokens >= SHARED, (name, first_tokens, second_tokens)
         assert second.token_ids == plain.generate([SECOND], _params(second_tokens))[0].token_ids
@@ -85,7 +85,7 @@ def test_request_ending_at_prefill_leaves_its_prefix_reusable(target_dir, target
         third = engine.generate([SECOND], _params(8))[0]
         assert third.num_cached_tokens == (len(SECOND) - 1) // BS * BS
         assert third.token_ids == plain.generate([SECOND], _params(8))[0].token_ids
-        assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
+        assert engine.kv.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
 
 
 def test_scoring_requests_leave_their_prefix_too(target_dir, target, eagle_dir):
@@ -125,7 +125,7 @@ def test_cache_salt_keeps_prefix_caching_per_tenant(target_dir, target):
     same = engine.generate([SECOND], tenant_a)[0]
     assert same.num_cached_tokens >= SHARED
     assert same.token_ids == others[0].token_ids == others[1].token_ids
-    assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
+    assert engine.kv.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
 
 
 @pytest.mark.parametrize("name", ["none", "eagle3-tree"])

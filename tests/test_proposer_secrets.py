@@ -174,7 +174,7 @@ def test_the_eagle_heads_prefix_cache_is_salted(eagle_engine):
     engine = eagle_engine
     first = engine.generate([FIRST], _params("tenant-a"))[0]
     assert first.num_cached_tokens == 0
-    assert engine.proposer.runner.blocks.num_cached_blocks >= SHARED // BS  # the head holds A's pairs
+    assert engine.proposer.runner.kv.blocks.num_cached_blocks >= SHARED // BS  # the head holds A's pairs
     assert _head_lookup(engine, SECOND) == 0  # (before: the unsalted chain found all of them)
     assert _head_lookup(engine, SECOND, "tenant-b") == 0
     assert _head_lookup(engine, SECOND, "tenant-a") >= SHARED
@@ -182,7 +182,7 @@ def test_the_eagle_heads_prefix_cache_is_salted(eagle_engine):
     same = engine.generate([SECOND], _params("tenant-a"))[0]
     assert other.num_cached_tokens == 0 and same.num_cached_tokens >= SHARED
     assert same.token_ids == other.token_ids
-    assert engine.runner.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
+    assert engine.kv.num_free_slots == engine.num_slots and engine.kv_cache_usage() == 0.0
 
 
 # ---- the draft model's prefix cache -----------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_the_draft_models_prefix_cache_is_salted(tmp_path_factory):
                                                         num_speculative_tokens=3, adaptive=False))
     engine = LLMEngine(config, model=cached_model(str(target_dir))[0], tokenizer=None)
     engine.generate([FIRST], _params("tenant-a"))
-    draft = engine.proposer.runner
+    draft = engine.proposer.kv
     assert draft.blocks.num_cached_blocks >= SHARED // BS  # the draft holds A's prompt
 
     def lookup(*salt) -> int:

@@ -73,14 +73,14 @@ def test_loaded_int8_model_predicts_like_the_float_one(tiny_model_dir):
     float_model, _ = cached_model(str(tiny_model_dir))
     int8_model, _ = loader.load_model(str(tiny_model_dir), tokenizer=False, quantization="int8")
     assert int8_model.cpu_kernels is None  # no oneDNN choice, no prepacked float copies
-    from rayspec.runner import ModelRunner
+    from rayspec.runner import make_runner
 
     torch.manual_seed(1)
     ids = torch.randint(3, 200, (64,)).tolist()
     tops = []
     for m in (float_model, int8_model):
-        runner = ModelRunner(m, 256, 1, slack=4)
-        runner.allocate("s", ids)
+        runner = make_runner(m, 256, 1, slack=4)
+        runner.kv.allocate("s", ids)
         logits = runner.forward(["s"], [ids], last_only=False)  # [1, 64, vocab]
         tops.append(logits.argmax(-1).flatten())
     agree = (tops[0] == tops[1]).float().mean().item()

@@ -102,7 +102,7 @@ def test_greedy_structured_matches_reference(tiny_model_dir, tiny_loaded, refere
         assert done[rid].token_ids == expected, f"{name}: case {i} ({s.kind})"
         _check_output(engine, s, done[rid])
     assert done[plain].finish_reason == "length" and len(done[plain].token_ids) == 12
-    assert engine.runner.num_free_slots == engine.num_slots
+    assert engine.kv.num_free_slots == engine.num_slots
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

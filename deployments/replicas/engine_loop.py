@@ -156,9 +156,9 @@ class EngineLoop:
         self._commands.put(_Stop())
         # a remote proposer's call in flight (its deployment may be going down too) ends now
         # (Proposer.close is the one call made from outside the loop thread)
-        proposer = getattr(self.engine, "proposer", None)
-        if proposer is not None:
-            proposer.close()
+        engine = self.engine
+        if engine is not None:
+            engine.proposer.close()
         self._thread.join(timeout=10)
 
     # ---- the loop thread ------------------------------------------------------------------
@@ -191,12 +191,10 @@ class EngineLoop:
             if self._stop.is_set():
                 break
             if not engine.has_unfinished_requests():
-                flush = getattr(engine.proposer, "flush", None)
-                if flush is not None:
-                    try:
-                        flush()
-                    except Exception:  # noqa: BLE001 - releases are retried on the next call
-                        logger.exception("proposer flush failed")
+                try:
+                    engine.proposer.flush()
+                except Exception:  # noqa: BLE001 - releases are retried on the next call
+                    logger.exception("proposer flush failed")
                 self._settle_cpu_kernels(engine)
                 self._update_snapshot()
                 continue
@@ -233,8 +231,7 @@ class EngineLoop:
         A request arriving meanwhile waits for it (~MEASURE_BUDGET_S)."""
         if self._kernel_checks >= KERNEL_CHECKS or time.perf_counter() - self._last_kernel_check < KERNEL_CHECK_S:
             return
-        proposer = engine.proposer
-        models = [engine.model, getattr(getattr(proposer, "runner", None), "model", None), getattr(proposer, "head", None)]
+        models = [engine.model, *engine.proposer.models()]
         pending = [m for m in models if getattr(getattr(m, "cpu_kernels", None), "contended", False)
                    and hasattr(m, "remeasure_cpu_kernels")]
         if not pending:
@@ -380,7 +377,7 @@ class EngineLoop:
             "method": engine.config.speculative.method,
             "device": str(engine.device),
             "num_slots": engine.num_slots,
-            "num_free_slots": engine.runner.num_free_slots,  # KV slots no sequence holds
+            "num_free_slots": engine.kv.num_free_slots,  # KV slots no sequence holds
             "kv_cache_usage": round(engine.kv_cache_usage(), 6),
             "max_model_len": engine.max_model_len,
             "dtype": str(engine.dtype).removeprefix("torch."),
@@ -395,19 +392,7 @@ class EngineLoop:
             "step_seconds": round(self.step_seconds, 4),
             **engine.stats.as_dict(),
         }
-        remote = engine.proposer
-        if hasattr(remote, "call_seconds"):  # disaggregated: the per-step proposer RPC
-            self.snapshot["proposer_calls"] = remote.num_calls
-            self.snapshot["proposer_direct_calls"] = remote.num_direct_calls
-            self.snapshot["proposer_call_seconds"] = round(remote.call_seconds, 4)
-            self.snapshot["proposer_features_resent"] = remote.num_resent
-            self.snapshot["proposer_failed_calls"] = remote.num_failed_calls
-            self.snapshot["proposer_skipped_steps"] = remote.num_skipped_steps
-            self.snapshot["proposer_repins"] = getattr(remote, "num_repins", 0)
-            self.snapshot["speculation_cache_hits"] = getattr(remote, "num_cache_hits", 0)
-            self.snapshot["speculation_cache_misses"] = getattr(remote, "num_cache_misses", 0)
-            self.snapshot["proposer_hit_calls"] = getattr(remote, "num_hit_calls", 0)
-            self.snapshot["proposer_hit_call_seconds"] = round(getattr(remote, "hit_call_seconds", 0.0), 4)
+        self.snapshot.update(engine.proposer.stats())  # (disaggregated: the per-step proposer RPC)
         if self.metrics is not None:
             try:
                 self.metrics.update(self.snapshot)

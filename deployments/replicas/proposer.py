@@ -173,9 +173,7 @@ class ProposerServer:
                 "channel_rejected": self._channel.num_rejected if self._channel else 0,
                 # draft KV slots (draft models, EAGLE heads): those held by sequences of live verifiers,
                 # or of a lost one's until they are the stalest when a slot is needed
-                **({"num_slots": runner.num_slots, "num_free_slots": runner.num_free_slots,
-                    "kv_cache_usage": runner.kv_cache_usage()}
-                   if (runner := getattr(self.proposer, "runner", None)) is not None else {})}
+                **(self.proposer.kv_usage() or {})}
 
 
 @serve.deployment

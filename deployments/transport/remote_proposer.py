@@ -268,3 +268,12 @@ class RemoteProposer(Proposer):
     def flush(self) -> None:
         if self._released:
             self.propose([])
+
+    def stats(self) -> dict[str, float]:
+        """The per-step proposer RPC, for the verifier's /v1/stats."""
+        return {"proposer_calls": self.num_calls, "proposer_direct_calls": self.num_direct_calls,
+                "proposer_call_seconds": round(self.call_seconds, 4), "proposer_features_resent": self.num_resent,
+                "proposer_failed_calls": self.num_failed_calls, "proposer_skipped_steps": self.num_skipped_steps,
+                "proposer_repins": self.num_repins, "speculation_cache_hits": self.num_cache_hits,
+                "speculation_cache_misses": self.num_cache_misses, "proposer_hit_calls": self.num_hit_calls,
+                "proposer_hit_call_seconds": round(self.hit_call_seconds, 4)}

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from rayspec.eagle.checkpoint import save_atomic
-from rayspec.runner import ModelRunner
+from rayspec.runner import make_runner
 
 
 def read_answers(path: Path) -> list[dict]:
@@ -77,14 +77,15 @@ class FeatureExtractor:
 
     def __init__(self, model, aux_layers: tuple[int, ...], max_len: int = 1024):
         self.model, self.aux_layers, self.max_len = model, aux_layers, max_len
-        self.runner = ModelRunner(model, max_len, 1, slack=1)
+        self.runner = make_runner(model, max_len, 1, slack=1)
+        self.kv = self.runner.kv
 
     @torch.inference_mode()
     def __call__(self, row: dict) -> dict[str, torch.Tensor]:
         ids = (row["prompt_ids"] + row["output_ids"])[: self.max_len]
-        self.runner.allocate("s")
+        self.kv.allocate("s")
         hidden, aux = self.runner.forward_hidden(["s"], [ids], aux_layers=self.aux_layers)[0]
-        self.runner.free("s")
+        self.kv.free("s")
         label = self.model.logits(hidden[0]).argmax(-1)  # [L]: the target's choice after each position
         # shards live on the CPU, whatever device the target runs on
         return {"ids": torch.tensor(ids, dtype=torch.int32), "aux": aux[0].to("cpu", torch.float16),

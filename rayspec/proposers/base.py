@@ -3,11 +3,16 @@
 A proposer may keep per-sequence state (a draft model's KV cache); it finds out what was
 accepted by comparing the tokens it is given with those it saw last time, so the contract
 stays two plain dataclasses that also travel between Ray actors.
+
+`Proposer` declares everything the engine, the scheduler and the serving loop use of a proposer
+(no caller asks a proposer for an attribute it may not have); `PreDraftable` adds what
+asynchronous drafting (rayspec.proposers.pre_draft) drives.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,3 +126,41 @@ class Proposer(ABC):
     def close(self) -> None:
         """The engine is going away (a replica shutting down; may be called from another thread
         than the engine's): stop background work and end any wait on another process."""
+
+    def flush(self) -> None:
+        """The engine is idle: send what was deferred (a remote proposer's batched releases)."""
+
+    def set_compile(self, on: bool) -> None:
+        """Follow the target's compiled-step choice for the proposer's own static forwards (warm-up
+        turns the compiled step off where it is slower). Default: no model of its own."""
+
+    def models(self) -> list[torch.nn.Module]:
+        """The torch modules the proposer runs in this process (a draft model, an EAGLE head): the
+        serving loop re-measures their CPU kernels while idle. Default: none."""
+        return []
+
+    def kv_usage(self) -> dict[str, float] | None:
+        """The proposer's own KV pool, for stats: num_slots, num_free_slots, kv_cache_usage (0..1).
+        None: it has none in this process."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """Counters of the proposer's own (a remote proposer's calls and their seconds) for the
+        serving loop's snapshot, under their snapshot names. Default: none."""
+        return {}
+
+
+class PreDraftable(Proposer):
+    """A proposer asynchronous drafting can drive (rayspec.proposers.pre_draft): between calls it
+    drafts hypotheses of the next verdicts. It keeps each draft position's top `num_candidates`
+    tokens and their probabilities in `candidates`, and stops between forwards when `should_stop`
+    (set by the pre-drafter) says so."""
+
+    # True: hypotheses are drafted from the proposer's own states (an EAGLE head's `paths`, with the
+    # true features handed over later through `accept_features`); False: from tokens alone
+    drafts_from_states: bool = False
+
+    def __init__(self):
+        self.num_candidates = 0
+        self.candidates: dict[str, list[tuple[list[int], list[float]]]] = {}
+        self.should_stop: Callable[[], bool] | None = None

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable
 
 import numpy as np
 import torch
@@ -9,8 +8,9 @@ import torch
 from rayspec.batch_layout import catch_up_pieces
 from rayspec.device_io import to_device, to_host
 from rayspec.model import CausalLM
-from rayspec.proposers.base import Draft, Proposer, ProposeRequest
-from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
+from rayspec.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
+from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
+from rayspec.runner import ModelRunner
 from rayspec.sampling import DraftSources, draw_rows, probs_of_rows
 
 
@@ -31,7 +31,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 PROBE_WINDOW = 64
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(PreDraftable):
     """A smaller causal LM with the target's tokenizer, on its own KV cache.
 
     Rollback is implicit: the cached tokens are compared with the sequence the engine sends;
@@ -61,7 +61,7 @@ class DraftModelProposer(Proposer):
         proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                        context.num_blocks, context.block_size, context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
-        proposer.runner.set_compile(context.compile)
+        proposer.set_compile(context.compile)
         return proposer
 
     def __init__(self, model: CausalLM, max_model_len: int, num_slots: int, max_draft_tokens: int,
@@ -70,8 +70,9 @@ class DraftModelProposer(Proposer):
         """target_blocks: the target's pool (the draft's holds as many plus its slack per sequence)."""
         slack = max_draft_tokens + 1
         num_blocks = proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size)
-        self.runner = ModelRunner(model, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
-                                  block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+        # the draft's own pool: its books (kv) here, its tensors in the runner
+        self.kv = KVSpace(max_model_len, num_slots, slack, num_blocks, block_size, enable_prefix_caching)
+        self.runner = ModelRunner(model, self.kv)
         self._fed: dict[str, list[int]] = {}  # tokens whose KV the draft cache holds, per sequence
         # where the draft's context starts in the sequence (> 0 after a windowed probe)
         self._offset: dict[str, int] = {}
@@ -80,12 +81,20 @@ class DraftModelProposer(Proposer):
         self._clock = itertools.count()
         # asynchronous drafting (rayspec.proposers.pre_draft): keep each draft position's top
         # num_candidates tokens and their draft probabilities, and stop between forwards when asked
-        self.num_candidates = 0
-        self.candidates: dict[str, list[tuple[list[int], list[float]]]] = {}
-        self.should_stop: Callable[[], bool] | None = None
+        super().__init__()  # (PreDraftable: candidates kept for asynchronous drafting)
+
+    def set_compile(self, on: bool) -> None:
+        self.runner.set_compile(on)
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.runner.model]
+
+    def kv_usage(self) -> dict[str, float]:
+        return {"num_slots": self.kv.num_slots, "num_free_slots": self.kv.num_free_slots,
+                "kv_cache_usage": self.kv.kv_cache_usage()}
 
     def release(self, seq_id: str) -> None:
-        self.runner.free(seq_id)
+        self.kv.free(seq_id)
         self._fed.pop(seq_id, None)
         self._offset.pop(seq_id, None)
         self._sources.release(seq_id)
@@ -103,18 +112,18 @@ class DraftModelProposer(Proposer):
         dropped (a shared proposer deployment: sequences a lost verifier replica left behind). If it
         comes back, it is prefilled again from its tokens. A cached prefix is looked up, and the
         sequence's blocks registered, among its cache_salt's sequences only."""
-        if self.runner.num_free_slots == 0:
+        if self.kv.num_free_slots == 0:
             stale = min((s for s in self._last_used if s not in batch), key=self._last_used.get, default=None)
             if stale is not None:
                 self.release(stale)
         # (verified tokens: a cached prefix may be shared)
-        cached = self.runner.allocate(seq_id, token_ids, cache_salt=cache_salt)
+        cached = self.kv.allocate(seq_id, token_ids, cache_salt=cache_salt)
         self._fed[seq_id] = list(token_ids[:cached])
 
     def _restart(self, seq_id: str, offset: int) -> None:
         """Drop the draft's cache of seq_id; its context starts at `offset` from now on."""
-        if self.runner.has(seq_id):
-            self.runner.free(seq_id)
+        if self.kv.has(seq_id):
+            self.kv.free(seq_id)
         self._fed.pop(seq_id, None)
         self._offset[seq_id] = offset
 
@@ -149,13 +158,13 @@ class DraftModelProposer(Proposer):
             if window is not None and self.catch_up_tokens(req.seq_id, len(req.token_ids)) > window:
                 self._restart(req.seq_id, len(req.token_ids) - window)
             token_ids = req.token_ids[self._offset.get(req.seq_id, 0):]  # the draft's context
-            if not self.runner.has(req.seq_id):
+            if not self.kv.has(req.seq_id):
                 self._allocate(req.seq_id, batch, token_ids, req.cache_salt)
             self._last_used[req.seq_id] = tick
             fed = self._fed[req.seq_id]
             keep = min(common_prefix_len(fed, token_ids), len(token_ids) - 1)
-            self.runner.set_cached_len(req.seq_id, keep)
-            self.runner.commit(req.seq_id, token_ids)  # the engine's tokens are verified ones
+            self.kv.set_cached_len(req.seq_id, keep)
+            self.kv.commit(req.seq_id, token_ids)  # the engine's tokens are verified ones
             seq_ids.append(req.seq_id)
             pending.append(token_ids[keep:])
             self._fed[req.seq_id] = list(token_ids)

@@ -35,9 +35,10 @@ import torch
 from rayspec.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.device_io import to_device, to_host
 from rayspec.eagle.head import EagleHead
-from rayspec.proposers.base import Draft, Proposer, ProposeRequest
+from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.runner import DEFAULT_BLOCK_SIZE, ModelRunner, proposer_num_blocks
+from rayspec.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
+from rayspec.runner import ModelRunner
 from rayspec.sampling import DraftSources, draw_rows, probs_of_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
@@ -76,10 +77,10 @@ def draft_dtype(name: str | None, context) -> torch.dtype:
     return parse_dtype(name or context.dtype, context.device)
 
 
-class EagleProposer(Proposer):
+class EagleProposer(PreDraftable):
     name = "eagle3"
     kind = "eagle3"
-    should_stop = None  # a pre-drafter's hook: stop between forwards when it returns True
+    drafts_from_states = True  # hypotheses from the head's own states (paths), see PreDraftable
 
     @classmethod
     def create(cls, config, context) -> "EagleProposer":
@@ -101,7 +102,7 @@ class EagleProposer(Proposer):
                        target_blocks=context.num_blocks, block_size=context.block_size,
                        enable_prefix_caching=context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens
-        proposer.runner.set_compile(context.compile)
+        proposer.set_compile(context.compile)
         return proposer
 
     def __init__(self, head: EagleHead, max_model_len: int, num_slots: int, max_draft_tokens: int,
@@ -115,8 +116,9 @@ class EagleProposer(Proposer):
         self.depth = depth or max_draft_tokens
         slack = self.topk * self.depth + max_draft_tokens + 2
         num_blocks = proposer_num_blocks(target_blocks, num_slots, max_model_len + slack, slack, block_size)
-        self.runner = ModelRunner(head, max_model_len, num_slots, slack=slack, num_blocks=num_blocks,
-                                  block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+        # the head's own pool: its books (kv) here, its tensors in the runner
+        self.kv = KVSpace(max_model_len, num_slots, slack, num_blocks, block_size, enable_prefix_caching)
+        self.runner = ModelRunner(head, self.kv)
         self._features: dict[str, list[torch.Tensor]] = {}  # handed over, not yet in the head cache
         self._sources = DraftSources(self.runner.device, salt=0x5EED)  # sampled drafts' draws
         self._d2t_ids: tuple = (None, None)  # ((device, draft vocab), the target id of each draft id)
@@ -126,8 +128,7 @@ class EagleProposer(Proposer):
         # the stop rule's early exit reads the device after each depth: only where that is free
         self.early_exit_reads = self.runner.device.type == "cpu" and self.stop_prob > 0
         # asynchronous drafting: > 0 records each draft's best path and its top candidates
-        self.num_candidates = 0
-        self.candidates: dict[str, list[tuple[list[int], list[float]]]] = {}  # path position -> top tokens, probs
+        super().__init__()  # (PreDraftable: candidates, path position -> top tokens, probs)
         self.paths: dict[str, tuple[list[int], torch.Tensor]] = {}  # path tokens, [len, H] states predicting them
 
     # what the engine must hand over: inputs of these target layers, or () for the final hidden state
@@ -135,8 +136,18 @@ class EagleProposer(Proposer):
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.config.aux_layers if self.head.config.kind == "eagle3" else ()
 
+    def set_compile(self, on: bool) -> None:
+        self.runner.set_compile(on)
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.head]
+
+    def kv_usage(self) -> dict[str, float]:
+        return {"num_slots": self.kv.num_slots, "num_free_slots": self.kv.num_free_slots,
+                "kv_cache_usage": self.kv.kv_cache_usage()}
+
     def release(self, seq_id: str) -> None:
-        self.runner.free(seq_id)
+        self.kv.free(seq_id)
         self._features.pop(seq_id, None)
         self._sources.release(seq_id)
         self._salts.pop(seq_id, None)
@@ -167,21 +178,21 @@ class EagleProposer(Proposer):
     # since a new sequence's cached prefix is the shorter of the head's and the target's (salted)
     # lookups (LLMEngine._admit).
     def cached_prefix(self, seq_id: str, token_ids: list[int], cache_salt: str | None = None) -> int | None:
-        if not self.runner.prefix_caching:
+        if not self.kv.prefix_caching:
             return None
-        if self.runner.has(seq_id):
+        if self.kv.has(seq_id):
             self.release(seq_id)
-        if self.runner.num_free_slots == 0:
+        if self.kv.num_free_slots == 0:
             return 0
-        cached = self.runner.allocate(seq_id, self._pair_tokens(token_ids), cache_salt=cache_salt)
+        cached = self.kv.allocate(seq_id, self._pair_tokens(token_ids), cache_salt=cache_salt)
         self._salts[seq_id] = cache_salt
         self._features[seq_id] = []
         self._last_used[seq_id] = next(self._clock)
         return cached
 
     def trim_prefix(self, seq_id: str, num_tokens: int) -> None:
-        if self.runner.has(seq_id) and self.runner.cached_len(seq_id) > num_tokens:
-            self.runner.set_cached_len(seq_id, num_tokens)
+        if self.kv.has(seq_id) and self.kv.cached_len(seq_id) > num_tokens:
+            self.kv.set_cached_len(seq_id, num_tokens)
 
     @torch.inference_mode()
     def commit_finished(self, requests: list[ProposeRequest]) -> None:
@@ -189,17 +200,17 @@ class EagleProposer(Proposer):
         prompt sharing the prefix finds it in the head's cache too (without this, a request that
         ends at its prefill leaves the head nothing, and the target's cached prefix is cut to the
         head's: none). A sequence the head holds no place for is left alone (no eviction)."""
-        if not self.runner.prefix_caching:
+        if not self.kv.prefix_caching:
             return
         ids, toks, feats, reqs = [], [], [], []
         for req in requests:
-            if not self.runner.has(req.seq_id) and self.runner.num_free_slots == 0:
+            if not self.kv.has(req.seq_id) and self.kv.num_free_slots == 0:
                 continue
             if not self._take_features(req):
                 continue
             f = torch.cat(self._features[req.seq_id]) if self._features[req.seq_id] else None
             self._features[req.seq_id] = []
-            start = self.runner.cached_len(req.seq_id)
+            start = self.kv.cached_len(req.seq_id)
             # features past the last kept token (a stop inside the accepted run) pair with nothing
             n = 0 if f is None else min(len(f), len(req.token_ids) - 1 - start)
             if n <= 0:
@@ -211,14 +222,14 @@ class EagleProposer(Proposer):
         if ids:
             self._catch_up(ids, toks, feats, outputs=False)
             for s, req in zip(ids, reqs):
-                self.runner.commit(s, self._pair_tokens(req.token_ids[: self.runner.cached_len(s) + 1]))
+                self.kv.commit(s, self._pair_tokens(req.token_ids[: self.kv.cached_len(s) + 1]))
 
     # ---- catch-up --------------------------------------------------------------------
     def _allocate(self, seq_id: str) -> None:
-        if self.runner.num_free_slots == 0:  # sequences left behind by another verifier's routing
+        if self.kv.num_free_slots == 0:  # sequences left behind by another verifier's routing
             stale = min((s for s in self._last_used if s in self._features), key=self._last_used.get)
             self.release(stale)  # if it comes back, it is caught up through resend_features_from
-        self.runner.allocate(seq_id, cache_salt=self._salts.get(seq_id))
+        self.kv.allocate(seq_id, cache_salt=self._salts.get(seq_id))
         self._features[seq_id] = []
 
     def accept_features(self, req: ProposeRequest) -> bool:
@@ -228,12 +239,12 @@ class EagleProposer(Proposer):
 
     def _take_features(self, req: ProposeRequest) -> bool:
         """Buffer the request's features; False when they do not continue what this proposer holds."""
-        if self.runner.has(req.seq_id) and req.features_start == 0 and req.features is not None:
+        if self.kv.has(req.seq_id) and req.features_start == 0 and req.features is not None:
             salt = self._salts.get(req.seq_id, _UNKNOWN)
             self.release(req.seq_id)  # features from the start again (a resend): rebuild from scratch
             if salt is not _UNKNOWN:  # (the same sequence: its salt stays)
                 self._salts[req.seq_id] = salt
-        if not self.runner.has(req.seq_id):
+        if not self.kv.has(req.seq_id):
             if req.features_start > 0:  # a sequence that started elsewhere
                 return False
             if req.seq_id not in self._salts and req.cache_salt is not None:
@@ -242,11 +253,11 @@ class EagleProposer(Proposer):
         self._last_used[req.seq_id] = next(self._clock)
         if req.features is not None and len(req.features):
             buffered = sum(len(f) for f in self._features[req.seq_id])
-            expected = self.runner.cached_len(req.seq_id) + buffered
+            expected = self.kv.cached_len(req.seq_id) + buffered
             if not buffered and req.features_start < expected:
                 # features from an earlier position again (the step that sent them failed and is
                 # retried): rewind; the catch-up rewrites those positions
-                self.runner.set_cached_len(req.seq_id, req.features_start)
+                self.kv.set_cached_len(req.seq_id, req.features_start)
             elif req.features_start != expected:
                 self.release(req.seq_id)
                 return False
@@ -261,7 +272,7 @@ class EagleProposer(Proposer):
         dropped again after the draft. A pre-draft that does not fit the head's state gets no draft
         (and leaves the state alone)."""
         if standins is not None:
-            missing = {r.seq_id for r in requests if not self.runner.has(r.seq_id)}
+            missing = {r.seq_id for r in requests if not self.kv.has(r.seq_id)}
         else:
             missing = {r.seq_id for r in requests if not self._take_features(r)}
         skipped = set()
@@ -272,7 +283,7 @@ class EagleProposer(Proposer):
                 continue
             f = torch.cat(self._features[req.seq_id]) if self._features[req.seq_id] else None
             h = standins[i] if standins is not None else None
-            start = self.runner.cached_len(req.seq_id)
+            start = self.kv.cached_len(req.seq_id)
             n_true, n_stand = (0 if f is None else len(f)), (0 if h is None else len(h))
             if n_true + n_stand == 0 or start + n_true + n_stand != len(req.token_ids) - 1:
                 if standins is not None:
@@ -297,7 +308,7 @@ class EagleProposer(Proposer):
                                       [feats[i] for i in true_rows])
                 for i, row in zip(true_rows, rows):
                     last[i] = row
-            committed = [self.runner.cached_len(s) for s in ids]
+            committed = [self.kv.cached_len(s) for s in ids]
             stand_rows = [i for i, (h, _) in enumerate(stand) if h is not None]
             if stand_rows and not self._stop():
                 rows = self._catch_up([ids[i] for i in stand_rows], [stand[i][1] for i in stand_rows],
@@ -306,8 +317,8 @@ class EagleProposer(Proposer):
                     last[i] = row
             drafts = self._draft(active, torch.stack(last)) if not self._stop() else [Draft([])] * len(active)
             for s, n, req in zip(ids, committed, active):
-                self.runner.set_cached_len(s, n)
-                self.runner.commit(s, self._pair_tokens(req.token_ids[: n + 1]))  # positions < n: verified pairs
+                self.kv.set_cached_len(s, n)
+                self.kv.commit(s, self._pair_tokens(req.token_ids[: n + 1]))  # positions < n: verified pairs
             by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
 

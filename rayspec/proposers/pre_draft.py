@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rayspec.proposers.base import Draft, Proposer, ProposeRequest
+from rayspec.proposers.base import Draft, PreDraftable, Proposer, ProposeRequest
 
 Candidates = list[tuple[list[int], list[float]]]  # per draft position: top tokens, their probabilities
 Verdict = tuple[int, int]  # (accepted draft tokens, bonus token)
@@ -165,11 +165,11 @@ class PreDrafter:
                  clock=time.perf_counter, budget: bool = True):
         """budget: start a hypothesis batch only when it is expected to end before the next call
         (False: draft every hypothesis; PreDraftingProposer's inline rounds)."""
-        if not hasattr(proposer, "should_stop"):
+        if not isinstance(proposer, PreDraftable):
             raise ValueError(f"proposer {proposer.name!r} cannot pre-draft (draft_model can)")
         self.proposer = proposer
         # EAGLE: hypotheses drafted from the head's own states (see the module docstring)
-        self.standins = hasattr(proposer, "paths")
+        self.standins = proposer.drafts_from_states
         self.extra = 0 if self.standins else 1  # draft_model drafts one more (ranks the next verdicts)
         self._pending: dict[str, list[ProposeRequest]] = {}  # hits' true features, not yet handed over
         self.num_hypotheses = num_hypotheses
@@ -568,3 +568,13 @@ class PreDraftingProposer(Proposer):
     def close(self) -> None:
         if self._thread is not None:
             self._thread.close()
+
+    # the wrapped proposer's model, cache and compile choice are its own
+    def set_compile(self, on: bool) -> None:
+        self.inner.set_compile(on)
+
+    def models(self) -> list[torch.nn.Module]:
+        return self.inner.models()
+
+    def kv_usage(self) -> dict[str, float] | None:
+        return self.inner.kv_usage()
