@@ -1,5 +1,6 @@
-# Over 500 lines: one class (EagleProposer) whose catch-up, chain and tree drafting share the head's state.
 """EAGLE-3 and EAGLE-1 proposers: a draft head fed with the target's hidden states.
+
+(Over 500 lines: one class (EagleProposer) whose catch-up, chain and tree drafting share the head's state.)
 
 Per sequence the head keeps its own KV cache over "pairs": head position i reads the target
 features at i with token i+1. The engine hands over the features of every token the target

@@ -1,5 +1,6 @@
-# Over 500 lines: PreDrafter's ranking, drafting and speculation cache share one state under one lock.
 """Asynchronous drafting: draft the next step while the target verifies this one.
+
+(Over 500 lines: PreDrafter's ranking, drafting and speculation cache share one state under one lock.)
 
 After a proposer answers, the verifier spends a whole verification before it calls again, and a
 proposer on its own device sits idle meanwhile. PreDrafter fills that time (as speculative
@@ -51,8 +52,9 @@ makes the pre-drafter stop between forwards (the proposer's `should_stop` hook).
 is the batch being drafted waits for that batch. A hypothesis batch is started only while a hit on
 it, waited for, would still come sooner than drafting on the call (measured times), so where
 pre-drafting does not fit (large batches, a slow proposer) drafting falls back to synchronous.
-The wrapped proposer must offer `num_candidates`, `candidates` and `should_stop` (draft_model,
-eagle3, eagle); EAGLE ones also `paths` and `accept_features`.
+The wrapped proposer is a PreDraftable (rayspec.proposers.base: `num_candidates`, `candidates`,
+`should_stop`; draft_model, eagle3, eagle); those drafting from their own states
+(`drafts_from_states`: EAGLE) also keep `paths` and take `accept_features`.
 """
 
 from __future__ import annotations
