@@ -317,7 +317,7 @@ def test_a_slow_grammar_is_a_400_naming_its_field(hf_tokenizer, stream):
     ingress = make_ingress(_GrammarVerifier(compiler(hf_tokenizer, compile_timeout_s=DEADLINE_S)))
     body = CompletionRequest(model="tiny", prompt="hi", stream=stream, guided_choice=SLOW)
     with pytest.raises(OpenAIError) as err:
-        asyncio.run(ingress._respond(body, chat=False))
+        asyncio.run(ingress.completions(body))
     assert err.value.status_code == 400 and err.value.param == "guided_choice"
     assert "took longer than 0.001 s to compile" in err.value.message
     # a tool-call constraint the verifier cannot compile names the tools
@@ -325,7 +325,7 @@ def test_a_slow_grammar_is_a_400_naming_its_field(hf_tokenizer, stream):
                                  tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}])
     ingress = make_ingress(_GrammarVerifier(compiler(hf_tokenizer)))
     with pytest.raises(OpenAIError) as err:
-        asyncio.run(ingress._respond(chat, chat=True))
+        asyncio.run(ingress.chat_completions(chat))
     assert err.value.status_code == 400 and err.value.param == "tools" and "invalid json" in err.value.message
 
 

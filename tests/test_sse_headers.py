@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import deployments.frontend.ingress as ingress_module
+from deployments.frontend.completions import CompletionChoices
 
 
 def test_sse_responses_ask_proxies_not_to_buffer(monkeypatch):
@@ -18,7 +19,7 @@ def test_sse_responses_ask_proxies_not_to_buffer(monkeypatch):
     cls = ingress_module.OpenAIIngress.func_or_class.__bases__[0]  # serve.ingress wraps our class
     ingress = object.__new__(cls)
     ingress.verifier, ingress.failovers, ingress.verifier_answered = None, None, False
-    response = asyncio.run(ingress._stream_response([], body=None, chat=False))
+    response = asyncio.run(ingress._stream_response([], None, CompletionChoices(None)))
     assert response.media_type == "text/event-stream"
     assert response.headers["x-accel-buffering"] == "no"
     assert response.headers["cache-control"] == "no-cache"

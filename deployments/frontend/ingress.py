@@ -2,6 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, GET /health, GET /v1/stats.
+The two generating routes share their verifier calls, usage, SSE events and errors here; what each
+makes of its choices' output is its ChoiceFormat (deployments.frontend.completions, .chat).
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
 With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but /health wants
 `Authorization: Bearer <key>` (deployments.frontend.api_key); handle calls come over Ray, which has no keys.
@@ -13,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Protocol, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,14 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
+from deployments.frontend.chat import ChatChoices
 from deployments.frontend.choices import expand, gather_or_cancel, merged, open_streams
+from deployments.frontend.completions import CompletionChoices
 from deployments.config import load_app_args, resolve_api_key
 from deployments.frontend.failover import FailoverCounts, FailoverStream, call_with_failover
 from deployments.frontend.openai_limits import OpenAIError
 from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from deployments.frontend.openai_responses import (AutoToolCallStream, ToolCallStream, auto_tool_message, chat_logprobs,
-                                          completion_logprobs, finish_reason, new_id, now, sum_usage,
-                                          tool_call_message)
+from deployments.frontend.openai_responses import new_id, now, sum_usage
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from deployments.frontend.sse import SSE_HEADERS
 from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
@@ -132,21 +134,25 @@ def _sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _without_output(result):
-    """A GenerateResponse or chunk of a max_tokens 0 request: the engine's one token dropped."""
-    return result.model_copy(update={"text" if hasattr(result, "text") else "delta_text": "",
-                                     "token_ids" if hasattr(result, "token_ids") else "delta_token_ids": [],
-                                     "logprobs": [] if result.logprobs is not None else None,
-                                     "num_output_tokens": 0, "finish_reason": "length"})
+class ChoiceFormat(Protocol):
+    """What a generating route (chat.ChatChoices, completions.CompletionChoices) makes of its choices'
+    results; the ingress does the rest: verifier calls, usage, ids, SSE events and errors."""
 
+    id_prefix: str  # of the response's id
+    object: str  # of a whole response
+    chunk_object: str  # of each streamed event
 
-def _with_prompt(result):
-    """echo: the prompt's text and logprobs (those that came with it) ahead of the output's."""
-    key = "text" if hasattr(result, "text") else "delta_text"
-    update = {key: (result.prompt_text or "") + getattr(result, key), "prompt_text": None, "prompt_logprobs": None}
-    if result.prompt_logprobs is not None:
-        update["logprobs"] = list(result.prompt_logprobs) + list(result.logprobs or [])
-    return result.model_copy(update=update)
+    def output(self, result):
+        """A choice's GenerateResponse or chunk as returned and counted in usage."""
+
+    def choice(self, c: int, result: GenerateResponse) -> dict:
+        """Choice c of a whole response."""
+
+    def start_stream(self, num_choices: int) -> list[dict]:
+        """A stream begins: the choices sent ahead of any output."""
+
+    def delta(self, c: int, chunk: GenerateChunk) -> dict | None:
+        """Choice c's event for this chunk of its output (None: nothing to send)."""
 
 
 @serve.deployment
@@ -298,11 +304,18 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        return await self._respond(body, chat=False)
+        # a text_completion (or its SSE stream): n choices per prompt of a batched prompt list. (A comment,
+        # not a docstring: FastAPI would put that in /openapi.json, which these routes never had.)
+        requests = self._choice_requests(body)
+        return await self._generate_choices(requests, body, CompletionChoices(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        return await self._respond(body, chat=True)
+        # a chat.completion (or its SSE stream): n choices, each a message or tool calls
+        requests = self._choice_requests(body)
+        mode = body.tool_call()  # validated by _choice_requests
+        parser = await self._tool_parser() if mode is not None and mode.auto else None
+        return await self._generate_choices(requests, body, ChatChoices(mode, parser))
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
@@ -318,37 +331,6 @@ class OpenAIIngress:
         body.check(self.cfg.engine.max_model_len)
         return await self._call_method("detokenize", body.tokens)
 
-    async def _respond(self, body, chat: bool):
-        self._check_model(body.model)
-        requests = expand(self._to_generate(body), body.n)  # choice c: prompt c // n
-        constraint = body.constraint_field()
-        tool_mode = body.tool_call() if chat else None  # validated by _to_generate above
-        parser = await self._tool_parser() if tool_mode is not None and tool_mode.auto else None
-        if body.stream:
-            return await self._stream_response(requests, body, chat, constraint, parser)
-        resps = await gather_or_cancel(self._call(r, constraint) for r in requests)
-        if (not chat and body.prompt_only):
-            resps = [_without_output(r) for r in resps]
-        choices = []
-        for c, resp in enumerate(resps):
-            if (not chat and body.echo):
-                resp = _with_prompt(resp)
-            reason = finish_reason(resp.finish_reason)
-            if chat:
-                logprobs = chat_logprobs(resp.logprobs) if resp.logprobs is not None else None
-                message = {"role": "assistant", "content": resp.text}
-                if parser is not None:
-                    message, reason = auto_tool_message(resp.text, parser, resp.finish_reason)
-                elif tool_mode is not None:
-                    message, reason = tool_call_message(resp.text, tool_mode, resp.finish_reason)
-                choices.append({"index": c, "message": message, "logprobs": logprobs, "finish_reason": reason})
-            else:
-                logprobs = completion_logprobs(resp.logprobs) if resp.logprobs is not None else None
-                choices.append({"index": c, "text": resp.text, "logprobs": logprobs, "finish_reason": reason})
-        return {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": self.model_name,
-                "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": self._usage(resps, body.n)}
-
     # ---- helpers ---------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
         """The served name, or the model itself (its hub id or path) answer."""
@@ -362,6 +344,11 @@ class OpenAIIngress:
         return sum_usage([(r.num_prompt_tokens if c % n == 0 else 0, r.num_output_tokens, r.num_draft_tokens,
                            r.num_accepted_tokens, r.num_cached_tokens if c % n == 0 else 0)
                           for c, r in enumerate(results)])
+
+    def _choice_requests(self, body) -> list[GenerateRequest]:
+        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model."""
+        self._check_model(body.model)
+        return expand(self._to_generate(body), body.n)
 
     def _to_generate(self, body) -> list[GenerateRequest]:
         """The body's verifier requests (one per prompt), validated: limits (LIMITS), values, output
@@ -418,20 +405,28 @@ class OpenAIIngress:
         self.verifier_answered = True
         return response
 
-    async def _stream_response(self, requests: list[GenerateRequest], body, chat: bool,
-                               constraint: str | None = None, parser: ToolCallParser | None = None):
+    async def _generate_choices(self, requests: list[GenerateRequest], body, route: ChoiceFormat):
+        """The response to a generating route's requests, one per choice: whole, or streamed (body.stream)."""
+        constraint = body.constraint_field()
+        if body.stream:
+            return await self._stream_response(requests, body, route, constraint)
+        results = [route.output(r) for r in await gather_or_cancel(self._call(r, constraint) for r in requests)]
+        choices = [route.choice(c, r) for c, r in enumerate(results)]
+        return {"id": new_id(route.id_prefix), "created": now(), "model": self.model_name, "object": route.object,
+                "choices": choices, "usage": self._usage(results, body.n)}
+
+    async def _stream_response(self, requests: list[GenerateRequest], body, route: ChoiceFormat,
+                               constraint: str | None = None):
         with self._errors_mapped(constraint):  # every choice's first chunk awaited: request errors still a 400
             streams, firsts = await open_streams(self.verifier, requests, self.failovers)
         self.verifier_answered = True
-        return StreamingResponse(self._sse_events(streams, firsts, body, chat, parser),
+        return StreamingResponse(self._sse_events(streams, firsts, body, route),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def _sse_events(self, streams, firsts, body, chat: bool,
-                          parser: ToolCallParser | None = None) -> AsyncIterator[str]:
-        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    async def _sse_events(self, streams, firsts, body, route: ChoiceFormat) -> AsyncIterator[str]:
+        rid, created = new_id(route.id_prefix), now()
         include_usage, continuous = body.include_usage, body.continuous_usage
-        last: list[GenerateChunk | None] = [None] * len(streams)
+        last: list[GenerateChunk | None] = [None] * len(streams)  # each choice's latest chunk, as counted
 
         def so_far() -> dict:  # continuous_usage_stats: prompts (once each) and the tokens made so far
             n = body.n
@@ -442,7 +437,7 @@ class OpenAIIngress:
                               for c, f in enumerate(firsts)])
 
         def event(choice: dict | None, usage_block=None) -> str:
-            data = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+            data = {"id": rid, "object": route.chunk_object, "created": created, "model": self.model_name,
                     "choices": [choice] if choice is not None else []}
             if continuous and choice is not None:
                 data["usage"] = so_far()
@@ -450,43 +445,15 @@ class OpenAIIngress:
                 data["usage"] = usage_block
             return _sse(data)
 
-        tool_mode = body.tool_call() if chat else None
-        tool_streams = None
-        if parser is not None:
-            tool_streams = [AutoToolCallStream(parser) for _ in streams]
-        elif tool_mode is not None:
-            tool_streams = [ToolCallStream(tool_mode) for _ in streams]
-        text_offset = [0] * len(streams)  # completions logprobs: where each choice's next token starts
         chunks = merged(streams, firsts)
         try:
-            if chat:
-                for c in range(len(streams)):
-                    # OpenAI: null ahead of tool calls ("auto": text may come first)
-                    content = None if tool_streams is not None and parser is None else ""
-                    yield event({"index": c, "delta": {"role": "assistant", "content": content}, "logprobs": None,
-                                 "finish_reason": None})
+            for choice in route.start_stream(len(streams)):
+                yield event(choice)
             async for c, chunk in chunks:
-                if (not chat and body.prompt_only):
-                    chunk = _without_output(chunk)
-                last[c] = chunk
-                if (not chat and body.echo) and (chunk.prompt_text is not None or chunk.prompt_logprobs):
-                    chunk = _with_prompt(chunk)
-                reason = finish_reason(chunk.finish_reason) if chunk.finished else None
-                logprobs = None
-                if chunk.logprobs:
-                    if chat:
-                        logprobs = chat_logprobs(chunk.logprobs)
-                    else:
-                        logprobs = completion_logprobs(chunk.logprobs, text_offset[c])
-                        text_offset[c] += sum(len(e.token) for e in chunk.logprobs)
-                if chat:
-                    delta = {"content": chunk.delta_text} if chunk.delta_text else {}
-                    if tool_streams is not None:  # arguments (or whole calls) instead of content
-                        delta, reason = tool_streams[c].delta(chunk.delta_text, chunk.finished, chunk.finish_reason)
-                    if delta or reason or logprobs:
-                        yield event({"index": c, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
-                elif chunk.delta_text or reason or logprobs:
-                    yield event({"index": c, "text": chunk.delta_text, "logprobs": logprobs, "finish_reason": reason})
+                last[c] = chunk = route.output(chunk)
+                choice = route.delta(c, chunk)
+                if choice is not None:
+                    yield event(choice)
             if include_usage and all(last):
                 yield event(None, self._usage(last, body.n))
             yield "data: [DONE]\n\n"
