@@ -9,7 +9,7 @@ Session 15 (AMD EPYC, 2 cores, no AVX-512): float32 10/10 for all three; bfloat1
 draft model 6/10 (0 drafts accepted), self-draft 6/10. Session 16 traced it (same CPU): the
 projections were batch-invariant in bfloat16; the CPU flash attention kernel in bfloat16 was not
 (it rounds the probabilities to bfloat16 in blocks shaped by the query and key counts). With
-attention computed in float32 on CPU (rayspec.model.attention): bfloat16 10/10, 10/10, 10/10
+attention computed in float32 on CPU (rayspec.model.native.attention): bfloat16 10/10, 10/10, 10/10
 (40, 0 and 760 drafts accepted). On an H100 (torch 2.11) bfloat16 was 10/10 without that
 (benchmarks/gpu_checks.py). Tested: tests/test_numerics.py, every proposer, bf16 and fp16.
 """
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import make_tiny_model_dir  # noqa: E402
 
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 ROOT = Path("/tmp/rayspec-bf16-equality")
 TARGET, DRAFT = ROOT / "model", ROOT / "draft"

@@ -17,13 +17,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rayspec import loader  # noqa: E402
 from rayspec.assets import assets_root  # noqa: E402
 from rayspec.bench.environment import environment  # noqa: E402
-from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.bench.prompts import load_prompts  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.model import loader  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 
 def main() -> None:

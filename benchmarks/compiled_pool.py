@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rayspec.bench.environment import environment  # noqa: E402
-from rayspec.families import ModelArgs  # noqa: E402
-from rayspec.kv_cache import KVCache  # noqa: E402
-from rayspec.model import CausalLM  # noqa: E402
-from rayspec.runner import make_runner  # noqa: E402
+from rayspec.model.families import ModelArgs  # noqa: E402
+from rayspec.model.kv_cache import KVCache  # noqa: E402
+from rayspec.model.native import CausalLM  # noqa: E402
+from rayspec.model.runner import make_runner  # noqa: E402
 
 WIDTHS = {  # name -> (hidden, intermediate, heads, kv heads, head_dim)
     "llama8b": (4096, 14336, 32, 8, 128),

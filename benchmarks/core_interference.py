@@ -18,8 +18,8 @@ def forward_ms(quantization: str | None, seconds: float, start_at: float) -> flo
 
     import torch
 
-    from rayspec.loader import load_model
-    from rayspec.runner import make_runner
+    from rayspec.model.loader import load_model
+    from rayspec.model.runner import make_runner
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -15,9 +15,9 @@ import torch
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig
 from rayspec.eagle.checkpoint import read_state_dict
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
-from rayspec.weights.hub import resolve_model_dir
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.model.weights.hub import resolve_model_dir
+from rayspec.sampling.sampler import SamplingParams
 
 SETS = ("mt_bench", "humaneval", "gsm8k")
 

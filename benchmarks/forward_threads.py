@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from rayspec.loader import load_model
-from rayspec.runner import make_runner
+from rayspec.model.loader import load_model
+from rayspec.model.runner import make_runner
 
 
 def _busy():

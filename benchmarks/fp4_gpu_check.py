@@ -29,9 +29,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fp4_utils import random_nvfp4_llama, reference_nvfp4  # noqa: E402
 
-from rayspec import loader  # noqa: E402
-from rayspec.formats import nvfp4  # noqa: E402
-from rayspec.weights import checkpoint, hub  # noqa: E402
+from rayspec.model import loader  # noqa: E402
+from rayspec.model.formats import nvfp4  # noqa: E402
+from rayspec.model.weights import checkpoint, hub  # noqa: E402
 
 E2M1 = torch.tensor(nvfp4.E2M1_VALUES)
 

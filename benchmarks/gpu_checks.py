@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 VOCAB = 49152
 
@@ -65,7 +65,7 @@ def make_head_dir(path: Path, target_dir: Path, target) -> Path:
 
 
 def exactness(root: Path, results: dict) -> None:
-    from rayspec import loader
+    from rayspec.model import loader
 
     target_dir = make_model_dir(root / "target", 4, 0)
     rng = random.Random(0)
@@ -112,7 +112,7 @@ def exactness(root: Path, results: dict) -> None:
 
 
 def chunked_prefill(root: Path, results: dict) -> None:
-    from rayspec import loader
+    from rayspec.model import loader
 
     model_dir = make_model_dir(root / "smollm2-shapes", 30, 1)
     loaded = loader.load_model(str(model_dir), device="cuda", dtype="bfloat16")
@@ -148,8 +148,8 @@ def chunked_prefill(root: Path, results: dict) -> None:
 def sdpa_backends(results: dict) -> None:
     from torch.nn.attention import SDPBackend
 
-    from rayspec.batch_layout import additive_mask
-    from rayspec.model import repeats_kv_heads
+    from rayspec.model.batch_layout import additive_mask
+    from rayspec.model.native import repeats_kv_heads
 
     names = {b.value: name for name, b in SDPBackend.__members__.items()}
     rows = []

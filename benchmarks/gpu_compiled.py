@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_checks import VOCAB, make_head_dir, make_model_dir  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.device_io import count_host_reads  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 RESULTS: dict = {}
 OUT: Path | None = None
@@ -62,7 +62,7 @@ def engine_for(model_dir, loaded, method="none", compile=False, seqs=8, **spec) 
 
 
 def syncs(root: Path) -> None:
-    from rayspec import loader
+    from rayspec.model import loader
 
     target_dir = make_model_dir(root / "t4", 4, 0)
     loaded = loader.load_model(str(target_dir), device="cuda", dtype="bfloat16")
@@ -102,8 +102,8 @@ def syncs(root: Path) -> None:
 
 
 def llama8b_shapes():
-    from rayspec.families import ModelArgs
-    from rayspec.model import CausalLM
+    from rayspec.model.families import ModelArgs
+    from rayspec.model.native import CausalLM
 
     args = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                      num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -134,7 +134,7 @@ def timed(engine, ps, tokens) -> tuple[float, list[list[int]], int]:
 
 
 def speed(root: Path, which: list[str]) -> None:
-    from rayspec import loader
+    from rayspec.model import loader
 
     smol_dir = make_model_dir(root / "t30", 30, 1)
     smol = loader.load_model(str(smol_dir), device="cuda", dtype="bfloat16")
@@ -177,8 +177,8 @@ def speed(root: Path, which: list[str]) -> None:
 
 
 def set_fused(model, on: bool, saved: dict) -> None:
-    """Turn the fused q/k/v and gate/up matmuls (rayspec.linear.fuse_weights) off and on again."""
-    from rayspec.model import MLP, Attention
+    """Turn the fused q/k/v and gate/up matmuls (rayspec.model.linear.fuse_weights) off and on again."""
+    from rayspec.model.native import MLP, Attention
 
     for m in model.modules():
         for attr in ("qkv_fused", "gate_up_fused") if isinstance(m, (Attention, MLP)) else ():

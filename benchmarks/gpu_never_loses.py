@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_checks import make_head_dir  # noqa: E402
 
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 VOCAB = 49152
 DAMP = 0.02
@@ -140,7 +140,7 @@ def fitted_costs(engine: LLMEngine) -> dict | None:
             "verify": [round(float(c) * 1e3, 4) for c in verify], "propose": [round(float(c) * 1e3, 4) for c in propose],
             "units": "ms; verify: per step, once any sequence verifies drafts, per row, per row x 1e6 context "
                      "tokens; propose: per call, per depth, per depth x sequence, per 1e6 tokens caught up "
-                     "(rayspec.drafting.verify_features / propose_features)"}
+                     "(rayspec.engine.drafting.verify_features / propose_features)"}
 
 
 def main() -> None:
@@ -173,7 +173,7 @@ def main() -> None:
             out.write_text(json.dumps(results, indent=1))
 
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, list)}), flush=True)
-    from rayspec import loader
+    from rayspec.model import loader
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

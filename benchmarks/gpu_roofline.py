@@ -39,12 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rayspec.batch_layout import TreeQuery
 from rayspec.bench.environment import environment  # noqa: E402
-from rayspec.families import ModelArgs  # noqa: E402
-from rayspec.kv_cache import KVCache  # noqa: E402
-from rayspec.model import CausalLM  # noqa: E402
-from rayspec.runner import ModelRunner, make_runner  # noqa: E402
+from rayspec.model.batch_layout import TreeQuery
+from rayspec.model.families import ModelArgs  # noqa: E402
+from rayspec.model.kv_cache import KVCache  # noqa: E402
+from rayspec.model.native import CausalLM  # noqa: E402
+from rayspec.model.runner import ModelRunner, make_runner  # noqa: E402
 
 SHAPES = {  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim, rope theta
     "llama3.1-8b": (128256, 4096, 14336, 32, 32, 8, 128, 500000.0),
@@ -245,7 +245,7 @@ def transformers_peer(a, device, dtype, clock: Clock, out) -> float | None:
 
 def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
     """One decoder layer's decode attention at batch B over a paged pool, two ways (see the module doc)."""
-    from rayspec.paged_attention import PagedLayout, chain_tail, inverse_tables
+    from rayspec.model.paged_attention import PagedLayout, chain_tail, inverse_tables
 
     v, h, i, layers, heads, kv_heads, hd, theta = SHAPES[a.shape]
     bs = 16
@@ -298,7 +298,7 @@ def attention_candidates(a, device, dtype, clock: Clock, out) -> None:
 
 def paged_step(a, device, dtype, clock: Clock, out) -> None:
     """The compiled decode step (and the 8-node tree verification at batch 1) with attention gathering
-    the keys (today's default) and reading the pool in place (rayspec.paged_attention), side by side
+    the keys (today's default) and reading the pool in place (rayspec.model.paged_attention), side by side
     in one process, with the largest difference of their final hidden states."""
     model = build_ours(a.shape, device, dtype)
     cases = [(b, False) for b in a.paged_batches] + ([(1, True)] if a.paged_tree else [])
@@ -438,8 +438,8 @@ def main() -> None:
         peer_s = transformers_peer(a, device, dtype, clock, out)
     with torch.inference_mode():
         if "paged" in sections and a.paged_batches:
-            if device.type == "cpu":  # inductor's CPU FlexAttention is wrong here (rayspec.compiled): the traced step
-                from rayspec.compiled import CompiledForward
+            if device.type == "cpu":  # inductor's CPU FlexAttention is wrong here (rayspec.model.compiled): the traced step
+                from rayspec.model.compiled import CompiledForward
                 CompiledForward.backend = "aot_eager"
             paged_step(a, device, dtype, clock, out)
         if "attention" in sections:

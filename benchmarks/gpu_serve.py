@@ -83,7 +83,7 @@ def fetch(config: str) -> dict:
     says what is missing. Run before serving, so a slow download is not under the ready timeout."""
     from huggingface_hub import get_token
 
-    from rayspec.weights.hub import resolve_model_dir
+    from rayspec.model.weights.hub import resolve_model_dir
 
     names = info(config)
     dirs = {}
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve_apps(args.config, [a for a in args.apps.split(",") if a], args.port, args.num_gpus,
                           args.kv_cache_memory_gb, args.num_cpus, args.ray_num_cpus, args.full_drafts)
-    from rayspec.weights.files import ModelNotFoundError
+    from rayspec.model.weights.files import ModelNotFoundError
 
     try:
         print(json.dumps(info(args.config) if args.command == "info" else fetch(args.config)))

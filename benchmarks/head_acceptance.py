@@ -11,12 +11,12 @@ import sys
 
 import torch
 
-from rayspec import loader
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.metrics import SpecDecodeStats
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.engine.metrics import SpecDecodeStats
+from rayspec.model import loader
+from rayspec.sampling.sampler import SamplingParams
 
 SETS = ("mt_bench", "humaneval", "gsm8k")
 

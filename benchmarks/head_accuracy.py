@@ -16,14 +16,14 @@ import sys
 
 import torch
 
-from rayspec import loader
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.data import FeatureExtractor
 from rayspec.eagle.train import head_step, ttt_mask
-from rayspec.engine import LLMEngine
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.model import loader
 from rayspec.proposers import eagle as eagle_proposer
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 
 def main(head_dir: str, prompt_file: str, num_prompts: int) -> None:

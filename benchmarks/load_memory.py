@@ -53,13 +53,13 @@ def _reset_peak() -> bool:
 
 def _import_loader(old_ref: str | None):
     if old_ref is None:
-        from rayspec import loader
+        from rayspec.model import loader
 
         return loader
     import importlib.util
     import tempfile
 
-    source = subprocess.run(["git", "show", f"{old_ref}:rayspec/loader.py"], cwd=REPO, check=True,
+    source = subprocess.run(["git", "show", f"{old_ref}:rayspec/model/loader.py"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_loader.py"
     path.write_text(source)
@@ -77,7 +77,7 @@ def measure(model: str, dtype: str, old_ref: str | None) -> dict:
     import transformers  # noqa: F401
 
     import rayspec
-    from rayspec.model import CausalLM
+    from rayspec.model.native import CausalLM
 
     loader = _import_loader(old_ref)
     before_lazy = _status_bytes("VmRSS")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rayspec.weights.hub import resolve_model_dir
+from rayspec.model.weights.hub import resolve_model_dir
 
 
 def main(out: Path) -> None:

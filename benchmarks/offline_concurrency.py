@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from rayspec import loader
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.metrics import SpecDecodeStats
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.engine.metrics import SpecDecodeStats
+from rayspec.model import loader
+from rayspec.sampling.sampler import SamplingParams
 
 EAGLE = dict(method="eagle3", draft_model="heads/smollm2-135m-eagle3", num_speculative_tokens=8, eagle_topk=2,
              num_steps=4, eagle_stop_prob=0.2, eagle_prompt_lookup=5)

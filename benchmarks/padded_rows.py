@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from rayspec import loader
-from rayspec.runner import make_runner
+from rayspec.model import loader
+from rayspec.model.runner import make_runner
 
 CASES = ([1] * 8, [1] * 7 + [6], [2] * 8, [1] * 4 + [6] * 4, [3] * 8, [6] * 8)
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.sampling.sampler import SamplingParams
 
 try:  # the bundled set; the code before paging has no rayspec.bench.prompts.prompts_path
     from rayspec.bench.prompts import prompts_path

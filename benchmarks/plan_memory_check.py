@@ -1,8 +1,8 @@
-"""Check `rayspec plan`'s figures (rayspec.memory) against what CUDA allocates, on one GPU.
+"""Check `rayspec plan`'s figures (rayspec.memory.plan) against what CUDA allocates, on one GPU.
 
 Streams a checkpoint of the target of tests/data/llama-3.1-8b-instruct (Llama-3.1-8B-Instruct's
 published config) cut to LOAD_LAYERS layers, written in float32 to a temporary directory, into
-bfloat16 on the GPU (rayspec.loader.build_model, as a load does): the load peak. Then builds the
+bfloat16 on the GPU (rayspec.model.loader.build_model, as a load does): the load peak. Then builds the
 whole target (weights left uninitialized: only the sizes matter) the way build_model does, its KV
 cache as the engine sizes it for configs/llama3_eagle3.yaml, the EAGLE-3 head of
 tests/data/eagle3-llama3.1-instruct-8b attached as rayspec.eagle.checkpoint does, then one
@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rayspec.activation_memory import forward_activations
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.checkpoint import eagle_config_from_hf
 from rayspec.eagle.head import attach_target, build_head
-from rayspec.families import ModelArgs
-from rayspec.loader import build_model, empty_model
-from rayspec.memory import kv_cache_plan
-from rayspec.runner import make_runner
-from rayspec.weight_memory import causal_lm_weights, eagle_head_weights, load_bytes
+from rayspec.memory.activation_memory import forward_activations
+from rayspec.memory.plan import kv_cache_plan
+from rayspec.memory.weight_memory import causal_lm_weights, eagle_head_weights, load_bytes
+from rayspec.model.families import ModelArgs
+from rayspec.model.loader import build_model, empty_model
+from rayspec.model.runner import make_runner
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 CHUNK, CONTEXT = 2048, 8192

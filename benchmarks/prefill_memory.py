@@ -4,7 +4,7 @@ Each configuration runs in a fresh process: the engine is built (the model's wei
 cache for one sequence of max_model_len, touched so it is resident), then one prompt of --tokens
 tokens is prefilled while a thread samples the process's resident set every millisecond. Reported:
 the peak above that baseline (what the prefill itself allocated), beside the planner's estimate of
-one chunk's activations (rayspec.activation_memory.forward_activations, the figure `rayspec plan` prints).
+one chunk's activations (rayspec.memory.activation_memory.forward_activations, the figure `rayspec plan` prints).
 
     python benchmarks/prefill_memory.py --tokens 8000 --budgets 512 2048 none --json out.json
 """
@@ -32,11 +32,11 @@ def measure(model: str, tokens: int, budget: int | None, num_layers: int | None,
     """In this process: build, touch the cache, prefill, return the figures."""
     import torch
 
-    from rayspec import loader
-    from rayspec.activation_memory import forward_activations
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.memory.activation_memory import forward_activations
+    from rayspec.model import loader
+    from rayspec.sampling.sampler import SamplingParams
 
     torch.set_num_threads(threads)
     loaded = loader.load_model(model, num_layers=num_layers)

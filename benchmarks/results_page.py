@@ -142,7 +142,7 @@ def sweep_drafting(cfg: dict) -> str:
     if not opts.get("adaptive"):
         text = "exactly k drafted (`--no-adaptive`), "
     elif cfg.get("drafting") == "cost-aware":
-        text = "cost-aware drafting (k the most; `rayspec/drafting.py`), "
+        text = "cost-aware drafting (k the most; `rayspec/engine/drafting.py`), "
     else:
         text = "adaptive draft length (k the most), "
     if (opts.get("eagle_topk") or 1) > 1:
@@ -289,7 +289,7 @@ class Page:
                      " instance, over HTTP)", "",
                      "Per file its own section below; here the speedups together (output tok/s over /base's at the same"
                      " concurrency; `rounds`: the same per round). The script starts only /base and the measured app, waits"
-                     " for `/health`, one request each and settled CPU kernel choices (`rayspec/cpu_kernels.py`: a"
+                     " for `/health`, one request each and settled CPU kernel choices (`rayspec/cpu/kernels.py`: a"
                      " choice measured while other apps loaded beside it ran single rows at half speed). Files written"
                      " before that (2026-11-28, 22:00 UTC: `results/history/never_loses_served_ngram_draft_model_*`)"
                      " are not comparable. Since 2026-11-29 every app of a machine runs one kernel choice (the first"

@@ -52,7 +52,7 @@ for app in "${apps[@]}"; do  # one short request each: every app's first-request
     -d "{\"model\": \"$MODEL\", \"prompt\": \"Hello\", \"max_tokens\": 4}" > /dev/null
 done
 # apps that loaded side by side measured their CPU kernels on busy cores: they measure again once idle
-# (rayspec/cpu_kernels.py); wait until none reports a provisional choice (at most a minute)
+# (rayspec/cpu/kernels.py); wait until none reports a provisional choice (at most a minute)
 for _ in $(seq 30); do
   pending=0
   for app in "${apps[@]}"; do

@@ -12,7 +12,7 @@ ROUNDS=${3:-2}
 PORT_RS=${PORT_RS:-8000}
 PORT_HF=${PORT_HF:-8001}
 mkdir -p "$OUT"
-MODEL_DIR=$(python -c "from rayspec.loader import resolve_model_dir; print(resolve_model_dir('smollm2-135m-instruct'))")
+MODEL_DIR=$(python -c "from rayspec.model.loader import resolve_model_dir; print(resolve_model_dir('smollm2-135m-instruct'))")
 serve shutdown -y > /dev/null 2>&1 || true
 sed "s/port: 8000/port: $PORT_RS/" configs/default.yaml > "${TMPDIR:-/tmp}/rayspec_default_$PORT_RS.yaml"
 serve run "${TMPDIR:-/tmp}/rayspec_default_$PORT_RS.yaml" > "${TMPDIR:-/tmp}/rayspec_serve_run.log" 2>&1 &

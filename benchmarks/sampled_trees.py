@@ -13,9 +13,9 @@ import torch
 
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.metrics import SpecDecodeStats
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.engine.metrics import SpecDecodeStats
+from rayspec.sampling.sampler import SamplingParams
 
 
 def main() -> None:

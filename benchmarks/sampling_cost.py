@@ -1,4 +1,4 @@
-"""What one sampled row costs: rayspec.sampling (top-k / top-p by torch.topk of the tokens that can stay,
+"""What one sampled row costs: rayspec.sampling.sampler (top-k / top-p by torch.topk of the tokens that can stay,
 sample() by the inverse cumulative mass) against a full sort of the vocabulary and torch.multinomial,
 on rows of the real model's width (49,152) from sharp to flat, one torch thread.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rayspec.sampling import logits_to_probs, sample
+from rayspec.sampling.sampler import logits_to_probs, sample
 
 VOCAB = 49152
 # (name, logit scale): how sharp the row is; the kept token count is reported

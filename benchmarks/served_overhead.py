@@ -22,8 +22,8 @@ import yaml
 
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.sampling.sampler import SamplingParams
 
 URL = "http://127.0.0.1:8000"
 

@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from rayspec import loader
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.metrics import SpecDecodeStats
-from rayspec.sampling import SamplingParams
-from rayspec.structured import StructuredOutput
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.engine.metrics import SpecDecodeStats
+from rayspec.model import loader
+from rayspec.sampling.sampler import SamplingParams
+from rayspec.sampling.structured import StructuredOutput
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "job", "hobbies"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},

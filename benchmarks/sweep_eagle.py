@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-from rayspec import loader
 from rayspec.bench.offline import SystemRun, _run_engine
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.weights import hub
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.model import loader
+from rayspec.model.weights import hub
 
 HEAD = "heads/smollm2-135m-eagle3"
 

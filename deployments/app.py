@@ -37,9 +37,9 @@ from deployments.replicas.verifier import Verifier
 
 def pin_hub_revisions(cfg: AppArgs) -> AppArgs:
     """The target's and draft's hub ids with their revisions resolved to commits, once, where the
-    app is built (rayspec.weights.hub.pin_revision): every replica then loads the same files, even when
+    app is built (rayspec.model.weights.hub.pin_revision): every replica then loads the same files, even when
     a branch moves while replicas start or scale. The served name stays the one asked for."""
-    from rayspec.weights.hub import pin_revision
+    from rayspec.model.weights.hub import pin_revision
 
     update: dict = {}
     model = pin_revision(cfg.model)

@@ -29,7 +29,7 @@ def resolve_local_path(spec: str | None) -> str | None:
     repo root (an installed wheel's copy of configs/ and heads/: rayspec.assets) -> an absolute path
     (replicas may run elsewhere); anything else (hub ids, the default model's name, absolute paths,
     paths that do not exist) is returned as it is."""
-    from rayspec.weights.hub import DEFAULT_MODEL
+    from rayspec.model.weights.hub import DEFAULT_MODEL
 
     if not spec or spec in (DEFAULT_MODEL, "default"):
         return spec
@@ -216,7 +216,7 @@ class AppArgs(_Strict):
     # or the value of `client_header` (behind a trusted proxy: "x-forwarded-for", or a tenant header)
     max_ongoing_per_client: int | None = Field(None, ge=1)
     client_header: str | None = None
-    # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.tool_parsers);
+    # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.sampling.tool_parsers);
     # None: found from the markers in the model's chat template
     tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None
 

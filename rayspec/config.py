@@ -17,8 +17,8 @@ import torch
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from rayspec.drafting import PROBE_SHARE
-from rayspec.weights.hub import DEFAULT_MODEL  # (defined there, with the package it comes from)
+from rayspec.engine.drafting import PROBE_SHARE
+from rayspec.model.weights.hub import DEFAULT_MODEL  # (defined there, with the package it comes from)
 
 # unknown keys are errors (a misspelt setting must not pass silently as its default)
 _STRICT = ConfigDict(extra="forbid")
@@ -36,14 +36,14 @@ def field_names(cls) -> set[str]:
 class SpeculativeConfig:
     method: str = "ngram"  # a name in rayspec.proposers.PROPOSERS
     num_speculative_tokens: NonNegative = 5  # the maximum draft length k (method none: 0)
-    # cost-aware drafting (rayspec.drafting): per step and sequence, draft only what pays (k for
+    # cost-aware drafting (rayspec.engine.drafting): per step and sequence, draft only what pays (k for
     # chains, the node budget for trees, 0 when nothing does). False: always the full budget
     adaptive: bool = True
     # the step costs the planner weighs: None, timed online (host timers, calibrated at warm-up);
-    # or fixed coefficients (rayspec.drafting.ModelledCosts: step_s, row_s, row_context_s,
+    # or fixed coefficients (rayspec.engine.drafting.ModelledCosts: step_s, row_s, row_context_s,
     # propose_s, propose_depth_s, propose_depth_batch_s, propose_catch_up_s), the same plans on every machine
     draft_costs: dict[str, float] | None = None
-    # a budget for the probes that first catch up on a context (rayspec.drafting): at most this share
+    # a budget for the probes that first catch up on a context (rayspec.engine.drafting): at most this share
     # of the estimated step time (steps at disable_by_batch_size accrue it too). A draft model's probe
     # catches up on the whole context it skipped, ~a quarter of a prefill for an 8-of-30-layer
     # self-draft: unbudgeted, on text it cannot guess, its probes drafted 96-156 tokens where budgeted
@@ -56,7 +56,7 @@ class SpeculativeConfig:
     draft_model: str | None = None  # hub id, directory or .gguf; None: the target's own checkpoint
     draft_num_layers: Positive | None = None  # keep only the first N layers of the draft checkpoint
     draft_dtype: str | None = None
-    # draft_model: "int8" loads the draft with weight-only int8 linears (rayspec.quantize): a quarter
+    # draft_model: "int8" loads the draft with weight-only int8 linears (rayspec.model.quantize): a quarter
     # of float32's bytes per decoded token; the target's own checkpoint so is a cheap, close draft
     draft_quantization: str | None = None
     # draft_model split over the target's tensor-parallel ranks (vLLM's name): 1 (or None) keeps it
@@ -89,13 +89,13 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.draft_quantization is not None:
-            from rayspec.quantize import check_scheme
+            from rayspec.model.quantize import check_scheme
 
             check_scheme(self.draft_quantization)
             if self.method != "draft_model":
                 raise ValueError(f"draft_quantization is for method draft_model (a draft LM), not {self.method!r}")
         if self.draft_costs is not None:
-            from rayspec.drafting import ModelledCosts
+            from rayspec.engine.drafting import ModelledCosts
 
             ModelledCosts(self.draft_costs)  # refuses unknown keys and negative costs
         if self.method == "none":
@@ -123,7 +123,7 @@ class EngineSettings:
     # scores to one chunk's worth. None: no chunking (a whole prompt per step).
     max_num_batched_tokens: Positive | None = 2048
     # tensor parallelism (vLLM's name): the target's layers split over this many ranks (processes,
-    # one device each); rank 0 runs the engine, the others only forwards (rayspec.parallel). Served,
+    # one device each); rank 0 runs the engine, the others only forwards (rayspec.model.parallel). Served,
     # the verifier replica reserves one placement group bundle per rank (verifier.placement_group_strategy)
     tensor_parallel_size: Positive = 1
     # the paged KV cache: positions per block; kv_cache_memory_gb is a pool of such blocks
@@ -133,17 +133,17 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     # the target's decode and verification forwards through torch.compile, shapes padded to buckets
     # (batch and rows to powers of two, keys to multiples of 64); on CUDA captured in CUDA graphs
-    # (mode "reduce-overhead"). None: on where it measured faster (rayspec.compiled.default_compile)
+    # (mode "reduce-overhead"). None: on where it measured faster (rayspec.model.compiled.default_compile)
     compile: bool | None = None
     # in the compiled step, attention reads the paged KV pool in place (FlexAttention over the block
-    # tables, rayspec.paged_attention) instead of gathering each sequence's keys and masking them
+    # tables, rayspec.model.paged_attention) instead of gathering each sequence's keys and masking them
     # densely. Measured faster on an H100 (benchmarks/results/gpu_paged_attention_h100.json); off by
     # default until its outputs are checked on a GPU (see that file's note)
     paged_attention: bool = False
     # the random streams of sampled requests without a seed of their own (vLLM's engine `seed`): None,
     # from the OS's entropy; an int, a fixed sequence (the i-th such request of the engine's life gets
     # the i-th stream), so a run is reproducible as a whole. Seeded requests draw coupled to their own
-    # seed whatever this is (rayspec.sampling)
+    # seed whatever this is (rayspec.sampling.sampler)
     seed: NonNegative | None = None
 
     def __post_init__(self):
@@ -182,7 +182,7 @@ class ProposerContext:
     # most this many tokens, as the target's prefill does (EngineConfig.max_num_batched_tokens)
     max_num_batched_tokens: int | None = None
     # the target's paged KV pool (usable blocks; None: the proposer sizes its own for num_slots whole
-    # sequences) and its block size: a proposer's cache is paged alike (rayspec.runner.proposer_num_blocks)
+    # sequences) and its block size: a proposer's cache is paged alike (rayspec.model.runner.proposer_num_blocks)
     num_blocks: int | None = None
     block_size: int = 16
     # share cached prefix blocks of verified tokens between sequences (the target's setting)

@@ -129,7 +129,7 @@ def planned_memory(engine, k: int) -> dict:
     for this engine's config at draft length k; None where the planner cannot read the models."""
     try:
         from deployments.operations.plan import draft_shape, model_shape
-        from rayspec.memory import engine_plan
+        from rayspec.memory.plan import engine_plan
 
         config = engine.config
         config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,

@@ -14,7 +14,7 @@ SPECULATIVE_HELP = {
     "method": "speculative method",
     "num_speculative_tokens": "the maximum draft length k",
     "adaptive": "cost-aware drafting: per step draft only what pays (--no-adaptive: always the full length)",
-    "draft_costs": "the planner's step costs as a JSON object of rayspec.drafting.ModelledCosts' keys "
+    "draft_costs": "the planner's step costs as a JSON object of rayspec.engine.drafting.ModelledCosts' keys "
                    "(default: timed online)",
     "probe_share": "at most this share of a step's estimated time goes to catch-up probes (none: paced "
                    "engine-wide only)",
@@ -74,8 +74,8 @@ def _flag_type(kind: type, optional: bool):
 def add_speculative_flags(parser, skip: tuple[str, ...] = ()) -> None:
     """A flag per SpeculativeConfig field (--method's choices: the proposer registry), defaults the
     dataclass's; speculative_config(args) reads them back."""
+    from rayspec.model.quantize import SCHEMES
     from rayspec.proposers import PROPOSERS
-    from rayspec.quantize import SCHEMES
 
     choices = {"method": list(PROPOSERS), "draft_quantization": list(SCHEMES)}
     group = parser.add_argument_group("speculative", "the proposer's settings (speculative: in the app args)")

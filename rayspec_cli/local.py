@@ -11,7 +11,7 @@ from rayspec_cli.flags import speculative_config
 
 
 def cmd_fetch_model(args) -> int:
-    from rayspec.weights.hub import convert_gguf, fetch_default_model
+    from rayspec.model.weights.hub import convert_gguf, fetch_default_model
 
     path = convert_gguf(Path(args.gguf)) if args.gguf else fetch_default_model(force=args.force)
     print(path)
@@ -19,7 +19,7 @@ def cmd_fetch_model(args) -> int:
 
 
 def _structured(args):
-    from rayspec.structured import StructuredOutput
+    from rayspec.sampling.structured import StructuredOutput
 
     given = [x for x in (args.json_schema, args.regex, args.choice) if x]
     if len(given) > 1:
@@ -36,8 +36,8 @@ def _structured(args):
 
 def cmd_generate(args) -> int:
     from rayspec.config import EngineConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.sampling.sampler import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, speculative=speculative_config(args)))
     ids = engine.encode_chat([{"role": "user", "content": args.prompt}])

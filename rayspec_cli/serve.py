@@ -143,7 +143,7 @@ def cmd_serve(args) -> int:
 
 def cmd_plan(args) -> int:
     from deployments.operations.plan import app_json, format_app, parse_size, plan_config
-    from rayspec.weights.files import ModelNotFoundError
+    from rayspec.model.weights.files import ModelNotFoundError
 
     try:
         gpu_memory = parse_size(args.gpu_memory) if args.gpu_memory else None

@@ -88,9 +88,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.loader import load_model
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.model.loader import load_model
+    from rayspec.sampling.sampler import SamplingParams
 
     model, tokenizer = load_model(args.model, device="cpu", dtype="float32")
     engine = LLMEngine(EngineConfig(model=args.model, speculative=SpeculativeConfig(method="none"),

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayspec.weights.files import ModelNotFoundError
-from rayspec.weights.hub import DEFAULT_MODEL, resolve_model_dir
+from rayspec.model.weights.files import ModelNotFoundError
+from rayspec.model.weights.hub import DEFAULT_MODEL, resolve_model_dir
 
 # Every model load in the tests (here and in Ray workers, which inherit the environment) takes the
 # same CPU matmul path, so that models loaded in different processes compute the same bits: the
-# measured choice (rayspec.cpu_kernels) may differ between loads. tests/test_cpu_kernels.py
+# measured choice (rayspec.cpu.kernels) may differ between loads. tests/test_cpu_kernels.py
 # measures.
 os.environ.setdefault("RAYSPEC_CPU_KERNELS", "onednn_pad4")  # the path of sessions 8-15
 # and no test takes (or leaves) a choice kept by an earlier load on this machine

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from rayspec import loader
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.drafting import ModelledCosts
-from rayspec.engine import LLMEngine, RequestOutput
+from rayspec.engine.drafting import ModelledCosts
+from rayspec.engine.llm_engine import LLMEngine, RequestOutput
+from rayspec.model import loader
 from rayspec.proposers.base import Draft, Proposer
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 # One intra-op thread: these models are small, and on a 2-core machine that also runs other
 # work, two spinning OpenMP threads make each step 3-30x slower (measured), one never does.
@@ -56,7 +56,7 @@ MODELLED_COSTS = {"step_s": 0.010, "row_s": 0.0005, "propose_s": 0.001, "propose
 
 
 def modelled_step_costs(engine: LLMEngine, costs: dict | None = None) -> LLMEngine:
-    """The draft planner (rayspec.drafting) times steps on the wall clock, which makes the budgets
+    """The draft planner (rayspec.engine.drafting) times steps on the wall clock, which makes the budgets
     it picks depend on how busy the machine is. Here it weighs a cost model instead (MODELLED_COSTS:
     base + per verified row), so it still trades acceptance against cost, deterministically."""
     engine.planner.costs = ModelledCosts(costs or MODELLED_COSTS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 VOCAB, HIDDEN, LAYERS = 256, 64, 3
 WINDOW = 8  # the sliding windows: far shorter than prompt + output (~44 tokens)

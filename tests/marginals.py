@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rayspec.sampling import logits_to_probs
+from rayspec.sampling.sampler import logits_to_probs
 
 VOCAB = 16
 # every token appears, in a repeating pattern, so the n-gram proposer always finds a match

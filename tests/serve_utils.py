@@ -47,8 +47,8 @@ def target_only_texts(model_dir, prompts: list[str]):
     """max_tokens -> the greedy texts of `prompts` from a target-only engine in this process (what a
     served app must reproduce over HTTP)."""
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.sampling.sampler import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_memory_gb=0.25,
                                     speculative=SpeculativeConfig(method="none")))

@@ -13,8 +13,8 @@ from serve_utils import free_port, tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 from rayspec_cli.main import main  # noqa: E402
 
 VLLM_FIELDS = ["completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",

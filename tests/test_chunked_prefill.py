@@ -14,9 +14,9 @@ import torch
 
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, make_engine, run_to_completion, submit_all
-from rayspec.batch_layout import catch_up_pieces, prefill_groups
 from rayspec.eagle.checkpoint import save_eagle_head
-from rayspec.sampling import SamplingParams
+from rayspec.model.batch_layout import catch_up_pieces, prefill_groups
+from rayspec.sampling.sampler import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64
 _rng = random.Random(7)
@@ -368,7 +368,7 @@ def test_masked_grouped_query_attention_stays_fused_on_cpu():
     """A prefill chunk's layout (grouped-query heads, an additive mask over cached + new keys)
     runs SDPA's fused CPU kernel, not the math path that materializes [B, heads, Q, kv_len]."""
     from torch.nn.attention import SDPBackend
-    from rayspec.batch_layout import additive_mask
+    from rayspec.model.batch_layout import additive_mask
     q = torch.randn(1, 9, 256, 64)
     k, v = torch.randn(1, 3, 1024, 64), torch.randn(1, 3, 1024, 64)
     positions = 768 + torch.arange(256)
@@ -380,8 +380,8 @@ def test_masked_grouped_query_attention_stays_fused_on_cpu():
 def test_repeating_kv_heads_is_the_same_attention():
     """The CUDA path for long masked chunks (repeat the KV heads, no enable_gqa) computes what the
     grouped-query call does; checked here on CPU, where both run."""
-    from rayspec.batch_layout import additive_mask
-    from rayspec.model import attention, repeats_kv_heads
+    from rayspec.model.batch_layout import additive_mask
+    from rayspec.model.native import attention, repeats_kv_heads
     torch.manual_seed(0)
     q = torch.randn(2, 8, 130, 64)
     k, v = torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)

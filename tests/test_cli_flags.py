@@ -100,7 +100,7 @@ def test_sweep_gives_each_method_its_own_settings():
 
 def test_one_default_model():
     from rayspec.config import EngineConfig
-    from rayspec.weights import hub
+    from rayspec.model.weights import hub
 
     assert hub.DEFAULT_MODEL is DEFAULT_MODEL and EngineConfig().model == DEFAULT_MODEL
     assert _parse("bench sweep").model == DEFAULT_MODEL

@@ -18,13 +18,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rayspec import cpu_kernels
-from rayspec.batch_layout import TreeQuery
-from rayspec.families import ModelArgs
-from rayspec.kv_cache import ForwardBatch, KVCache
-from rayspec.linear import Linear
-from rayspec.model import MLP, Attention, CausalLM
-from rayspec.runner import ModelRunner, make_runner
+from rayspec.cpu import kernels as cpu_kernels
+from rayspec.model.batch_layout import TreeQuery
+from rayspec.model.families import ModelArgs
+from rayspec.model.kv_cache import ForwardBatch, KVCache
+from rayspec.model.linear import Linear
+from rayspec.model.native import MLP, Attention, CausalLM
+from rayspec.model.runner import ModelRunner, make_runner
 
 HEAD_DIM = 16
 

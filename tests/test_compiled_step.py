@@ -1,4 +1,4 @@
-"""The compiled step (EngineConfig.compile, rayspec.compiled) on CPU: greedy output equal to the
+"""The compiled step (EngineConfig.compile, rayspec.model.compiled) on CPU: greedy output equal to the
 eager engine's, token for token, for plain decoding, n-gram and draft-model chains (drafts accepted,
 drafts rejected) and EAGLE-3 trees and chains, at batch sizes 1-3 (padded to the buckets 1, 2, 4),
 with requests finishing at different steps, joining mid-decode and starting from prefix-cache hits;
@@ -12,8 +12,8 @@ import pytest
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, run_to_completion
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 7, 7, 12, 30, 31, 32, 33, 5], [100, 4, 64]]
 
@@ -154,9 +154,9 @@ def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir):
 def test_default_keeps_the_compiled_step_only_where_it_measures_faster(tiny_model_dir, monkeypatch, compiled_faster):
     """compile left to its default on a device where it may pay (CUDA; here CPU made to take that
     path): the engine times a decode forward both ways and keeps the faster."""
-    import rayspec.compiled
+    import rayspec.model.compiled
 
-    monkeypatch.setitem(rayspec.compiled.COMPILE_BY_DEFAULT, "cpu", True)
+    monkeypatch.setitem(rayspec.model.compiled.COMPILE_BY_DEFAULT, "cpu", True)
     timings = {False: 0.002, True: 0.001 if compiled_faster else 0.003}
     monkeypatch.setattr(LLMEngine, "_time_decode", lambda self, static, repeats=10: timings[static])
     engine = _engine(tiny_model_dir, "none", None)
@@ -176,7 +176,7 @@ def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
     the total would not."""
     import types
 
-    import rayspec.warm_up
+    import rayspec.engine.warm_up
 
     engine = _engine(tiny_model_dir, "none", True, loaded=cached_model(str(tiny_model_dir)))
     now, calls = [0.0], []
@@ -188,7 +188,7 @@ def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
         return forward(seq_ids, token_lists, **kwargs)
 
     monkeypatch.setattr(engine, "_target_forward", timed_forward)
-    monkeypatch.setattr(rayspec.warm_up, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(rayspec.engine.warm_up, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     graph_calls, graph = [], engine.runner.compiled.fn  # the compiled step's own calls
     monkeypatch.setattr(engine.runner.compiled, "fn", lambda *a, **kw: graph_calls.append(1) or graph(*a, **kw))
     eager = engine._time_decode(False, repeats=3)

@@ -1,4 +1,4 @@
-"""Seeded sampled requests draw coupled (rayspec.sampling, "Two kinds of draw"): what they emit is
+"""Seeded sampled requests draw coupled (rayspec.sampling.sampler, "Two kinds of draw"): what they emit is
 target-only decoding with the same seed, token for token, whatever proposes (n-gram, a draft model,
 synchronous or pre-drafting, mostly accepted or never, EAGLE-3 chains and trees), whatever the
 cost-aware planner drafts (measured costs: timing-dependent plans), alone, in a batch, joining
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_utils import cached_model, make_engine, run_alone, run_batch, run_joining
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18] * 3
 PROMPTS = [SHARED + [40, 41], [9, 8, 7, 6, 9, 8, 7, 6, 9, 8], SHARED + [50], [3, 4, 5, 3, 4, 5, 3]]

@@ -1,4 +1,4 @@
-"""The CPU matmul kernel per row count is measured at load time (rayspec.cpu_kernels), not fixed
+"""The CPU matmul kernel per row count is measured at load time (rayspec.cpu.kernels), not fixed
 by a constant measured on one CPU."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from rayspec import cpu_kernels
-from rayspec.cpu_kernels import ROWS, VARIANTS, CpuKernels, choose, pick
-from rayspec.linear import Linear
+from rayspec.cpu import kernels as cpu_kernels
+from rayspec.cpu.kernels import ROWS, VARIANTS, CpuKernels, choose, pick
+from rayspec.model.linear import Linear
 
 needs_onednn = pytest.mark.skipif(not cpu_kernels.onednn_available(), reason="oneDNN is one of the candidates")
 
@@ -81,9 +81,9 @@ def test_environment_names_the_kernel(monkeypatch):
 def test_every_kernel_computes_the_same_model(tiny_model_dir, monkeypatch):
     """A model loaded under each kernel (and under measurement) gives the same logits for 1, 3 and
     12 rows; its projections use what was chosen (packed copies exactly when oneDNN is among it)."""
-    from rayspec import loader
-    from rayspec.batch_layout import additive_mask
-    from rayspec.kv_cache import ForwardBatch, KVCache
+    from rayspec.model import loader
+    from rayspec.model.batch_layout import additive_mask
+    from rayspec.model.kv_cache import ForwardBatch, KVCache
 
     outputs = {}
     for variant in ["measure", *VARIANTS]:
@@ -114,9 +114,9 @@ def test_dtype_auto_follows_the_cpu(monkeypatch, caplog, native):
     says which; None stays float32 on every CPU (exact, the same bits everywhere); CUDA: bfloat16."""
     import logging
 
-    from rayspec import linear, loader
+    from rayspec.model import linear, loader
     monkeypatch.setattr(linear, "cpu_bf16_fast", lambda: native)
-    with caplog.at_level(logging.INFO, logger="rayspec.loader"):
+    with caplog.at_level(logging.INFO, logger="rayspec.model.loader"):
         assert loader.parse_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
     assert "dtype auto" in caplog.text
     assert loader.parse_dtype(None, torch.device("cpu")) == torch.float32
@@ -143,8 +143,8 @@ def test_mixed_kernels_greedy_verification_equals_single_row_decode(smollm2, mon
     sequence: "onednn") and of 27 (three: "flinear"), chains and trees (an oracle drafts the target's
     own continuation, with a wrong sibling beside each true token in a tree, so every row counts)."""
     from engine_utils import OracleProposer, make_engine, run_to_completion
-    from rayspec import loader
-    from rayspec.sampling import SamplingParams
+    from rayspec.model import loader
+    from rayspec.sampling.sampler import SamplingParams
 
     mixed = CpuKernels(dict(MIXED), "test: mixed")
     monkeypatch.setattr(cpu_kernels, "choose", lambda *args, **kwargs: mixed)
@@ -208,7 +208,7 @@ def test_an_idle_serving_loop_measures_a_provisional_choice_again(tiny_model_dir
     outputs stay the target's."""
     from deployments.replicas import engine_loop
     from engine_utils import make_engine
-    from rayspec import loader
+    from rayspec.model import loader
 
     monkeypatch.setenv(cpu_kernels.ENV, "measure")
     loaded = loader.load_model(str(tiny_model_dir))
@@ -298,7 +298,7 @@ def test_a_kept_choice_expires_and_a_broken_file_is_ignored(tmp_path):
 def test_loads_of_one_model_share_the_machines_choice(tiny_model_dir, tmp_path, monkeypatch):
     """Two loads of a model in a process with the cache on: the second takes the first's choice;
     RAYSPEC_CPU_KERNELS_CACHE=off measures every load."""
-    from rayspec import loader
+    from rayspec.model import loader
 
     monkeypatch.setenv(cpu_kernels.ENV, "measure")
     monkeypatch.setattr(cpu_kernels.BusyMeter, "share", lambda self: 0.0)

@@ -10,10 +10,10 @@ tree_max_batch + 1, so a second test moves the threshold up to exercise it). One
 1,900 tokens long and runs, next to short ones, into max_model_len, so its last trees are cut to
 the room left in the context.
 
-How the engine picks the mode (rayspec/engine.py, LLMEngine._plan_drafts): by the number of decoding
+How the engine picks the mode (rayspec/engine/llm_engine.py, LLMEngine._plan_drafts): by the number of decoding
 sequences only, never by time: trees while len(seqs) <= tree_max_batch (and eagle_topk > 1),
 nothing while len(seqs) >= disable_by_batch_size, otherwise a chain. The draft planner
-(rayspec.drafting) sizes each tree or chain (0 included) from acceptance and step costs; where a
+(rayspec.engine.drafting) sizes each tree or chain (0 included) from acceptance and step costs; where a
 test asserts counts it weighs modelled costs (engine_utils.modelled_step_costs), so the counts are
 the same on an idle and a busy machine. Greedy equality holds whatever budget is picked.
 
@@ -39,8 +39,8 @@ from engine_utils import cached_model, modelled_step_costs
 from rayspec.config import EngineConfig
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
-from rayspec.engine import LLMEngine, RequestOutput
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine, RequestOutput
+from rayspec.sampling.sampler import SamplingParams
 
 DEFAULT_YAML = REPO_ROOT / "configs" / "default.yaml"
 CHAT_PROMPTS = REPO_ROOT / "data" / "train" / "chat_prompts.jsonl"
@@ -295,7 +295,7 @@ def test_default_yaml_greedy_equals_target_only(smol_engine, smol_requests, targ
     assert out.finish_reason == "length" and len(long_ids) + len(out.token_ids) == L, (out.finish_reason,
                                                                                       len(out.token_ids))
     # the engine asked only for what fits (+1 bonus token). Whether it drafts a tree at all near the
-    # end is the cost-aware planner's choice from measured step costs (rayspec.drafting), so this run
+    # end is the cost-aware planner's choice from measured step costs (rayspec.engine.drafting), so this run
     # cannot insist on one there (when it drafts none, this run does not exercise the cut)
     near_end = [(n, budget) for sid, n, budget, tree in trace.calls
                 if sid == out.request_id and tree and n + spec.num_speculative_tokens > L]

@@ -527,7 +527,7 @@ def test_a_forged_q_on_the_path_cannot_force_a_sampled_output(tiny_model_dir):
     verifier refuses the first forged reply, drops the channel, and samples as the target does."""
     from deployments.transport.remote_proposer import RemoteProposer
     from engine_utils import cached_model, make_engine
-    from rayspec.sampling import SamplingParams
+    from rayspec.sampling.sampler import SamplingParams
 
     forced, vocab, k = 1000, 49152, 4
     q = torch.full((vocab,), 1.0 / (vocab - 1))

@@ -1,4 +1,4 @@
-"""Cost-aware drafting in the engine (rayspec.drafting): drafts that are rejected stop being made
+"""Cost-aware drafting in the engine (rayspec.engine.drafting): drafts that are rejected stop being made
 (plain decode steps, with probes now and then), drafts that are accepted are made in full, and
 either way the output is target-only decoding's. The planner's arithmetic is unit-tested in
 tests/test_units.py; here tiny models, modelled costs (engine_utils.MODELLED_COSTS)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from engine_utils import OracleProposer, cached_model, make_engine, run_to_completion
-from rayspec.drafting import MeasuredCosts
-from rayspec.sampling import SamplingParams
+from rayspec.engine.drafting import MeasuredCosts
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPTS = ["The cat sat on the mat. The cat", "Hello, world!", "a b c d a b c d"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -82,7 +82,7 @@ def test_sampled_drafts_shrink_to_what_pays(tiny_model_dir, tiny_draft_dir, load
     so; where a verified row costs a quarter of a step that does not pay and drafting all but stops
     (modelled costs: deterministic). Under measured costs a seeded request is planned like any other
     (its budgets follow the host timers) and its output is still the seed's under fixed k, and
-    target-only decoding's (coupled draws: rayspec.sampling)."""
+    target-only decoding's (coupled draws: rayspec.sampling.sampler)."""
     dear_rows = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth_s": 0.001}
     engine = make_engine(tiny_model_dir, "draft_model", k=3, loaded=loaded, adaptive=True,
                          draft_model=str(tiny_draft_dir), draft_costs=dear_rows)
@@ -181,7 +181,7 @@ def test_a_probe_catches_up_on_its_window_only(tiny_model_dir, tiny_draft_dir):
     the window runs only the context's last `window` tokens through its model, and drafts what a
     draft model given just those tokens drafts; the next call continues from there (its catch-up:
     the tokens since), drafting as that fresh draft model does on the same tokens."""
-    from rayspec import loader
+    from rayspec.model import loader
     from rayspec.proposers.base import ProposeRequest
     from rayspec.proposers.draft_model import DraftModelProposer
 

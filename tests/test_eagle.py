@@ -22,15 +22,15 @@ import torch.nn.functional as F
 from conftest import make_tiny_model_dir
 from engine_utils import (assert_target_logprobs, cached_model, empirical, make_engine, run_alone, run_batch, run_joining,
                           run_to_completion, tv_distance, tv_threshold)
-from rayspec.batch_layout import TreeQuery
 from rayspec.eagle.checkpoint import load_eagle_head, new_eagle_config, read_state_dict, save_eagle_head
 from rayspec.eagle.data import extract_features, read_answers
 from rayspec.eagle.head import Eagle1Head, Eagle3Head, attach_target, build_head, default_aux_layers
 from rayspec.eagle.train import collate, head_step, load_examples, ttt_loss, ttt_mask
+from rayspec.model.batch_layout import TreeQuery
+from rayspec.model.runner import make_runner
 from rayspec.proposers.base import Draft
-from rayspec.rejection import verify_tree_greedy, verify_tree_parents
-from rayspec.runner import make_runner
-from rayspec.sampling import SamplingParams, logits_to_probs
+from rayspec.sampling.rejection import verify_tree_greedy, verify_tree_parents
+from rayspec.sampling.sampler import SamplingParams, logits_to_probs
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64  # the tiny target: 4 layers -> EAGLE-3 features of layers (0, 2, 3)
 DRAFT_VOCAB = 128  # the trained EAGLE-3 head drafts over the 128 most frequent target choices
@@ -1084,7 +1084,7 @@ def test_catch_up_writes_keys_alone_where_no_row_is_read(target_dir, target, tra
     written alone (ModelRunner.write_kv). The head's drafts, its acceptance and the output are those
     of the catch-up running every row through."""
     from rayspec.eagle.head import EagleHead
-    from rayspec.runner import ModelRunner as Runner
+    from rayspec.model.runner import ModelRunner as Runner
 
     prompts = PROMPTS + [PROMPTS[0] + [_rng.randrange(VOCAB) for _ in range(20)]]  # one long prompt
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine_utils import cached_model, make_engine, run_alone, run_to_completion
-from rayspec.engine import InvalidRequestError
-from rayspec.kv_cache import KVCache
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import InvalidRequestError
+from rayspec.model.kv_cache import KVCache
+from rayspec.sampling.sampler import SamplingParams
 
 MAX_LEN = 64
 
@@ -197,7 +197,7 @@ def test_waiting_queue_bound_refuses_past_it_and_takes_failovers(tiny_model_dir,
     """max_num_waiting: requests that would wait for a KV slot beyond the bound are refused
     (EngineOverloadedError, the server's 429); the free slots count as room; a resumed request
     (a failover from a lost replica) is always taken; the requests taken are served unchanged."""
-    from rayspec.engine import EngineOverloadedError
+    from rayspec.engine.llm_engine import EngineOverloadedError
 
     engine = make_engine(tiny_model_dir, "ngram", loaded=tiny, max_model_len=MAX_LEN, max_num_seqs=2)
     engine.config.max_num_waiting = 1

@@ -1,4 +1,4 @@
-"""The native model families (rayspec.families.NATIVE_MODEL_TYPES): Llama (llama3 rope scaling,
+"""The native model families (rayspec.model.families.NATIVE_MODEL_TYPES): Llama (llama3 rope scaling,
 attention and MLP biases), Mistral (sliding window), Qwen2 (q/k/v biases, sliding layers from
 use_sliding_window / max_window_layers), Qwen3 (q/k norms, explicit head_dim, tied and untied
 embeddings, alternating layer_types).
@@ -17,12 +17,12 @@ from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qw
 
 from engine_utils import cached_model, make_engine, run_alone, run_batch
 from family_utils import _SHAPE, FAMILIES, GREEDY, HIDDEN, LAYERS, PROMPTS, SLIDING, VOCAB, write_family
-from rayspec.batch_layout import TreeQuery
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
-from rayspec.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
-from rayspec.loader import rope_from_config
-from rayspec.runner import make_runner
+from rayspec.model.batch_layout import TreeQuery
+from rayspec.model.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArchitectureError
+from rayspec.model.loader import rope_from_config
+from rayspec.model.runner import make_runner
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from engine_utils import make_engine, run_alone, run_batch
 from fp4_utils import (dequantized_state, quantize_nvfp4, reference_nvfp4, write_float_checkpoint,
                        write_nvfp4_checkpoint)
 from hub_server import FakeHub, use_hub
-from rayspec import loader
-from rayspec.formats import UnsupportedQuantizationError, nvfp4
-from rayspec.sampling import SamplingParams
-from rayspec.weights import checkpoint, hub as weights_hub
+from rayspec.model import loader
+from rayspec.model.formats import UnsupportedQuantizationError, nvfp4
+from rayspec.model.weights import checkpoint, hub as weights_hub
+from rayspec.sampling.sampler import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 256, 3, 64
 PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [200, 3, 3, 3, 41], [9] * 12, [77, 78, 79, 80, 77, 78]]
@@ -152,7 +152,7 @@ def test_tp2_by_hub_id_equals_tp1(hub, checkpoints):
     """The NVFP4 target split over two ranks (gloo, local processes), each dequantizing only its slice,
     with the NVFP4 draft on rank 0: greedy output equals TP=1 target-only on the dequantized weights."""
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
+    from rayspec.engine.llm_engine import LLMEngine
     from tp_utils import ProcessLauncher
 
     reference = run_alone(make_engine(checkpoints["dequantized"]), PROMPTS, GREEDY)
@@ -202,7 +202,7 @@ def gpt_oss(tmp_path_factory) -> dict[str, Path]:
 
     from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
     from rayspec.eagle.head import attach_target, build_head
-    from rayspec.generic_model import load_generic_model
+    from rayspec.model.generic import load_generic_model
 
     root = tmp_path_factory.mktemp("gpt-oss")
     mxfp4 = write_mxfp4_gpt_oss(root / "mxfp4", seed=5)
@@ -236,7 +236,7 @@ def test_mxfp4_gpt_oss_and_eagle3_head_by_hub_id(oss_hub, gpt_oss):
     layers the head's eagle_config names, t2d rebuilt from d2t) gives the same tokens."""
     from fp4_utils import mxfp4_dequantized_state
 
-    from rayspec.generic_model import GenericCausalLM
+    from rayspec.model.generic import GenericCausalLM
 
     model, _ = loader.load_model(GPT_OSS, device="cpu", tokenizer=False)
     assert isinstance(model, GenericCausalLM)
@@ -275,8 +275,8 @@ _PEAK_SCRIPT = """
 import json, sys
 import torch, transformers
 from transformers import AutoConfig  # what a load imports lazily: part of the baseline
-from rayspec import loader
-from rayspec.weights import checkpoint, hub as weights_hub
+from rayspec.model import loader
+from rayspec.model.weights import checkpoint, hub as weights_hub
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -1,4 +1,4 @@
-"""The generic path (rayspec.generic_model): transformers' own modeling code over our KV cache
+"""The generic path (rayspec.model.generic): transformers' own modeling code over our KV cache
 is greedy-identical to transformers' `generate()` under every proposer, for architectures the
 native model does not implement: gpt-oss (mixture of experts, attention sinks, alternating
 sliding-window layers, YaRN rope), Gemma 2 (attention and final soft-capping, sliding layers,
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from engine_utils import make_engine, run_alone, run_batch
-from rayspec.batch_layout import TreeQuery
-from rayspec.generic_model import GenericCausalLM, load_generic_model
+from rayspec.model.batch_layout import TreeQuery
+from rayspec.model.generic import GenericCausalLM, load_generic_model
+from rayspec.model.runner import make_runner
 from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.runner import make_runner
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 WINDOW = 8  # sliding layers' window: far shorter than prompt + output, so it shapes every step
 MAX_TOKENS = 28
@@ -210,7 +210,7 @@ def test_transformers_builds_no_mask_or_cache(model_dirs, monkeypatch):
     the current tokens' keys only."""
     from transformers import AttentionInterface
 
-    from rayspec import generic_model
+    from rayspec.model import generic as generic_model
 
     seen = []
 
@@ -334,11 +334,11 @@ def test_engine_config_routes_non_native_models_to_the_generic_path(model_dirs):
     """`model:` naming a gpt_oss checkpoint (not a native family) builds the engine on the generic
     path, with the draft model loaded the same way, and stays greedy-identical to transformers; asking
     for tensor parallelism there fails clearly."""
-    from rayspec import loader
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.parallel import TPGroup
-    from rayspec.weights import hub
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.model import loader
+    from rayspec.model.parallel import TPGroup
+    from rayspec.model.weights import hub
 
     target, draft = model_dirs["gpt_oss"]
     assert not loader.is_native(hub.load_hf_config(Path(target)))

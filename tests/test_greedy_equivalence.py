@@ -9,7 +9,7 @@ from conftest import make_tiny_model_dir
 from engine_utils import (cached_model, greedy_reference, make_engine, run_alone, run_batch, run_joining,
                           run_to_completion)
 from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 TINY_PROMPTS = [
     "The cat sat on the mat. The cat sat on the mat. The cat",
@@ -46,7 +46,7 @@ TINY_METHODS = [
     ("draft-other-model", dict(method="draft_model", k=2), "other"),
     ("draft-adaptive", dict(method="draft_model", k=3, adaptive=True, draft_num_layers=1, draft_costs=CHEAP_DRAFTS),
      "self"),
-    # the target itself with weight-only int8 linears (rayspec.quantize): mostly accepted, and whether any
+    # the target itself with weight-only int8 linears (rayspec.model.quantize): mostly accepted, and whether any
     # draft is rejected depends on the CPU's rounding (all 92 were accepted on one CI machine), so this case
     # asks for equality and acceptance only; the other drafts exercise rejection
     ("draft-self-int8", dict(method="draft_model", k=3, draft_quantization="int8"), "self"),

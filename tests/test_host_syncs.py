@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_utils import cached_model, make_engine  # noqa: E402
 from rayspec.assets import assets_root  # noqa: E402
 from rayspec.device_io import count_host_reads, inside_to_host  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 MAX_READS = 4  # per decode step (the issue's bound); the engine makes 2: the draft, the verdict
 READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "nonzero", "cpu"}
@@ -177,8 +177,8 @@ def test_audit_catches_a_stray_read(smollm2, smollm2_loaded):
 def test_projections_fused_off_the_cpu():
     """Off the CPU q/k/v and gate/up run as one matmul each: their weights become views of one
     tensor (no extra memory, state_dict unchanged) and the outputs stay the parts' own."""
-    from rayspec.families import ModelArgs
-    from rayspec.model import MLP, Attention
+    from rayspec.model.families import ModelArgs
+    from rayspec.model.native import MLP, Attention
 
     args = ModelArgs(vocab_size=64, hidden_size=48, intermediate_size=96, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=True)

@@ -25,9 +25,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_tiny_model_dir
 from hub_server import FakeHub
-from rayspec import loader
-from rayspec.weights import hub as weights_hub
-from rayspec.weights.files import ModelNotFoundError
+from rayspec.model import loader
+from rayspec.model.weights import hub as weights_hub
+from rayspec.model.weights.files import ModelNotFoundError
 
 HIDDEN, LAYERS, VOCAB, DRAFT_VOCAB = 64, 4, 64, 32
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -363,8 +363,8 @@ def test_config_naming_hub_ids_served_from_empty_cache_then_offline(repos, tmp_p
 
     from deployments.app import build_app
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.sampling.sampler import SamplingParams
 
     server = FakeHub()
     for repo_id in ("org/target", "org/eagle3-head"):

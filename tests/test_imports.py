@@ -130,8 +130,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def test_the_layer_check_finds_an_upward_import():
-    graph = {"rayspec.bench.sweep": {"deployments.operations.plan", "rayspec.engine"}, "deployments.app": {"rayspec.engine"},
-             "rayspec_cli.main": {"deployments.app", "rayspec.engine"}, "deployments.operations.plan": {"rayspec_cli.serve"}}
+    graph = {"rayspec.bench.sweep": {"deployments.operations.plan", "rayspec.engine.llm_engine"}, "deployments.app": {"rayspec.engine.llm_engine"},
+             "rayspec_cli.main": {"deployments.app", "rayspec.engine.llm_engine"}, "deployments.operations.plan": {"rayspec_cli.serve"}}
     assert upward_imports(graph) == [("deployments.operations.plan", "rayspec_cli.serve"), ("rayspec.bench.sweep", "deployments.operations.plan")]
 
 
@@ -139,3 +139,119 @@ def test_the_engine_imports_neither_the_serving_layer_nor_the_cli():
     graph = import_graph()
     assert "rayspec_cli.main" in graph and "deployments.app" in graph["rayspec_cli.serve"]
     assert upward_imports(graph) == []
+
+
+# >>> layers inside rayspec (written by move_subpackages.py; issue #49 item 6) >>>
+# Every module of rayspec belongs to one layer: the entry of RAYSPEC_LAYERS with the longest prefix
+# of its name (`rayspec` itself only by name: a new top-level module has no layer until it is given
+# one). A layer imports only itself and the layers it names, so a lower layer never reaches up:
+#   base       rayspec itself, the top-level modules that import nothing of rayspec (assets,
+#              progress, device_io) and rayspec.cpu
+#   kv         rayspec.kv: the paged KV cache's books (block manager, KVSpace), host-only
+#   model      rayspec.model (the model, its layers, weights, KV cache tensors, ModelRunner) and the EAGLE
+#              head's definition and checkpoints (rayspec.eagle.head, .checkpoint)
+#   sampling   rayspec.sampling: logits to tokens; beside the model, neither imports the other
+#   proposers  rayspec.proposers: drafts, from the model layer's runner and sampling's draws
+#   config     rayspec.config: the settings check the proposer registry and quantize's schemes
+#   memory     rayspec.memory: a process's memory from the model's shapes and the config
+#   engine     rayspec.engine: LLMEngine and what it drives
+#   apps       what builds on the engine: rayspec.bench, the EAGLE trainer (rayspec.eagle's data,
+#              train, train_ray, pipeline, prompt_pools)
+# and outside rayspec, deployments and rayspec_cli (LOWER_THAN above). So only config, the engine,
+# the apps, deployments and the CLI import the proposers, and nothing in rayspec but the apps imports
+# rayspec.bench. Two edges cross a layer downward-only by exception (LAYER_EXCEPTIONS): each target
+# imports nothing of rayspec, so no circle can form through it.
+RAYSPEC_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # layer: (module prefixes, the other layers it may import)
+    "base": (("rayspec", "rayspec.assets", "rayspec.progress", "rayspec.device_io", "rayspec.cpu"), ()),
+    "kv": (("rayspec.kv",), ("base",)),
+    "model": (("rayspec.model", "rayspec.eagle.head", "rayspec.eagle.checkpoint"), ("base", "kv")),
+    "sampling": (("rayspec.sampling",), ("base",)),
+    "proposers": (("rayspec.proposers",), ("base", "kv", "model", "sampling")),
+    "config": (("rayspec.config",), ("base", "kv", "model", "proposers")),
+    "memory": (("rayspec.memory",), ("base", "kv", "model", "config")),
+    "engine": (("rayspec.engine",), ("base", "kv", "model", "sampling", "proposers", "config", "memory")),
+    "apps": (("rayspec.bench", "rayspec.eagle"),
+             ("base", "kv", "model", "sampling", "proposers", "config", "memory", "engine")),
+}
+# (importer prefix, imported module): allowed across the layers, with why
+LAYER_EXCEPTIONS = {
+    ("rayspec.sampling.logits_processing", "rayspec.proposers.base"): "grammar_draft trims a proposer's Draft",
+    ("rayspec.config", "rayspec.engine.drafting"): "the settings read the planner's PROBE_SHARE and check draft_costs",
+}
+
+
+def layer_of(module: str) -> str | None:
+    best, best_len = None, -1
+    for layer, (prefixes, _) in RAYSPEC_LAYERS.items():
+        for p in prefixes:
+            hit = module == p if p == "rayspec" else (module == p or module.startswith(p + "."))
+            if hit and len(p) > best_len:
+                best, best_len = layer, len(p)
+    return best
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported module) pairs inside rayspec where a layer imports one it must not."""
+    bad = []
+    for module, deps in graph.items():
+        if not module.startswith("rayspec.") and module != "rayspec":
+            continue
+        mine = layer_of(module)
+        for dep in deps:
+            theirs = layer_of(dep) if dep.split(".")[0] == "rayspec" else "outside"
+            if theirs == "outside" or theirs == mine or theirs in RAYSPEC_LAYERS.get(mine, ((), ()))[1]:
+                continue
+            if any((module == m or module.startswith(m + ".")) and dep == d for m, d in LAYER_EXCEPTIONS):
+                continue
+            bad.append((module, dep))
+    return sorted(bad)
+
+
+def test_every_rayspec_module_has_a_layer():
+    graph = import_graph()
+    assert "rayspec.engine.llm_engine" in graph and "rayspec.model.runner" in graph
+    assert [m for m in graph if m.split(".")[0] == "rayspec" and layer_of(m) is None] == [], \
+        "a module of rayspec outside every layer: give it one in RAYSPEC_LAYERS (or move it into a subpackage)"
+
+
+def test_the_layer_check_finds_a_violation():
+    graph = {"rayspec.model.runner": {"rayspec.sampling.sampler", "rayspec.device_io"},
+             "rayspec.sampling.logits_processing": {"rayspec.proposers.base", "rayspec.proposers.ngram"},
+             "rayspec.eagle.head": {"rayspec.model.native"}, "rayspec.eagle.data": {"rayspec.engine.llm_engine"},
+             "rayspec.memory.plan": {"rayspec.bench.prompts", "rayspec.config"}, "rayspec.config": {"rayspec.engine.drafting"}}
+    assert layer_violations(graph) == [("rayspec.memory.plan", "rayspec.bench.prompts"),
+                                       ("rayspec.model.runner", "rayspec.sampling.sampler"),
+                                       ("rayspec.sampling.logits_processing", "rayspec.proposers.ngram")]
+
+
+def test_the_layers_inside_rayspec():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layer_exceptions_import_nothing_of_rayspec():
+    graph = import_graph()
+    for _, target in LAYER_EXCEPTIONS:
+        assert {d for d in graph[target] if d.split(".")[0] == "rayspec"} == set(), target
+
+
+def test_the_subpackage_inits_import_nothing_when_imported():
+    """A subpackage's __init__ is a docstring and at most lazy re-exports (module __getattr__): importing
+    rayspec.engine.sequence must not import the engine, nor rayspec.model.kv_cache the whole model."""
+    for init in sorted((ROOT / "rayspec").glob("*/__init__.py")):
+        if init.parent.name == "proposers":  # the registry: importing it builds the table of proposers
+            continue
+        tree = ast.parse(init.read_text())
+        top = [n for n in tree.body if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").split(".")[0] == "rayspec")
+               or isinstance(n, ast.Import) and any(a.name.split(".")[0] == "rayspec" for a in n.names)]
+        assert top == [], f"{init.relative_to(ROOT)} imports rayspec modules at import time"
+
+
+def test_the_old_public_names_stay():
+    from rayspec.engine import LLMEngine
+    from rayspec.engine.llm_engine import LLMEngine as defined
+    from rayspec.sampling import SamplingParams
+    from rayspec.sampling.sampler import SamplingParams as params
+
+    assert LLMEngine is defined and SamplingParams is params
+# <<< layers inside rayspec <<<

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine_utils import cached_model, make_engine, run_alone, run_to_completion
-from rayspec.runner import CacheFullError, make_runner
-from rayspec.sampling import SamplingParams
+from rayspec.model.runner import CacheFullError, make_runner
+from rayspec.sampling.sampler import SamplingParams
 
 ATOL = 1e-4
 

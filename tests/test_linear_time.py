@@ -1,5 +1,5 @@
 """No quadratic paths on the engine thread or the ingress for any output (issue #35): the
-incremental detokenizer (rayspec.sequence) and the streamed tool-call parser (rayspec.tool_parsers)
+incremental detokenizer (rayspec.engine.sequence) and the streamed tool-call parser (rayspec.sampling.tool_parsers)
 cost the same per token at the end of a long adversarial output as at its start.
 
 Adversarial outputs: a special token again and again (a `logit_bias` on it with `ignore_eos`:
@@ -18,8 +18,8 @@ import time
 import pytest
 
 from conftest import smollm2_dir
-from rayspec.sequence import IncrementalDetokenizer
-from rayspec.tool_parsers import ToolCallStreamParser, get_parser
+from rayspec.engine.sequence import IncrementalDetokenizer
+from rayspec.sampling.tool_parsers import ToolCallStreamParser, get_parser
 
 FLAT = 3.0  # last-100 / first-100 median cost; the quadratic code measured 6x to 33x here
 

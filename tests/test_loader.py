@@ -9,11 +9,11 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from rayspec import loader
 from rayspec.config import EngineConfig
-from rayspec.model import CausalLM
-from rayspec.weights import checkpoint, files, hub
-from rayspec.weights.files import ModelNotFoundError
+from rayspec.model import loader
+from rayspec.model.native import CausalLM
+from rayspec.model.weights import checkpoint, files, hub
+from rayspec.model.weights.files import ModelNotFoundError
 
 
 def test_local_dir_loads(tiny_model_dir):
@@ -76,7 +76,7 @@ def test_default_model_missing(monkeypatch, tmp_path):
     for spec in (hub.DEFAULT_MODEL, "default"):
         with pytest.raises(ModelNotFoundError, match="rayspec fetch-model"):
             hub.resolve_model_dir(spec)
-    from rayspec.engine import LLMEngine
+    from rayspec.engine.llm_engine import LLMEngine
 
     with pytest.raises(ModelNotFoundError, match="rayspec fetch-model"):
         LLMEngine(EngineConfig())  # the default config names the default model
@@ -187,7 +187,7 @@ def _write_checkpoint(path, config: dict, state: dict[str, torch.Tensor], num_sh
 
 
 def _logits(model, tokens: list[int]) -> torch.Tensor:
-    from rayspec.runner import make_runner
+    from rayspec.model.runner import make_runner
 
     runner = make_runner(model, max_model_len=64, num_slots=1, slack=4)
     runner.kv.allocate("s")
@@ -305,7 +305,7 @@ def test_tp_shard_reads_the_slice(small_dir, tmp_path, num_shards):
 def test_tp_shard_survives_materialization_and_is_checked(small_dir, monkeypatch):
     """tp_shard set when the model is built (on meta) is still there after empty_model; a slice that does
     not fit the parameter, or the tensor, fails with the names."""
-    from rayspec import model as model_module
+    from rayspec.model import native as model_module
 
     built = model_module.Backbone.__init__
 
@@ -350,8 +350,8 @@ import json, sys
 import torch, transformers
 from transformers import AutoConfig, AutoTokenizer  # what a load imports lazily: part of the baseline
 from transformers.models.llama import modeling_llama
-from rayspec import loader
-from rayspec.weights import checkpoint, hub
+from rayspec.model import loader
+from rayspec.model.weights import checkpoint, hub
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine_utils import assert_target_logprobs, cached_model, make_engine, run_to_completion
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPTS = [
     "The cat sat on the mat. The cat sat on the mat. The cat",

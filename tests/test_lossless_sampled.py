@@ -26,7 +26,7 @@ so with LENGTH = 4 a first-step tree has 2 nodes: two siblings, or a chain of tw
 
 Bias injection
 --------------
-To show the check has teeth, the rejection step is monkeypatched (rayspec.rejection.verify calls
+To show the check has teeth, the rejection step is monkeypatched (rayspec.sampling.rejection.verify calls
 the per-rule functions by their module names) with versions off by a total variation (TV) of
 about 0.02 on the 4-token continuation:
 - chain (verify_sampled, n-gram drafts): a draft is accepted with min(1, BOOST p / q), BOOST = 1.0856;
@@ -58,7 +58,7 @@ deeper run.
 
 Determinism
 -----------
-The requests are unseeded (a seeded one draws coupled, rayspec.sampling: its output is target-only
+The requests are unseeded (a seeded one draws coupled, rayspec.sampling.sampler: its output is target-only
 decoding whatever was drafted, tests/test_coupled_sampling.py, and rejection sampling never runs
 for it); each test's engine has a seed of its own (EngineConfig.seed: every unseeded request a
 stream of its own, 63 random bits apart, the proposers' streams derived from it), the models are
@@ -80,7 +80,7 @@ import numpy as np
 import pytest
 import torch
 
-import rayspec.rejection
+import rayspec.sampling.rejection
 import stat_utils
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, make_engine
@@ -88,10 +88,10 @@ from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.data import FeatureExtractor
 from rayspec.eagle.head import attach_target, build_head
 from rayspec.eagle.train import collate, ttt_loss
-from rayspec.proposers.pre_draft import PreDraftingProposer
 from rayspec.proposers.base import Draft, Proposer
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.sampling import SamplingParams, logits_to_probs
+from rayspec.proposers.pre_draft import PreDraftingProposer
+from rayspec.sampling.sampler import SamplingParams, logits_to_probs
 
 VOCAB = 16
 TEMPERATURE, TOP_K, TOP_P = 0.5, 3, 0.97
@@ -190,7 +190,7 @@ def engine_distribution(target: Target, drafter, chain_rule: Rule = FAIR, tree_r
     It replays the engine's schedule: the first token is sampled at prefill; then every step
     drafts min(K, tokens left - 1) nodes and walks them from the root: the children of a node are
     tried in turn, each rejected one removed from the residual, and the emitted token is drawn from
-    `final(residual)` once none is accepted. With FAIR this is exactly what rayspec.rejection
+    `final(residual)` once none is accepted. With FAIR this is exactly what rayspec.sampling.rejection
     implements for point masses (the draft probabilities are one-hot)."""
     dist: dict[tuple[int, ...], float] = defaultdict(float)
 
@@ -269,7 +269,7 @@ class TargetTreeProposer(Proposer):
         return drafts
 
 
-# ---- the biased rejection steps (monkeypatched into rayspec.rejection) ------------------------
+# ---- the biased rejection steps (monkeypatched into rayspec.sampling.rejection) ------------------------
 
 def boosted_verify_sampled(target_probs, draft_tokens, draft_probs, generator):
     """verify_sampled accepting too often: draft x with probability min(1, BOOST p(x) / q(x))."""
@@ -452,7 +452,7 @@ def _record_shapes(engine) -> Counter:
 
 def _record_sibling_outcomes(monkeypatch) -> Counter:
     """Count how the engine's verify_tree_sampled ends on two-sibling trees."""
-    outcomes, verify = Counter(), rayspec.rejection.verify_tree_sampled
+    outcomes, verify = Counter(), rayspec.sampling.rejection.verify_tree_sampled
 
     def recording(probs_at, num_pending, draft, generator):
         emitted, path = verify(probs_at, num_pending, draft, generator)
@@ -462,7 +462,7 @@ def _record_sibling_outcomes(monkeypatch) -> Counter:
                 outcomes["second, renormalised"] += 1
         return emitted, path
 
-    monkeypatch.setattr(rayspec.rejection, "verify_tree_sampled", recording)
+    monkeypatch.setattr(rayspec.sampling.rejection, "verify_tree_sampled", recording)
     return outcomes
 
 
@@ -572,7 +572,7 @@ CASES = [
     ("eagle3-chain-async", dict(method="eagle3"), {"sampled"}, {"chain"}),
     ("eagle1-tree-async", dict(method="eagle", eagle_topk=2, num_steps=2), {"tree", "point"},
      {"first", "second", "neither"}),
-    # a weight-only int8 draft (rayspec.quantize): its probabilities are its own, the rule unchanged
+    # a weight-only int8 draft (rayspec.model.quantize): its probabilities are its own, the rule unchanged
     ("draft_model-int8", dict(method="draft_model", draft_quantization="int8"), {"sampled"}, {"chain"}),
 ]
 
@@ -619,7 +619,7 @@ def test_continuations_follow_the_target(target_dir, loaded, target, exact, draf
 def test_biased_chain_verification_is_detected(target_dir, loaded, target, exact, biased, monkeypatch):
     """verify_sampled accepting n-gram drafts with min(1, 1.083 p): rejected by the same test, and
     the samples fit the biased distribution the engine model predicts."""
-    monkeypatch.setattr("rayspec.rejection.verify_sampled", boosted_verify_sampled)
+    monkeypatch.setattr("rayspec.sampling.rejection.verify_sampled", boosted_verify_sampled)
     engine = _engine(target_dir, loaded, method="ngram", engine_seed=50_000_000, **NGRAM)
     samples = sample_continuations(engine, target, N_BIAS["chain"])
     against_target = stat_utils.chi_square_test(samples, exact)
@@ -632,7 +632,7 @@ def test_biased_chain_verification_is_detected(target_dir, loaded, target, exact
 def test_biased_tree_verification_is_detected(target_dir, loaded, target, exact, biased, monkeypatch):
     """verify_tree_sampled with a skewed final draw, on trees of the target's top-2 tokens:
     rejected by the same test, and the samples fit the biased distribution the model predicts."""
-    monkeypatch.setattr("rayspec.rejection.verify_tree_sampled", skewed_verify_tree_sampled)
+    monkeypatch.setattr("rayspec.sampling.rejection.verify_tree_sampled", skewed_verify_tree_sampled)
     engine = _engine(target_dir, loaded, proposer=TargetTreeProposer(target), engine_seed=60_000_000)
     seen = _record_shapes(engine)
     samples = sample_continuations(engine, target, N_BIAS["tree"])
@@ -662,7 +662,7 @@ def test_biased_tree_verification_is_detected(target_dir, loaded, target, exact,
 # of either shape is still detected with power 0.99 at 2000 samples from TV 0.069 (draft_model) and
 # 0.075 (EAGLE-1); the proposer runs above (N = 12000 samples) detect such shapes from TV ~0.03.
 # Which contexts a run drafts at depends on its random draws, and with them the power: when the
-# sampler's draws changed (rayspec.sampling.sample), EAGLE-1 at Q_GAMMA 2 reached power 0.45 (TV 0.056,
+# sampler's draws changed (rayspec.sampling.sampler.sample), EAGLE-1 at Q_GAMMA 2 reached power 0.45 (TV 0.056,
 # still detected: p = 5e-9), so its q is sharpened more (at 3: power 0.979).
 
 Q_GAMMA = {"draft_model": 1.5, "eagle": 4.0}  # the EAGLE-1 head's q is closer to the target's: sharpened more

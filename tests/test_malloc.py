@@ -1,4 +1,4 @@
-"""rayspec.malloc: freed buffers stay in the process (no page faults to touch them again)."""
+"""rayspec.memory.malloc: freed buffers stay in the process (no page faults to touch them again)."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 PROBE = textwrap.dedent("""
     import json, resource, torch
-    from rayspec.malloc import keep_freed_memory
+    from rayspec.memory.malloc import keep_freed_memory
     tuned = keep_freed_memory()
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -13,8 +13,8 @@ import pytest
 from deployments.replicas.metrics import METRICS, PREFIX, RAY_PREFIX, exported_series, scraped_names
 from engine_utils import make_engine, submit_all
 from serve_utils import wait_for
-from rayspec.metrics import IterationStats
-from rayspec.sampling import SamplingParams
+from rayspec.engine.metrics import IterationStats
+from rayspec.sampling.sampler import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deployments" / "grafana" / "rayspec_dashboard.json"
@@ -101,7 +101,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from rayspec import loader
+    from rayspec.model import loader
 
     return loader.load_model(str(tiny_model_dir))
 

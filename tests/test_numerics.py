@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from rayspec.eagle.checkpoint import new_eagle_config
 from rayspec.eagle.head import build_head
-from rayspec.loader import build_model, rope_from_config
+from rayspec.model.loader import build_model, rope_from_config
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -80,12 +80,12 @@ def test_speculation_equals_target_only_in_reduced_precision(bf16_target, tmp_pa
     """In bfloat16 and float16 (CPU), greedy speculative output equals our own target-only output in
     the same dtype, token for token, prompts decoded together (rows of different lengths batched)
     and one at a time. The verification forward computes each row as decoding alone would
-    (see rayspec.model.attention); before that, 6-7 of 10 prompts drifted apart in bfloat16."""
+    (see rayspec.model.native.attention); before that, 6-7 of 10 prompts drifted apart in bfloat16."""
     import random
 
     from engine_utils import make_engine, run_joining
-    from rayspec.loader import load_model
-    from rayspec.sampling import SamplingParams
+    from rayspec.model.loader import load_model
+    from rayspec.sampling.sampler import SamplingParams
 
     rng = random.Random(2)
     base = [rng.randrange(3, 512) for _ in range(7)]

@@ -21,7 +21,7 @@ from deployments.config import load_app_args
 from deployments.frontend.openai_limits import OpenAIError
 from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.frontend.openai_responses import AutoToolCallStream, auto_tool_message
-from rayspec.tool_parsers import ToolCallStreamParser, get_parser, parser_for_template
+from rayspec.sampling.tool_parsers import ToolCallStreamParser, get_parser, parser_for_template
 
 KEY = "dialect-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

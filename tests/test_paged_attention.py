@@ -1,4 +1,4 @@
-"""Paged attention (rayspec.paged_attention, EngineConfig.paged_attention): attention that reads the
+"""Paged attention (rayspec.model.paged_attention, EngineConfig.paged_attention): attention that reads the
 KV pool in place through the block tables equals today's gather + dense mask + SDPA, for one decode
 token, chains with padded rows and EAGLE trees, with blocks scattered over the pool, scratch blocks
 past a row's end, and grouped-query heads; through inductor's kernel (the CPU one here; the GPU's in
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from engine_utils import cached_model, run_to_completion
-from rayspec.compiled import CompiledForward
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.paged_attention import PagedLayout, chain_tail, inverse_tables, tree_tail
+from rayspec.model.compiled import CompiledForward
+from rayspec.model.paged_attention import PagedLayout, chain_tail, inverse_tables, tree_tail
 
 BS, POOL_BLOCKS, KV_HEADS, HEADS, D = 4, 24, 2, 4, 8
 
@@ -105,8 +105,8 @@ def traced_step(monkeypatch):
 def test_compiled_step_hidden_states_equal(tiny_model_dir, traced_step):
     """The runner's compiled step with and without paged attention: decode, a chain with rows of
     different lengths (padding), trees; rows of different contexts."""
-    from rayspec.batch_layout import TreeQuery
-    from rayspec.runner import make_runner
+    from rayspec.model.batch_layout import TreeQuery
+    from rayspec.model.runner import make_runner
 
     model = cached_model(str(tiny_model_dir))[0]
     results = []
@@ -133,8 +133,8 @@ def test_compiled_step_hidden_states_equal(tiny_model_dir, traced_step):
 def test_engine_greedy_equal_with_paged_attention(tiny_model_dir, traced_step, method, tmp_path):
     """Greedy tokens of the compiled engine with paged attention equal the eager engine's, requests
     joining mid-decode."""
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.sampling.sampler import SamplingParams
 
     loaded = cached_model(str(tiny_model_dir))
     spec = dict(method=method.split("-")[0], num_speculative_tokens=3, adaptive=False)
@@ -174,8 +174,8 @@ def test_warm_up_self_check_turns_a_faulty_kernel_off(tiny_model_dir, traced_ste
     """The engine's warm-up compares one decode forward both ways: a paged attention that computes
     something else (here: every key of the row's first block only) is turned off, and the engine's
     greedy output stays the eager engine's."""
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.sampling.sampler import SamplingParams
 
     if faulty:
         original = PagedLayout.attend

@@ -12,13 +12,13 @@ import torch
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, run_alone, run_joining, run_to_completion
 
-from rayspec.block_manager import BlockManager, block_hash
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import InvalidRequestError, LLMEngine
-from rayspec.kv_cache import KVCache
-from rayspec.memory import GiB, draft_kv_fraction
-from rayspec.runner import make_runner
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine
+from rayspec.memory.plan import GiB, draft_kv_fraction
+from rayspec.kv.block_manager import BlockManager, block_hash
+from rayspec.model.kv_cache import KVCache
+from rayspec.model.runner import make_runner
+from rayspec.sampling.sampler import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64
 BS = 4  # small blocks: many block boundaries in short test sequences
@@ -142,7 +142,7 @@ def test_a_short_tail_after_a_long_prefix_is_evicted_to_stay_consecutive():
     """A prompt asked again: its earlier answer's blocks follow its cached prefix. Short beside the
     prefix (EVICT_TAIL_RATIO), that tail is taken (the table stays consecutive, nothing is copied);
     a block after the prefix that is free, or unreachable, is taken as it is."""
-    from rayspec.block_manager import EVICT_TAIL_RATIO
+    from rayspec.kv.block_manager import EVICT_TAIL_RATIO
 
     bm = BlockManager(num_blocks=128, block_size=2, enable_prefix_caching=True)
     prompt = list(range(3, 3 + 2 * 2 * EVICT_TAIL_RATIO))  # 2 x EVICT_TAIL_RATIO full blocks
@@ -297,7 +297,7 @@ def test_cached_tokens_reported(target_dir, target):
 def test_runner_keep_path_across_blocks(target):
     """A tree's accepted rows moved to follow the prefix across a block boundary read back as a
     fresh computation of the path does."""
-    from rayspec.batch_layout import TreeQuery
+    from rayspec.model.batch_layout import TreeQuery
 
     model = target[0]
     runner = make_runner(model, 64, num_slots=1, slack=16, block_size=BS)

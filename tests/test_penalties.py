@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine_utils import OracleProposer, _hf_model, cached_model, make_engine, run_to_completion
-from rayspec.logits_processing import verification_row_extra
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.logits_processing import verification_row_extra
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPTS = [
     "The cat sat on the mat. The cat sat on the mat. The cat",
@@ -122,7 +122,7 @@ def test_bad_penalty_values(tiny_model_dir, tiny_loaded):
             SamplingParams(**bad)
     assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-5).greedy
     engine = make_engine(tiny_model_dir, loaded=tiny_loaded)
-    from rayspec.engine import InvalidRequestError
+    from rayspec.engine.llm_engine import InvalidRequestError
     with pytest.raises(InvalidRequestError):
         engine.add_request("hi", SamplingParams(logit_bias={10**6: 1.0}))
 

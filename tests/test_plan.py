@@ -1,4 +1,4 @@
-"""`rayspec plan` and rayspec.memory: the planner's figures are the engine's own (real engines on
+"""`rayspec plan` and rayspec.memory.plan: the planner's figures are the engine's own (real engines on
 SmolLM2-135M-Instruct; tensor-parallel shards and caches of a tiny model, built per rank without a
 process group; a tiny gpt_oss on the generic path), and `rayspec plan` runs offline on
 configs/llama3_eagle3.yaml, llama70b_draft8b_tp4.yaml and qwen3_eagle3.yaml against the published
@@ -19,13 +19,13 @@ from deployments.operations.plan import cpu_only_configs, draft_shape, model_sha
 from deployments.operations.resources import Machine, resource_lines, resource_plan
 from deployments.config import load_app_args
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.families import ModelArgs
-from rayspec.kv_cache import KVCache
-from rayspec.loader import empty_model
-from rayspec.memory import GB, GiB, engine_plan, kv_cache_plan
-from rayspec.parallel import TPGroup
-from rayspec.weight_memory import causal_lm_weights, eagle_head_weights
-from rayspec.weights.checkpoint import READ_CHUNK_BYTES
+from rayspec.memory.plan import GB, GiB, engine_plan, kv_cache_plan
+from rayspec.memory.weight_memory import causal_lm_weights, eagle_head_weights
+from rayspec.model.families import ModelArgs
+from rayspec.model.kv_cache import KVCache
+from rayspec.model.loader import empty_model
+from rayspec.model.parallel import TPGroup
+from rayspec.model.weights.checkpoint import READ_CHUNK_BYTES
 from rayspec_cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_draft_model_figures_are_the_engines(smollm2, smol):
     plan = plan_for(engine)
     draft = engine.proposer.runner
     # the budget pays for the self-draft's cache at its real size, 8 of the target's 30 layers per
-    # token (counted as large as the target's it held 4 sequences: rayspec.memory.draft_kv_fraction)
+    # token (counted as large as the target's it held 4 sequences: rayspec.memory.plan.draft_kv_fraction)
     assert plan.kv.num_blocks == engine.num_blocks and plan.kv.sequences_of(plan.kv.capacity) == 6
     assert plan.kv.bytes + plan.draft_kv.bytes <= 0.1 * GiB * 1.02
     assert plan.draft_kv.bytes == cache_bytes(draft) and plan.draft_kv.num_blocks == draft.kv.num_blocks
@@ -118,7 +118,7 @@ def test_a_separate_draft_checkpoint_is_budgeted_at_its_own_size(tiny_model_dir,
     """A draft other than the target's checkpoint (as Llama-3.2-1B drafts for 8B) pays for its KV
     cache at its own size per token, read from its config file: tiny_draft_dir has 1 layer of the
     target's 2 (half), in bfloat16 a quarter; an unreadable config is counted as large as the target's."""
-    from rayspec.memory import draft_kv_fraction
+    from rayspec.memory.plan import draft_kv_fraction
 
     target = model_shape(str(tiny_model_dir)).args
     spec = SpeculativeConfig(method="draft_model", draft_model=str(tiny_draft_dir), num_speculative_tokens=4)
@@ -327,7 +327,7 @@ def tiny_llama_config(vocab: int, tied: bool = False, bias: bool = False):
 
 @pytest.mark.parametrize("vocab,tied,bias", [(256, False, False), (256, True, True), (255, False, True)])
 def test_tp_rank_figures_are_the_shards(vocab, tied, bias):
-    """Each rank's shard as rayspec.loader builds it (no process group needed to build one) holds
+    """Each rank's shard as rayspec.model.loader builds it (no process group needed to build one) holds
     what causal_lm_weights(..., tp_size=2) says; each rank's cache is the KV heads' half. 255 does
     not divide by 2: the embedding and LM head stay whole on both ranks."""
     hf = tiny_llama_config(vocab, tied, bias)
@@ -370,7 +370,7 @@ def test_gpt_oss_weights_are_the_generic_models(tmp_path):
     config, as the generic path loads it, where the native formula would miss its experts."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from rayspec.generic_model import load_generic_model
+    from rayspec.model.generic import load_generic_model
 
     H, heads, kv_heads, hd, E, I, V, L = 64, 4, 2, 16, 4, 64, 128, 2
     hf = GptOssConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_attention_heads=heads,
@@ -482,7 +482,7 @@ def test_qwen3_eagle3_plan_offline(big_hub, capsys):
     items = {i["name"]: i["bytes"] for i in verifier["items"]}
     assert QWEN3_PARAMS == 8_190_735_360
     # bfloat16, plus rotary buffers: inv_freq (64 float32) natively, transformers' model (the generic
-    # path, while rayspec.model has no q/k norms) keeps original_inv_freq too
+    # path, while rayspec.model.native has no q/k norms) keeps original_inv_freq too
     assert items["target weights"] - 2 * QWEN3_PARAMS in (64 * 4, 2 * 64 * 4)
     kv = verifier["kv_cache"]
     per_token = 36 * 8 * 128 * 2 * 2  # 144 KiB
@@ -511,7 +511,7 @@ def test_tp_colocated_eagle3_rank0_holds_the_head_and_whole_target_io():
     from transformers import LlamaConfig
 
     from rayspec.eagle.checkpoint import eagle_config_from_hf
-    from rayspec.memory import DraftShape
+    from rayspec.memory.plan import DraftShape
 
     hf = json.loads((DATA / "llama-3.1-8b-instruct" / "config.json").read_text())
     args = ModelArgs.from_hf_config(LlamaConfig(**hf))
@@ -592,7 +592,7 @@ def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
     import json as _json
 
     from deployments.operations.plan import RESULTS_DIR, measured_step_lines
-    from rayspec.families import ModelArgs
+    from rayspec.model.families import ModelArgs
 
     llama8b = ModelArgs(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                         num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, tie_word_embeddings=False)

@@ -12,7 +12,7 @@ from engine_utils import cached_model, greedy_reference, make_engine
 from rayspec.proposers.base import Draft, ProposeRequest
 from rayspec.proposers.draft_model import DraftModelProposer
 from rayspec.proposers.pre_draft import PreDrafter, PreDraftingProposer, rank_verdicts
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 MAX_TOKENS = 24
@@ -163,7 +163,7 @@ def test_draft_model_drafts_without_autograd_in_any_thread(tiny_model_dir):
 
     import torch
 
-    from rayspec import loader
+    from rayspec.model import loader
     from rayspec.proposers.base import ProposeRequest
 
     model, _ = loader.load_model(str(tiny_model_dir), tokenizer=False)

@@ -13,8 +13,8 @@ from conftest import make_tiny_model_dir
 from engine_utils import cached_model
 
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.sampling.sampler import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64
 BS = 4

@@ -15,7 +15,7 @@ from rayspec.proposers.base import PreDraftable, Proposer
 ROOT = Path(__file__).resolve().parent.parent
 CODE = [p for pkg in ("rayspec", "deployments", "rayspec_cli") for p in sorted((ROOT / pkg).rglob("*.py"))]
 # where the engine's proposer is read: expressions ending in `.proposer` / `._proposer` there are Proposers
-USERS = ["rayspec/engine.py", "rayspec/scheduler.py", "rayspec/warm_up.py", "deployments/replicas/engine_loop.py",
+USERS = ["rayspec/engine/llm_engine.py", "rayspec/engine/scheduler.py", "rayspec/engine/warm_up.py", "deployments/replicas/engine_loop.py",
          "deployments/replicas/proposer.py", "deployments/replicas/pairing.py", "deployments/replicas/verifier.py"]
 # a first argument naming a proposer: proposer, self.proposer, engine.proposer, inner, ...
 _PROPOSER_ARG = re.compile(r"\b(has|get)attr\(\s*[\w.]*(proposer|inner)\b\s*,", re.IGNORECASE)

@@ -1,7 +1,7 @@
 """What a proposer is not told (#35, second round).
 
 - A seeded request's seed reaches the proposer as it is: the verifier draws a seeded request
-  coupled (rayspec.sampling), so every token it emits is the target's own draw whatever was
+  coupled (rayspec.sampling.sampler), so every token it emits is the target's own draw whatever was
   drafted; a proposer that knows the seed drafts with the target's noise (what makes its drafts
   accepted) and cannot move the output. tests/test_coupled_sampling.py shows the output is
   target-only decoding; here, that forged drafts built with the seed change nothing.
@@ -22,10 +22,10 @@ from serve_utils import app_deployments, tiny_args
 
 from deployments.app import build_app
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
+from rayspec.engine.llm_engine import LLMEngine
 from rayspec.proposers import Draft, ProposeRequest
 from rayspec.proposers.base import Proposer
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 
 # ---- seeds ----------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ class _ForgingProposer(Proposer):
         self.target, self.calls = target, 0
 
     def propose(self, requests):
-        from rayspec.sampling import coupled_key, coupled_noise, logits_to_probs
+        from rayspec.sampling.sampler import coupled_key, coupled_noise, logits_to_probs
 
         drafts = []
         for r in requests:

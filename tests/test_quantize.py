@@ -1,4 +1,4 @@
-"""Weight-only int8 drafts (rayspec.quantize, `draft_quantization: int8`): the kernels' accuracy,
+"""Weight-only int8 drafts (rayspec.model.quantize, `draft_quantization: int8`): the kernels' accuracy,
 what quantizing a model keeps and frees, the draft's agreement with its float self, the configs
 and vLLM's name. Greedy and sampled losslessness with an int8 draft: tests/test_greedy_equivalence.py
 ("draft-self-int8") and tests/test_lossless_sampled.py ("draft_model-int8")."""
@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from engine_utils import cached_model, make_engine
-from rayspec import loader
 from rayspec.config import SpeculativeConfig
-from rayspec.families import ModelArgs
-from rayspec.linear import Linear
-from rayspec.memory import DraftShape
-from rayspec.quantize import Int8Weight, quantize_int8
-from rayspec.sampling import SamplingParams
-from rayspec.weight_memory import causal_lm_weights, int8_weights
+from rayspec.memory.plan import DraftShape
+from rayspec.memory.weight_memory import causal_lm_weights, int8_weights
+from rayspec.model import loader
+from rayspec.model.families import ModelArgs
+from rayspec.model.linear import Linear
+from rayspec.model.quantize import Int8Weight, quantize_int8
+from rayspec.sampling.sampler import SamplingParams
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["fbgemm", "int8pack_mm"])
@@ -73,7 +73,7 @@ def test_loaded_int8_model_predicts_like_the_float_one(tiny_model_dir):
     float_model, _ = cached_model(str(tiny_model_dir))
     int8_model, _ = loader.load_model(str(tiny_model_dir), tokenizer=False, quantization="int8")
     assert int8_model.cpu_kernels is None  # no oneDNN choice, no prepacked float copies
-    from rayspec.runner import make_runner
+    from rayspec.model.runner import make_runner
 
     torch.manual_seed(1)
     ids = torch.randint(3, 200, (64,)).tolist()

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from engine_utils import cached_model, make_engine
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 
 def test_a_replica_whose_steps_all_fail_reports_unhealthy(tiny_model_dir):

@@ -19,9 +19,9 @@ import deployments.frontend.ingress as ingress_module
 from deployments.frontend.openai_limits import LIMITS, OpenAIError
 from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest
 from deployments.transport.protocol import GenerateRequest
-from rayspec.engine import InvalidRequestError, LLMEngine
-from rayspec.sampling import MAX_SEED, SamplingParams
-from rayspec.structured import GrammarCompiler, GrammarState, StructuredOutput
+from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine
+from rayspec.sampling.sampler import MAX_SEED, SamplingParams
+from rayspec.sampling.structured import GrammarCompiler, GrammarState, StructuredOutput
 from serve_utils import tiny_args
 
 MAX_MODEL_LEN = 1024  # tiny_args's
@@ -255,7 +255,7 @@ def test_seeds_are_checked_by_the_engine_too():
 def hf_tokenizer(smollm2):
     from transformers import AutoTokenizer
 
-    from rayspec.weights.hub import resolve_model_dir
+    from rayspec.model.weights.hub import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(smollm2)))
 

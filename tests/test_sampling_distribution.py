@@ -1,7 +1,7 @@
 """Speculative sampling at temperature > 0 is lossless: emitted tokens follow the target's
 processed (temperature / top-k / top-p) distribution, whatever the proposer drafts.
 
-(a) the rejection rule alone (rayspec.rejection.verify_sampled) on hand-made distributions;
+(a) the rejection rule alone (rayspec.sampling.rejection.verify_sampled) on hand-made distributions;
 (b) end to end through LLMEngine on a 16-token model, against exact marginals computed
     from the target alone with Hugging Face transformers.
 """
@@ -13,8 +13,8 @@ import torch
 
 from engine_utils import binomial_interval, empirical, make_engine, tv_distance, tv_threshold
 from rayspec.proposers.base import Draft
-from rayspec.rejection import verify, verify_greedy, verify_sampled, verify_tree_sampled
-from rayspec.sampling import SamplingParams, logits_to_probs
+from rayspec.sampling.rejection import verify, verify_greedy, verify_sampled, verify_tree_sampled
+from rayspec.sampling.sampler import SamplingParams, logits_to_probs
 
 V = 7
 
@@ -160,7 +160,7 @@ def test_verify_greedy(argmax, drafts, expected):
 
 
 def test_verify_takes_a_batch_of_chains_and_trees_greedy_and_sampled():
-    """rayspec.rejection.verify over one packed batch: (emitted tokens, kept rows) per sequence, each
+    """rayspec.sampling.rejection.verify over one packed batch: (emitted tokens, kept rows) per sequence, each
     row's rule picked by its draft (chain or tree) and its params (greedy or sampled). The sampled
     rows are one-hot, so their verdicts are certain."""
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
@@ -218,7 +218,7 @@ E2E_METHODS = [
     ("draft_model", dict(method="draft_model", k=3)),
     # asynchronous drafting (rayspec.proposers.pre_draft): drafts from the speculation cache
     ("draft_model-async", dict(method="draft_model", k=3)),
-    # cost-aware drafting (rayspec.drafting) under modelled costs: each request's budget (0 to 3)
+    # cost-aware drafting (rayspec.engine.drafting) under modelled costs: each request's budget (0 to 3)
     # follows its own acceptance from step to step (rows cheap enough that drafts pay in a batch of 64)
     ("draft_model-costaware", dict(method="draft_model", k=3, adaptive=True,
                                    draft_costs={"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002,
@@ -243,7 +243,7 @@ def test_engine_sampling_matches_target_marginals(v16_dirs, exact_marginals, exa
     spec = dict(spec)
     if spec["method"] == "draft_model":
         spec["draft_model"] = str(draft_dir)
-    # target-only: seeded requests (coupled draws, rayspec.sampling); speculative: unseeded ones on a
+    # target-only: seeded requests (coupled draws, rayspec.sampling.sampler); speculative: unseeded ones on a
     # seeded engine (their own streams, reproducible), which go through rejection sampling
     seeded = spec["method"] == "none"
     engine = make_engine(target_dir, max_model_len=40, max_num_seqs=64, engine_seed=None if seeded else 4321, **spec)

@@ -26,7 +26,7 @@ from eagle_utils import TARGET_LAYERS, copy_head
 
 from deployments.app import build_app
 from rayspec.eagle.checkpoint import save_eagle_head
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma", "red green blue yellow"]
 MAX_TOKENS = 160

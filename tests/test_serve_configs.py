@@ -206,8 +206,8 @@ def test_default_config_served(smollm2, serve_url):
     from deployments.operations.resources import resource_plan
 
     from rayspec.config import SpeculativeConfig
-    from rayspec.engine import LLMEngine
-    from rayspec.sampling import SamplingParams
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.sampling.sampler import SamplingParams
 
     doc = yaml.safe_load((CONFIGS / "default.yaml").read_text())
     args = doc["applications"][0]["args"]

@@ -21,8 +21,8 @@ from serve_utils import free_port, tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 PROMPT = "one two three four five six seven one two three four five six seven one two"
 
@@ -110,7 +110,7 @@ def test_one_proposer_call_per_step_for_the_batch(cluster_app):
 
 def test_sampled_and_streamed(cluster_app, tiny_model_dir, tiny_draft_dir):
     """A seeded sampled stream (drafts sampled in the proposer's actor, with their probabilities)
-    is what an in-process engine samples with the same seed (coupled draws, rayspec.sampling: the
+    is what an in-process engine samples with the same seed (coupled draws, rayspec.sampling.sampler: the
     proposer gets the seed and drafts with the target's noise), and its usage counts it."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.7, "seed": 1, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -129,7 +129,7 @@ def test_sampled_and_streamed(cluster_app, tiny_model_dir, tiny_draft_dir):
 def test_output_controls_in_the_disaggregated_graph(cluster_app, tiny_model_dir, tiny_draft_dir):
     """Structured output, penalties, logprobs and n live in the verifier's engine: with the draft in
     another actor they still give what an in-process engine gives."""
-    from rayspec.structured import StructuredOutput
+    from rayspec.sampling.structured import StructuredOutput
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=4,
                                     kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(**_spec(tiny_draft_dir))))

@@ -32,8 +32,8 @@ from deployments.replicas.proposer import Proposer  # noqa: E402
 from deployments.transport.remote_proposer import RemoteProposer  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.eagle.checkpoint import save_eagle_head  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 MAX_TOKENS = 32
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25}
@@ -396,7 +396,7 @@ def test_proposer_deployment_drafts_from_sent_features(served, eagle_setup, app)
 def test_sampled_requests_draft_chains_remotely(served, eagle_setup):
     """temperature > 0: chains with draft probabilities over the wire; a seeded request samples
     exactly what an in-process engine samples with that seed, target-only decoding (coupled draws,
-    rayspec.sampling), and drafts were verified."""
+    rayspec.sampling.sampler), and drafts were verified."""
     params = {"max_tokens": 24, "temperature": 0.8, "seed": 7, "ignore_eos": True}
     handle = serve.get_app_handle("disaggregated")
     engine = _engine(eagle_setup["target"], method="none")

@@ -35,8 +35,8 @@ from serve_utils import astream_completion, tiny_args, wait_for
 import deployments.frontend.ingress as ingress_module
 from deployments.app import build_app
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import EngineOverloadedError, LLMEngine
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import EngineOverloadedError, LLMEngine
+from rayspec.sampling.sampler import SamplingParams
 
 NUM_CLIENTS = 16
 FAULT_TOKENS = 320  # long enough that every stream is mid-way when the kill lands

@@ -16,8 +16,8 @@ from serve_utils import is_error_event, tiny_args, wait_for  # noqa: E402
 from deployments.app import build_app  # noqa: E402
 from deployments.transport.protocol import GenerateRequest  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps"  # the tiny model repeats it: n-gram drafts accepted
 TOOLS = [{"type": "function", "function": {
@@ -196,8 +196,8 @@ def test_tool_calls_named_and_required(client, local_engine):
     """tool_choice 'required' or a named function: the output is constrained to a valid call (the
     tiny random model still produces one), returned as tool_calls, streamed and not; greedy output
     equals the in-process engine's under the same constraint."""
-    from rayspec.structured import StructuredOutput
-    from rayspec.tools import call_schema
+    from rayspec.sampling.structured import StructuredOutput
+    from rayspec.sampling.tools import call_schema
 
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -715,7 +715,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer"
 
 
 def test_structured_output(client, local_engine):
-    from rayspec.structured import StructuredOutput
+    from rayspec.sampling.structured import StructuredOutput
 
     messages = [{"role": "user", "content": "Answer in JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}

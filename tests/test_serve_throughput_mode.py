@@ -18,8 +18,8 @@ from serve_utils import free_port, tiny_args  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from rayspec.engine import LLMEngine  # noqa: E402
-from rayspec.sampling import SamplingParams  # noqa: E402
+from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 PROMPT = "one two three four five six seven one two three four five six seven one two"
 

@@ -9,10 +9,10 @@ import shutil
 import pytest
 
 from engine_utils import cached_model, greedy_reference, make_engine, run_to_completion
-from rayspec.engine import InvalidRequestError
+from rayspec.engine.llm_engine import InvalidRequestError
+from rayspec.engine.sequence import IncrementalDetokenizer
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
-from rayspec.sampling import SamplingParams
-from rayspec.sequence import IncrementalDetokenizer
+from rayspec.sampling.sampler import SamplingParams
 
 PROMPT = "The cat sat on the mat. The cat sat on the"
 N = 24

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine_utils import cached_model, make_engine
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 
 def test_engine_outputs_are_deltas_when_asked(tiny_model_dir):

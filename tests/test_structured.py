@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine_utils import OracleProposer, _hf_model, binomial_interval, cached_model, make_engine, run_to_completion
-from rayspec.engine import InvalidRequestError
+from rayspec.engine.llm_engine import InvalidRequestError
 from rayspec.proposers.base import Draft, Proposer
-from rayspec.sampling import SamplingParams, logits_to_probs
-from rayspec.structured import StructuredOutput
+from rayspec.sampling.sampler import SamplingParams, logits_to_probs
+from rayspec.sampling.structured import StructuredOutput
 
 import llguidance
 
@@ -214,7 +214,7 @@ def test_generate_cli_with_a_regex(tiny_model_dir, capsys):
 
 
 def test_parents_first_reorders_added_nodes():
-    from rayspec.structured import _parents_first
+    from rayspec.sampling.structured import _parents_first
 
     # node 2 hangs below node 3, which comes later
     assert _parents_first([10, 11, 12, 13], [-1, -1, 3, 0]) == ([10, 11, 13, 12], [-1, -1, 0, 2])

@@ -19,10 +19,10 @@ from engine_utils import greedy_reference, run_alone, run_batch
 from rayspec.config import EngineConfig, SpeculativeConfig
 from rayspec.eagle.checkpoint import new_eagle_config, save_eagle_head
 from rayspec.eagle.head import attach_target, build_head
-from rayspec.engine import LLMEngine
-from rayspec.loader import load_model
-from rayspec.parallel import RankFailure
-from rayspec.sampling import SamplingParams
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.model.loader import load_model
+from rayspec.model.parallel import RankFailure
+from rayspec.sampling.sampler import SamplingParams
 
 from deployments.replicas.tensor_parallel import RayRankLauncher
 
@@ -112,7 +112,7 @@ def test_tp_needs_divisible_heads_and_a_launcher(target_dir):
 
 
 def _reduce_rows(rank: int, size: int, init_method: str, queue) -> None:
-    from rayspec.parallel import TPGroup
+    from rayspec.model.parallel import TPGroup
 
     tp = TPGroup.init(rank, size, init_method, torch.device("cpu"))
     gen = torch.Generator().manual_seed(rank)

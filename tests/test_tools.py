@@ -1,4 +1,4 @@
-"""Tool calls by constrained decoding (rayspec.tools), without Ray."""
+"""Tool calls by constrained decoding (rayspec.sampling.tools), without Ray."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
-from rayspec.sampling import SamplingParams
-from rayspec.structured import StructuredOutput
-from rayspec.tools import call_schema, inline_tools, parse_calls
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.sampling.sampler import SamplingParams
+from rayspec.sampling.structured import StructuredOutput
+from rayspec.sampling.tools import call_schema, inline_tools, parse_calls
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

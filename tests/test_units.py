@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from rayspec.config import SpeculativeConfig
-from rayspec.drafting import (DepthCounts, DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput, SeqDraftState,
-                              expected_accepted)
-from rayspec.metrics import SpecDecodeStats
+from rayspec.engine.drafting import (DepthCounts, DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput, SeqDraftState,
+                                     expected_accepted)
+from rayspec.engine.metrics import SpecDecodeStats
 from rayspec.proposers import PROPOSERS, build_proposer
 from rayspec.proposers.base import ProposeRequest
 from rayspec.proposers.ngram import NgramProposer, find_ngram_continuation
-from rayspec.sampling import (coupled_key, coupled_noise, coupled_sample, draw_rows, logits_to_probs, make_generator,
-                              probs_of_rows, sample, sample_rows)
+from rayspec.sampling.sampler import (coupled_key, coupled_noise, coupled_sample, draw_rows, logits_to_probs, make_generator,
+                                      probs_of_rows, sample, sample_rows)
 
 # ---- n-gram lookup ------------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ def test_logits_to_probs_rows_independent():
     assert torch.allclose(got[0], got[1].flip(0))
 
 
-# ---- cost-aware drafting (rayspec.drafting) ------------------------------------------------
+# ---- cost-aware drafting (rayspec.engine.drafting) ------------------------------------------------
 
 CPU_LIKE = {"step_s": 0.010, "row_s": 0.0025, "propose_s": 0.001, "propose_depth_s": 0.001}  # a row: 1/4 step
 GPU_LIKE = {"step_s": 0.010, "row_s": 0.00002, "propose_s": 0.0002, "propose_depth_s": 0.0002}  # rows ~free
@@ -493,7 +493,7 @@ def test_a_timing_far_off_the_fit_is_clipped_or_restarts_it():
     far below a fit seeded by an outlier restarts that fit (the proposer is timed only when it
     drafts: a fit too high would stop the drafts that could correct it); the verification fit,
     timed every step, is only clipped."""
-    from rayspec.drafting import OUTLIER
+    from rayspec.engine.drafting import OUTLIER
 
     costs = MeasuredCosts()
     for rows in (1, 2, 5):
@@ -565,7 +565,7 @@ def test_catch_up_is_spread_over_the_tokens_left():
 def test_unmeasured_then_measured_and_sampled_alike():
     """Nothing timed yet: the full budget (so it gets timed); once measured, a losing draft stops,
     greedy or sampled, seeded or not (a seeded request's draws do not depend on its plan:
-    rayspec.sampling), and the pool of sampled chains informs sampled sequences only."""
+    rayspec.sampling.sampler), and the pool of sampled chains informs sampled sequences only."""
     planner = DraftPlanner(6, MeasuredCosts())
     bad = _observed(planner, 0.0)
     assert planner.plan([_seq(bad)], tree=False) == [6]  # nothing timed yet: the full budget, to be timed
@@ -629,8 +629,8 @@ def test_spec_decode_stats():
 def test_packed_and_fused_projections_match_the_plain_layers():
     """pack_for_cpu's oneDNN copies (q/k/v and gate/up fused) compute what the plain layers do, and
     step aside once a weight changes (training in place) or gradients are on."""
-    from rayspec.families import ModelArgs
-    from rayspec.model import MLP, Attention
+    from rayspec.model.families import ModelArgs
+    from rayspec.model.native import MLP, Attention
 
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
@@ -663,7 +663,7 @@ def test_prefill_groups_minimise_padded_cost():
     import itertools
     import random
 
-    from rayspec.batch_layout import prefill_groups
+    from rayspec.model.batch_layout import prefill_groups
 
     def cost(groups, lengths, overhead):
         return sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)
@@ -711,7 +711,7 @@ def test_logits_to_probs_equals_a_full_sort(scale, top_k, top_p, counted, monkey
     """Top-k / top-p over the tokens that can stay (torch.topk of those above the floor) keeps the same
     tokens as sorting the whole (16,384-token) vocabulary, and the same probabilities to float32
     rounding; rows of one call whose nuclei differ in size each keep their own."""
-    from rayspec import sampling
+    from rayspec.sampling import sampler as sampling
 
     monkeypatch.setattr(sampling, "_count_on_host", lambda device: counted)
     gen = torch.Generator().manual_seed(int(scale * 10) + top_k)
@@ -773,7 +773,7 @@ def test_batched_rows_are_the_single_row_probs_and_draws():
 def test_coupled_hash_is_splitmix64():
     """The tensor hash wraps its int64 products as the Python reference's 64-bit mask does (a
     platform whose vector multiply saturated, or a shift that kept the sign, would fail here)."""
-    from rayspec.sampling import _GAMMA, _mix64, _mix64_tensor, _signed
+    from rayspec.sampling.sampler import _GAMMA, _mix64, _mix64_tensor, _signed
 
     # splitmix64's published stream from seed 0 (Vigna's reference implementation)
     assert [_mix64(i * _GAMMA) for i in (1, 2)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
@@ -833,7 +833,7 @@ def test_coupled_noise_of_a_draft_vocabulary_is_the_targets():
 def test_top_p_below_float32_range_keeps_the_top_token():
     # found by the route fuzz (top_p 5e-324 -> 500): the threshold rounds to 0.0 in float32, which
     # removed every token and made the probabilities NaN
-    from rayspec.sampling import logits_to_probs
+    from rayspec.sampling.sampler import logits_to_probs
     logits = torch.tensor([[0.1, 2.0, -1.0, 0.5], [3.0, 0.0, 0.0, 0.0]])
     for top_p, top_k in ((5e-324, 0), (1e-45, 0), (5e-324, 2)):
         probs = logits_to_probs(logits, 0.7, top_k, top_p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.multiprocessing as mp
 
-from rayspec.tp_ranks import RankLauncher, run_rank
+from rayspec.model.tp_ranks import RankLauncher, run_rank
 
 
 class _Processes:

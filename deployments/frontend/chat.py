@@ -12,7 +12,7 @@ from deployments.frontend.openai_requests import ToolCallMode
 from deployments.frontend.openai_responses import (AutoToolCallStream, ToolCallStream, auto_tool_message,
                                                    chat_logprobs, finish_reason, tool_call_message)
 from deployments.transport.protocol import GenerateChunk, GenerateResponse
-from rayspec.tool_parsers import ToolCallParser
+from rayspec.sampling.tool_parsers import ToolCallParser
 
 
 class ChatChoices:

@@ -4,7 +4,7 @@ A stream that breaks because its verifier replica's actor died is sent again wit
 had so far (`GenerateRequest.resume_output_ids`, `resume_sent_chars`): the next replica Serve
 routes to (another one, or the replacement once it is up) prefills prompt + those tokens and goes
 on, and the caller sees one unbroken stream. Greedy output is the same token for token, and so is a
-seeded sampled one (its draws are coupled to its seed and positions, not to a stream: rayspec.sampling);
+seeded sampled one (its draws are coupled to its seed and positions, not to a stream: rayspec.sampling.sampler);
 an unseeded one keeps the target's distribution. A whole (non-streamed) request is sent again
 from the start. Usage counts add up over the replicas. Before a request goes again, its call or stream
 on the lost replica is cancelled: a replica that is only unreachable (ActorUnavailableError) would

@@ -38,8 +38,8 @@ from deployments.frontend.openai_requests import ChatCompletionRequest, Completi
 from deployments.frontend.openai_responses import new_id, now, sum_usage
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from deployments.frontend.sse import SSE_HEADERS
-from rayspec.engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
-from rayspec.tool_parsers import ToolCallParser, get_parser
+from rayspec.engine.llm_engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
+from rayspec.sampling.tool_parsers import ToolCallParser, get_parser
 
 logger = logging.getLogger("rayspec.serve")
 app = FastAPI(title="rayspec", description="Speculative decoding on Ray Serve (OpenAI-compatible)")

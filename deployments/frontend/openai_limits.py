@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rayspec.logprobs import MAX_TOP_LOGPROBS
-from rayspec.sampling import MAX_SEED
+from rayspec.sampling.logprobs import MAX_TOP_LOGPROBS
+from rayspec.sampling.sampler import MAX_SEED
 
 
 @dataclass(frozen=True)

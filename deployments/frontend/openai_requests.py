@@ -12,9 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.frontend.openai_limits import LIMITS, MAX_CHOICES, OpenAIError, at_most
 from deployments.transport.protocol import GenerateRequest
-from rayspec.logprobs import MAX_TOP_LOGPROBS
-from rayspec.structured import StructuredOutput
-from rayspec.tools import call_schema
+from rayspec.sampling.logprobs import MAX_TOP_LOGPROBS
+from rayspec.sampling.structured import StructuredOutput
+from rayspec.sampling.tools import call_schema
 
 
 class StreamOptions(BaseModel):
@@ -324,7 +324,7 @@ class ToolDefinition(BaseModel):
 @dataclass(frozen=True)
 class ToolCallMode:
     """What a request's output must be: `name`'s arguments, or (name None) a list of calls to any tool;
-    auto: whatever the model writes, calls read out of it by a tool-call parser (rayspec.tool_parsers)."""
+    auto: whatever the model writes, calls read out of it by a tool-call parser (rayspec.sampling.tool_parsers)."""
 
     name: str | None
     parallel: bool

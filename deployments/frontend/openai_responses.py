@@ -8,9 +8,9 @@ import uuid
 from typing import Any
 
 from deployments.frontend.openai_requests import ToolCallMode
-from rayspec.logprobs import TokenLogprob
-from rayspec.tool_parsers import ToolCallParser, ToolCallStreamParser
-from rayspec.tools import parse_calls
+from rayspec.sampling.logprobs import TokenLogprob
+from rayspec.sampling.tool_parsers import ToolCallParser, ToolCallStreamParser
+from rayspec.sampling.tools import parse_calls
 
 
 def _call_entry(index: int, name: str, arguments: str) -> dict:

@@ -234,7 +234,7 @@ def _limits(cpus: int, memory_gib: int, gpus: int = 0) -> dict:
 
 
 def _serves_default_model(apps: list[AppArgs]) -> bool:
-    from rayspec.weights.hub import DEFAULT_MODEL
+    from rayspec.model.weights.hub import DEFAULT_MODEL
 
     return any({cfg.model, cfg.speculative.draft_model} & {DEFAULT_MODEL, "default"} for cfg in apps)
 

@@ -1,7 +1,7 @@
 """`rayspec plan CONFIG`: the memory each deployment of a serve config needs, per replica and per
 GPU, from the models' config.json files alone (no weights are loaded or downloaded).
 
-The sizing is rayspec.memory's (the engine sizes its KV cache with the same function); this
+The sizing is rayspec.memory.plan's (the engine sizes its KV cache with the same function); this
 module reads the serve config as deployments.app does (AppArgs), finds the model shapes, and
 sets the figures against a GPU size. Ray's fractional `num_gpus` is a scheduling share, not a
 memory limit: replicas packed onto one GPU share its memory, so the worst packing is checked too.
@@ -29,10 +29,10 @@ import torch
 from deployments.config import AppArgs, load_app_args
 from deployments.dialects import APP_IMPORT_PATHS, app_args_of
 from deployments.operations.resources import Machine, ResourcePlan, resource_lines, resource_plan, resources_json
-from rayspec.families import ModelArgs
-from rayspec.memory import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
-from rayspec.weight_memory import ModelShape, as_shape, causal_lm_weights, generic_weights
-from rayspec.weights import files, hub
+from rayspec.memory.plan import GB, DraftShape, ProcessPlan, engine_plan, proposer_plan
+from rayspec.memory.weight_memory import ModelShape, as_shape, causal_lm_weights, generic_weights
+from rayspec.model.families import ModelArgs
+from rayspec.model.weights import files, hub
 
 _UNITS = {"": GB, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": GB, "gb": GB, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -78,15 +78,15 @@ def cpu_only_configs(configs_dir: str | Path) -> list[Path]:
 # ---- model shapes from config files ------------------------------------------------------------
 
 def shape_of(hf_config) -> ModelShape:
-    """How the planner counts a model: natively (rayspec.model's formula) when ModelArgs accepts its
+    """How the planner counts a model: natively (rayspec.model.native's formula) when ModelArgs accepts its
     config and the formula counts every parameter transformers' own model of it has; otherwise as
-    the generic path loads it (rayspec.generic_model: transformers' model, e.g. gpt_oss's experts
+    the generic path loads it (rayspec.model.generic: transformers' model, e.g. gpt_oss's experts
     and attention sinks, which the formula knows nothing of), counted from a meta-device build."""
-    from rayspec.generic_model import args_from_config
+    from rayspec.model.generic import args_from_config
 
     try:
         args = ModelArgs.from_hf_config(hf_config)
-    except ValueError:  # a family rayspec.model refuses (UnsupportedArchitectureError is one)
+    except ValueError:  # a family rayspec.model.native refuses (UnsupportedArchitectureError is one)
         args = None
     try:
         reference = generic_weights(hf_config, torch.float32).num_params
@@ -296,7 +296,7 @@ FIT_TP_SIZES = (1, 2, 4)
 class CheckpointSize:
     role: str  # "target" or "draft"
     spec: str
-    algo: str  # rayspec.formats: NVFP4, MXFP4
+    algo: str  # rayspec.model.formats: NVFP4, MXFP4
     source: str  # the file that said so
     stored: int  # bytes of the checkpoint's weights as stored (what a download is, roughly)
     quantized_params: int
@@ -313,7 +313,7 @@ def _meta_model(shape: ModelShape):
 
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(copy.deepcopy(shape.generic))
-    from rayspec.model import CausalLM
+    from rayspec.model.native import CausalLM
 
     with torch.device("meta"):
         return CausalLM(shape.args, torch.zeros(shape.args.head_dim // 2), 1.0)
@@ -321,7 +321,7 @@ def _meta_model(shape: ModelShape):
 
 def checkpoint_size(role: str, spec: str, shape: ModelShape, dtype: torch.dtype) -> CheckpointSize | None:
     """Stored and loaded weight bytes of a quantized checkpoint (None: a float one), from config files."""
-    from rayspec.formats import stored_bytes
+    from rayspec.model.formats import stored_bytes
 
     quantization = hub.model_quantization(spec)
     if quantization is None:

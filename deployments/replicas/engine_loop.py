@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
-from rayspec.engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
-from rayspec.metrics import FinishedRequestStats, IterationStats
+from rayspec.engine.llm_engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
+from rayspec.engine.metrics import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("rayspec.serve")
 
@@ -225,7 +225,7 @@ class EngineLoop:
             self._update_snapshot()
 
     def _settle_cpu_kernels(self, engine) -> None:
-        """While idle, measure a provisional CPU kernel choice again (rayspec.cpu_kernels: one measured
+        """While idle, measure a provisional CPU kernel choice again (rayspec.cpu.kernels: one measured
         while other processes kept the cores busy, e.g. replicas loading beside this one), every
         KERNEL_CHECK_S at most, KERNEL_CHECKS times at most, until a measurement is not contended.
         A request arriving meanwhile waits for it (~MEASURE_BUDGET_S)."""
@@ -311,7 +311,7 @@ class EngineLoop:
                     self.num_aborted += 1
                     stats.finished.append(self._finished(stream, "abort", now))
 
-    # ---- request metrics (vLLM's set: rayspec.metrics.IterationStats) -------------------------
+    # ---- request metrics (vLLM's set: rayspec.engine.metrics.IterationStats) -------------------------
     def _observe_scheduled(self, engine, started: float, stats: IterationStats) -> None:
         """Queue time of the requests this step took out of the waiting queue (admission happens
         at the step's start, so the step's start time is when they were scheduled)."""

@@ -11,7 +11,7 @@ adds (`deployment`, `replica`, `application`). METRICS is the one list: the docs
 
 from __future__ import annotations
 
-from rayspec.metrics import IterationStats
+from rayspec.engine.metrics import IterationStats
 
 PREFIX = "rayspec_"
 RAY_PREFIX = "ray_"  # what Ray's exporter puts before every name

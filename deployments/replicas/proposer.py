@@ -41,8 +41,8 @@ from deployments.config import load_app_args, replica_device
 from deployments.transport.direct_channel import ChannelServer
 from deployments.transport.wire import CallLimits
 from rayspec.config import ProposerContext
-from rayspec.loader import parse_dtype
-from rayspec.malloc import keep_freed_memory
+from rayspec.memory.malloc import keep_freed_memory
+from rayspec.model.loader import parse_dtype
 from rayspec.proposers import Draft, ProposeRequest, build_proposer
 from rayspec.proposers.pre_draft import PreDrafter, PreDraftThread
 

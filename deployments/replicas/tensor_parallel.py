@@ -4,11 +4,11 @@ A verifier replica at tensor_parallel_size N is scheduled by Serve into bundle 0
 of N bundles (`placement_group_bundles`, `STRICT_PACK` by default: one node, so NCCL runs over
 NVLink / PCIe); it is rank 0 and runs the engine. RayRankLauncher starts ranks 1..N-1 as
 `RankWorker` actors, one per remaining bundle, each taking that bundle's CPUs and GPU, and each
-running rayspec.tp_ranks.run_rank: join the torch.distributed group, load its shard, follow rank 0's
+running rayspec.model.tp_ranks.run_rank: join the torch.distributed group, load its shard, follow rank 0's
 commands. Outside a placement group (`rayspec bench offline --tensor-parallel-size N`) the launcher
 makes one of N-1 bundles for the other ranks and removes it at shutdown.
 
-A rank that dies breaks the group: rank 0's next collective raises rayspec.parallel.RankFailure,
+A rank that dies breaks the group: rank 0's next collective raises rayspec.model.parallel.RankFailure,
 which the verifier turns into the death of its replica (deployments.replicas.engine_loop), so Serve starts a
 new one and requests in flight fail over (deployments.frontend.failover). The health check also asks
 whether every rank's actor is still running.
@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayspec.tp_ranks import RankLauncher, run_rank
+from rayspec.model.tp_ranks import RankLauncher, run_rank
 
 logger = logging.getLogger("ray.serve")
 

@@ -22,7 +22,7 @@ logger = logging.getLogger("ray.serve")
 from deployments.config import load_app_args, replica_device
 from deployments.replicas.engine_loop import ChatPrompt, EngineLoop
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
-from rayspec.engine import InvalidRequestError, LLMEngine, RequestOutput
+from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 
 
 CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
@@ -309,7 +309,7 @@ class Verifier:
         return self.get_stats()
 
     async def reset_stats(self) -> dict:
-        from rayspec.metrics import SpecDecodeStats
+        from rayspec.engine.metrics import SpecDecodeStats
 
         def reset(engine):
             engine.stats = SpecDecodeStats()
@@ -319,7 +319,7 @@ class Verifier:
         return self.get_stats()
 
     def model_info(self) -> dict:
-        from rayspec.tool_parsers import parser_for_template
+        from rayspec.sampling.tool_parsers import parser_for_template
 
         tokenizer = self.loop.engine.tokenizer
         return {"model": self.cfg.model, "served_model_name": self.cfg.model_name,

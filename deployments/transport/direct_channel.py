@@ -24,8 +24,8 @@ that trust to its port:
   over a frame counter and the whole frame. The counter is not sent: each side counts the frames it
   sent and received, so a frame that was altered, replayed (from this connection or another), dropped,
   reordered or reflected back fails its tag, and the connection is closed.
-- q checked anyway: the verifier does not trust a draft's probabilities (rayspec.rejection): a q that
-  cannot be a distribution is ignored, and a draft longer than asked is cut (rayspec.engine).
+- q checked anyway: the verifier does not trust a draft's probabilities (rayspec.sampling.rejection): a q that
+  cannot be a distribution is ignored, and a draft longer than asked is cut (rayspec.engine.llm_engine).
 - bounded time: a call has one deadline for sending and its whole reply (`timeout_s`, not per read);
   the server gives a frame whose header arrived `frame_timeout_s` for the rest.
 A connection that fails any of this is closed and counted (`ChannelServer.num_rejected`); the

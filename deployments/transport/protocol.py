@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rayspec.engine import InvalidRequestError
-from rayspec.logprobs import TokenLogprob
-from rayspec.sampling import SamplingParams
-from rayspec.structured import StructuredOutput
+from rayspec.engine.llm_engine import InvalidRequestError
+from rayspec.sampling.logprobs import TokenLogprob
+from rayspec.sampling.sampler import SamplingParams
+from rayspec.sampling.structured import StructuredOutput
 
 
 class GenerateRequest(BaseModel):
@@ -16,7 +16,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
-    tools: list[dict] | None = None  # function definitions for the chat template (rayspec.tools)
+    tools: list[dict] | None = None  # function definitions for the chat template (rayspec.sampling.tools)
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -33,7 +33,7 @@ class GenerateRequest(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
-    # structured output: {"kind": "json" | "regex" | "grammar" | "choice", "value": ...} (rayspec.structured)
+    # structured output: {"kind": "json" | "regex" | "grammar" | "choice", "value": ...} (rayspec.sampling.structured)
     structured: dict[str, str] | None = None
     logprobs: int | None = None  # each output token's logprob under the target, plus this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens

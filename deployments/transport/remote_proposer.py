@@ -38,7 +38,7 @@ to a minute): steps in between run without drafts at once, so a proposer that ha
 timeout per interval, not one per step.
 
 Seeds: a seeded request's seed goes to the proposer as it is. The verifier draws a seeded request
-coupled (rayspec.sampling): every token it emits is the target's own draw at that position, whatever
+coupled (rayspec.sampling.sampler): every token it emits is the target's own draw at that position, whatever
 was drafted, so a proposer that knows the seed can only draft better (the same noise as the
 target's), never move the output.
 """

@@ -16,9 +16,9 @@ import torch
 from rayspec.bench.environment import environment
 from rayspec.bench.prompts import load_prompts
 from rayspec.config import EngineConfig, SpeculativeConfig
-from rayspec.engine import LLMEngine
+from rayspec.engine.llm_engine import LLMEngine
 from rayspec.progress import progress_bar
-from rayspec.sampling import SamplingParams
+from rayspec.sampling.sampler import SamplingParams
 
 
 @dataclass
@@ -89,9 +89,9 @@ def load_target(model: str, device: str = "cpu", dtype: str | None = None, tenso
                 rank_launcher=None) -> tuple:
     """(target, tokenizer, eos token ids, tensor-parallel ranks or None): the one target every engine
     of a benchmark shares."""
-    from rayspec import loader
-    from rayspec.tp_ranks import start_tensor_parallel
-    from rayspec.weights import hub
+    from rayspec.model import loader
+    from rayspec.model.tp_ranks import start_tensor_parallel
+    from rayspec.model.weights import hub
 
     ranks = None
     if tensor_parallel_size > 1:
@@ -132,8 +132,8 @@ def run_offline_benchmark(model: str, spec: SpeculativeConfig, prompts_file: str
     tensor_parallel_size > 1: both engines run on one tensor-parallel target (ranks started by
     rank_launcher), and a TP=1 target-only engine runs the same prompts beside them (interleaved):
     `tp1_greedy_match`, `tp_vs_tp1`, step times."""
-    from rayspec import loader
-    from rayspec.weights import hub
+    from rayspec.model import loader
+    from rayspec.model.weights import hub
 
     target, tokenizer, eos, ranks = load_target(model, device, dtype, tensor_parallel_size, rank_launcher)
 
@@ -233,7 +233,7 @@ def run_offline_benchmark(model: str, spec: SpeculativeConfig, prompts_file: str
         "temperature": temperature,
         "seeded": seeded if temperature > 0 else None,
         "greedy_match": meth.outputs == base.outputs if temperature == 0 else None,
-        # seeded requests draw coupled (rayspec.sampling): the speculative run emits the baseline's tokens
+        # seeded requests draw coupled (rayspec.sampling.sampler): the speculative run emits the baseline's tokens
         "seeded_match": meth.outputs == base.outputs if temperature > 0 and seeded else None,
         "hf_greedy_match": runs["hf"].outputs == base.outputs if with_hf and temperature == 0 else None,
         "baseline_vs_hf": base.throughput / runs["hf"].throughput if with_hf and runs["hf"].throughput else None,

@@ -6,7 +6,7 @@ One target model is loaded and shared by every engine: a baseline engine (target
 engine per method, built with num_speculative_tokens = the largest k of the sweep. A run at k caps
 its requests' drafts at k (SamplingParams.num_speculative_tokens, the cap a served request sets
 with `num_speculative_tokens`), so each method's k values run on one engine, its draft weights
-and cache loaded once. With cost-aware drafting on (the default, as `bench offline`; rayspec.drafting)
+and cache loaded once. With cost-aware drafting on (the default, as `bench offline`; rayspec.engine.drafting)
 k is the most a step drafts; `--no-adaptive` drafts exactly k (fewer only near max_tokens).
 
 Prefix caching is off in these engines unless `--enable-prefix-caching` is given: a method's k values
@@ -22,11 +22,11 @@ Per (method, k, concurrency): tok/s, speedup, acceptance length (1 + accepted / 
 drafting step), acceptance rate (accepted / drafted), acceptance by draft position (vLLM's
 per-position rate: drafts whose token j was accepted / drafts; with trees, the accepted path's
 j-th node), greedy match with the baseline (at temperature 0), seeded match (at temperature > 0 with
-seeds: a seeded request draws coupled, rayspec.sampling, so the speculative run must emit the
+seeds: a seeded request draws coupled, rayspec.sampling.sampler, so the speculative run must emit the
 baseline's tokens exactly; None unseeded, where the runs sample different streams).
 
 Memory per method and k, `memory`: the proposer's weights and KV cache as `rayspec plan` sizes
-them (rayspec.memory.engine_plan for this engine config: what the engine allocates, not a
+them (rayspec.memory.plan.engine_plan for this engine config: what the engine allocates, not a
 measurement), and the target KV cache beside them (a draft model's budget halves the target's
 blocks); plus `rss_delta_bytes` per method, measured: the process's resident memory after
 building the method's engine minus before (weights as loaded, prepacked copies and the caches'
@@ -42,7 +42,7 @@ from pathlib import Path
 from rayspec.bench.environment import environment
 from rayspec.bench.offline import SystemRun, _run_engine, build_engine, chat_prompts, load_target
 from rayspec.config import DEFAULT_MODEL, SpeculativeConfig
-from rayspec.engine import LLMEngine
+from rayspec.engine.llm_engine import LLMEngine
 from rayspec.progress import progress_bar
 from rayspec.proposers import PROPOSERS
 
@@ -217,7 +217,7 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
                    "prompts": prompts_file, "num_prompts": len(prompt_ids), "max_tokens": max_tokens,
                    "rounds": rounds,
                    "temperature": temperature, "seeded": seeded if temperature > 0 else None, "mode": "offline",
-                   # how a step sizes its drafts with `adaptive` (rayspec.drafting)
+                   # how a step sizes its drafts with `adaptive` (rayspec.engine.drafting)
                    "drafting": "cost-aware" if specs[methods[0]].adaptive else "fixed", "device": str(baseline.device),
                    "dtype": str(baseline.dtype).removeprefix("torch."),
                    "options": {"eagle_head": opts.eagle_head, **opts.speculative},
@@ -230,7 +230,7 @@ def run_sweep(model: str, methods: list[str], ks: list[int], prompts_file: str, 
                       "step_ms": base_runs[c].step_ms} for c in concurrency],
         "memory": memory,
         "memory_note": "proposer_*_bytes and target_kv_bytes: as `rayspec plan` sizes them for the engine "
-                       "config (rayspec.memory.engine_plan); rss_delta_bytes: resident memory measured "
+                       "config (rayspec.memory.plan.engine_plan); rss_delta_bytes: resident memory measured "
                        "around building the method's engine",
         "results": results,
         "cpu_kernels": target.cpu_kernels.describe() if getattr(target, "cpu_kernels", None) else None,

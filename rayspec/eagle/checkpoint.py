@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from rayspec.eagle.head import EagleConfig, EagleHead, attach_target, build_head, default_aux_layers
-from rayspec.families import ModelArgs
-from rayspec.model import CausalLM
+from rayspec.model.families import ModelArgs
+from rayspec.model.native import CausalLM
 
 EAGLE_KINDS = ("eagle3", "eagle")
 
@@ -54,7 +54,7 @@ def eagle_config_from_hf(hf_config: dict, num_target_layers: int, target_hidden_
 
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """The head's tensors: every safetensors shard, else pytorch_model*.bin (memory-mapped)."""
-    from rayspec.weights.files import load_weights
+    from rayspec.model.weights.files import load_weights
 
     state = load_weights(model_dir)  # ModelNotFoundError (a FileNotFoundError) when there are none
     # some exports prefix the head's keys with "model."
@@ -64,7 +64,7 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 def read_eagle_head(spec: str, target: CausalLM, kind: str | None = None) -> tuple[EagleHead, bool]:
     """A head built from a directory or hub id, weights loaded, float32 on the CPU, not yet attached
     to its target; and whether the checkpoint carries its own embedding."""
-    from rayspec.weights.hub import resolve_model_dir
+    from rayspec.model.weights.hub import resolve_model_dir
 
     model_dir = resolve_model_dir(spec)
     hf_config = json.loads((model_dir / "config.json").read_text())

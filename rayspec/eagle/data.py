@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from rayspec.eagle.checkpoint import save_atomic
-from rayspec.runner import make_runner
+from rayspec.model.runner import make_runner
 
 
 def read_answers(path: Path) -> list[dict]:
@@ -38,7 +38,7 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 def answer_stream(engine, prompts: list[str], max_tokens: int, progress: bool = True):
     """Greedy answers, continuously batched: yields answers.jsonl rows as requests finish."""
-    from rayspec.sampling import SamplingParams
+    from rayspec.sampling.sampler import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     queue = list(reversed(prompts))

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rayspec.families import ModelArgs
-from rayspec.kv_cache import ForwardBatch, KVCache
-from rayspec.linear import Linear
-from rayspec.model import MLP, Attention, CausalLM, Float32Rotary, RMSNorm
+from rayspec.model.families import ModelArgs
+from rayspec.model.kv_cache import ForwardBatch, KVCache
+from rayspec.model.linear import Linear
+from rayspec.model.native import MLP, Attention, CausalLM, Float32Rotary, RMSNorm
 
 
 @dataclass
@@ -214,7 +214,7 @@ def attach_target(head: EagleHead, target: CausalLM, has_own_embedding: bool) ->
 
 
 def build_head(config: EagleConfig) -> EagleHead:
-    from rayspec.loader import rope_from_config
+    from rayspec.model.loader import rope_from_config
     from transformers import LlamaConfig
 
     inv_freq, scaling = rope_from_config(LlamaConfig(**config.hf_config))

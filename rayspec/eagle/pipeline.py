@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rayspec.eagle.train import TrainConfig, answer_engine, head_config, load_examples, load_target, train_head
-from rayspec.malloc import keep_freed_memory
+from rayspec.memory.malloc import keep_freed_memory
 
 
 def new_output_dir(kind: str, root: str | Path = "runs") -> Path:

@@ -190,7 +190,7 @@ def ttt_loss(head: EagleHead, feats, next_ids, labels, lengths, steps: int):
 
 # ---- the target and the head's config ------------------------------------------------
 def load_target(cfg: TrainConfig):
-    from rayspec.loader import load_model
+    from rayspec.model.loader import load_model
 
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)  # None: loader defaults
     target.requires_grad_(False)
@@ -199,7 +199,7 @@ def load_target(cfg: TrainConfig):
 
 def head_config(cfg: TrainConfig, target):
     """-> (head to train further or None, its config): the init head's, else a new one."""
-    from rayspec.weights.hub import resolve_model_dir
+    from rayspec.model.weights.hub import resolve_model_dir
 
     init = read_eagle_head(cfg.init_head, target, cfg.kind)[0] if cfg.init_head else None
     tcfg = init.config if init is not None else new_eagle_config(
@@ -249,7 +249,7 @@ def grow_draft_vocab(head: Eagle3Head, target, counts: Counter, size: int) -> Ea
 def answer_engine(target, tokenizer, target_name: str):
     """The engine that writes the answers: plain target decoding, 16 sequences batched."""
     from rayspec.config import EngineConfig, SpeculativeConfig
-    from rayspec.engine import LLMEngine
+    from rayspec.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=target_name, speculative=SpeculativeConfig(method="none"),
                                   max_num_seqs=16, max_model_len=1024), model=target, tokenizer=tokenizer)

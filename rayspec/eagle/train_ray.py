@@ -51,8 +51,8 @@ class _TargetActor:
                  gpu: bool = False, dtype: str | None = None):
         from rayspec.eagle.data import FeatureExtractor
         from rayspec.eagle.train import answer_engine
-        from rayspec.loader import load_model
-        from rayspec.malloc import keep_freed_memory
+        from rayspec.memory.malloc import keep_freed_memory
+        from rayspec.model.loader import load_model
 
         torch.set_num_threads(num_threads)
         keep_freed_memory()
@@ -125,7 +125,7 @@ def _worker_loop(config: dict) -> None:
     from ray import train
 
     from rayspec.eagle.train import load_prepared, load_target, train_head
-    from rayspec.malloc import keep_freed_memory
+    from rayspec.memory.malloc import keep_freed_memory
 
     cfg = TrainConfig(**config)
     if cfg.device is not None and cfg.device.startswith("cuda"):

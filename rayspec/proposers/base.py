@@ -39,7 +39,7 @@ class ProposeRequest:
     # a sampled request without a seed: its stream's seed when the engine has one (EngineConfig.seed),
     # from which a proposer seeds its own draws for it (None: from the OS's entropy)
     stream_seed: int | None = None
-    # a probe (rayspec.drafting) of a proposer with a probe_window: catch up on at most this many
+    # a probe (rayspec.engine.drafting) of a proposer with a probe_window: catch up on at most this many
     # tokens, the context's last ones, before drafting (None: the whole context it has not seen)
     max_catch_up: int | None = None
 
@@ -106,7 +106,7 @@ class Proposer(ABC):
         """Tokens of a sequence now `num_tokens` long that a draft for it would first run through
         the proposer's own model: its context past what the proposer holds (a draft model that
         skipped steps, or never saw the sequence, prefills them), at most `window` (a probe's
-        max_catch_up). The planner weighs them (rayspec.drafting). Default 0: no per-sequence model
+        max_catch_up). The planner weighs them (rayspec.engine.drafting). Default 0: no per-sequence model
         state (n-gram), or a catch-up too cheap to count."""
         return 0
 

@@ -5,13 +5,13 @@ import itertools
 import numpy as np
 import torch
 
-from rayspec.batch_layout import catch_up_pieces
 from rayspec.device_io import to_device, to_host
-from rayspec.model import CausalLM
-from rayspec.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
+from rayspec.model.batch_layout import catch_up_pieces
+from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
+from rayspec.model.native import CausalLM
+from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
-from rayspec.runner import ModelRunner
-from rayspec.sampling import DraftSources, draw_rows, probs_of_rows
+from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -46,9 +46,9 @@ class DraftModelProposer(PreDraftable):
 
     @classmethod
     def create(cls, config, context) -> "DraftModelProposer":
-        from rayspec.loader import load_model
+        from rayspec.model.loader import load_model
 
-        model = getattr(context.target, "draft_shard", None)  # split over the target's ranks (rayspec.parallel)
+        model = getattr(context.target, "draft_shard", None)  # split over the target's ranks (rayspec.model.parallel)
         if model is not None and config.draft_quantization is not None:
             raise ValueError("draft_quantization needs the draft whole on one device (draft_tensor_parallel_size 1)")
         if model is None:

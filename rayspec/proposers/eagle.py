@@ -11,7 +11,7 @@ forward, then drafts:
   `eagle_topk` best children, and the `num_tokens` best nodes overall are sent for
   verification. The nodes are chosen, not sampled, also for sampled requests: the engine
   verifies those with multi-round rejection over siblings, each node a point-mass draft
-  (rayspec.rejection.verify_tree_sampled), so temperature > 0 stays exact;
+  (rayspec.sampling.rejection.verify_tree_sampled), so temperature > 0 stays exact;
 - otherwise a chain: the top token per depth (greedy), or for sampled requests a chain
   sampled from the head's distribution, with the probabilities, for the rejection rule.
 Drafted positions are dropped from the head cache afterwards (only committed pairs stay).
@@ -33,14 +33,14 @@ import math
 import numpy as np
 import torch
 
-from rayspec.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.device_io import to_device, to_host
 from rayspec.eagle.head import EagleHead
+from rayspec.model.batch_layout import TreeQuery, catch_up_pieces, last_rows
+from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
+from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.proposers.ngram import find_ngram_continuation
-from rayspec.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
-from rayspec.runner import ModelRunner
-from rayspec.sampling import DraftSources, draw_rows, probs_of_rows
+from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -60,8 +60,8 @@ def _load_target_io(context):
     args.num_layers stays the full count (EAGLE-3 picks its default feature layers from it)."""
     import dataclasses
 
-    from rayspec.loader import load_model
-    from rayspec.weights.hub import load_hf_config, resolve_model_dir
+    from rayspec.model.loader import load_model
+    from rayspec.model.weights.hub import load_hf_config, resolve_model_dir
 
     num_layers = load_hf_config(resolve_model_dir(context.target_model)).num_hidden_layers
     target, _ = load_model(context.target_model, device=context.device, dtype=context.dtype, num_layers=0)
@@ -73,7 +73,7 @@ def draft_dtype(name: str | None, context) -> torch.dtype:
     """The head's dtype (`draft_dtype`; default the target's). Drafts only steer speed: the
     verifier keeps the output exact whatever the head's precision. On CPU, bfloat16 measured no
     faster for the SmolLM2 head (its forwards are small; Python, not the matmuls, bounds them)."""
-    from rayspec.loader import parse_dtype
+    from rayspec.model.loader import parse_dtype
 
     return parse_dtype(name or context.dtype, context.device)
 

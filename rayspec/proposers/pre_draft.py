@@ -15,7 +15,7 @@ synchronous one would.
 Lossless: a pre-draft for a context is made exactly as a call's draft for that context would be
 (the same proposer and sampling, its probabilities sent with it), and which one is used depends
 on the verifier's verdict alone, never on the pre-drafts' own draws; greedy drafts are the same
-tokens either way, and so is a seeded request's output (coupled draws, rayspec.sampling: the
+tokens either way, and so is a seeded request's output (coupled draws, rayspec.sampling.sampler: the
 verifier emits the target's own draw at each position whatever was drafted).
 
 Where it pays: pre-drafting runs beside the verifier's forward, and where the two share what

@@ -1,0 +1,94 @@
+"""The compiled step: the target's decode and verification forwards through torch.compile.
+
+A forward's shapes are padded to buckets, so a handful of graphs serve every step: the batch and
+the rows per sequence to powers of two, the keys to a multiple of KV_BUCKET (marked dynamic, so one
+graph per batch x rows bucket covers every context length). Padding rows read and write the
+scratch block; padded keys are masked. On CUDA the graphs are captured in CUDA graphs
+(mode "reduce-overhead": a step replays its kernels in one launch); on CPU inductor's C++ kernels.
+Prefill chunks (any length) and tensor-parallel or sliding-window models stay eager.
+
+The default (`EngineConfig.compile` None): off on CPU; on CUDA the engine times a decode forward
+eager and compiled when it is built and keeps the faster (LLMEngine.warm_up).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KV_BUCKET = 64
+MAX_ROWS = 64  # a forward of more padded rows than this (batch x rows) runs eager (a prefill's size)
+
+# where the compiled step may be faster than eager (docs/benchmarks-history.md, "Compiled step"). On an
+# H200 it measured 3.4-3.9x faster for SmolLM2's shapes (launch-bound) and 0.76-0.83x for
+# Llama-3.1-8B's (benchmarks/results/gpu_compiled_h200.json, gpu_fusion_h200.json): so on CUDA the
+# default is decided per engine, by timing a decode forward both ways (LLMEngine.warm_up). On CPU
+# off: inductor's C++ step measured slower for SmolLM2 and each bucket compiles for 30-300 s.
+COMPILE_BY_DEFAULT = {"cpu": False, "cuda": True}
+
+
+def default_compile(device: torch.device) -> bool:
+    return COMPILE_BY_DEFAULT.get(device.type, False)
+
+
+def bucket(n: int) -> int:
+    """The next power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def compilable(model) -> bool:
+    """Whether this model's forward may be compiled (one process, no sliding windows)."""
+    tp = getattr(model, "tp", None)
+    return getattr(tp, "size", 1) == 1 and not model.args.sliding_layers
+
+
+class CompiledForward:
+    """model(input_ids, cache, batch, **kw) compiled for padded, bucketed shapes."""
+
+    # torch.compile's backend. Tests set "aot_eager" to check the traced step without inductor's
+    # kernels: inductor's CPU FlexAttention (torch 2.13) computes wrong outputs for the paged layout
+    # (rayspec.model.paged_attention), which is why paged attention is a CUDA feature
+    backend = "inductor"
+
+    def __init__(self, model, device: torch.device):
+        import torch._dynamo
+
+        # a graph per batch x rows bucket (and per aux_layers choice): well past the default limit of 8
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.mode = "reduce-overhead" if device.type == "cuda" else None
+        if self.backend == "inductor":
+            self.fn = torch.compile(model, dynamic=False, mode=self.mode)
+        else:
+            self.mode = None
+            self.fn = torch.compile(model, dynamic=False, backend=self.backend)
+        self.shapes: set[tuple[int, int]] = set()
+
+    def fits(self, batch_size: int, rows: int) -> bool:
+        return bucket(batch_size) * bucket(rows) <= MAX_ROWS
+
+    def __call__(self, input_ids, cache, batch, **kwargs):
+        if self.mode == "reduce-overhead" and not getattr(cache, "static_address", False):
+            # the cache is written in place by every replay: a fixed address CUDA graphs may keep
+            for pool in cache.tensors():
+                torch._dynamo.mark_static_address(pool)
+            cache.static_address = True
+        if batch.paged is None:  # one graph for every context length (a paged layout's shapes are static)
+            torch._dynamo.mark_dynamic(batch.read_index, 1)
+            torch._dynamo.mark_dynamic(batch.mask, 3)
+        key = tuple(input_ids.shape)
+        if key not in self.shapes:
+            self.shapes.add(key)
+            logger.info("compiling the step for batch x rows %s", key)
+        out = self.fn(input_ids, cache, batch, **kwargs)
+        if self.mode == "reduce-overhead":  # the graph's output buffers are reused by the next replay
+            out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+        return out

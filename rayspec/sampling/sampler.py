@@ -1,0 +1,306 @@
+"""Sampling parameters, the logits -> probabilities transform shared by target and draft, and the draws.
+
+Temperature, top-k and top-p are applied identically to both distributions, which is what
+keeps rejection sampling lossless with respect to the *processed* target distribution.
+
+Two kinds of draw:
+- a request without a seed draws from its own random stream (a torch.Generator: `sample`,
+  `sample_rows`), and its drafts are verified by rejection sampling (rayspec.sampling.rejection);
+- a seeded request draws *coupled*: the token at position t of its sequence is
+  argmax_x p(x) / E_x, where E_x = -log U_x and U_x is a counter-based hash of (seed, t, x)
+  (`coupled_noise`, `coupled_sample`). That is the exponential race (the Gumbel-max trick): the
+  token is distributed exactly as p, and it depends on nothing but the seed, the position and p.
+  A proposer drafting for the request draws its token at t from its own q with the same E, and the
+  verifier keeps a draft token iff it is the target's coupled draw there. So what a seeded request
+  emits is the same whatever was drafted, how much, or whether at all: the same as target-only
+  decoding with that seed, token for token, under any method, any draft length and any plan of the
+  cost-aware drafting; after a failover, and in a batch or alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rayspec.device_io import to_device
+from rayspec.sampling.structured import StructuredOutput
+
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1] (negatives wrap onto large positives); the
+# proposers seed their own streams with small offsets (seed + 1, seed + 0x5EED), so a request's
+# seed is kept to the non-negative int64 range, where every one of those is accepted and distinct
+MAX_SEED = 2**63 - 1
+MIN_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    max_tokens: int | None = 16  # None: until max_model_len
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # no EOS or stop token id before this many output tokens
+    seed: int | None = None
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # per-request cap on the draft length (0: off)
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; k >= 0: each output token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (scoring, `echo`)
+    # the target distribution asked for (rayspec.sampling.logits_processing): OpenAI's penalties count output
+    # tokens; the repetition penalty (HF semantics) prompt and output tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    structured: StructuredOutput | None = None  # a grammar the output must follow (rayspec.sampling.structured)
+    # vLLM's: prefix caching shares cached prompt blocks only among requests with the same salt
+    # (one per tenant), so no one learns from cached_tokens or timing what another tenant sent
+    cache_salt: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not self.temperature >= 0:  # (NaN too)
+            raise ValueError("temperature must be >= 0")
+        if self.temperature < MIN_TEMPERATURE:  # as vLLM: logits / 1e-300 overflow; this close to 0 is greedy
+            self.temperature = 0.0
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (disabled) or positive")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError("min_tokens must be between 0 and max_tokens")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise ValueError(f"{name} must be between 0 and 20")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be between -2 and 2")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            # 5e-324 passed `> 0` and divided logits into inf (a fuzzed request's 500)
+            raise ValueError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between 0 and {MAX_SEED} (2**63 - 1), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# Top-k / top-p sort only the tokens that can be kept: torch.topk of those (on CPU its cost grows with
+# how many: ~0.25 ms for 256 of 49,152, as much as sorting the whole row, ~4.7 ms per row on an AMD
+# EPYC core, for all of them). A top-p's possible tokens are those above a floor (below); on a GPU
+# the whole row is sorted (fast there, and no host read of the count). tests/test_units.py checks
+# the kept sets against a full sort's.
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits: [N, vocab] float32 -> probs: [N, vocab] after temperature, top-k, top-p.
+
+    Top-p keeps the most likely tokens until the mass before the next one reaches top_p (the first
+    always stays), over the distribution left by top-k; that mass is summed in float64 (in float32 a
+    running sum over thousands of small probabilities drifts by enough to move the cut by dozens of
+    tokens). Among tokens with equal logits at the cut, which ones stay is the order torch.topk
+    gives them."""
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    top_k = top_k if 0 < top_k < vocab else 0
+    if not top_k and top_p >= 1.0:
+        return logits.softmax(-1)
+    log_norm = None if top_k else logits.double().logsumexp(-1, keepdim=True)
+    if top_k:
+        candidates = top_k
+    elif not _count_on_host(logits.device):  # a GPU sorts a row in microseconds; counting would wait on it
+        candidates = vocab
+    else:
+        # a token less likely than (1 - top_p) / (2 vocab) never stays: all of those together hold
+        # under (1 - top_p) / 2, so the mass before the first of them (in sorted order) exceeds top_p
+        floor = (log_norm + math.log((1.0 - top_p) / (2 * vocab))).float()
+        candidates = max(1, int((logits >= floor).sum(-1).max()))
+    values, index = logits.topk(candidates, dim=-1)  # sorted, largest first
+    keep = torch.ones_like(values, dtype=torch.bool)
+    if top_p < 1.0:
+        values64 = values.double()
+        # normalized over the top-k, or over the whole row (the tokens left out add to the denominator only)
+        probs = values64.softmax(-1) if top_k else (values64 - log_norm).exp()
+        keep = probs.cumsum(-1) - probs < top_p  # the mass before each token
+        keep[:, 0] = True  # top_p below float32's smallest (5e-324 rounds to 0) must keep it too
+    kept = torch.full_like(logits, float("-inf")).scatter_(-1, index, values.masked_fill(~keep, float("-inf")))
+    return kept.softmax(-1)
+
+
+def probs_of_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]]) -> torch.Tensor:
+    """logits: [N, vocab] -> probs [N, vocab], row i under settings[i] = (temperature, top_k, top_p):
+    the rows that share settings (in a batch, nearly always all of them) go through logits_to_probs
+    together, one set of kernels for the lot instead of one per row. Each row comes out as
+    logits_to_probs gives it alone (row-wise operations; a shared top-p narrowing keeps more
+    candidates, never fewer, so the kept set is the same)."""
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, key in enumerate(settings):
+        groups.setdefault(key, []).append(i)
+    if len(groups) == 1:
+        return logits_to_probs(logits, *settings[0])
+    out = torch.empty_like(logits)
+    for key, rows in groups.items():
+        (index,) = to_device(np.asarray(rows, dtype=np.int64), device=logits.device)  # no blocking copy
+        out[index] = logits_to_probs(logits.index_select(0, index), *key)
+    return out
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """probs: [N, vocab] -> [N] token ids (int64, on probs' device, no host read): row i drawn with
+    generators[i], exactly as sample(probs[i], generators[i]) draws it (the same uniform, the same
+    float32 cumulative mass), so a seeded request draws the same token in a batch or alone."""
+    cumulative = probs.float().cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    u = u * cumulative[:, -1]
+    return torch.searchsorted(cumulative, u[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+# ---- coupled draws (seeded requests) -------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch holds it."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on Python ints (the reference for the tensor version below)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def coupled_key(seed: int, position: int) -> int:
+    """The counter of a seeded request's draw at sequence position `position` (0-based over
+    prompt + output: the index the drawn token will have)."""
+    return _mix64(_mix64(seed ^ 0x5EEDC0DE) + (position + 1) * _GAMMA)
+
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """A logical right shift of int64 lanes (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """_mix64 over int64 lanes: products wrap modulo 2**64 as the Python version's mask does
+    (tests/test_units.py compares the two)."""
+    z = (z ^ _srl(z, 30)) * _signed(_MIX1)
+    z = (z ^ _srl(z, 27)) * _signed(_MIX2)
+    return z ^ _srl(z, 31)
+
+
+_TOKEN_STEPS: dict = {}  # (device, vocab) -> token_id * GAMMA (int64, wrapped), made once
+
+
+def _token_steps(token_ids: torch.Tensor | int, device) -> torch.Tensor:
+    if isinstance(token_ids, int):
+        key = (str(device), token_ids)
+        if key not in _TOKEN_STEPS:
+            _TOKEN_STEPS[key] = torch.arange(token_ids, dtype=torch.int64, device=device) * _signed(_GAMMA)
+        return _TOKEN_STEPS[key]
+    return token_ids.to(torch.int64) * _signed(_GAMMA)
+
+
+def coupled_noise(keys: list[int], token_ids: torch.Tensor | int, device) -> torch.Tensor:
+    """E[r, j] = -log U, U uniform on (0, 1) from 52 bits of splitmix64 at (keys[r], token j):
+    [R, V] float64 standard exponentials, independent across tokens and keys. token_ids: the vocabulary
+    size V (tokens 0..V-1), or the target ids of a draft vocabulary's entries (EAGLE-3's reduced one),
+    so a draft's E at a token is the target's. The keys reach the device without a blocking copy."""
+    (k,) = to_device(np.array([_signed(x) for x in keys], dtype=np.int64), device=torch.device(device))
+    z = _mix64_tensor(k[:, None] + _token_steps(token_ids, device)[None, :])
+    # 52 bits as the mantissa of a float64 in [1, 2) (a bit pattern, no int -> float conversion), less
+    # 1 - 2**-53: (2 m + 1) 2**-53, exact, in (0, 1)
+    u = (_srl(z, 12) | 0x3FF0000000000000).view(torch.float64) - (1.0 - 2.0 ** -53)
+    return -torch.log(u)
+
+
+def coupled_sample(probs: torch.Tensor, keys: list[int], token_ids: torch.Tensor | int | None = None) -> torch.Tensor:
+    """probs: [R, V] -> [R] token indices (int64, on probs' device, no host read): row r's draw
+    argmax_x probs[r, x] / E[r, x] with E from coupled_noise(keys[r]). A token of probability 0 is never
+    drawn (a row without mass returns index 0). token_ids: what coupled_noise takes (default V)."""
+    noise = coupled_noise(keys, probs.shape[-1] if token_ids is None else token_ids, probs.device)
+    return (probs.double() / noise).argmax(-1)
+
+
+def draw_rows(probs: torch.Tensor, sources: list, token_ids: torch.Tensor | int | None = None) -> torch.Tensor:
+    """probs: [N, vocab] -> [N] indices into vocab, row i drawn from sources[i]: a torch.Generator
+    (its own stream, `sample_rows`) or an int (a coupled key, `coupled_sample`; token_ids as there).
+    No host read."""
+    streams = [i for i, s in enumerate(sources) if not isinstance(s, int)]
+    if len(streams) == len(sources):
+        return sample_rows(probs, sources)
+    if not streams:
+        return coupled_sample(probs, sources, token_ids)
+    out = coupled_sample(probs, [s if isinstance(s, int) else 0 for s in sources], token_ids)
+    (index,) = to_device(np.asarray(streams, dtype=np.int64), device=probs.device)
+    return out.index_copy_(0, index, sample_rows(probs.index_select(0, index), [sources[i] for i in streams]))
+
+
+class DraftSources:
+    """What a proposer draws each sampled draft token from (`draw_rows`' sources): a seeded request's
+    coupled key at the token's position (the target's draw uses the same noise), else the sequence's
+    own stream, seeded from its stream_seed xor `salt` (apart from the target's) or from the OS."""
+
+    def __init__(self, device, salt: int):
+        self.device, self.salt = device, salt
+        self._streams: dict[str, torch.Generator] = {}
+
+    def source(self, seq_id: str, seed: int | None, stream_seed: int | None, position: int):
+        if seed is not None:
+            return coupled_key(seed, position)
+        if seq_id not in self._streams:
+            self._streams[seq_id] = make_generator(None if stream_seed is None else stream_seed ^ self.salt,
+                                                   self.device)
+        return self._streams[seq_id]
+
+    def release(self, seq_id: str) -> None:
+        self._streams.pop(seq_id, None)
+
+
+def _count_on_host(device: torch.device) -> bool:
+    """Whether logits_to_probs narrows a top-p by counting its possible tokens (a host read)."""
+    return device.type == "cpu"
+
+
+def make_generator(seed: int | None, device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs: [vocab] (summing to 1, or to any positive mass) -> one token id, drawn with probability
+    proportional to its entry: the cumulative mass inverted at one uniform draw, as torch.multinomial
+    does (which took ~1.5 ms per 49,152-entry row on CPU). A token of probability 0 is never drawn.
+
+    The cumulative mass is summed in float32, as multinomial's: its rounding absorbs the last-bit
+    differences between the logits of one sequence computed alone and in a batch (kernels differ by
+    row count), so a seeded request draws the same tokens in either; a float64 sum kept them and,
+    over a flat 38,000-token row, moved a draw (tests/test_stopping.py)."""
+    cumulative = probs.float().cumsum(-1)
+    u = torch.rand(1, generator=generator, device=probs.device) * cumulative[-1]
+    return int(torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1))
