@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from engine_utils import cached_model, greedy_reference, make_engine
-from rayspec.proposers.base import Draft, ProposeRequest
+from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.proposers.draft_model import DraftModelProposer
 from rayspec.proposers.pre_draft import PreDrafter, PreDraftingProposer, rank_verdicts
 from rayspec.sampling.sampler import SamplingParams
@@ -117,8 +117,11 @@ def test_pre_drafting_pauses_where_it_slows_the_verifier():
     rounds than after idle ones: only the probe rounds pre-draft (one in 16; another in 16 stays
     idle to measure the cycle without it). Shorter after pre-drafting: every round but the idle one."""
 
-    class Stub:
-        name, should_stop = "stub", None
+    class Stub(PreDraftable):
+        name = "stub"
+
+        def propose(self, requests):  # (the pacing alone is tested: nothing is drafted)
+            raise AssertionError("not called")
 
     pre = PreDrafter(Stub(), 2, max_model_len=64)
     pre._busy_cycles.extend([0.100] * 3)
@@ -132,9 +135,8 @@ def test_pre_drafting_pauses_where_it_slows_the_verifier():
 def test_the_cycle_is_measured_by_the_mode_of_the_round_before_the_call():
     """reply -> next call -> its reply, filed under busy or idle by what the round between did."""
 
-    class Stub:
-        name, should_stop = "stub", None
-        num_candidates, candidates = 0, {}
+    class Stub(PreDraftable):
+        name = "stub"
 
         def propose(self, requests):
             return [Draft([7, 8]) for _ in requests]
@@ -184,12 +186,9 @@ def test_draft_model_drafts_without_autograd_in_any_thread(tiny_model_dir):
     assert all(not grad and inference for grad, inference in seen), seen
 
 
-class _ChainStub:
+class _ChainStub(PreDraftable):
     """A proposer drafting the chain [7, 8] for every request (no candidates: nothing to rank)."""
-    name, should_stop = "stub", None
-
-    def __init__(self):
-        self.candidates = {}
+    name = "stub"
 
     def propose(self, requests):
         return [Draft([7, 8]) for _ in requests]
@@ -221,8 +220,11 @@ def test_pace_counts_only_regular_steps():
 
 
 def test_pace_is_a_median_and_calibrates_by_alternating():
-    class Stub:
-        name, should_stop = "stub", None
+    class Stub(PreDraftable):
+        name = "stub"
+
+        def propose(self, requests):  # (the pacing alone is tested: nothing is drafted)
+            raise AssertionError("not called")
 
     pre = PreDrafter(Stub(), 2, max_model_len=64)
     # until both kinds have PACE_MIN cycles, rounds alternate: busy while idle has as many
