@@ -338,3 +338,42 @@ def test_deeply_nested_grammar_within_the_size_limit_compiles(hf_tokenizer):
     assert len(text) <= LIMITS.max_constraint_chars
     state = compiler(hf_tokenizer).state(StructuredOutput("grammar", text))
     assert isinstance(state, GrammarState) and not state.matcher.is_error()
+
+
+# ---- hardening, third round (issue #51): inputs that raised where they should be a 400 -----------
+
+def test_a_logit_bias_key_of_thousands_of_digits_is_a_400():
+    """int() refuses strings of more than ~4,300 digits (ValueError, a 500 before): no token id has
+    more than a dozen, so the key is refused as not a token id, and not echoed whole."""
+    status, error = build("completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}})
+    assert status == 400 and error["param"] == "logit_bias", error
+    assert len(error["message"]) < 200
+    assert build("completions", {"prompt": "hi", "logit_bias": {"123": 1}})[0] == 200
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "response_format"])
+def test_a_schema_nested_past_the_parser_is_a_400(field):
+    """A JSON schema sent as a string of a thousand '[' made json.loads raise RecursionError (a 500)."""
+    text = "[" * 1000
+    body = {"guided_json": text, "structured_outputs": {"json": text},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": text}}}
+    status, error = build("completions" if field != "response_format" else "chat",
+                          {"prompt": "hi", field: body[field]} if field != "response_format"
+                          else {"messages": USER, field: body[field]})
+    assert status == 400, error
+    if field != "response_format":  # (a schema string is refused there by its type already)
+        assert "nested too deeply" in error["message"], error
+
+
+def test_a_tool_messages_id_and_name_count_toward_the_prompt():
+    """The chat template writes a tool message's tool_call_id and name into the prompt: they count."""
+    long = "x" * (MAX_MODEL_LEN * LIMITS.prompt_chars_per_token)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = USER + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": long, "name": "f", "content": "ok"}]
+    status, error = build("chat", {"messages": messages})
+    assert status == 400 and error["param"] == "messages", error
+    messages[-1]["tool_call_id"] = "c1"
+    assert build("chat", {"messages": messages})[0] == 200
+    messages[-1]["tool_call_id"] = {"nested": "object"}
+    assert build("chat", {"messages": messages})[0] == 400

@@ -25,7 +25,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
+from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, body_routes, error_response,
+                                            not_ready,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.frontend.chat import ChatChoices
@@ -58,11 +59,21 @@ def _replica_body_limit() -> int:
     return serve.get_replica_context().servable_object.cfg.max_request_body_bytes
 
 
+def _replica_body_timeout() -> float:
+    return serve.get_replica_context().servable_object.cfg.body_timeout_s
+
+
+def _replica_remote_allowed() -> bool:
+    return serve.get_replica_context().servable_object.cfg.allow_unauthenticated
+
+
 # the last added runs first: the key is checked before a request takes a place in the gate, and
-# the body is read (at most max_request_body_bytes of it) only once it has a place
-app.add_middleware(BodyLimit, max_bytes=_replica_body_limit)
+# the body is read (at most max_request_body_bytes of it, within body_timeout_s) only once it has a
+# place, and only on a route that takes one
+app.add_middleware(BodyLimit, max_bytes=_replica_body_limit, takes_body=body_routes(app),
+                   timeout_s=_replica_body_timeout)
 app.add_middleware(AdmissionGate, state=_replica_admission)
-app.add_middleware(RequireApiKey, expected=_replica_key_digest)
+app.add_middleware(RequireApiKey, expected=_replica_key_digest, remote_allowed=_replica_remote_allowed)
 
 
 def _ingress_replica_id() -> str | None:
@@ -459,7 +470,9 @@ class OpenAIIngress:
             yield "data: [DONE]\n\n"
         except Exception as err:  # noqa: BLE001 - the status line is gone: report in-band
             logger.exception("stream failed")
-            mapped = _as_openai_error(err) or OpenAIError(f"internal error: {err}", 500, "internal_error")
+            # (not str(err): a replica's exception carries its remote traceback, for the log only)
+            mapped = _as_openai_error(err) or OpenAIError(
+                f"internal error ({type(err).__name__}); the server's log has the details", 500, "internal_error")
             yield _sse(mapped.body())
         finally:  # the client went away (or an error): unfinished requests are aborted, slots freed
             await chunks.aclose()

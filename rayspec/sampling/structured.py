@@ -71,6 +71,8 @@ class StructuredOutput:
                 schema = json.loads(self.value)
             except json.JSONDecodeError as err:
                 raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+            except RecursionError:  # (a string of a thousand "[": Python's parser gives up before JSON's)
+                raise ValueError("the JSON schema is nested too deeply") from None
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
             return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
@@ -78,7 +80,10 @@ class StructuredOutput:
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "grammar":
             return LLMatcher.grammar_from_lark(self.value)
-        choices = json.loads(self.value)
+        try:
+            choices = json.loads(self.value)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError("choices must be a JSON list of strings") from None
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choices must be a non-empty list of non-empty strings")
         # Lark string literals use JSON's escapes
