@@ -328,17 +328,37 @@ def test_a_silent_connection_times_out():
         server.close()
 
 
-def test_connections_are_capped():
+def test_sessions_are_capped():
+    """At most max_connections authenticated sessions: the next verifier is closed at once."""
     server = ChannelServer(_echo, SECRET, limits=LIMITS, handshake_timeout_s=OK_S, max_connections=1)
     try:
-        with socket.create_connection(server.address, timeout=OK_S) as first:
-            first.recv(64)  # the hello: this one holds the only slot
-            with pytest.raises(OSError):  # the next one is closed at once
-                _client(server)
-            _wait_rejected(server, 1)
-        _wait_rejected(server, 2)  # the first, gone without a handshake; its slot is free again
+        first = _client(server)
+        first.call([], ["s"])  # (a call: the session holds the only slot)
+        with pytest.raises(OSError):
+            _client(server).call([], ["t"])
+        _wait_rejected(server, 1)
+        first.close()
         _still_serves(server)
     finally:
+        server.close()
+
+
+def test_unauthenticated_connections_cannot_lock_verifiers_out():
+    """Sockets opened and held without a handshake (issue #51: 64 of them took every slot) take no
+    session's slot; past max_pending the oldest of them is closed; a verifier still gets in."""
+    server = ChannelServer(_echo, SECRET, limits=LIMITS, handshake_timeout_s=30.0, max_connections=2, max_pending=3)
+    silent = []
+    try:
+        for _ in range(8):  # more than max_connections and max_pending together
+            sock = socket.create_connection(server.address, timeout=OK_S)
+            sock.recv(64)  # the hello; then nothing
+            silent.append(sock)
+        _wait_rejected(server, 5)  # the 5 oldest, closed for newer ones
+        assert all(_closed_by_peer(s) for s in silent[:5])
+        _still_serves(server)  # a real verifier: handshake and call
+    finally:
+        for sock in silent:
+            sock.close()
         server.close()
 
 
