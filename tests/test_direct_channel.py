@@ -623,6 +623,25 @@ def test_remote_proposer_uses_the_channel_only_with_the_secret(server):
     _wait_rejected(server, 1)
 
 
+@pytest.mark.parametrize("bad", ["token", "parents", "count", "probs"])
+def test_drafts_through_serve_get_the_channels_checks(bad):
+    """A cut channel (or a call too large for it) goes through Serve's handle: its drafts are held
+    to the same checks as a frame's (issue #51: there they got none), refused as a failed call."""
+    from deployments.transport.remote_proposer import RemoteProposer
+
+    forged = {"token": lambda n: [Draft([VOCAB + 5])] * n,
+              "parents": lambda n: [Draft([1, 2], parents=[1, -1])] * n,
+              "count": lambda n: [Draft([1])] * (n + 1),
+              "probs": lambda n: [Draft([1, 2], torch.ones(2, VOCAB + 1) / (VOCAB + 1))] * n}[bad]
+    handle = _Handle(None, forged)
+    remote = RemoteProposer(handle, affinity="v", vocab_size=VOCAB)  # no secret: Serve's handle only
+    assert [d.tokens for d in remote.propose([ProposeRequest("s", [1, 2], 3)])] == [[]]
+    assert handle.propose_calls == 1 and remote.num_failed_calls == 1
+    fine = RemoteProposer(_Handle(None, lambda n: [Draft([1, 2], parents=[-1, 0])] * n), affinity="w",
+                          vocab_size=VOCAB)
+    assert [d.tokens for d in fine.propose([ProposeRequest("s", [1, 2], 3)])] == [[1, 2]]
+
+
 def test_proposer_deployment_counts_rejected_connections(tmp_path):
     from serve_utils import tiny_args
 
