@@ -221,6 +221,10 @@ class AppArgs(_Strict):
     # or the value of `client_header` (behind a trusted proxy: "x-forwarded-for", or a tenant header)
     max_ongoing_per_client: int | None = Field(None, ge=1)
     client_header: str | None = None
+    # a header naming the request's tenant, set by a trusted proxy (e.g. "x-tenant-id"): requests of
+    # different tenants never share cached prefixes (each tenant's salts its prefix cache; without the
+    # header a request is tenant ""). None: one cache for all (a request's own cache_salt still splits it)
+    tenant_header: str | None = None
     # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.sampling.tool_parsers);
     # None: found from the markers in the model's chat template
     tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None

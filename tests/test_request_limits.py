@@ -416,3 +416,24 @@ def test_abandoned_grammar_compiles_are_capped(hf_tokenizer, monkeypatch):
         except GrammarCompilerBusy:
             assert time.monotonic() < deadline, "the abandoned compiles never ended"
             time.sleep(0.01)
+
+
+def test_tenants_never_share_cached_prefixes():
+    """With tenant_header, each tenant's requests salt their prefix cache apart (a cached prompt's
+    timing would tell one tenant another's prompts), whatever cache_salt they send; without it
+    nothing changes."""
+    from starlette.requests import Request
+
+    def http(tenant: str | None) -> Request:
+        headers = [(b"x-tenant-id", tenant.encode())] if tenant is not None else []
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers})
+
+    ingress = make_ingress()
+    body = CompletionRequest.model_validate({"model": "tiny", "prompt": "hi"})
+    assert ingress._choice_requests(body, http("a"))[0].cache_salt is None  # no tenant_header: as before
+    ingress.cfg = ingress.cfg.model_copy(update={"tenant_header": "x-tenant-id"})
+    salts = {t: ingress._choice_requests(body, http(t))[0].cache_salt for t in ("a", "b", None)}
+    assert len(set(salts.values())) == 3 and all(s.startswith("tenant:") for s in salts.values())
+    assert ingress._choice_requests(body, http("a"))[0].cache_salt == salts["a"]  # stable per tenant
+    forged = CompletionRequest.model_validate({"model": "tiny", "prompt": "hi", "cache_salt": salts["a"]})
+    assert ingress._choice_requests(forged, http("b"))[0].cache_salt not in (salts["a"], salts["b"])

@@ -12,6 +12,7 @@ With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -139,6 +140,15 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """A request's cache salt under the app's tenant_header: its tenant's (the header's value, hashed:
+    the salt travels and is logged nowhere, the tenant id is not spelled out), then its own if it
+    sent one. Requests of different tenants never share a cached prefix (rayspec.kv.block_manager
+    roots each salt's chain apart), whatever salt they send."""
+    both = tenant.encode("utf-8") + (b"\0" + cache_salt.encode("utf-8") if cache_salt else b"")
+    return "tenant:" + hashlib.sha256(both).hexdigest()[:32]
 
 
 def _sse(data: dict) -> str:
@@ -314,16 +324,16 @@ class OpenAIIngress:
         return await self.stats()
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, http: Request = None):
         # a text_completion (or its SSE stream): n choices per prompt of a batched prompt list. (A comment,
         # not a docstring: FastAPI would put that in /openapi.json, which these routes never had.)
-        requests = self._choice_requests(body)
+        requests = self._choice_requests(body, http)
         return await self._generate_choices(requests, body, CompletionChoices(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request = None):
         # a chat.completion (or its SSE stream): n choices, each a message or tool calls
-        requests = self._choice_requests(body)
+        requests = self._choice_requests(body, http)
         mode = body.tool_call()  # validated by _choice_requests
         parser = await self._tool_parser() if mode is not None and mode.auto else None
         return await self._generate_choices(requests, body, ChatChoices(mode, parser))
@@ -356,10 +366,15 @@ class OpenAIIngress:
                            r.num_accepted_tokens, r.num_cached_tokens if c % n == 0 else 0)
                           for c, r in enumerate(results)])
 
-    def _choice_requests(self, body) -> list[GenerateRequest]:
-        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model."""
+    def _choice_requests(self, body, http: Request | None = None) -> list[GenerateRequest]:
+        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model; with
+        the app's tenant_header, each request's prefix cache is its tenant's (tenant_salt)."""
         self._check_model(body.model)
-        return expand(self._to_generate(body), body.n)
+        requests = self._to_generate(body)
+        if self.cfg.tenant_header and http is not None:
+            tenant = http.headers.get(self.cfg.tenant_header, "")
+            requests = [r.model_copy(update={"cache_salt": tenant_salt(tenant, r.cache_salt)}) for r in requests]
+        return expand(requests, body.n)
 
     def _to_generate(self, body) -> list[GenerateRequest]:
         """The body's verifier requests (one per prompt), validated: limits (LIMITS), values, output
