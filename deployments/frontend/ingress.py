@@ -5,14 +5,13 @@ POST /detokenize, GET /health, GET /v1/stats.
 The two generating routes share their verifier calls, usage, SSE events and errors here; what each
 makes of its choices' output is its ChoiceFormat (deployments.frontend.completions, .chat).
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
-With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but /health wants
+With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but GET /health wants
 `Authorization: Bearer <key>` (deployments.frontend.api_key); handle calls come over Ray, which has no keys.
 """
 
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -27,7 +26,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, body_routes, error_response,
-                                            not_ready,
+                                            not_ready, tenant_salt,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.frontend.chat import ChatChoices
@@ -148,15 +147,6 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
-
-
-def tenant_salt(tenant: str, cache_salt: str | None) -> str:
-    """A request's cache salt under the app's tenant_header: its tenant's (the header's value, hashed:
-    the salt travels and is logged nowhere, the tenant id is not spelled out), then its own if it
-    sent one. Requests of different tenants never share a cached prefix (rayspec.kv.block_manager
-    roots each salt's chain apart), whatever salt they send."""
-    both = tenant.encode("utf-8") + (b"\0" + cache_salt.encode("utf-8") if cache_salt else b"")
-    return "tenant:" + hashlib.sha256(both).hexdigest()[:32]
 
 
 def _sse(data: dict) -> str:
