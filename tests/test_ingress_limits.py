@@ -36,7 +36,7 @@ def _app(state: AdmissionState, seen: list):
     async def health():
         return {"ok": True}
 
-    app.add_middleware(BodyLimit, max_bytes=lambda: LIMIT, takes_body=body_routes(app), timeout_s=lambda: 0.3)
+    app.add_middleware(BodyLimit, max_bytes=lambda: LIMIT, takes_body=body_routes(), timeout_s=lambda: 0.3)
     app.add_middleware(AdmissionGate, state=lambda: state)
     return app
 
@@ -346,3 +346,18 @@ def test_shipped_configs_bound_requests_and_keep_the_dashboard_local():
             assert (doc.get("http_options") or {}).get("request_timeout_s"), path.name
     launcher = (configs_dir() / "cluster.yaml").read_text()
     assert "--dashboard-host=127.0.0.1" in launcher and "dashboard-host=0.0.0.0" not in launcher
+
+
+def test_the_body_routes_are_the_ingress_post_routes():
+    """BodyLimit reads bodies on the routes body_routes declares: exactly the ingress's POST routes
+    (a new POST route must be declared, or its body would go to FastAPI unbounded)."""
+    import re
+    from pathlib import Path
+
+    import deployments.frontend.ingress as ingress
+    from deployments.frontend.admission import GATED_PATHS
+
+    posts = set(re.findall(r'@app\.post\("([^"]+)"', Path(ingress.__file__).read_text()))
+    assert posts and posts == set(GATED_PATHS), posts
+    takes = body_routes()
+    assert all(takes("POST", p) for p in posts) and not takes("GET", "/v1/completions") and not takes("POST", "/health")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -381,6 +382,27 @@ def test_malformed_json_is_400(server):
     r = httpx.post(server["url"] + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
+
+
+def test_bodies_are_read_only_where_a_route_takes_one_and_within_their_deadline(server, tiny_model_dir):
+    """Over Serve (issue #51): POST /health is a 405 without its body read, a body past the limit a
+    413, and a body trickling in past body_timeout_s a 408 (the ingress's copy of the app, whose routes
+    Serve adds at start, is the one asked which routes take a body)."""
+    import socket
+
+    r = httpx.post(server["url"] + "/health", content=b"x" * 10, timeout=30)
+    assert r.status_code == 405, r.text
+    r = httpx.post(server["url"] + "/v1/completions", content=b"x" * (17 << 20), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    host, port = server["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")  # then nothing: the rest never comes
+        started = time.monotonic()
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert time.monotonic() - started < 30 + 15  # body_timeout_s (30 s) and a margin for a busy machine
 
 
 def test_openai_client_raises_bad_request(client):

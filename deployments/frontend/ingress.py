@@ -70,7 +70,7 @@ def _replica_remote_allowed() -> bool:
 # the last added runs first: the key is checked before a request takes a place in the gate, and
 # the body is read (at most max_request_body_bytes of it, within body_timeout_s) only once it has a
 # place, and only on a route that takes one
-app.add_middleware(BodyLimit, max_bytes=_replica_body_limit, takes_body=body_routes(app),
+app.add_middleware(BodyLimit, max_bytes=_replica_body_limit, takes_body=body_routes(),
                    timeout_s=_replica_body_timeout)
 app.add_middleware(AdmissionGate, state=_replica_admission)
 app.add_middleware(RequireApiKey, expected=_replica_key_digest, remote_allowed=_replica_remote_allowed)
