@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from typing import AsyncIterator, Protocol, Union
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,7 @@ from deployments.frontend.openai_requests import ChatCompletionRequest, Completi
 from deployments.frontend.openai_responses import new_id, now, sum_usage
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
 from deployments.frontend.sse import SSE_HEADERS
+from deployments.replicas.work_budget import WorkBudgetExceeded, WorkTooLargeError
 from rayspec.engine.llm_engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 from rayspec.sampling.tool_parsers import ToolCallParser, get_parser
 
@@ -121,6 +123,10 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
         return overloaded("every verifier replica's queue is full", retry_after_s)
     if isinstance(cause, EngineOverloadedError):
         return overloaded("the engine's waiting queue is full", retry_after_s)
+    if isinstance(cause, WorkBudgetExceeded) or isinstance(err, WorkBudgetExceeded):  # admission by work
+        return overloaded(_message(cause), retry_after_s)
+    if isinstance(cause, WorkTooLargeError) or isinstance(err, WorkTooLargeError):
+        return OpenAIError(_message(cause), code="request_too_much_work")
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
         param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
         return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
@@ -128,6 +134,12 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
+
+
+def _message(err: BaseException) -> str:
+    """The replica's own message of an error (a RayTaskError's text ends with it)."""
+    text = str(err).strip()
+    return text.splitlines()[-1] if text else type(err).__name__
 
 
 def _sse(data: dict) -> str:
@@ -346,9 +358,16 @@ class OpenAIIngress:
                           for c, r in enumerate(results)])
 
     def _choice_requests(self, body) -> list[GenerateRequest]:
-        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model."""
+        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model. Choices
+        of one request are a group: a verifier replica lets them in together, by their work, or
+        refuses them together (deployments.replicas.work_budget)."""
         self._check_model(body.model)
-        return expand(self._to_generate(body), body.n)
+        requests = self._to_generate(body)
+        size = len(requests) * body.n
+        if size > 1:
+            group = uuid.uuid4().hex
+            requests = [r.model_copy(update={"group": group, "group_size": size}) for r in requests]
+        return expand(requests, body.n)
 
     def _to_generate(self, body) -> list[GenerateRequest]:
         """The body's verifier requests (one per prompt), validated: limits (LIMITS), values, output

@@ -46,6 +46,10 @@ class GenerateRequest(BaseModel):
     # the Serve actor name of the ingress replica that sends this request: if that actor dies (and
     # with it the client's connection), the verifier aborts the request instead of decoding for no one
     caller: str | None = None
+    # the OpenAI request this is one choice of (the ingress's id for it) and how many choices it has:
+    # a verifier replica lets a request's choices in together, by their work (deployments.replicas.work_budget)
+    group: str | None = Field(None, max_length=64)
+    group_size: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _one_prompt(self):
