@@ -202,12 +202,17 @@ class AppArgs(_Strict):
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
     api_key: SecretStr | None = None
+    # without a key, requests from anywhere but this machine (a peer address outside loopback) are
+    # refused (403): binding beyond loopback with no key serves nobody else unless this says so
+    allow_unauthenticated: bool = False
     # admission control: what a refused request's 429 (or 503 while no verifier is up) tells the
     # client to wait, in its Retry-After header. The bounds themselves are each deployment's
     # max_ongoing_requests / max_queued_requests and engine.max_num_waiting (deployments/README.md).
     retry_after_s: float = Field(1.0, ge=0)
     # a request body longer than this is a 413, refused before it is parsed (deployments.frontend.admission)
     max_request_body_bytes: int = Field(16 << 20, ge=1 << 10)
+    # ... and one not whole within this many seconds a 408 (a slow body holds a place in the gate)
+    body_timeout_s: float = Field(30.0, gt=0)
     # /tokenize and /detokenize in flight per ingress replica, a lane beside generation's (past it: 429)
     max_ongoing_tokenizer: int = Field(4, ge=1)
     # requests (generation and tokenizer together) one client may have in flight per ingress replica;
@@ -221,6 +226,10 @@ class AppArgs(_Strict):
     # once; past it a request gets a 429 at once, a request larger than all of it a 400. None: engine
     # max_num_seqs x max_model_len (a full batch of the longest sequences)
     work_budget_tokens: int | None = Field(None, ge=1)
+    # a header naming the request's tenant, set by a trusted proxy (e.g. "x-tenant-id"): requests of
+    # different tenants never share cached prefixes (each tenant's salts its prefix cache; without the
+    # header a request is tenant ""). None: one cache for all (a request's own cache_salt still splits it)
+    tenant_header: str | None = None
     # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.sampling.tool_parsers);
     # None: found from the markers in the model's chat template
     tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None

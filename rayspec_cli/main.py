@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     p.add_argument("--served-model-name", default=None, help="the name clients send (default: MODEL)")
     add_engine_flags(p)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` (or $RAYSPEC_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` (or $RAYSPEC_API_KEY); visible in process listings: "
+                        "prefer --api-key-file")
+    p.add_argument("--api-key-file", default=None, help="read the key from this file (its first line)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve other machines without a key (binding beyond loopback without one refuses to start)")
     p.add_argument("--host", default=None,
                    help="default: the config's http_options, else 127.0.0.1 (0.0.0.0: every interface; set an API key)")
     p.add_argument("--port", type=int, default=None, help="default: the config's http_options, else 8000")

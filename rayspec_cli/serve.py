@@ -57,10 +57,24 @@ def serve_config(args) -> tuple:
             app_args.pop(key, None)  # given at the top level (vLLM's way) in the config: the flag wins
             engine[key] = value
             app_args["engine"] = engine
-    if args.api_key:
+    if args.api_key and args.api_key_file:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        key = Path(args.api_key_file).expanduser().read_text().strip().splitlines()
+        if not key or not key[0].strip():
+            raise ValueError(f"{args.api_key_file} holds no key")
+        app_args["api_key"] = key[0].strip()
+    elif args.api_key:
         app_args["api_key"] = args.api_key
+    if args.allow_unauthenticated:
+        app_args["allow_unauthenticated"] = True
     cfg = AppArgs.model_validate(app_args)
     return cfg, args.host or host or "127.0.0.1", int(args.port or port or 8000)
+
+
+# Serve's end-to-end deadline for one HTTP request (its proxy answers 408 past it): longer than any
+# generation the shipped configs allow (max_model_len tokens at a few tokens per second on CPU)
+REQUEST_TIMEOUT_S = 1800
 
 
 SERVE_SHUTDOWN_S = 45  # how long Ctrl-C waits for Serve's own shutdown before the local Ray goes
@@ -87,6 +101,15 @@ def cmd_serve(args) -> int:
     except (ValueError, OSError, ValidationError) as err:
         print(f"rayspec serve: {err}", file=sys.stderr)
         return 2
+    from deployments.config import resolve_api_key
+    from deployments.frontend.api_key import exposure_warning
+
+    warning = exposure_warning(host, resolve_api_key(cfg.api_key) is not None)
+    if warning and not cfg.allow_unauthenticated:  # fail closed, before anything starts
+        print(f"rayspec serve: {warning}; or --allow-unauthenticated to serve them without one", file=sys.stderr)
+        return 2
+    if warning:
+        print(f"rayspec serve: WARNING: {warning}", file=sys.stderr, flush=True)
     import ray
     from ray import serve
 
@@ -105,14 +128,8 @@ def cmd_serve(args) -> int:
     # SIGINT too, explicitly: a process started from a shell's background job (`cmd &`, a CI
     # script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     signal.signal(signal.SIGINT, stop)
-    from deployments.frontend.api_key import exposure_warning
-    from deployments.config import resolve_api_key
-
-    warning = exposure_warning(host, resolve_api_key(cfg.api_key) is not None)
-    if warning:
-        print(f"rayspec serve: WARNING: {warning}", file=sys.stderr, flush=True)
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
         serve.run(build_app(cfg), name=args.app_name, route_prefix="/")
         print(f"rayspec serve: {cfg.model_name} ({cfg.model}, {cfg.speculative.method}) on "
               f"http://{host}:{port}/v1; Ctrl-C stops", file=sys.stderr, flush=True)

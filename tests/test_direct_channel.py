@@ -328,17 +328,37 @@ def test_a_silent_connection_times_out():
         server.close()
 
 
-def test_connections_are_capped():
+def test_sessions_are_capped():
+    """At most max_connections authenticated sessions: the next verifier is closed at once."""
     server = ChannelServer(_echo, SECRET, limits=LIMITS, handshake_timeout_s=OK_S, max_connections=1)
     try:
-        with socket.create_connection(server.address, timeout=OK_S) as first:
-            first.recv(64)  # the hello: this one holds the only slot
-            with pytest.raises(OSError):  # the next one is closed at once
-                _client(server)
-            _wait_rejected(server, 1)
-        _wait_rejected(server, 2)  # the first, gone without a handshake; its slot is free again
+        first = _client(server)
+        first.call([], ["s"])  # (a call: the session holds the only slot)
+        with pytest.raises(OSError):
+            _client(server).call([], ["t"])
+        _wait_rejected(server, 1)
+        first.close()
         _still_serves(server)
     finally:
+        server.close()
+
+
+def test_unauthenticated_connections_cannot_lock_verifiers_out():
+    """Sockets opened and held without a handshake (issue #51: 64 of them took every slot) take no
+    session's slot; past max_pending the oldest of them is closed; a verifier still gets in."""
+    server = ChannelServer(_echo, SECRET, limits=LIMITS, handshake_timeout_s=30.0, max_connections=2, max_pending=3)
+    silent = []
+    try:
+        for _ in range(8):  # more than max_connections and max_pending together
+            sock = socket.create_connection(server.address, timeout=OK_S)
+            sock.recv(64)  # the hello; then nothing
+            silent.append(sock)
+        _wait_rejected(server, 5)  # the 5 oldest, closed for newer ones
+        assert all(_closed_by_peer(s) for s in silent[:5])
+        _still_serves(server)  # a real verifier: handshake and call
+    finally:
+        for sock in silent:
+            sock.close()
         server.close()
 
 
@@ -601,6 +621,25 @@ def test_remote_proposer_uses_the_channel_only_with_the_secret(server):
     wrong = RemoteProposer(handle, affinity="x", channel_secret=b"w" * 32)  # refused: Serve again
     assert [d.tokens for d in wrong.propose([request])] == [[9]] and wrong.num_direct_calls == 0
     _wait_rejected(server, 1)
+
+
+@pytest.mark.parametrize("bad", ["token", "parents", "count", "probs"])
+def test_drafts_through_serve_get_the_channels_checks(bad):
+    """A cut channel (or a call too large for it) goes through Serve's handle: its drafts are held
+    to the same checks as a frame's (issue #51: there they got none), refused as a failed call."""
+    from deployments.transport.remote_proposer import RemoteProposer
+
+    forged = {"token": lambda n: [Draft([VOCAB + 5])] * n,
+              "parents": lambda n: [Draft([1, 2], parents=[1, -1])] * n,
+              "count": lambda n: [Draft([1])] * (n + 1),
+              "probs": lambda n: [Draft([1, 2], torch.ones(2, VOCAB + 1) / (VOCAB + 1))] * n}[bad]
+    handle = _Handle(None, forged)
+    remote = RemoteProposer(handle, affinity="v", vocab_size=VOCAB)  # no secret: Serve's handle only
+    assert [d.tokens for d in remote.propose([ProposeRequest("s", [1, 2], 3)])] == [[]]
+    assert handle.propose_calls == 1 and remote.num_failed_calls == 1
+    fine = RemoteProposer(_Handle(None, lambda n: [Draft([1, 2], parents=[-1, 0])] * n), affinity="w",
+                          vocab_size=VOCAB)
+    assert [d.tokens for d in fine.propose([ProposeRequest("s", [1, 2], 3)])] == [[1, 2]]
 
 
 def test_proposer_deployment_counts_rejected_connections(tmp_path):

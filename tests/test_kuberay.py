@@ -285,6 +285,8 @@ def test_manifest_runs_the_install_step(manifest):
         assert script == kuberay.install_script(fetch_model=group is not groups[0])
         env = {e["name"]: e for e in container["env"]}
         assert env["RAYSPEC_SOURCE"]["value"] == "" and env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"]
+        # fail closed: no key secret, no pod (the ingress serves outside clients only with a key)
+        assert env["RAYSPEC_API_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is False
 
 
 # ---- configs/cluster.yaml (ray up) ---------------------------------------------------------------

@@ -338,3 +338,102 @@ def test_deeply_nested_grammar_within_the_size_limit_compiles(hf_tokenizer):
     assert len(text) <= LIMITS.max_constraint_chars
     state = compiler(hf_tokenizer).state(StructuredOutput("grammar", text))
     assert isinstance(state, GrammarState) and not state.matcher.is_error()
+
+
+# ---- hardening, third round (issue #51): inputs that raised where they should be a 400 -----------
+
+def test_a_logit_bias_key_of_thousands_of_digits_is_a_400():
+    """int() refuses strings of more than ~4,300 digits (ValueError, a 500 before): no token id has
+    more than a dozen, so the key is refused as not a token id, and not echoed whole."""
+    status, error = build("completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}})
+    assert status == 400 and error["param"] == "logit_bias", error
+    assert len(error["message"]) < 200
+    assert build("completions", {"prompt": "hi", "logit_bias": {"123": 1}})[0] == 200
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "response_format"])
+def test_a_schema_nested_past_the_parser_is_a_400(field):
+    """A JSON schema sent as a string of a thousand '[' made json.loads raise RecursionError (a 500)."""
+    text = "[" * 1000
+    body = {"guided_json": text, "structured_outputs": {"json": text},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": text}}}
+    status, error = build("completions" if field != "response_format" else "chat",
+                          {"prompt": "hi", field: body[field]} if field != "response_format"
+                          else {"messages": USER, field: body[field]})
+    assert status == 400, error
+    if field != "response_format":  # (a schema string is refused there by its type already)
+        assert "nested too deeply" in error["message"], error
+
+
+def test_a_tool_messages_id_and_name_count_toward_the_prompt():
+    """The chat template writes a tool message's tool_call_id and name into the prompt: they count."""
+    long = "x" * (MAX_MODEL_LEN * LIMITS.prompt_chars_per_token)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = USER + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": long, "name": "f", "content": "ok"}]
+    status, error = build("chat", {"messages": messages})
+    assert status == 400 and error["param"] == "messages", error
+    messages[-1]["tool_call_id"] = "c1"
+    assert build("chat", {"messages": messages})[0] == 200
+    messages[-1]["tool_call_id"] = {"nested": "object"}
+    assert build("chat", {"messages": messages})[0] == 400
+
+
+def test_abandoned_grammar_compiles_are_capped(hf_tokenizer, monkeypatch):
+    """A compile past its deadline is abandoned but runs on (issue #51: uncapped): at most
+    MAX_COMPILES run at once, abandoned ones included; past that a new grammar is refused as busy
+    (a 429 through LLMEngine.prepare_grammar), and once they end compiles are taken again. (The
+    compiles are held by the test, so the count does not depend on how fast this machine is.)"""
+    import threading
+    import time
+
+    import rayspec.sampling.structured as structured
+    from rayspec.engine.outputs import EngineOverloadedError
+    from rayspec.sampling.structured import MAX_COMPILES, GrammarCompilerBusy
+
+    release, real = threading.Event(), structured._compile
+
+    def held(tokenizer, grammar, kind):
+        release.wait(60)
+        return real(tokenizer, grammar, kind)
+
+    monkeypatch.setattr(structured, "_compile", held)
+    grammars = compiler(hf_tokenizer, compile_timeout_s=DEADLINE_S)
+    for i in range(MAX_COMPILES):
+        with pytest.raises(ValueError, match="took longer than"):
+            grammars.state(StructuredOutput.choice(["yes", f"variant {i}"]))
+    with pytest.raises(GrammarCompilerBusy):
+        grammars.state(StructuredOutput.choice(["yes", "no"]))
+    with pytest.raises(EngineOverloadedError):
+        LLMEngine.prepare_grammar(SimpleNamespace(_grammars=grammars), StructuredOutput.choice(["yes", "no"]))
+    release.set()
+    grammars.compile_timeout_s = 30.0
+    deadline = time.monotonic() + 30
+    while True:  # the abandoned ones end on their own threads
+        try:
+            assert isinstance(grammars.state(StructuredOutput.choice(["yes", "no"])), GrammarState)
+            break
+        except GrammarCompilerBusy:
+            assert time.monotonic() < deadline, "the abandoned compiles never ended"
+            time.sleep(0.01)
+
+
+def test_tenants_never_share_cached_prefixes():
+    """With tenant_header, each tenant's requests salt their prefix cache apart (a cached prompt's
+    timing would tell one tenant another's prompts), whatever cache_salt they send; without it
+    nothing changes."""
+    from starlette.requests import Request
+
+    def http(tenant: str | None) -> Request:
+        headers = [(b"x-tenant-id", tenant.encode())] if tenant is not None else []
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers})
+
+    ingress = make_ingress()
+    body = CompletionRequest.model_validate({"model": "tiny", "prompt": "hi"})
+    assert ingress._choice_requests(body, http("a"))[0].cache_salt is None  # no tenant_header: as before
+    ingress.cfg = ingress.cfg.model_copy(update={"tenant_header": "x-tenant-id"})
+    salts = {t: ingress._choice_requests(body, http(t))[0].cache_salt for t in ("a", "b", None)}
+    assert len(set(salts.values())) == 3 and all(s.startswith("tenant:") for s in salts.values())
+    assert ingress._choice_requests(body, http("a"))[0].cache_salt == salts["a"]  # stable per tenant
+    forged = CompletionRequest.model_validate({"model": "tiny", "prompt": "hi", "cache_salt": salts["a"]})
+    assert ingress._choice_requests(forged, http("b"))[0].cache_salt not in (salts["a"], salts["b"])

@@ -102,3 +102,15 @@ def test_constrained_call_is_lossless_under_speculation(engine, tiny_model_dir):
     [(name, arguments)] = parse_calls(got.text, None)
     assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
     assert len(json.loads(arguments)["city"]) <= 12
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_deeply_nested_model_output_is_text_not_a_500(name):
+    """A model writing JSON nested past Python's parser (RecursionError, a 500 before) gets its text
+    back as content, no call parsed."""
+    from rayspec.sampling.tool_parsers import get_parser
+
+    nested = '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    text = {"hermes": f"<tool_call>{nested}</tool_call>", "llama3_json": nested, "mistral": f"[TOOL_CALLS][{nested}]"}[name]
+    parsed = get_parser(name).parse(text)
+    assert not parsed.calls and parsed.content == text

@@ -22,11 +22,15 @@ Requests let in are served in full and unchanged; refused ones cost microseconds
 
 Every request body is also bounded before anything parses it (`BodyLimit`, app arg
 `max_request_body_bytes`): a Content-Length past the limit is a 413 at once, unread; a body sent
-without one is counted as it comes and refused (413) the moment it passes the limit.
+without one is counted as it comes and refused (413) the moment it passes the limit; one not whole
+within `body_timeout_s` (a client sending a byte now and then, holding a place) is a 408. Only the
+routes that take a body (a POST route of the app) have theirs read: any other method or path goes
+on unread, to the router's 404 or 405.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -61,14 +65,15 @@ def _route_path(scope) -> str:
 
 
 def client_of(scope, header: str | None = None) -> str:
-    """Who sent the request, for the per-client share: the first value of `header` when it is set
-    and present (a trusted proxy's X-Forwarded-For, or a tenant id it adds), else the peer address
-    (Serve's proxy hands the replica the HTTP connection's scope)."""
+    """Who sent the request, for the per-client share: the value of `header` when it is set and
+    present (a tenant id a trusted proxy adds; for a list such as X-Forwarded-For, its LAST entry:
+    the address the trusted proxy itself saw, where the entries before it are whatever the client
+    wrote), else the peer address (Serve's proxy hands the replica the HTTP connection's scope)."""
     if header:
         name = header.lower().encode()
-        for key, value in scope.get("headers", ()):
-            if key == name and value.strip():
-                return "h:" + value.decode("latin-1").split(",")[0].strip()
+        values = [value for key, value in scope.get("headers", ()) if key == name and value.strip()]
+        if values:  # (a repeated header: the proxy appends its own last)
+            return "h:" + values[-1].decode("latin-1").split(",")[-1].strip()
     peer = scope.get("client") or ("", 0)
     return "a:" + str(peer[0])
 
@@ -157,33 +162,43 @@ def too_large(limit: int) -> OpenAIError:
                        code="request_too_large")
 
 
+def body_too_slow(timeout_s: float) -> OpenAIError:
+    return OpenAIError(f"The request body did not arrive within {timeout_s:g} s.", status_code=408,
+                       code="request_timeout")
+
+
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
 class BodyLimit:
     """ASGI middleware: a request body of more than `max_bytes()` bytes gets a 413 (OpenAI error
-    JSON) before any of it is parsed, and no more of it is read. The body is read here (at most
-    the limit) and handed on whole, so what runs after sees the same messages as without it."""
+    JSON) before any of it is parsed, and no more of it is read; one not whole within
+    `timeout_s()` seconds gets a 408. The body is read here (at most the limit) and handed on
+    whole, so what runs after sees the same messages as without it. `takes_body(method, path)`:
+    whether the app has a route taking this request's body; other requests go on unread (the
+    router answers them 404 or 405 without reading a byte of the body)."""
 
-    def __init__(self, app, max_bytes: Callable[[], int]):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: Callable[[], int], takes_body: Callable[[str, str], bool],
+                 timeout_s: Callable[[], float] = lambda: DEFAULT_BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.takes_body, self.timeout_s = app, max_bytes, takes_body, timeout_s
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or not self.takes_body(scope.get("method", ""), _route_path(scope)):
             return await self.app(scope, receive, send)
         limit = self.max_bytes()
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and (not value.strip().isdigit() or int(value) > limit):
                 return await error_response(too_large(limit))(scope, receive, send)
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                return await error_response(too_large(limit))(scope, receive, send)
-            parts.append(body)
-            if not message.get("more_body", False):
-                break
+        timeout_s = self.timeout_s()
+        try:
+            async with asyncio.timeout(timeout_s):  # the whole body, however it is sent
+                parts = await _read_body(receive, limit)
+        except TimeoutError:
+            return await error_response(body_too_slow(timeout_s))(scope, receive, send)
+        if parts is None:  # the client went away
+            return
+        if parts is _TOO_LARGE:
+            return await error_response(too_large(limit))(scope, receive, send)
         whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
         del parts
 
@@ -195,3 +210,39 @@ class BodyLimit:
             return await receive()  # a disconnect, for streamed responses
 
         await self.app(scope, replay, send)
+
+
+_TOO_LARGE: list = []  # (a marker: _read_body's answer for a body past the limit)
+
+
+async def _read_body(receive, limit: int) -> list[bytes] | None:
+    """A request body's parts as they come: None when the client went away, _TOO_LARGE the moment
+    it passes `limit` bytes (no more of it read)."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return None
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            return _TOO_LARGE
+        parts.append(body)
+        if not message.get("more_body", False):
+            return parts
+
+
+def body_routes(app) -> Callable[[str, str], bool]:
+    """(method, path) -> whether one of the app's routes takes that request's body: a route with a
+    body-carrying method (POST, PUT, PATCH) whose path matches exactly (the ingress's routes have no
+    path parameters). Read from the app's routes when first asked (they are all added by then)."""
+    known: set[tuple[str, str]] | None = None
+
+    def takes_body(method: str, path: str) -> bool:
+        nonlocal known
+        if known is None:
+            known = {(m, route.path) for route in app.routes for m in (getattr(route, "methods", None) or ())
+                     if m in ("POST", "PUT", "PATCH")}
+        return (method, path) in known
+
+    return takes_body

@@ -12,10 +12,10 @@ With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
-import uuid
 from typing import AsyncIterator, Protocol, Union
 
 from fastapi import FastAPI, Request
@@ -26,7 +26,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, error_response, not_ready,
+from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, body_routes, error_response,
+                                            not_ready,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.frontend.chat import ChatChoices
@@ -60,11 +61,21 @@ def _replica_body_limit() -> int:
     return serve.get_replica_context().servable_object.cfg.max_request_body_bytes
 
 
+def _replica_body_timeout() -> float:
+    return serve.get_replica_context().servable_object.cfg.body_timeout_s
+
+
+def _replica_remote_allowed() -> bool:
+    return serve.get_replica_context().servable_object.cfg.allow_unauthenticated
+
+
 # the last added runs first: the key is checked before a request takes a place in the gate, and
-# the body is read (at most max_request_body_bytes of it) only once it has a place
-app.add_middleware(BodyLimit, max_bytes=_replica_body_limit)
+# the body is read (at most max_request_body_bytes of it, within body_timeout_s) only once it has a
+# place, and only on a route that takes one
+app.add_middleware(BodyLimit, max_bytes=_replica_body_limit, takes_body=body_routes(app),
+                   timeout_s=_replica_body_timeout)
 app.add_middleware(AdmissionGate, state=_replica_admission)
-app.add_middleware(RequireApiKey, expected=_replica_key_digest)
+app.add_middleware(RequireApiKey, expected=_replica_key_digest, remote_allowed=_replica_remote_allowed)
 
 
 def _ingress_replica_id() -> str | None:
@@ -124,22 +135,24 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
     if isinstance(cause, EngineOverloadedError):
         return overloaded("the engine's waiting queue is full", retry_after_s)
     if isinstance(cause, WorkBudgetExceeded) or isinstance(err, WorkBudgetExceeded):  # admission by work
-        return overloaded(_message(cause), retry_after_s)
-    if isinstance(cause, WorkTooLargeError) or isinstance(err, WorkTooLargeError):
-        return OpenAIError(_message(cause), code="request_too_much_work")
+        return overloaded(str(cause).strip().splitlines()[-1], retry_after_s)
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
         param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
+        too_much = isinstance(cause, WorkTooLargeError) or isinstance(err, WorkTooLargeError)  # admission by work
         return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
-                           param=param)
+                           param=param, code="request_too_much_work" if too_much else None)
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
 
 
-def _message(err: BaseException) -> str:
-    """The replica's own message of an error (a RayTaskError's text ends with it)."""
-    text = str(err).strip()
-    return text.splitlines()[-1] if text else type(err).__name__
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """A request's cache salt under the app's tenant_header: its tenant's (the header's value, hashed:
+    the salt travels and is logged nowhere, the tenant id is not spelled out), then its own if it
+    sent one. Requests of different tenants never share a cached prefix (rayspec.kv.block_manager
+    roots each salt's chain apart), whatever salt they send."""
+    both = tenant.encode("utf-8") + (b"\0" + cache_salt.encode("utf-8") if cache_salt else b"")
+    return "tenant:" + hashlib.sha256(both).hexdigest()[:32]
 
 
 def _sse(data: dict) -> str:
@@ -315,16 +328,16 @@ class OpenAIIngress:
         return await self.stats()
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, http: Request = None):
         # a text_completion (or its SSE stream): n choices per prompt of a batched prompt list. (A comment,
         # not a docstring: FastAPI would put that in /openapi.json, which these routes never had.)
-        requests = self._choice_requests(body)
+        requests = self._choice_requests(body, http)
         return await self._generate_choices(requests, body, CompletionChoices(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request = None):
         # a chat.completion (or its SSE stream): n choices, each a message or tool calls
-        requests = self._choice_requests(body)
+        requests = self._choice_requests(body, http)
         mode = body.tool_call()  # validated by _choice_requests
         parser = await self._tool_parser() if mode is not None and mode.auto else None
         return await self._generate_choices(requests, body, ChatChoices(mode, parser))
@@ -357,16 +370,14 @@ class OpenAIIngress:
                            r.num_accepted_tokens, r.num_cached_tokens if c % n == 0 else 0)
                           for c, r in enumerate(results)])
 
-    def _choice_requests(self, body) -> list[GenerateRequest]:
-        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model. Choices
-        of one request are a group: a verifier replica lets them in together, by their work, or
-        refuses them together (deployments.replicas.work_budget)."""
+    def _choice_requests(self, body, http: Request | None = None) -> list[GenerateRequest]:
+        """The body's verifier requests, one per choice (choice c: prompt c // n), for its model; with
+        the app's tenant_header, each request's prefix cache is its tenant's (tenant_salt)."""
         self._check_model(body.model)
         requests = self._to_generate(body)
-        size = len(requests) * body.n
-        if size > 1:
-            group = uuid.uuid4().hex
-            requests = [r.model_copy(update={"group": group, "group_size": size}) for r in requests]
+        if self.cfg.tenant_header and http is not None:
+            tenant = http.headers.get(self.cfg.tenant_header, "")
+            requests = [r.model_copy(update={"cache_salt": tenant_salt(tenant, r.cache_salt)}) for r in requests]
         return expand(requests, body.n)
 
     def _to_generate(self, body) -> list[GenerateRequest]:
@@ -478,7 +489,9 @@ class OpenAIIngress:
             yield "data: [DONE]\n\n"
         except Exception as err:  # noqa: BLE001 - the status line is gone: report in-band
             logger.exception("stream failed")
-            mapped = _as_openai_error(err) or OpenAIError(f"internal error: {err}", 500, "internal_error")
+            # (not str(err): a replica's exception carries its remote traceback, for the log only)
+            mapped = _as_openai_error(err) or OpenAIError(
+                f"internal error ({type(err).__name__}); the server's log has the details", 500, "internal_error")
             yield _sse(mapped.body())
         finally:  # the client went away (or an error): unfinished requests are aborted, slots freed
             await chunks.aclose()

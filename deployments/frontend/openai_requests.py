@@ -131,8 +131,9 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         for key, bias in (self.logit_bias or {}).items():
-            if not (key.strip().isascii() and key.strip().isdigit()):  # ("²".isdigit(), but not an int)
-                raise OpenAIError(f"logit_bias keys must be token ids; got {key!r}", param="logit_bias")
+            # ("²".isdigit(), but not an int; past ~4,300 digits int() raises; no vocabulary has 10**12 ids)
+            if not (key.strip().isascii() and key.strip().isdigit() and len(key.strip()) <= 12):
+                raise OpenAIError(f"logit_bias keys must be token ids; got {key[:40]!r}", param="logit_bias")
             if not -100 <= bias <= 100:
                 raise OpenAIError("logit_bias values must be between -100 and 100", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -303,7 +304,11 @@ def chat_template_messages(chat: list[ChatMessage]) -> tuple[list[dict], int]:
             message["tool_calls"] = calls
             chars += len(json.dumps(calls))
         if m.role == "tool":
-            message.update({k: extra[k] for k in ("tool_call_id", "name") if k in extra})
+            fields = {k: extra[k] for k in ("tool_call_id", "name") if k in extra}
+            if any(not isinstance(v, str) for v in fields.values()):
+                raise OpenAIError("a tool message's tool_call_id and name must be strings", param=f"messages[{i}]")
+            message.update(fields)
+            chars += sum(len(v) for v in fields.values())  # (the template writes them into the prompt)
         chars += len(message["content"])
         messages.append(message)
     return messages, chars

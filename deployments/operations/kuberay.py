@@ -215,14 +215,15 @@ def install_script(fetch_model: bool) -> str:
 
 
 def _env(source: str, ref: str) -> list[dict]:
-    def secret(name: str, secret_name: str, key: str) -> dict:
-        return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key, "optional": True}}}
+    def secret(name: str, secret_name: str, key: str, optional: bool) -> dict:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key, "optional": optional}}}
 
     return [
         {"name": "RAYSPEC_SOURCE", "value": source},
         {"name": "RAYSPEC_REF", "value": ref},
-        secret("HF_TOKEN", "hf-token", "token"),  # gated hub models (Llama)
-        secret("RAYSPEC_API_KEY", "rayspec-api-key", "key"),  # clients then send Authorization: Bearer
+        secret("HF_TOKEN", "hf-token", "token", optional=True),  # gated hub models (Llama)
+        # required: the proxy is reached from outside the pod; no secret, no pod (fail closed)
+        secret("RAYSPEC_API_KEY", "rayspec-api-key", "key", optional=False),
     ]
 
 

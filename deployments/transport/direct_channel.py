@@ -18,7 +18,10 @@ that trust to its port:
   field checked against what the receiver expects.
 - bounded allocation: before the handshake a connection can make the server read 69 bytes, within
   `handshake_timeout_s`; after it, a frame's length prefix is checked against `max_frame_bytes`
-  before anything is allocated. At most `max_connections` connections at a time.
+  before anything is allocated. At most `max_connections` authenticated sessions at a time; a
+  connection takes a session's slot only once its handshake succeeded, and of those still in their
+  handshake at most `max_pending` are kept (the oldest closed for a newer one), so sockets held
+  open unauthenticated cannot take the verifiers' places.
 - integrity, no replay: every frame after the handshake carries an HMAC-SHA256 tag under a key of
   its direction, derived from the secret and both nonces (so each connection has keys of its own),
   over a frame counter and the whole frame. The counter is not sent: each side counts the frames it
@@ -40,6 +43,7 @@ No Ray import here.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
@@ -59,7 +63,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_FRAME_BYTES = 256 << 20  # a prompt's EAGLE-3 features for Llama-3.1-8B: 24 KiB a token
 HANDSHAKE_TIMEOUT_S = 10.0
 FRAME_TIMEOUT_S = 60.0  # the rest of a frame once its header came (256 MiB at ~4.5 MB/s)
-MAX_CONNECTIONS = 64  # one per verifier replica, plus reconnects whose old socket is closing
+MAX_CONNECTIONS = 64  # authenticated: one per verifier replica, plus reconnects whose old socket is closing
+# connections still in their handshake: past this many the oldest is closed for a new one, so
+# unauthenticated sockets held open (nothing sent) cannot lock verifiers out; a real handshake takes
+# milliseconds, a flood has to outpace it
+MAX_PENDING_HANDSHAKES = 16
 
 _MAGIC = b"RSPC\x02"  # rayspec channel, layout version 2 (1: no frame tags)
 _NONCE = 32
@@ -202,6 +210,14 @@ def client_handshake(sock: socket.socket, secret: bytes, deadline: float | None 
 
 
 # ---- server -----------------------------------------------------------------------------------
+def _shut(conn: socket.socket) -> None:
+    """End a connection another thread is blocked on (its read then fails at once)."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class ChannelServer:
     """Answers `handler(requests, released) -> drafts` for every call on every authenticated
     connection, one thread per connection (one per verifier replica). A handler error goes back
@@ -210,13 +226,16 @@ class ChannelServer:
     def __init__(self, handler: Callable[[list[ProposeRequest], list[str]], list[Draft]], secret=None,
                  host: str = "127.0.0.1", limits: CallLimits = CallLimits(),
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS, frame_timeout_s: float = FRAME_TIMEOUT_S):
+                 max_connections: int = MAX_CONNECTIONS, frame_timeout_s: float = FRAME_TIMEOUT_S,
+                 max_pending: int = MAX_PENDING_HANDSHAKES):
         self._handler = handler
         # no secret given (tests, hand-built servers): one of its own, for whoever builds the client
         self.secret = secret_bytes(secret) if secret is not None else secrets.token_bytes(32)
         self.limits, self.max_frame_bytes, self.handshake_timeout_s = limits, max_frame_bytes, handshake_timeout_s
         self.frame_timeout_s = frame_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._slots = threading.BoundedSemaphore(max_connections)  # authenticated sessions only
+        self._pending: collections.deque[socket.socket] = collections.deque()  # in their handshake, oldest first
+        self.max_pending = max_pending
         self._count_lock = threading.Lock()
         self.num_connections = 0  # authenticated
         self.num_rejected = 0  # closed: failed handshake, malformed or oversized frame, too many connections
@@ -239,17 +258,31 @@ class ChannelServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()
-                self._reject(peer, "too many connections")
-                continue
+            with self._count_lock:
+                if len(self._pending) >= self.max_pending:  # the oldest unproven one gives way
+                    _shut(self._pending.popleft())
+                self._pending.append(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn, peer), name="rayspec-channel", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        """Handshake first (a pending place, not a session's slot), then a slot for the session."""
         try:
             session = self._handshake(conn)
-            refused = session if isinstance(session, str) else self._answer_calls(conn, session)
+        finally:
+            with self._count_lock:
+                if conn in self._pending:
+                    self._pending.remove(conn)
+        if isinstance(session, str):
+            conn.close()
+            self._reject(peer, session)
+            return
+        if not self._slots.acquire(blocking=False):
+            conn.close()
+            self._reject(peer, "too many connections")
+            return
+        try:
+            refused = self._answer_calls(conn, session)
         finally:
             conn.close()
             self._slots.release()

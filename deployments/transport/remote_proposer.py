@@ -52,7 +52,7 @@ import time
 import torch
 
 from deployments.transport.direct_channel import DEFAULT_MAX_FRAME_BYTES, CallTooLarge, ChannelClient
-from deployments.transport.wire import ReplyLimits
+from deployments.transport.wire import ReplyLimits, check_drafts
 from rayspec.proposers import Draft, Proposer, ProposeRequest
 
 logger = logging.getLogger(__name__)
@@ -199,8 +199,9 @@ class RemoteProposer(Proposer):
             except Exception:
                 self._drop_channel()
                 raise
-        if drafts is None:
-            drafts = self._result(self.handle.propose.remote(requests, released))
+        if drafts is None:  # through Serve's handle: held to the channel's checks all the same
+            drafts = check_drafts(self._result(self.handle.propose.remote(requests, released)),
+                                  ReplyLimits(vocab_size=self.vocab_size), len(requests))
         self.num_calls += 1
         took = time.perf_counter() - started
         self.call_seconds += took

@@ -319,6 +319,35 @@ def _read_draft(r: _Reader, lim: ReplyLimits) -> Draft:
     return Draft(tokens, probs, parents, resend, None if pre_drafted == 0 else pre_drafted == 2)
 
 
+def check_drafts(drafts, limits: ReplyLimits, num_requests: int) -> list[Draft]:
+    """Drafts that came as Python objects (a proposer reached through Serve's handle, where the
+    channel is cut or a call was too large for it) held to what decode_reply checks in a frame: one
+    Draft per request, tokens in the vocabulary and at most max_draft_tokens, probs a float tensor
+    [len(tokens), vocab_size], parents a tree's, resend_features_from in range. Raises MalformedFrame."""
+    if not isinstance(drafts, list) or len(drafts) != num_requests or not all(isinstance(d, Draft) for d in drafts):
+        raise MalformedFrame(f"expected {num_requests} drafts")
+    vocab = limits.vocab_size or MAX_VOCAB
+    for d in drafts:
+        tokens = d.tokens
+        if not isinstance(tokens, list) or len(tokens) > limits.max_draft_tokens \
+                or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise MalformedFrame(f"draft tokens: at most {limits.max_draft_tokens} ints in [0, {vocab})")
+        if d.probs is not None:
+            p = d.probs
+            if not (isinstance(p, torch.Tensor) and p.is_floating_point() and p.dim() == 2 and p.shape[0] == len(tokens)
+                    and (limits.vocab_size is None or p.shape[1] == limits.vocab_size)):
+                raise MalformedFrame("probs: a float tensor [len(tokens), vocab_size]")
+        if d.parents is not None and (not isinstance(d.parents, list) or len(d.parents) != len(tokens)
+                                      or any(type(q) is not int or not -1 <= q < j for j, q in enumerate(d.parents))):
+            raise MalformedFrame("parents: one per token, each -1 or an earlier token's index")
+        resend = d.resend_features_from
+        if resend is not None and not (type(resend) is int and 0 <= resend <= limits.max_seq_tokens):
+            raise MalformedFrame("resend_features_from out of range")
+        if d.pre_drafted not in (None, True, False):
+            raise MalformedFrame("pre_drafted: None or a bool")
+    return drafts
+
+
 def decode_call(body, limits: CallLimits) -> tuple[list[ProposeRequest], list[str]]:
     """body: a frame without its length prefix. Raises MalformedFrame."""
     r = _Reader(body)

@@ -53,7 +53,7 @@ from rayspec.sampling.logits_processing import grammar_draft, needs_processing, 
 from rayspec.sampling.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.sampling.rejection import coupled, coupled_choices, verify, verify_tree_parents
 from rayspec.sampling.sampler import SamplingParams, coupled_key, coupled_sample, logits_to_probs, make_generator, sample
-from rayspec.sampling.structured import GrammarCompiler
+from rayspec.sampling.structured import GrammarCompiler, GrammarCompilerBusy
 
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,8 @@ class LLMEngine:
             return self._grammars.state(spec)
         except ValueError as err:
             raise InvalidGrammarError(str(err)) from None
+        except GrammarCompilerBusy as err:  # (a 429: try again once the running compiles are done)
+            raise EngineOverloadedError(str(err)) from None
 
     def abort_request(self, request_id: str) -> bool:
         seq = self._requests.get(request_id)

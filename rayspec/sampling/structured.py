@@ -31,7 +31,10 @@ JSON_LAYOUT = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexib
 #   move them, with verbose errors off (they dump parser state and grammar into the message a client gets);
 #   the per-step ones (step_lexer_fuel, step_max_items) also bound every later mask, on the engine's thread;
 # - a deadline: a grammar not compiled within COMPILE_TIMEOUT_S is refused (ValueError -> a 400), and the
-#   caller goes on; the abandoned compile runs out on its own thread, within the limits above;
+#   caller goes on; the abandoned compile runs out on its own thread, within the limits above, and at
+#   most MAX_COMPILES compiles run at once (abandoned ones included): past that a new grammar is
+#   refused as busy (GrammarCompilerBusy, a 429), so slow grammars sent over and over cannot pile up
+#   threads and CPU;
 # - a large stack for that thread: llguidance builds a grammar recursively, one frame per level of rule
 #   nesting (~3 KiB each), and a chain of a few thousand rules ("a0: a1 "x"  a1: a2 "x" ...", ~50,000
 #   characters) overflows a default 8 MiB thread stack, which kills the whole process (a segfault).
@@ -42,6 +45,11 @@ PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_
                      verbose_errors=False)
 COMPILE_TIMEOUT_S = 5.0  # measured here: ~0.2 s for 5,000 choices; up to ~1 s for a schema with many patterns
 COMPILE_STACK_BYTES = 256 << 20
+MAX_COMPILES = 4  # per compiler (a verifier replica), running or abandoned
+
+
+class GrammarCompilerBusy(RuntimeError):
+    """MAX_COMPILES grammars are compiling (or abandoned past their deadline and still running)."""
 _thread_start_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
 
 
@@ -71,6 +79,8 @@ class StructuredOutput:
                 schema = json.loads(self.value)
             except json.JSONDecodeError as err:
                 raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+            except RecursionError:  # (a string of a thousand "[": Python's parser gives up before JSON's)
+                raise ValueError("the JSON schema is nested too deeply") from None
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
             return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
@@ -78,7 +88,10 @@ class StructuredOutput:
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "grammar":
             return LLMatcher.grammar_from_lark(self.value)
-        choices = json.loads(self.value)
+        try:
+            choices = json.loads(self.value)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError("choices must be a JSON list of strings") from None
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("choices must be a non-empty list of non-empty strings")
         # Lark string literals use JSON's escapes
@@ -96,6 +109,7 @@ class GrammarCompiler:
         self.compile_timeout_s = compile_timeout_s
         self._tokenizer = None
         self._lock = threading.Lock()
+        self._running = threading.BoundedSemaphore(MAX_COMPILES)  # compile threads alive
 
     def state(self, spec: StructuredOutput) -> "GrammarState":
         try:
@@ -111,6 +125,8 @@ class GrammarCompiler:
                                                                eos_token=self._eos or None)
         grammar = spec.grammar_text()  # cheap (no compiling); ValueError for a malformed value
         done, box = threading.Event(), {}
+        if not self._running.acquire(blocking=False):
+            raise GrammarCompilerBusy(f"{MAX_COMPILES} output constraints are compiling on this replica")
 
         def compile_() -> None:
             try:
@@ -118,9 +134,14 @@ class GrammarCompiler:
             except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
                 box["error"] = err
             finally:
+                self._running.release()
                 done.set()
 
-        _start_compile_thread(compile_)
+        try:
+            _start_compile_thread(compile_)
+        except BaseException:
+            self._running.release()
+            raise
         if not done.wait(self.compile_timeout_s):
             raise ValueError(f"the {spec.kind} output constraint took longer than {self.compile_timeout_s:g} s "
                              "to compile; simplify it")

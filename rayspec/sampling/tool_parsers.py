@@ -44,7 +44,7 @@ def _arguments(value) -> str | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (nested past the parser's depth: not a call)
             return None
     if not isinstance(value, dict):
         return None
@@ -126,7 +126,7 @@ def _json_values(text: str, separators: str) -> list | None:
             return values
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (nested past the parser's depth: not a call)
             return None
         values.append(value)
 
@@ -148,7 +148,7 @@ class HermesParser(ToolCallParser):
             body = text[i + len(self.OPEN): j if j >= 0 else len(text)].strip()
             try:
                 call = _call(json.loads(body))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # (nested past the parser's depth: not a call)
                 return None
             if call is None:
                 return None
