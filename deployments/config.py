@@ -233,6 +233,14 @@ class AppArgs(_Strict):
     # tool_choice "auto": the format tool calls are read out of the model's text in (rayspec.sampling.tool_parsers);
     # None: found from the markers in the model's chat template
     tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = None
+    # a verifier replica with requests queued or running whose engine has finished no step for this
+    # long (a CUDA/NCCL call or a grammar step that hangs) fails Serve's health check, so Serve
+    # replaces it and its requests fail over as from a dead replica. Above the longest step expected
+    # (a shape compiled when first seen). None: no watchdog
+    step_watchdog_s: float | None = Field(120.0, gt=0)
+    # each request's deadline, from when the ingress takes it (over failovers too): past it the request
+    # ends with a 504 (OpenAI error JSON, code request_timeout) and is aborted in the engine. None: none
+    request_timeout_s: float | None = Field(600.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from ray_utils import serving
 from serve_utils import is_error_event, tiny_args, wait_for  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
-from deployments.transport.protocol import GenerateRequest  # noqa: E402
+from deployments.transport.protocol import GenerateRequest, RequestTimeoutError  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
 from rayspec.sampling.sampler import SamplingParams  # noqa: E402
@@ -411,6 +411,19 @@ def test_disconnect_aborts_and_frees_slot(server):
     assert after["num_aborted"] == before["num_aborted"] + 1
     assert after["num_finished"] == before["num_finished"]  # aborted, not run to its end
     assert after["num_free_slots"] == after["num_slots"] == before["num_slots"] and after["num_waiting"] == 0
+
+
+def test_a_request_past_its_deadline_times_out_and_is_aborted(server):
+    """A request that cannot meet its deadline (a handle request's own GenerateRequest.timeout_s; the
+    app's is request_timeout_s) ends with RequestTimeoutError (HTTP: a 504), and the engine frees its slot."""
+    before = verifier_stats()
+    req = GenerateRequest(prompt=PROMPT, max_tokens=1000, temperature=0.9, ignore_eos=True, num_speculative_tokens=0,
+                          timeout_s=0.5)  # 1000 tokens take seconds
+    with pytest.raises(RequestTimeoutError, match="deadline"):
+        serve.get_app_handle("rayspec").generate.remote(req).result()
+    after = wait_for(lambda: (s := verifier_stats())["num_timed_out"] == before["num_timed_out"] + 1
+                     and s["num_running"] == 0 and s, timeout=30)
+    assert after["num_finished"] == before["num_finished"] and after["num_free_slots"] == after["num_slots"]
 
 
 def test_python_handle_api(server):

@@ -125,6 +125,47 @@ def _reduce_rows(rank: int, size: int, init_method: str, queue) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _join(rank: int, size: int, init_method: str, secret: bytes, queue) -> None:
+    from rayspec.model.parallel import RankFailure, TPGroup
+
+    try:
+        TPGroup.init(rank, size, init_method, torch.device("cpu"), timeout_s=60, secret=secret)
+        queue.put((rank, "joined"))
+        torch.distributed.destroy_process_group()
+    except RankFailure as err:
+        queue.put((rank, str(err)))
+
+
+@pytest.mark.parametrize("impostor", [False, True])
+def test_ranks_prove_the_groups_secret(impostor):
+    """The TCP rendezvous takes whoever connects first as a rank (issue #51: unauthenticated): once
+    joined, every rank proves the secret rank 0 handed out; a rank without it fails the group on
+    every rank, and the group forms when all hold it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    secrets_ = [b"s" * 32, b"x" * 32 if impostor else b"s" * 32]
+    procs = [ctx.Process(target=_join, args=(r, 2, f"tcp://127.0.0.1:{port}", secrets_[r], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=120) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    if impostor:
+        assert all("could not prove the group's secret" in v for v in results.values()), results
+        assert "ranks [1]" in results[0]  # (rank 0 names the impostor; the impostor cannot check rank 0 either)
+    else:
+        assert results == {0: "joined", 1: "joined"}
+
+
 def test_all_reduce_is_batch_invariant():
     """A row sums to the same bits whether it is reduced alone or among others (gloo's own ring
     all-reduce does not: it chunks by size), so a k+1-row verification computes what decoding one

@@ -29,9 +29,10 @@ class ProcessLauncher(RankLauncher):
     def address(self) -> str:
         return "127.0.0.1"
 
-    def launch(self, size, init_method, model_spec, device, dtype, draft=None):
+    def launch(self, size, init_method, model_spec, device, dtype, draft=None, secret=None):
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=run_rank, args=(rank, size, init_method, model_spec, device, dtype, draft), daemon=True)
+        procs = [ctx.Process(target=run_rank, args=(rank, size, init_method, model_spec, device, dtype, draft),
+                             kwargs={"secret": secret}, daemon=True)
                  for rank in range(1, size)]
         for p in procs:
             p.start()

@@ -31,6 +31,7 @@ on unread, to the router's 404 or 405.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -76,6 +77,15 @@ def client_of(scope, header: str | None = None) -> str:
             return "h:" + values[-1].decode("latin-1").split(",")[-1].strip()
     peer = scope.get("client") or ("", 0)
     return "a:" + str(peer[0])
+
+
+def tenant_salt(tenant: str, cache_salt: str | None) -> str:
+    """A request's cache salt under the app's tenant_header: its tenant's (the header's value, hashed:
+    the salt travels and is logged nowhere, the tenant id is not spelled out), then its own if it
+    sent one. Requests of different tenants never share a cached prefix (rayspec.kv.block_manager
+    roots each salt's chain apart), whatever salt they send."""
+    both = tenant.encode("utf-8") + (b"\0" + cache_salt.encode("utf-8") if cache_salt else b"")
+    return "tenant:" + hashlib.sha256(both).hexdigest()[:32]
 
 
 @dataclass

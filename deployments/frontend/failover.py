@@ -8,17 +8,21 @@ seeded sampled one (its draws are coupled to its seed and positions, not to a st
 an unseeded one keeps the target's distribution. A whole (non-streamed) request is sent again
 from the start. Usage counts add up over the replicas. Before a request goes again, its call or stream
 on the lost replica is cancelled: a replica that is only unreachable (ActorUnavailableError) would
-otherwise go on decoding it for no one.
+otherwise go on decoding it for no one. A request's deadline (GenerateRequest.timeout_s) holds over
+failovers: each replica gets the time left (`time_left`), none left is a RequestTimeoutError.
+A verifier replica whose engine hangs fails its health check (step_watchdog_s); Serve then stops it
+and its requests come here as from any dead replica.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Awaitable, Callable, TypeVar
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from deployments.transport.protocol import GenerateChunk, GenerateRequest
+from deployments.transport.protocol import GenerateChunk, GenerateRequest, RequestTimeoutError
 
 logger = logging.getLogger("rayspec.serve")
 
@@ -26,6 +30,18 @@ MAX_FAILOVERS = 3
 REPLICA_LOST = (RayActorError, ActorUnavailableError)  # the verifier replica died or cannot be reached
 
 T = TypeVar("T")
+
+
+def time_left(request: GenerateRequest, started: float) -> GenerateRequest:
+    """The request with the time left of its deadline (timeout_s, counted from `started`, a
+    time.monotonic()) to send to a replica; a RequestTimeoutError when none is left."""
+    if request.timeout_s is None:
+        return request
+    left = request.timeout_s - (time.monotonic() - started)
+    if left <= 0:
+        raise RequestTimeoutError(f"the request passed its deadline ({request.timeout_s:.3g} s) "
+                                  "while its verifier replica was replaced")
+    return request.model_copy(update={"timeout_s": left})
 
 
 class FailoverCounts:
@@ -51,6 +67,7 @@ class FailoverStream:
         self.num_failovers = 0
         self._drafts_before = self._accepted_before = 0  # counts of the replicas that died
         self._drafts = self._accepted = 0  # the current replica's, as of its last chunk
+        self._started = time.monotonic()  # the deadline's start
         self._gen = self._open(request)
 
     def _open(self, request: GenerateRequest):
@@ -67,6 +84,8 @@ class FailoverStream:
             except REPLICA_LOST as err:
                 if self.num_failovers >= MAX_FAILOVERS:
                     raise
+                self._cancel_current()  # unreachable is not dead: it must not decode on for no one
+                resumed = time_left(self.request, self._started)  # (none left: RequestTimeoutError)
                 self.num_failovers += 1
                 self.counts.streams += 1
                 logger.warning("verifier replica lost mid-stream (%s); resuming after %d tokens",
@@ -74,8 +93,7 @@ class FailoverStream:
                 self._drafts_before += self._drafts
                 self._accepted_before += self._accepted
                 self._drafts = self._accepted = 0
-                self._cancel_current()  # unreachable is not dead: it must not decode on for no one
-                self._gen = self._open(self.request.model_copy(update={
+                self._gen = self._open(resumed.model_copy(update={
                     "resume_output_ids": list(self.request.resume_output_ids) + self.output_ids,
                     "resume_sent_chars": self.request.resume_sent_chars + self.sent_chars}))
         self.output_ids += chunk.delta_token_ids

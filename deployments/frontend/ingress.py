@@ -5,14 +5,13 @@ POST /detokenize, GET /health, GET /v1/stats.
 The two generating routes share their verifier calls, usage, SSE events and errors here; what each
 makes of its choices' output is its ChoiceFormat (deployments.frontend.completions, .chat).
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
-With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but /health wants
+With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but GET /health wants
 `Authorization: Bearer <key>` (deployments.frontend.api_key); handle calls come over Ray, which has no keys.
 """
 
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -27,20 +26,19 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyLimit, body_routes, error_response,
-                                            not_ready,
+                                            not_ready, tenant_salt,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.frontend.chat import ChatChoices
 from deployments.frontend.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.frontend.completions import CompletionChoices
 from deployments.config import load_app_args, resolve_api_key
-from deployments.frontend.failover import FailoverCounts, FailoverStream, call_with_failover
+from deployments.frontend.failover import REPLICA_LOST, FailoverCounts, FailoverStream, call_with_failover, time_left
 from deployments.frontend.openai_limits import OpenAIError
 from deployments.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deployments.frontend.openai_responses import new_id, now, sum_usage
-from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse, RequestTimeoutError
 from deployments.frontend.sse import SSE_HEADERS
-from deployments.replicas.work_budget import WorkBudgetExceeded, WorkTooLargeError
 from rayspec.engine.llm_engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 from rayspec.sampling.tool_parsers import ToolCallParser, get_parser
 
@@ -122,37 +120,33 @@ async def _http_error(_: Request, err: StarletteHTTPException):
 def _as_openai_error(err: BaseException, constraint: str | None = None, retry_after_s: float | None = None,
                      ready: bool = True) -> OpenAIError | None:
     """Errors caused by the request (engine InvalidRequestError, bad values) -> 400; a full queue
-    downstream -> 429 (503 while no verifier has answered yet: `ready` False), with Retry-After;
-    else None. constraint: the field the request's output constraint came from, the `param` of a
-    grammar the verifier could not compile (malformed, past llguidance's limits or its compile deadline)."""
+    downstream -> 429 (503 while no verifier has answered yet: `ready` False), with Retry-After; the
+    request's deadline passed (request_timeout_s) -> 504; its verifier replica lost more often than
+    failover retries -> 503, with Retry-After; else None. constraint: the field the request's output
+    constraint came from, the `param` of a grammar the verifier could not compile (malformed, past
+    llguidance's limits or its compile deadline)."""
     cause = getattr(err, "cause", None) or err  # a RayTaskError carries the replica's exception
     if isinstance(cause, OpenAIError):
         return cause
+    if isinstance(cause, RequestTimeoutError) or isinstance(err, RequestTimeoutError):
+        return OpenAIError(f"The request timed out: {cause}.", status_code=504, type="timeout_error",
+                           code="request_timeout")
+    if isinstance(err, REPLICA_LOST) or isinstance(cause, REPLICA_LOST):  # (a dead or hung replica, failed over)
+        return OpenAIError("The server lost the model replica serving this request. Try again.", status_code=503,
+                           type="service_unavailable", code="replica_lost", retry_after_s=retry_after_s)
     if isinstance(cause, (BackPressureError, DeploymentUnavailableError)):
         if not ready or isinstance(cause, DeploymentUnavailableError):
             return not_ready("no verifier replica is serving yet", retry_after_s)
         return overloaded("every verifier replica's queue is full", retry_after_s)
-    if isinstance(cause, EngineOverloadedError):
-        return overloaded("the engine's waiting queue is full", retry_after_s)
-    if isinstance(cause, WorkBudgetExceeded) or isinstance(err, WorkBudgetExceeded):  # admission by work
-        return overloaded(str(cause).strip().splitlines()[-1], retry_after_s)
+    if isinstance(cause, EngineOverloadedError):  # with a reason of its own: admission by work (WorkBudgetExceeded)
+        return overloaded(getattr(cause, "reason", None) or "the engine's waiting queue is full", retry_after_s)
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
         param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
-        too_much = isinstance(cause, WorkTooLargeError) or isinstance(err, WorkTooLargeError)  # admission by work
         return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
-                           param=param, code="request_too_much_work" if too_much else None)
+                           param=param, code=getattr(cause, "code", None))  # (WorkTooLargeError's)
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
-
-
-def tenant_salt(tenant: str, cache_salt: str | None) -> str:
-    """A request's cache salt under the app's tenant_header: its tenant's (the header's value, hashed:
-    the salt travels and is logged nowhere, the tenant id is not spelled out), then its own if it
-    sent one. Requests of different tenants never share a cached prefix (rayspec.kv.block_manager
-    roots each salt's chain apart), whatever salt they send."""
-    both = tenant.encode("utf-8") + (b"\0" + cache_salt.encode("utf-8") if cache_salt else b"")
-    return "tenant:" + hashlib.sha256(both).hexdigest()[:32]
 
 
 def _sse(data: dict) -> str:
@@ -269,12 +263,21 @@ class OpenAIIngress:
 
     # ---- Python handle API ---------------------------------------------------------------
     def _tagged(self, request: Union[GenerateRequest, dict]) -> GenerateRequest:
+        """The request as sent to a verifier: with this replica's name (caller) and the deadline (the
+        app's request_timeout_s, unless the request brings its own)."""
         request = GenerateRequest.model_validate(request)
-        return request.model_copy(update={"caller": self.actor_name}) if self.actor_name else request
+        update = {"caller": self.actor_name} if self.actor_name else {}
+        if request.timeout_s is None and self.cfg.request_timeout_s is not None:
+            update["timeout_s"] = self.cfg.request_timeout_s
+        return request.model_copy(update=update) if update else request
+
+    def _generate_call(self, request: GenerateRequest):
+        """A whole request's call, sent again after a failover with the time left of its deadline."""
+        started = time.monotonic()
+        return call_with_failover(lambda: self.verifier.generate.remote(time_left(request, started)), self.failovers)
 
     async def generate(self, request: Union[GenerateRequest, dict]) -> GenerateResponse:
-        request = self._tagged(request)
-        return await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
+        return await self._generate_call(self._tagged(request))
 
     async def generate_stream(self, request: Union[GenerateRequest, dict]) -> AsyncIterator[GenerateChunk]:
         stream = FailoverStream(self.verifier, self._tagged(request), self.failovers)
@@ -401,7 +404,7 @@ class OpenAIIngress:
             mapped = _as_openai_error(err, constraint, self.cfg.retry_after_s, self.verifier_answered)
             if mapped is None:
                 raise
-            if mapped.status_code in (429, 503):
+            if mapped.code in ("server_overloaded", "not_ready"):
                 self.admission.num_backpressured += 1
             raise mapped from None
 
@@ -431,7 +434,7 @@ class OpenAIIngress:
 
     async def _call(self, request: GenerateRequest, constraint: str | None = None) -> GenerateResponse:
         with self._errors_mapped(constraint):
-            response = await call_with_failover(lambda: self.verifier.generate.remote(request), self.failovers)
+            response = await self._generate_call(request)
         self.verifier_answered = True
         return response
 

@@ -8,12 +8,14 @@ points at an asyncio queue with `loop.call_soon_threadsafe`. No Ray import here.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
+from deployments.transport.protocol import RequestTimeoutError
 from rayspec.engine.llm_engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
 from rayspec.engine.metrics import FinishedRequestStats, IterationStats
 
@@ -31,6 +33,7 @@ class _Stream:
     num_prompt_tokens: int | None = None  # set (and counted) at its first output, when its prefill is done
     first_token: float | None = None
     last_token: float | None = None  # when it last got tokens: the inter-token latency's start
+    deadline: float | None = None  # perf_counter time past which it is aborted (RequestTimeoutError)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class _Add:
     deliver: Deliver
     resume: tuple[list[int], int] = ((), 0)  # (output ids so far, characters already sent): see add_request
     grammar: Any = None  # a structured request's grammar state, built off this thread (engine.prepare_grammar)
+    timeout_s: float | None = None  # from `submitted`; None: no deadline
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -77,11 +81,18 @@ class _Stop:
 
 class EngineLoop:
     def __init__(self, engine_factory: Callable[[], LLMEngine], metrics=None, idle_poll_s: float = 0.2,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, step_watchdog_s: float | None = None):
         """on_fatal(err): called on the loop thread when a step fails in a way the engine cannot go on
-        from (`err.fatal`: a tensor-parallel rank died); the loop stops either way (not alive)."""
+        from (`err.fatal`: a tensor-parallel rank died); the loop stops either way (not alive).
+        step_watchdog_s: with requests queued or running and no step finished for this long, the loop
+        is unhealthy (health_problem: the thread hangs in a step); None: never for that."""
         self._factory = engine_factory
         self._on_fatal = on_fatal
+        self.step_watchdog_s = step_watchdog_s
+        # time.monotonic() when a step last finished (or failed) or the loop last found nothing to do
+        self.last_progress = time.monotonic()
+        self._in_command = False  # a command is being handled (a hang there is the watchdog's too)
+        self._next_deadline = math.inf  # no request's deadline is earlier (the scan's gate)
         self.metrics = metrics  # observe_iteration(IterationStats) once per step, update(snapshot) after it
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,6 +106,7 @@ class EngineLoop:
         self.num_aborted = 0
         self.num_failed = 0  # requests the engine failed alone (finish_reason "error")
         self.num_rejected = 0  # refused with the waiting queue full (EngineOverloadedError)
+        self.num_timed_out = 0  # aborted at their deadline (RequestTimeoutError)
         self.num_steps = 0
         self.num_failed_steps = 0
         self.failed_steps_in_a_row = 0  # steps that raised since the last one that did not
@@ -118,16 +130,24 @@ class EngineLoop:
     def health_problem(self, max_failed_steps: int) -> str | None:
         """Why this loop should be replaced (None: it should not): its thread ended, or its last
         `max_failed_steps` steps all raised (a sticky device error: every step fails, the replica
-        empties fastest, and a router would send it the most requests)."""
+        empties fastest, and a router would send it the most requests), or it has work and no step
+        finished for step_watchdog_s (a CUDA/NCCL call or a grammar step that hangs: its requests
+        would wait forever on a replica that looks healthy). Idle, it is never stalled."""
         if not self.alive:
             return "engine loop is not running"
         if self.failed_steps_in_a_row >= max_failed_steps:
             return f"the last {self.failed_steps_in_a_row} engine steps all failed"
+        if self.step_watchdog_s is not None and (self._streams or self._in_command or not self._commands.empty()):
+            since = time.monotonic() - self.last_progress
+            if since > self.step_watchdog_s:
+                return (f"no engine step finished for {since:.0f} s with requests queued or running "
+                        f"(step_watchdog_s {self.step_watchdog_s:g}): the engine thread hangs")
         return None
 
     def submit(self, request_id: str, prompt: Prompt, params, deliver: Deliver,
-               resume: tuple[list[int], int] = ((), 0), grammar=None) -> None:
-        self._commands.put(_Add(request_id, prompt, params, deliver, resume, grammar))
+               resume: tuple[list[int], int] = ((), 0), grammar=None, timeout_s: float | None = None) -> None:
+        """timeout_s: from now, past it the request is aborted and deliver gets a RequestTimeoutError."""
+        self._commands.put(_Add(request_id, prompt, params, deliver, resume, grammar, timeout_s))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -185,11 +205,13 @@ class EngineLoop:
                 logger.exception("engine shutdown failed")
 
     def _serve(self, engine) -> None:
+        self.last_progress = time.monotonic()
         while not self._stop.is_set():
             idle = not engine.has_unfinished_requests()
             self._drain(block=idle)
             if self._stop.is_set():
                 break
+            self._expire()
             if not engine.has_unfinished_requests():
                 try:
                     engine.proposer.flush()
@@ -197,6 +219,7 @@ class EngineLoop:
                     logger.exception("proposer flush failed")
                 self._settle_cpu_kernels(engine)
                 self._update_snapshot()
+                self.last_progress = time.monotonic()
                 continue
             try:
                 started = time.perf_counter()
@@ -204,7 +227,9 @@ class EngineLoop:
                 self.step_seconds += time.perf_counter() - started
                 self.num_steps += 1
                 self.failed_steps_in_a_row = 0
+                self.last_progress = time.monotonic()
             except Exception as err:  # noqa: BLE001 - fail the running requests, keep serving
+                self.last_progress = time.monotonic()  # a step that raises is no hang (health_problem counts them)
                 logger.exception("engine step failed")
                 self.num_failed_steps += 1
                 self.failed_steps_in_a_row += 1
@@ -250,7 +275,11 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            self._handle(cmd)
+            self._in_command = True
+            try:
+                self._handle(cmd)
+            finally:
+                self._in_command = False
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -272,7 +301,11 @@ class EngineLoop:
             except Exception as err:  # noqa: BLE001 - e.g. a chat template error: the request's fault
                 cmd.deliver(InvalidRequestError(f"{type(err).__name__}: {err}"))
                 return
-            self._streams[cmd.request_id] = _Stream(cmd.deliver, cmd.submitted, num_tokens=len(cmd.resume[0]))
+            deadline = None if cmd.timeout_s is None else cmd.submitted + cmd.timeout_s
+            self._streams[cmd.request_id] = _Stream(cmd.deliver, cmd.submitted, num_tokens=len(cmd.resume[0]),
+                                                    deadline=deadline)
+            if deadline is not None:
+                self._next_deadline = min(self._next_deadline, deadline)
             return
         if isinstance(cmd, _Abort):
             stream = self._streams.pop(cmd.request_id, None)
@@ -283,6 +316,28 @@ class EngineLoop:
             cmd.fn(engine)
         elif isinstance(cmd, _Stop):
             self._stop.set()
+
+    def _expire(self) -> None:
+        """Requests past their deadline are aborted in the engine (their KV slots freed) and their
+        callers get RequestTimeoutError. The streams are scanned only once the earliest deadline
+        known has passed (finished requests leave it early: one scan then finds the next)."""
+        now = time.perf_counter()
+        if now < self._next_deadline:
+            return
+        stats = IterationStats()
+        for rid in [rid for rid, s in self._streams.items() if s.deadline is not None and s.deadline <= now]:
+            stream = self._streams.pop(rid)
+            self.engine.abort_request(rid)
+            self.num_timed_out += 1
+            stats.finished.append(self._finished(stream, "abort", now))
+            try:
+                timeout = stream.deadline - stream.submitted
+                stream.deliver(RequestTimeoutError(f"the request passed its deadline ({timeout:.3g} s) and was aborted"))
+            except Exception:  # noqa: BLE001 - the caller is gone
+                pass
+        self._observe(stats)
+        self._next_deadline = min((s.deadline for s in self._streams.values() if s.deadline is not None),
+                                  default=math.inf)
 
     def _dispatch(self, out: RequestOutput, now: float, stats: IterationStats) -> None:
         stream = self._streams.get(out.request_id)
@@ -388,6 +443,7 @@ class EngineLoop:
             "num_aborted": self.num_aborted,
             "num_failed": self.num_failed,
             "num_rejected": self.num_rejected,
+            "num_timed_out": self.num_timed_out,
             "num_steps": self.num_steps,
             "step_seconds": round(self.step_seconds, 4),
             **engine.stats.as_dict(),

@@ -25,15 +25,19 @@ logger = logging.getLogger("ray.serve")
 from deployments.config import load_app_args, replica_device
 from deployments.replicas.engine_loop import EngineLoop
 from deployments.replicas.work_budget import WorkBudget, choice_work
-from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse
+from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse, RequestTimeoutError
 from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 
 
 CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
 _CALLER_GONE = object()  # put in a request's queue when its caller died
 _BACKLOG = object()  # put in a request's queue when its reader fell too far behind
+_TIMED_OUT = object()  # put in a request's queue TIMEOUT_GRACE_S past its deadline
 UNHEALTHY_AFTER_FAILED_STEPS = 3  # steps in a row that raised: the replica reports unhealthy
 MAX_BUFFERED_OUTPUTS = 1024  # outputs of one request waiting for its reader (each a step's delta)
+# the engine loop ends a request at its deadline; this much later the replica's event loop ends it
+# itself, in case the loop's thread hangs in a step (it is aborted there when the thread is back)
+TIMEOUT_GRACE_S = 5.0
 
 
 class CallerLostError(RuntimeError):
@@ -136,7 +140,9 @@ class Verifier:
         except Exception:  # noqa: BLE001 - metrics are best effort
             logger.exception("metrics disabled")
             metrics = None
-        self.loop = EngineLoop(factory, metrics=metrics, on_fatal=_end_replica)
+        # a loop whose thread hangs with work fails check_health (step_watchdog_s): Serve replaces the
+        # replica, and its requests fail over as from a dead one (deployments.frontend.failover)
+        self.loop = EngineLoop(factory, metrics=metrics, on_fatal=_end_replica, step_watchdog_s=cfg.step_watchdog_s)
         self.loop.wait_ready()
         # work let in at once (deployments.replicas.work_budget); default: a full batch of the longest sequences
         engine = self.loop.engine
@@ -147,6 +153,7 @@ class Verifier:
         self.callers = CallerLiveness()
         self.num_caller_lost = 0  # requests aborted because their ingress replica died
         self.max_buffered_outputs = MAX_BUFFERED_OUTPUTS
+        self.request_timeout_s = cfg.request_timeout_s  # a request's deadline unless it brings its own
         self.num_backlogged = 0  # requests aborted because their reader fell too far behind
         self._watched: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (its caller, its queue)
         self._watcher: asyncio.Task | None = None
@@ -202,10 +209,13 @@ class Verifier:
         if isinstance(request, dict):
             request = GenerateRequest.model_validate(request)
         params = request.sampling_params()  # raises InvalidRequestError for bad values
+        timeout_s = request.timeout_s if request.timeout_s is not None else self.request_timeout_s
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         rid = f"{self._prefix}{next(self._ids)}"
         prompt = await self._prompt_ids(request)
         self._admit(rid, request, prompt, params)  # raises WorkBudgetExceeded (429) / WorkTooLargeError (400)
         submitted = done = False
+        timer = None
         try:
             grammar = None
             if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
@@ -228,9 +238,13 @@ class Verifier:
                     return
                 queue.put_nowait(item)
 
+            # (the prompt's encoding and the grammar took some of the time)
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
             self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(put, item),
-                             resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar)
+                             resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar,
+                             timeout_s=left)
             submitted = True
+            timer = None if left is None else loop.call_later(left + TIMEOUT_GRACE_S, queue.put_nowait, _TIMED_OUT)
             if request.caller is not None:
                 self._watched[rid] = (request.caller, queue)
                 self._watch_callers()
@@ -245,6 +259,9 @@ class Verifier:
                     logger.warning("request %s: its ingress replica %s is gone; aborting", rid, request.caller)
                     self.num_caller_lost += 1
                     raise CallerLostError(f"the ingress replica {request.caller} that sent this request is gone")
+                if item is _TIMED_OUT:  # the engine's thread did not end it: it hangs (aborted when it is back)
+                    logger.warning("request %s: past its deadline (%g s), the engine not answering", rid, timeout_s)
+                    raise RequestTimeoutError(f"the request passed its deadline ({timeout_s:.3g} s) and was aborted")
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -256,6 +273,8 @@ class Verifier:
                     return
         finally:
             self.work.release(rid)  # (once: a second release is a no-op)
+            if timer is not None:
+                timer.cancel()
             self._watched.pop(rid, None)
             if submitted and not done:  # cancelled or disconnected: free the slot
                 self.loop.abort(rid)

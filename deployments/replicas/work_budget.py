@@ -44,15 +44,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rayspec.engine.outputs import InvalidRequestError
+from rayspec.engine.outputs import EngineOverloadedError, InvalidRequestError
 
 
-class WorkBudgetExceeded(RuntimeError):
+class WorkBudgetExceeded(EngineOverloadedError):
     """The request's work does not fit beside the work in flight on this replica: try later (429)."""
+
+    @property
+    def reason(self) -> str:  # what the ingress's 429 says
+        return str(self)
 
 
 class WorkTooLargeError(InvalidRequestError):
     """The request's work is more than a replica's whole budget: it can never be let in (400)."""
+
+    code = "request_too_much_work"  # the 400's OpenAI error code
 
 
 @dataclass(frozen=True)

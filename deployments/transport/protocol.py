@@ -10,6 +10,11 @@ from rayspec.sampling.sampler import SamplingParams
 from rayspec.sampling.structured import StructuredOutput
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request passed its deadline (GenerateRequest.timeout_s, app arg request_timeout_s) and was
+    aborted, its engine resources freed. The ingress answers 504 (code request_timeout)."""
+
+
 class GenerateRequest(BaseModel):
     """One generation: `prompt` (text or token ids) or chat `messages` (the model's chat template)."""
 
@@ -50,6 +55,10 @@ class GenerateRequest(BaseModel):
     # a verifier replica lets a request's choices in together, by their work (deployments.replicas.work_budget)
     group: str | None = Field(None, max_length=64)
     group_size: int = Field(1, ge=1)
+    # seconds this request may take from when the verifier takes it; past it the verifier aborts it
+    # with RequestTimeoutError. The ingress sets its app's request_timeout_s, and a failover the time
+    # left. None: the verifier's own request_timeout_s
+    timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _one_prompt(self):

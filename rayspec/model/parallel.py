@@ -56,8 +56,12 @@ class TPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str, device: torch.device,
-             timeout_s: float = IDLE_TIMEOUT_S) -> "TPGroup":
+             timeout_s: float = IDLE_TIMEOUT_S, secret: bytes | None = None) -> "TPGroup":
         """Join the group (blocks until every rank has). NCCL on CUDA devices, gloo elsewhere.
+
+        secret: the group's, handed to every rank by whoever started them (rank 0, over Ray): the
+        rendezvous (torch's TCP store) takes whoever connects first as a rank, so once joined every
+        rank proves it holds the secret (`_prove`) and the group is refused when one does not.
 
         The timeout bounds every collective, including a follower's wait for rank 0's next command,
         which lasts as long as the engine is idle: so it is long. A rank that dies is noticed
@@ -69,8 +73,35 @@ class TPGroup:
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
+        group = cls(rank=rank, size=size, device=device)
+        if secret is not None:
+            group._prove(secret)
         logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
-        return cls(rank=rank, size=size, device=device)
+        return group
+
+    def _prove(self, secret: bytes) -> None:
+        """Every rank shows HMAC-SHA256(secret, rank 0's fresh nonce, its rank) to every other; one
+        that cannot (an impostor that reached the rendezvous first) fails the group on every rank."""
+        import hashlib
+        import hmac
+        import secrets as random_bytes
+
+        nonce = torch.zeros(32, dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            nonce.copy_(torch.frombuffer(bytearray(random_bytes.token_bytes(32)), dtype=torch.uint8))
+        dist.broadcast(nonce, src=0)
+        nonce_bytes = bytes(nonce.cpu().tolist())
+
+        def tag(rank: int) -> bytes:
+            return hmac.new(secret, nonce_bytes + rank.to_bytes(4, "little"), hashlib.sha256).digest()
+
+        mine = torch.frombuffer(bytearray(tag(self.rank)), dtype=torch.uint8).to(self.device)
+        tags = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(tags, mine)
+        bad = [r for r, t in enumerate(tags) if not hmac.compare_digest(bytes(t.cpu().tolist()), tag(r))]
+        if bad:
+            dist.destroy_process_group()
+            raise RankFailure(f"tensor-parallel ranks {bad} could not prove the group's secret: refused")
 
     def shard(self, n: int, what: str) -> tuple[int, int]:
         """(start, stop) of this rank's equal slice of n things."""

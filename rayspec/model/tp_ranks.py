@@ -6,6 +6,8 @@ rayspec.model.loader; rayspec.model.parallel imports neither (no import circle).
 
 from __future__ import annotations
 
+import secrets
+
 from dataclasses import dataclass
 
 import torch
@@ -63,14 +65,14 @@ def serve_commands(models: list, tp: TPGroup) -> int:
 
 
 def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-             draft: "DraftShard | None" = None, timeout_s: float = IDLE_TIMEOUT_S) -> int:
+             draft: "DraftShard | None" = None, timeout_s: float = IDLE_TIMEOUT_S, secret: bytes | None = None) -> int:
     """A follower rank's whole process: join the group, load this rank's shard of the model (and of
     the draft model, when it is sharded too), then serve rank 0's commands until it stops them (or
     the group breaks)."""
     device = torch.device(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    tp = TPGroup.init(rank, size, init_method, device, timeout_s)
+    tp = TPGroup.init(rank, size, init_method, device, timeout_s, secret=secret)
     try:
         models = [loader.load_model(model_spec, device=device, dtype=dtype, tp=tp, tokenizer=False)[0]]
         if draft is not None:
@@ -115,9 +117,10 @@ class RankLauncher:
         raise NotImplementedError
 
     def launch(self, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-               draft: DraftShard | None = None):
-        """Start the ranks; returns a handle with `wait_started()` (raises when a rank cannot start),
-        `alive() -> bool` and `shutdown()`."""
+               draft: DraftShard | None = None, secret: bytes | None = None):
+        """Start the ranks (each runs run_rank with `secret`, over a channel the launcher trusts: Ray's,
+        a process's arguments); returns a handle with `wait_started()` (raises when a rank cannot
+        start), `alive() -> bool` and `shutdown()`."""
         raise NotImplementedError
 
 
@@ -141,10 +144,12 @@ def start_tensor_parallel(config, launcher: RankLauncher | None):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     init_method = f"tcp://{launcher.address()}:{free_port()}"
-    ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype, DraftShard.of(config))
+    secret = secrets.token_bytes(32)  # the group's: its ranks prove it once joined (TPGroup._prove)
+    ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype, DraftShard.of(config),
+                            secret=secret)
     try:
         ranks.wait_started()  # the ranks' processes run (else joining the group below would wait forever)
-        tp = TPGroup.init(0, size, init_method, device)
+        tp = TPGroup.init(0, size, init_method, device, secret=secret)
         model, tokenizer = loader.load_model(config.model, device=device, dtype=config.dtype, tp=tp)
         draft = DraftShard.of(config)
         if draft is not None:  # the draft proposer takes it (rayspec.proposers.draft_model)
