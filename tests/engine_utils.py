@@ -100,28 +100,6 @@ def run_joining(engine: LLMEngine, prompts, params: SamplingParams, first: int =
     return [done[i].token_ids for i in ids]
 
 
-def tv_distance(p, q) -> float:
-    p = torch.as_tensor(p, dtype=torch.float64)
-    q = torch.as_tensor(q, dtype=torch.float64)
-    return 0.5 * float((p - q).abs().sum())
-
-
-def empirical(samples, vocab: int) -> torch.Tensor:
-    counts = torch.bincount(torch.as_tensor(samples, dtype=torch.long), minlength=vocab).double()
-    return counts / counts.sum()
-
-
-def tv_threshold(p, n: int, delta: float = 1e-4) -> float:
-    """A bound the TV distance of an n-sample empirical distribution exceeds with prob. < delta.
-
-    E[TV] <= 0.5 * sum_i sqrt(p_i (1 - p_i) / n) (Jensen), and TV changes by at most 1/n when
-    one sample changes, so McDiarmid adds sqrt(ln(1/delta) / (2n)).
-    """
-    p = torch.as_tensor(p, dtype=torch.float64)
-    mean = 0.5 * float((p * (1 - p) / n).sqrt().sum())
-    return mean + math.sqrt(math.log(1 / delta) / (2 * n))
-
-
 @functools.lru_cache(maxsize=None)
 def cached_model(spec: str, num_layers: int | None = None):
     """(model, tokenizer), loaded once per process and shared by every test module."""

@@ -78,6 +78,17 @@ def reference(tiny_model_dir):
     return texts
 
 
+def sampled_reference(tiny_model_dir, max_tokens: int) -> list[str]:
+    """What each seeded sampled stream of _sampled_stream must say, fault or not: target-only decoding
+    with its seed (a seeded request draws coupled, rayspec.sampling.sampler: the same tokens whatever
+    was drafted, on whichever engine it resumes)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, max_num_seqs=NUM_CLIENTS,
+                                    kv_cache_memory_gb=0.25, speculative=SpeculativeConfig(method="none")))
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    return [o.text for o in engine.generate(PROMPTS, params)]
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def _replicas(app: str, deployment: str) -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -302,10 +313,11 @@ SAMPLED_TOKENS = 96  # the tiny random models' sampled rows are nearly flat: eac
 # the 49,152-token vocabulary, so 16 sampled streams of 320 tokens took 136 s on both replicas unfaulted
 
 
-def test_killed_verifier_replica_under_sampled_load(served):
+def test_killed_verifier_replica_under_sampled_load(served, tiny_model_dir):
     """Sampled (temperature 0.9, seeded) streams while a verifier replica dies: every stream ends
     with [DONE], no error, exactly max_tokens tokens (the resumed ones continue from the tokens they
-    had, counted once); the ingress replicas counted the failovers. The SSE
+    had, counted once), and says what it says unfaulted: target-only decoding with its seed (issue
+    #53, item 4); the ingress replicas counted the failovers. The SSE
     responses carry the no-buffering headers (deployments/frontend/sse.py). The replica killed is
     one running streams (just after the previous test's replacement came up, the routers may send
     every stream to the other: killing an idle one, nothing failed over; seen once in a full run)."""
@@ -331,9 +343,10 @@ def test_killed_verifier_replica_under_sampled_load(served):
             return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
 
     results = asyncio.run(main())
+    want = sampled_reference(tiny_model_dir, SAMPLED_TOKENS)
     for i, r in enumerate(results):
         assert r["status"] == 200 and r["error"] is None and r["done"], (i, r)
-        assert r["tokens"] == SAMPLED_TOKENS and r["text"], (i, r["tokens"])
+        assert r["tokens"] == SAMPLED_TOKENS and r["text"] == want[i], (i, r["tokens"], r["text"], want[i])
         assert r["headers"]["x-accel-buffering"] == "no" and r["headers"]["cache-control"] == "no-cache"
     assert _failovers_since("faults", before, 2)["num_stream_failovers"] >= 1
     _wait_replaced("faults", "Verifier", victims[0], 2)
