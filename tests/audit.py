@@ -368,20 +368,20 @@ def _tv(null: list[Block], alt: list[Block]) -> float:
 
 @dataclass
 class LawResult:
-    num_draws: int  # transforms in the test (outcomes and sampled drafts)
-    num_outcomes: int  # of those, prefill and verification outcomes
+    num_draws: int  # the transforms tested
     impossible: list[str]
-    counts: np.ndarray
+    counts: np.ndarray  # per bin
     statistic: float
     p_value: float
-    shapes: dict  # shape -> (mean per-outcome TV of the full bias, mean bin move [BINS])
+    shapes: dict  # shape -> (the full bias's mean per-draw TV, its mean move of each bin's probability [BINS])
 
     def __str__(self) -> str:
-        return (f"{self.num_draws} draws ({self.num_outcomes} outcomes): chi2 = {self.statistic:.1f} on {BINS - 1} "
-                f"df, p = {self.p_value:.3g}, {len(self.impossible)} impossible")
+        return (f"{self.num_draws} draws: chi2 = {self.statistic:.1f} on {BINS - 1} df, p = {self.p_value:.3g}, "
+                f"{len(self.impossible)} impossible")
 
     def tv_detected(self, shape: str, alpha: float, power: float = 0.99) -> float:
-        """The per-outcome TV of a bias of this shape that the test rejects with `power` at level alpha."""
+        """The per-draw TV of a bias of this shape that the test rejects with `power` at level alpha
+        (the bias scaled by t: TV t * tv, noncentrality t^2 * n BINS sum_b move_b^2)."""
         tv, move = self.shapes[shape]
         unit = self.num_draws * BINS * float((move ** 2).sum())  # noncentrality at t = 1
         if unit == 0:
@@ -396,12 +396,6 @@ class LawResult:
             mid = (low + high) / 2
             low, high = (mid, high) if stat_utils.ncx2_sf(crit, BINS - 1, unit * mid ** 2) < power else (low, mid)
         return high * tv
-
-    def power_at(self, shape: str, tv: float, alpha: float) -> float:
-        full_tv, move = self.shapes[shape]
-        t = tv / full_tv
-        return stat_utils.ncx2_sf(stat_utils.chi2_isf(alpha, BINS - 1), BINS - 1,
-                                  self.num_draws * BINS * float(((t * move) ** 2).sum()))
 
 
 def law_test(draws: list[Draw], seed: int = 0) -> tuple[LawResult, LawResult]:
@@ -440,8 +434,7 @@ def _pearson(us: list[float], impossible: list[str], shapes: dict) -> LawResult:
     counts = np.bincount(np.minimum((np.asarray(us, dtype=float) * BINS).astype(int), BINS - 1), minlength=BINS)
     expected = n / BINS
     statistic = float(((counts - expected) ** 2 / expected).sum()) if n else 0.0
-    return LawResult(n, n, impossible, counts, statistic, stat_utils.chi2_sf(statistic, BINS - 1) if n else 1.0,
-                     shapes)
+    return LawResult(n, impossible, counts, statistic, stat_utils.chi2_sf(statistic, BINS - 1) if n else 1.0, shapes)
 
 
 def _boosted(d: Draw, null: list[Block]) -> list[Block]:
