@@ -221,6 +221,11 @@ class AppArgs(_Strict):
     # or the value of `client_header` (behind a trusted proxy: "x-forwarded-for", or a tenant header)
     max_ongoing_per_client: int | None = Field(None, ge=1)
     client_header: str | None = None
+    # admission by work (deployments.replicas.work_budget): tokens of work (prompt + max_tokens per
+    # choice, prompts scored with logprobs and echoed weighted more) one verifier replica lets in at
+    # once; past it a request gets a 429 at once, a request larger than all of it a 400. None: engine
+    # max_num_seqs x max_model_len (a full batch of the longest sequences)
+    work_budget_tokens: int | None = Field(None, ge=1)
     # a header naming the request's tenant, set by a trusted proxy (e.g. "x-tenant-id"): requests of
     # different tenants never share cached prefixes (each tenant's salts its prefix cache; without the
     # header a request is tenant ""). None: one cache for all (a request's own cache_salt still splits it)

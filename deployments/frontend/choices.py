@@ -3,12 +3,15 @@ each, run concurrently (they batch in the verifier's engine like any other reque
 streams merged in arrival order.
 
 Choice c is prompt c // n, sample c % n. A seeded request's sample i uses seed + i, so that the
-n samples differ and the request stays reproducible; greedy samples are all the same.
+n samples differ and the request stays reproducible; greedy samples are all the same. The choices of
+one request carry its id and their number (GenerateRequest.group, group_size): a verifier replica lets
+them in together, by their work, or refuses them together (deployments.replicas.work_budget).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import AsyncIterator
 
 from deployments.frontend.failover import FailoverCounts, FailoverStream
@@ -17,6 +20,9 @@ from deployments.transport.protocol import GenerateChunk, GenerateRequest
 
 def expand(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
     out = []
+    if (size := len(requests) * n) > 1:  # one group (one request alone needs none)
+        group = uuid.uuid4().hex
+        requests = [r.model_copy(update={"group": group, "group_size": size}) for r in requests]
     for request in requests:
         for i in range(n):
             seed = None if request.seed is None else request.seed + i

@@ -138,12 +138,12 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
         if not ready or isinstance(cause, DeploymentUnavailableError):
             return not_ready("no verifier replica is serving yet", retry_after_s)
         return overloaded("every verifier replica's queue is full", retry_after_s)
-    if isinstance(cause, EngineOverloadedError):
-        return overloaded("the engine's waiting queue is full", retry_after_s)
+    if isinstance(cause, EngineOverloadedError):  # with a reason of its own: admission by work (WorkBudgetExceeded)
+        return overloaded(getattr(cause, "reason", None) or "the engine's waiting queue is full", retry_after_s)
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
         param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
         return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
-                           param=param)
+                           param=param, code=getattr(cause, "code", None))  # (WorkTooLargeError's)
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
