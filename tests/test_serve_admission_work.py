@@ -112,7 +112,8 @@ def test_a_burst_past_the_budget_gets_429s_with_retry_after_not_timeouts(served)
     wait_for(lambda: _idle(served), timeout=60)
     after = _stats(served)
     assert after["num_refused_for_work"] - before["num_refused_for_work"] >= statuses.count(429)
-    assert after["num_refused_downstream"] - before["num_refused_downstream"] == statuses.count(429)
+    # (>=: a choice refused after its request's other choice was let in counts too)
+    assert after["num_refused_downstream"] - before["num_refused_downstream"] >= statuses.count(429)
 
 
 def test_a_small_request_beside_a_burst_is_served_before_it(served):

@@ -23,7 +23,7 @@ ENGINE_THREAD = "rayspec-engine"  # deployments.replicas.engine_loop's
 def verifier(tiny_model_dir):
     from deployments.replicas.verifier import Verifier
 
-    verifier = Verifier.func_or_class(tiny_args(tiny_model_dir))
+    verifier = Verifier.func_or_class(tiny_args(tiny_model_dir, work_budget_tokens=4096))  # one full batch
     yield verifier
     verifier.loop.shutdown()
 
@@ -58,9 +58,11 @@ def test_prompts_are_templated_and_tokenized_off_the_engine_thread(verifier):
     assert len(seen) >= 4 and ENGINE_THREAD not in seen, seen
 
 
-def test_the_default_budget_is_a_full_batch_of_the_longest_sequences(verifier):
-    assert verifier.work.budget == 4 * 1024  # tiny_args: max_num_seqs 4, max_model_len 1024
-    assert verifier.get_stats()["work_budget_tokens"] == 4096
+def test_the_default_budget_is_four_full_batches_of_the_longest_sequences(verifier):
+    from deployments.replicas.work_budget import default_work_budget
+
+    assert default_work_budget(4, 1024) == 4 * 4 * 1024  # tiny_args: max_num_seqs 4, max_model_len 1024
+    assert verifier.work.budget == 4096 and verifier.get_stats()["work_budget_tokens"] == 4096  # (set here)
 
 
 def test_a_request_past_the_whole_budget_is_refused_at_once(verifier):

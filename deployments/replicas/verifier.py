@@ -24,7 +24,7 @@ logger = logging.getLogger("ray.serve")
 
 from deployments.config import load_app_args, replica_device
 from deployments.replicas.engine_loop import EngineLoop
-from deployments.replicas.work_budget import WorkBudget, choice_work
+from deployments.replicas.work_budget import WorkBudget, choice_work, default_work_budget
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse, RequestTimeoutError
 from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 
@@ -146,7 +146,8 @@ class Verifier:
         self.loop.wait_ready()
         # work let in at once (deployments.replicas.work_budget); default: a full batch of the longest sequences
         engine = self.loop.engine
-        self.work = WorkBudget(cfg.work_budget_tokens or engine.config.max_num_seqs * engine.max_model_len)
+        self.work = WorkBudget(cfg.work_budget_tokens or default_work_budget(engine.config.max_num_seqs,
+                                                                             engine.max_model_len))
         # seq ids unique across verifier replicas: a shared proposer keys its state on them
         self._prefix = f"{tag}-"
         self._ids = itertools.count()

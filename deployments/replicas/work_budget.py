@@ -19,9 +19,13 @@ where prompt is the prompt's token count (after the chat template) and max_token
 max_model_len leaves. Output logprobs are not weighted: their alternatives are decoded one step at a
 time, a token's worth per running sequence per step, as the output comes.
 
-The budget (`work_budget_tokens`, app arg) defaults to engine `max_num_seqs` x `max_model_len`: a
-full batch of sequences of the longest length, so what is let in could run at once (KV positions),
-and a request let in waits behind at most about one batch's work. A request that does not fit beside
+The budget (`work_budget_tokens`, app arg) defaults to BATCHES (4) x engine `max_num_seqs` x
+`max_model_len`: four full batches of sequences of the longest length, the work the replica's own
+queue holds (Serve's max_ongoing_requests is 4 x max_num_seqs by default), so ordinary concurrency
+queues as it did and a request let in waits behind at most about four batches' work, while one
+request scoring a long prompt 64 times, or a burst of n=8 requests of hundreds of tokens, does not
+fit. (One batch was measured too tight: the suite's ordinary loads, 10 long requests on one replica,
+got 429s.) A request that does not fit beside
 the work in flight gets a 429 with Retry-After at once (`WorkBudgetExceeded`); when nothing is in
 flight every request within the budget fits, so only a request whose work alone is more than the
 whole budget is refused for good: a 400 saying why (`WorkTooLargeError`).
@@ -46,6 +50,13 @@ from dataclasses import dataclass, field
 
 from rayspec.engine.outputs import EngineOverloadedError, InvalidRequestError
 
+
+
+BATCHES = 4  # the default budget's full batches (see the module docstring)
+
+
+def default_work_budget(max_num_seqs: int, max_model_len: int) -> int:
+    return BATCHES * max_num_seqs * max_model_len
 
 class WorkBudgetExceeded(EngineOverloadedError):
     """The request's work does not fit beside the work in flight on this replica: try later (429)."""
