@@ -29,6 +29,7 @@ from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyL
                                             not_ready, tenant_salt,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
+from deployments.frontend.proxy_guard import unguarded_warning
 from deployments.frontend.chat import ChatChoices
 from deployments.frontend.choices import expand, gather_or_cancel, merged, open_streams
 from deployments.frontend.completions import CompletionChoices
@@ -239,8 +240,8 @@ class OpenAIIngress:
         return True
 
     def _warn_if_exposed(self):
-        """`serve run` with a config binds the HTTP proxy where its http_options say: ask Serve's
-        controller once, and log a warning when that is not loopback and no API key is set."""
+        """Ask Serve's controller once where the proxy binds: a warning when that is not loopback and no
+        API key is set, or when the proxy lacks its body bounds (deployments.frontend.proxy_guard)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # built outside Serve (unit tests)
@@ -250,14 +251,13 @@ class OpenAIIngress:
             try:
                 import ray
                 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
                 controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
                 host = getattr(await controller.get_http_config.remote(), "host", None)
             except Exception:  # noqa: BLE001 - another Serve version: no warning, nothing else changes
                 return
-            warning = exposure_warning(host, self._api_key_digest is not None)
-            if warning:
-                logger.warning(warning)
+            for warning in (exposure_warning(host, self._api_key_digest is not None), unguarded_warning()):
+                if warning:
+                    logger.warning(warning)
 
         return loop.create_task(check())
 
