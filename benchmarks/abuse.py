@@ -600,6 +600,9 @@ def serve_forever(config_path: str, port: int, overrides: dict) -> None:
     http = {**config.get("http_options", {}), "port": port}
     # one try: a failed start leaves its GCS and agents running until this process ends (on a loaded
     # machine the raylet may give up waiting for its dashboard agent: start again later)
+    from deployments.frontend.proxy_guard import install_env
+
+    install_env()  # Serve's proxy bounded as `rayspec serve` bounds it (deployments/frontend/proxy_guard.py)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options=http, proxy_location=config.get("proxy_location", "HeadOnly"))
     for app in config["applications"]:
