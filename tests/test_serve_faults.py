@@ -486,6 +486,12 @@ def test_abuse_benchmark_dry_run(served, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import abuse
 
+    # after the kills above the app may still be replacing a replica: the benchmark's clients start
+    # on a whole app (its /tokenize hammer otherwise waits on a replica still loading its model)
+    wait_for(lambda: serve.status().applications["faults"].status == "RUNNING" and all(
+        d.status == "HEALTHY" for d in serve.status().applications["faults"].deployments.values()), timeout=180)
+    wait_for(lambda: httpx.post(f"{served}/faults/tokenize", json={"model": "tiny", "prompt": "hi"},
+                                timeout=30).status_code == 200, timeout=180)
     out = tmp_path / "abuse.json"
     assert abuse.main(["--dry-run", "--url", f"{served}/faults", "--model", "tiny", "--output-json", str(out),
                        "--memory-root-pid", str(os.getpid()),

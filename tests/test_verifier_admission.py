@@ -112,3 +112,23 @@ def test_work_beside_work_in_flight_is_a_429_and_is_released_when_requests_end(v
     assert _idle(verifier)
     stats = verifier.get_stats()
     assert stats["num_refused_for_work"] >= 1 and stats["work_in_flight_tokens"] == 0
+
+
+def test_a_stream_closed_by_its_caller_releases_its_work_at_once(verifier):
+    """The caller (Serve, for a client gone) closes the chunk stream while it waits at a yield: the
+    request's work is released and the engine told within that close, not later, when the garbage
+    collector's finalizer gets to the abandoned inner generator (which needs the event loop to run
+    again first: before the fix the budget still held the request's work after the close returned)."""
+    async def run():
+        stream = verifier.generate_stream(GenerateRequest(prompt="Hello there", max_tokens=200, temperature=0.8,
+                                                          ignore_eos=True))
+        first = await stream.__anext__()  # one chunk in: the request is admitted and running
+        assert verifier.work.in_use > 0 and first.delta_token_ids
+        await stream.aclose()
+        return verifier.work.in_use  # before any other task of this loop runs
+
+    assert asyncio.run(run()) == 0
+    deadline = time.monotonic() + 30
+    while not _idle(verifier):
+        assert time.monotonic() < deadline, "the closed stream's request still runs in the engine"
+        time.sleep(0.05)

@@ -12,6 +12,7 @@ is queued to the engine's thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -318,21 +319,24 @@ class Verifier:
         if isinstance(request, dict):
             request = GenerateRequest.model_validate(request)
         first = not request.resume_output_ids  # prompt text and logprobs go in the first chunk
-        async for out in self._stream(request):
-            new = out.delta_token_ids  # the engine's outputs are deltas (EngineLoop): nothing is copied here
-            if not (new or out.delta_text or out.finished):
-                continue
-            extra = {}
-            if first:
-                extra = dict(prompt_logprobs=out.prompt_logprobs, prompt_text=self._prompt_text(request))
-                first = False
-            yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text, **extra,
-                                delta_token_ids=new,
-                                logprobs=out.delta_logprobs,
-                                finished=out.finished, finish_reason=out.finish_reason,
-                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                                num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens,
-                                num_cached_tokens=out.num_cached_tokens)
+        # aclosing: the request closed with this generator (its work released, the engine told at
+        # once), not whenever the garbage collector gets to an abandoned generator
+        async with contextlib.aclosing(self._stream(request)) as outputs:
+            async for out in outputs:
+                new = out.delta_token_ids  # the engine's outputs are deltas (EngineLoop): nothing is copied here
+                if not (new or out.delta_text or out.finished):
+                    continue
+                extra = {}
+                if first:
+                    extra = dict(prompt_logprobs=out.prompt_logprobs, prompt_text=self._prompt_text(request))
+                    first = False
+                yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text, **extra,
+                                    delta_token_ids=new,
+                                    logprobs=out.delta_logprobs,
+                                    finished=out.finished, finish_reason=out.finish_reason,
+                                    num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                    num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens,
+                                    num_cached_tokens=out.num_cached_tokens)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         if isinstance(request, dict):
@@ -340,10 +344,13 @@ class Verifier:
         start = time.perf_counter()
         first = None
         last = None
-        async for out in self._stream(request):
-            if first is None and out.num_output_tokens:
-                first = time.perf_counter() - start
-            last = out
+        # aclosing: the request closed with this generator (its work released, the engine told at
+        # once), not whenever the garbage collector gets to an abandoned generator
+        async with contextlib.aclosing(self._stream(request)) as outputs:
+            async for out in outputs:
+                if first is None and out.num_output_tokens:
+                    first = time.perf_counter() - start
+                last = out
         return GenerateResponse(request_id=request.request_id or last.request_id, text=last.text,
                                 token_ids=last.token_ids, logprobs=last.logprobs,
                                 prompt_logprobs=last.prompt_logprobs, prompt_text=self._prompt_text(request),
