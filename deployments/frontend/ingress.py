@@ -7,6 +7,8 @@ makes of its choices' output is its ChoiceFormat (deployments.frontend.completio
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
 With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but GET /health wants
 `Authorization: Bearer <key>` (deployments.frontend.api_key); handle calls come over Ray, which has no keys.
+(Over 500 lines: the routes, the readiness probe and the verifier calls' error mapping share one
+replica's state: its admission gate, failover counts and health clock.)
 """
 
 
@@ -86,6 +88,7 @@ def _ingress_replica_id() -> str | None:
 
 HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
 HEALTH_PROBE_S = 2.0  # how often the ingress asks a verifier for its health (whatever /health's traffic)
+TOKENIZER_WAIT_S = 10.0  # /tokenize, /detokenize: past this in a full verifier's queue, a 429
 HEALTH_STALE_S = 3 * HEALTH_PROBE_S + HEALTH_TIMEOUT_S  # /health is 503 when no probe succeeded this recently
 
 
@@ -224,8 +227,9 @@ class OpenAIIngress:
 
         self._probe = loop.create_task(probe())
 
-    def _stale(self) -> bool:
-        return self._healthy_at is None or time.monotonic() - self._healthy_at > HEALTH_STALE_S
+    def _stale(self) -> bool:  # no probe answered, and no other verifier answer (a chunk, a call), lately
+        last = max(self._healthy_at or 0.0, self.failovers.answered_at or 0.0)
+        return not last or time.monotonic() - last > HEALTH_STALE_S
 
     async def _probe_verifier(self) -> bool:
         """One health call to a verifier replica; its answer is remembered (`_healthy_at`)."""
@@ -233,7 +237,8 @@ class OpenAIIngress:
             await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - still loading, every replica busy, or the engine down
             logger.debug("verifier health probe failed: %r", err)
-            self._healthy_at = None
+            if not isinstance(err, TimeoutError):  # busy (the probe queued behind generation) is not down
+                self._healthy_at = None
             return False
         self.verifier_answered = True
         self._healthy_at = time.monotonic()
@@ -427,8 +432,12 @@ class OpenAIIngress:
 
     async def _call_method(self, method: str, *args):
         """A verifier method other than generation (tokenize, detokenize), errors mapped."""
-        with self._errors_mapped():
-            result = await call_with_failover(lambda: getattr(self.verifier, method).remote(*args), self.failovers)
+        with self._errors_mapped():  # waits at most TOKENIZER_WAIT_S for a verifier's place (else 429)
+            call = call_with_failover(lambda: getattr(self.verifier, method).remote(*args), self.failovers)
+            try:
+                result = await asyncio.wait_for(call, TOKENIZER_WAIT_S)
+            except TimeoutError:
+                raise EngineOverloadedError("every verifier replica is busy; try again later") from None
         self.verifier_answered = True
         return result
 
