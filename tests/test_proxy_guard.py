@@ -149,22 +149,3 @@ def test_serve_validates_the_callback_and_rayspec_serve_installs_it(monkeypatch)
     environ = {proxy_guard.CALLBACK_ENV: "mine:callback"}
     proxy_guard.install_env(environ)  # a callback of the user's own is kept
     assert environ[proxy_guard.CALLBACK_ENV] == "mine:callback"
-
-
-def test_a_route_that_takes_no_body_gets_an_empty_one_at_once():
-    """POST /health (and any path but the ingress's POST routes, under any prefix) reaches the proxy
-    with an empty body at once, however slowly its client sends one: the ingress answers it (405) at
-    once, and nothing of the body is held."""
-    app = App()
-    guard = ProxyBodyGuard(app, max_body_bytes=1000, body_timeout_s=0.3, max_buffered_bytes=4000)
-
-    async def run():
-        start = asyncio.get_running_loop().time()
-        answers = [await call(guard, chunks([1] * 100), delay_s=0.05, path="/health"),
-                   await call(guard, chunks([1] * 100), delay_s=0.05, method="GET", path="/v1/models")]
-        return answers, asyncio.get_running_loop().time() - start
-
-    answers, took = asyncio.run(run())
-    assert answers == [(200, b"0"), (200, b"0")] and took < 0.5 and guard.pool.peak == 0
-    assert proxy_guard.takes_body(scope(path="/faults/v1/chat/completions"))  # an app under a route prefix
-    assert not proxy_guard.takes_body(scope(method="GET"))

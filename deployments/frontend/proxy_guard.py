@@ -9,10 +9,10 @@ hold bodies of any size, for as long as it liked, in as many requests as Serve w
 
 `ProxyBodyGuard` is ASGI middleware that Serve applies to its proxy's app through the
 `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` environment variable (`PROXY_CALLBACK`, the callback
-`middlewares` below). A request to a route that takes no body (anything but a POST to the ingress's
-POST routes) reaches the proxy with an empty body at once, and what its client still sends is dropped
-as it comes (POST /health is answered 405 at once, as by the ingress alone). For the others it reads
-the body itself, before the proxy sees any of it, and bounds it three ways:
+`middlewares` below). It reads each request's body itself, before the proxy sees any of it, and
+bounds it three ways (every app of the cluster, every route: the proxy serves other apps beside ours,
+whose routes it cannot know, so a POST /health with a body is read too, within these bounds, before
+the ingress answers it 405):
 - **per request**: a Content-Length past `RAYSPEC_PROXY_MAX_BODY_BYTES` (default 16 MiB, the
   ingress's own limit) is a 413 at once, unread; a body sent without one is refused (413) the moment it
   passes the limit;
@@ -38,8 +38,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from deployments.frontend.admission import (GATED_PATHS, _TOO_LARGE, _read_body, body_too_slow, error_response, overloaded,
-                                            too_large)
+from deployments.frontend.admission import _TOO_LARGE, _read_body, body_too_slow, error_response, overloaded, too_large
 
 PROXY_CALLBACK = "deployments.frontend.proxy_guard:middlewares"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -84,8 +83,6 @@ class ProxyBodyGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if not takes_body(scope):
-            return await self.app(scope, _unread(receive), send)
         limit = self.max_body_bytes
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and (not value.strip().isdigit() or int(value) > limit):
@@ -131,33 +128,6 @@ class ProxyBodyGuard:
 
 class _PoolFull(Exception):
     pass
-
-
-def takes_body(scope) -> bool:
-    """Whether the request goes to a route that takes a body: a POST to one of the ingress's POST
-    routes (deployments.frontend.admission.GATED_PATHS) under any route prefix (the proxy serves every
-    app of the cluster, each under its own prefix)."""
-    path = scope.get("path", "")
-    return scope.get("method") == "POST" and any(path.endswith(route) for route in GATED_PATHS)
-
-
-def _unread(receive):
-    """For a request whose route takes no body: the app sees an empty one at once (POST /health gets
-    its 405 without waiting for a slow body), and whatever the client still sends is dropped as it
-    comes, never held (only a disconnect is handed on)."""
-    sent = False
-
-    async def empty():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return message
-
-    return empty
 
 
 def _env_number(name: str, default, kind):
