@@ -310,6 +310,16 @@ class AppArgs(_Strict):
 
     # ---- deployment options -------------------------------------------------------------
     @property
+    def work_budget(self) -> int | None:
+        """A verifier replica's work budget in tokens (deployments.replicas.work_budget); None: not known
+        before the model is (its max_model_len from the model's config)."""
+        from deployments.replicas.work_budget import default_work_budget
+
+        if self.work_budget_tokens or not self.engine.max_model_len:
+            return self.work_budget_tokens
+        return default_work_budget(self.engine.max_num_seqs, self.engine.max_model_len)
+
+    @property
     def verifier_max_ongoing(self) -> int:
         # requests past the KV slots wait inside the engine (continuous batching), so accept more
         return self.verifier.max_ongoing_requests or 4 * self.engine.max_num_seqs

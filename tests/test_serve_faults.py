@@ -498,6 +498,7 @@ def test_abuse_benchmark_dry_run(served, tmp_path):
                        "--body-deadline-s", str(ABUSE_BODY_TIMEOUT_S)]) == 0  # the shared cluster's processes: ours
     # ~15 s on an idle 2-core machine, 135 s seen beside a loaded CI: its time is not what it checks
     report = json.loads(out.read_text())
+    assert report["abusive_unfinished"] == {}, report["abusive_unfinished"]  # a request never answered
     for phase in ("unloaded", "loaded"):
         assert report[phase]["errors"] == 0 and report[phase]["requests"] == 4, report[phase]
         assert report[phase]["itl_ms_median"] is not None

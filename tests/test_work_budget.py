@@ -154,3 +154,19 @@ def test_the_budget_is_an_app_arg():
     assert load_app_args({"work_budget_tokens": 4096}).work_budget_tokens == 4096
     with pytest.raises(ValueError):
         load_app_args({"work_budget_tokens": 0})
+
+
+def test_the_ingress_refuses_token_id_prompts_past_the_whole_budget_before_queueing():
+    """deployments.frontend.choices.check_work: the issue's heavy request ([1] x 2047, n=64, echo with 20
+    logprobs) weighed at the ingress (token ids: its work is known without tokenizing) and refused
+    with the verifier's 400, without waiting for a verifier place; one within the budget, and a text
+    prompt (the verifier tokenizes and weighs it), go on."""
+    from deployments.frontend.choices import check_work
+    from deployments.transport.protocol import GenerateRequest
+
+    heavy = GenerateRequest(prompt=[1] * 2047, max_tokens=0, prompt_logprobs=20, echo_prompt=True)
+    with pytest.raises(WorkTooLargeError, match="64 choices"):
+        check_work([heavy], 64, budget=4 * 8 * 2048, max_model_len=2048)
+    check_work([heavy], 1, budget=4 * 8 * 2048, max_model_len=2048)  # 2047 x 23 = 47,081 tokens: fits
+    check_work([GenerateRequest(prompt="x " * 2047, max_tokens=0)], 64, budget=100, max_model_len=2048)
+    check_work([heavy], 64, budget=None, max_model_len=2048)  # budget not known here: the verifier's call

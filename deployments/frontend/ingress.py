@@ -33,7 +33,7 @@ from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyL
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
 from deployments.frontend.proxy_guard import unguarded_warning
 from deployments.frontend.chat import ChatChoices
-from deployments.frontend.choices import expand, gather_or_cancel, merged, open_streams
+from deployments.frontend.choices import check_work, expand, gather_or_cancel, merged, open_streams
 from deployments.frontend.completions import CompletionChoices
 from deployments.config import load_app_args, resolve_api_key
 from deployments.frontend.failover import REPLICA_LOST, FailoverCounts, FailoverStream, call_with_failover, time_left
@@ -386,6 +386,7 @@ class OpenAIIngress:
         if self.cfg.tenant_header and http is not None:
             tenant = http.headers.get(self.cfg.tenant_header, "")
             requests = [r.model_copy(update={"cache_salt": tenant_salt(tenant, r.cache_salt)}) for r in requests]
+        check_work(requests, body.n, self.cfg.work_budget, self.cfg.engine.max_model_len)  # token ids: 400 unqueued
         return expand(requests, body.n)
 
     def _to_generate(self, body) -> list[GenerateRequest]:
