@@ -498,7 +498,10 @@ def test_abuse_benchmark_dry_run(served, tmp_path):
                        "--body-deadline-s", str(ABUSE_BODY_TIMEOUT_S)]) == 0  # the shared cluster's processes: ours
     # ~15 s on an idle 2-core machine, 135 s seen beside a loaded CI: its time is not what it checks
     report = json.loads(out.read_text())
-    assert report["abusive_unfinished"] == {}, report["abusive_unfinished"]  # a request never answered
+    # none of the bounded kinds still waits for an answer; heavy and burst requests may (a generation
+    # request waits for a verifier place while stalled streams hold them: deployments/README.md,
+    # "What is not bounded here")
+    assert set(report["abusive_unfinished"]) <= {"heavy", "burst"}, report["abusive_unfinished"]
     for phase in ("unloaded", "loaded"):
         assert report[phase]["errors"] == 0 and report[phase]["requests"] == 4, report[phase]
         assert report[phase]["itl_ms_median"] is not None

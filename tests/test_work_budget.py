@@ -165,8 +165,11 @@ def test_the_ingress_refuses_token_id_prompts_past_the_whole_budget_before_queue
     from deployments.transport.protocol import GenerateRequest
 
     heavy = GenerateRequest(prompt=[1] * 2047, max_tokens=0, prompt_logprobs=20, echo_prompt=True)
-    with pytest.raises(WorkTooLargeError, match="64 choices"):
+    from deployments.frontend.openai_limits import OpenAIError
+
+    with pytest.raises(OpenAIError, match="64 choices") as refused:
         check_work([heavy], 64, budget=4 * 8 * 2048, max_model_len=2048)
+    assert refused.value.status_code == 400 and refused.value.code == WorkTooLargeError.code
     check_work([heavy], 1, budget=4 * 8 * 2048, max_model_len=2048)  # 2047 x 23 = 47,081 tokens: fits
     check_work([GenerateRequest(prompt="x " * 2047, max_tokens=0)], 64, budget=100, max_model_len=2048)
     check_work([heavy], 64, budget=None, max_model_len=2048)  # budget not known here: the verifier's call

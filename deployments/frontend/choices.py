@@ -20,9 +20,10 @@ from deployments.transport.protocol import GenerateChunk, GenerateRequest
 
 def check_work(requests: list[GenerateRequest], n: int, budget: int | None, max_model_len: int | None) -> None:
     """A request whose prompts are token ids has its work known here, before any verifier place is
-    taken: past a replica's whole budget it is refused at once (WorkTooLargeError, a 400), not after
+    taken: past a replica's whole budget it is refused at once (a 400, WorkTooLargeError's), not after
     waiting in a full verifier's queue for the verifier to say the same (text and chat prompts are
     weighed by the verifier, which tokenizes them)."""
+    from deployments.frontend.openai_limits import OpenAIError
     from deployments.replicas.work_budget import WorkTooLargeError, choice_work
 
     if not budget or not max_model_len or not requests or not all(isinstance(r.prompt, list) for r in requests):
@@ -31,11 +32,11 @@ def check_work(requests: list[GenerateRequest], n: int, budget: int | None, max_
              for r in requests]
     total = n * sum(w.tokens for w in works)
     if total > budget:
-        raise WorkTooLargeError(
+        raise OpenAIError(
             f"this request is {total} tokens of work ({len(requests)} prompts x {n} choices; one choice: "
             f"{works[0].describe()}), more than a server replica takes in at once (its work budget: {budget} "
             "tokens, the app arg work_budget_tokens); ask for fewer choices (n), fewer tokens (max_tokens) "
-            "or fewer prompt logprobs")
+            "or fewer prompt logprobs", code=WorkTooLargeError.code)
 
 
 def expand(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
