@@ -195,15 +195,17 @@ async def good_stream(client: httpx.AsyncClient, url: str, model: str, prompt: s
 # On loopback every client may have an address of its own (Linux routes all of 127.0.0.0/8 to lo):
 # each well-behaved client one, each abusive group one (an attacker's host), so a server that
 # shares by client (app arg max_ongoing_per_client) can tell them apart. --one-address: all 127.0.0.1.
-ADDRESSES = {"good": "127.0.1.{}", "big": "127.0.2.1", "idle": "127.0.3.1", "hammer": "127.0.4.1"}
+ADDRESSES = {"good": "127.0.1.{}", "big": "127.0.2.1", "idle": "127.0.3.1", "hammer": "127.0.4.1",
+             "slow": "127.0.5.1", "heavy": "127.0.6.1", "burst": "127.0.7.1"}
 SOURCE = {"on": False}
 
 
-def _client(timeout, role: str, index: int = 0) -> httpx.AsyncClient:
+def _client(timeout, role: str, index: int = 0, connections: int = 100) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=min(connections, 20))
     if not SOURCE["on"]:
-        return httpx.AsyncClient(timeout=timeout)
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
     address = ADDRESSES[role].format(index + 1)
-    return httpx.AsyncClient(timeout=timeout, transport=httpx.AsyncHTTPTransport(local_address=address))
+    return httpx.AsyncClient(timeout=timeout, transport=httpx.AsyncHTTPTransport(local_address=address, limits=limits))
 
 
 async def good_client(url: str, model: str, index: int, requests: int, max_tokens: int, timeout: float) -> list[dict]:
@@ -235,7 +237,7 @@ def summarize_good(results: list[dict]) -> dict:
 
 # ---- abusive clients -------------------------------------------------------------------------------
 async def big_body_client(url: str, model: str, body_bytes: int, chunked: bool, stop: asyncio.Event,
-                          outcomes: Counter, timeout: float) -> None:
+                          outcomes: Counter, timeout: float, times: list | None = None) -> None:
     """Bodies of body_bytes, one after the other until stop: each outcome counted (status, or cut)."""
     piece = b" " * (1 << 20)
 
@@ -254,11 +256,14 @@ async def big_body_client(url: str, model: str, body_bytes: int, chunked: bool, 
         headers["content-length"] = str(body_bytes + overhead)
     async with _client(timeout, "big") as client:
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 resp = await client.post(f"{url}/v1/completions", content=body(), headers=headers)
                 outcomes[str(resp.status_code)] += 1
             except httpx.HTTPError as err:  # the server closed the connection mid-body
                 outcomes[f"cut ({type(err).__name__})"] += 1
+            if times is not None:
+                times.append(time.monotonic() - started)
             await asyncio.sleep(0)
 
 
@@ -306,6 +311,142 @@ async def hammer_client(url: str, model: str, index: int, stop: asyncio.Event, o
                 outcomes[f"{'tokenize' if i % 2 else 'health'} {type(err).__name__}"] += 1
 
 
+# ---- abusive clients of the hardening round (#51): slow bodies, heavy requests, a burst ------------
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
+         "near an old lighthouse").split()
+
+
+def long_prompt(words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(words))
+
+
+def _host_port(url: str) -> tuple[str, int, str]:
+    parsed = httpx.URL(url)
+    return parsed.host, parsed.port or 80, parsed.raw_path.decode().rstrip("/")
+
+
+async def slow_body(url: str, kind: str, interval_s: float, give_up_s: float, content_length: int) -> tuple[str, float]:
+    """One connection, no API key, sending its request body a byte every interval_s: POST /health
+    chunked ("health"), POST /v1/completions chunked without a Content-Length ("chunked"), or with a
+    Content-Length of content_length trickled ("content_length"). Raw socket: the bytes keep coming
+    while the response is read, so an answer the server gives before the body is whole is seen at
+    once. (outcome: the status, "cut" (closed without an answer) or "held" (neither within give_up_s),
+    seconds to it)."""
+    host, port, prefix = _host_port(url)
+    path = prefix + ("/health" if kind == "health" else "/v1/completions")
+    local = (ADDRESSES["slow"], 0) if SOURCE["on"] else None
+    started = time.monotonic()
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=local), 30)
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {content_length}\r\n" if kind == "content_length" else "Transfer-Encoding: chunked\r\n"
+        writer.write((head + "\r\n").encode())
+        await writer.drain()
+
+        async def trickle():
+            body = b'{"model": "m", "prompt": "' + b"x" * (1 << 30)  # never whole
+            for i in range(1 << 30):
+                byte = body[i:i + 1]
+                writer.write(byte if kind == "content_length" else b"1\r\n" + byte + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(interval_s)
+
+        sender = asyncio.create_task(trickle())
+        try:
+            line = await asyncio.wait_for(reader.readline(), give_up_s)
+        except asyncio.TimeoutError:
+            return "held", time.monotonic() - started
+        finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].startswith(b"HTTP/"):
+            return parts[1].decode(), time.monotonic() - started
+        return "cut", time.monotonic() - started
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+        return "cut", time.monotonic() - started
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def slow_body_client(url: str, kind: str, args, stop: asyncio.Event, outcomes: Counter, times: list) -> None:
+    """slow_body connections one after the other until stop."""
+    while not stop.is_set():
+        outcome, seconds = await slow_body(url, kind, args.slow_interval_s, args.body_deadline_s + args.slow_grace_s,
+                                           args.slow_content_length)
+        outcomes[f"{kind} {outcome}"] += 1
+        times.append(seconds)
+        await asyncio.sleep(0.05)
+
+
+def heavy_bodies(model: str, args) -> dict[str, dict]:
+    """The two heavy requests: a prompt of heavy_prompt_tokens token ids echoed with 20 logprobs in
+    64 choices of 0 new tokens (all prefill and logprobs); 8 sampled choices of burst_max_tokens
+    after a burst_prompt_words-word prompt (streamed: its answer is its first event)."""
+    return {"echo_n64": {"model": model, "prompt": [1] * args.heavy_prompt_tokens, "n": args.heavy_echo_n,
+                         "max_tokens": 0, "echo": True, "logprobs": 20},
+            "n8_long": {"model": model, "prompt": long_prompt(args.burst_prompt_words), "n": args.burst_n,
+                        "max_tokens": args.burst_max_tokens, "temperature": 1.0, "ignore_eos": True, "stream": True}}
+
+
+async def answered(client: httpx.AsyncClient, url: str, body: dict, stop: asyncio.Event) -> tuple[str, float, float]:
+    """POST /v1/completions: (outcome, seconds to the answer (the status line), seconds in all). A
+    streamed 200 is read until it ends or until stop (then left: "200 left at phase end"); a 429 or
+    503 says whether it carried Retry-After."""
+    started = time.monotonic()
+    answer = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            answer = time.monotonic() - started
+            status = resp.status_code
+            if status in (429, 503):
+                await resp.aread()
+                tag = f"{status}" + ("" if "retry-after" in resp.headers else " without Retry-After")
+                return tag, answer, time.monotonic() - started
+            if status != 200 or not body.get("stream"):
+                await resp.aread()
+                return str(status), answer, time.monotonic() - started
+            reading = asyncio.ensure_future(resp.aread())
+            halt = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({reading, halt}, return_when=asyncio.FIRST_COMPLETED)
+            halt.cancel()
+            if not reading.done():
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+                return "200 left at phase end", answer, time.monotonic() - started
+            text = reading.result()
+            return ("200 complete" if b"data: [DONE]" in text and b'"error"' not in text else "200 with error"), \
+                answer, time.monotonic() - started
+    except httpx.HTTPError as err:
+        took = time.monotonic() - started
+        return f"cut ({type(err).__name__})", took if answer is None else answer, took
+
+
+async def heavy_client(url: str, model: str, args, stop: asyncio.Event, outcomes: Counter, times: list) -> None:
+    """Each heavy request in turn, one after the other, until stop (at least once each)."""
+    bodies = heavy_bodies(model, args)
+    async with _client(httpx.Timeout(args.timeout), "heavy") as client:
+        first = True
+        while first or not stop.is_set():
+            first = False
+            for name, body in bodies.items():
+                outcome, answer, total = await answered(client, url, body, stop)
+                outcomes[f"{name} {outcome}"] += 1
+                times.append({"request": name, "outcome": outcome, "answer_s": round(answer, 3), "total_s": round(total, 3)})
+
+
+async def burst(url: str, model: str, args, stop: asyncio.Event, outcomes: Counter, times: list) -> None:
+    """args.burst streamed completions (n, max_tokens, prompt as the heavy n8_long) sent at once."""
+    body = heavy_bodies(model, args)["n8_long"]
+    async with _client(httpx.Timeout(args.timeout), "burst", connections=max(args.burst, 1)) as client:  # none queued here
+        runs = await asyncio.gather(*(answered(client, url, body, stop) for _ in range(args.burst)))
+    for outcome, answer, total in runs:
+        outcomes[outcome] += 1
+        times.append({"outcome": outcome, "answer_s": round(answer, 3), "total_s": round(total, 3)})
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 async def _good_phase(url: str, model: str, args) -> list[dict]:
     runs = await asyncio.gather(*(good_client(url, model, i, args.good_requests, args.max_tokens, args.timeout)
@@ -317,7 +458,12 @@ async def run(url: str, model: str, args) -> dict:
     report: dict = {"url": url, "model": model,
                     "clients": {"good": args.good, "good_requests_each": args.good_requests,
                                 "max_tokens": args.max_tokens, "big": args.big, "body_mib": args.body_mib,
-                                "idle": args.idle, "idle_max_tokens": args.idle_max_tokens, "hammer": args.hammer},
+                                "idle": args.idle, "idle_max_tokens": args.idle_max_tokens, "hammer": args.hammer,
+                                "slow_per_kind": args.slow, "slow_interval_s": args.slow_interval_s,
+                                "slow_content_length": args.slow_content_length, "body_deadline_s": args.body_deadline_s,
+                                "heavy": args.heavy, "heavy_prompt_tokens": args.heavy_prompt_tokens,
+                                "heavy_echo_n": args.heavy_echo_n, "burst": args.burst, "burst_n": args.burst_n,
+                                "burst_max_tokens": args.burst_max_tokens, "burst_prompt_words": args.burst_prompt_words},
                     "client_addresses": dict(ADDRESSES) if SOURCE["on"] else "all 127.0.0.1",
                     "clients_autogroup_nice": args.clients_autogroup_nice,
                     "cpu_model": cpu_model(), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
@@ -329,37 +475,91 @@ async def run(url: str, model: str, args) -> dict:
     report["loadavg_after_unloaded"] = os.getloadavg()
 
     stop = asyncio.Event()
-    big, idle, hammer = Counter(), Counter(), Counter()
+    big, idle, hammer, slow, heavy, bursts = Counter(), Counter(), Counter(), Counter(), Counter(), Counter()
+    big_times, slow_times, heavy_times, burst_times = [], [], [], []
     body_bytes = int(args.body_mib * 2**20)
     started = time.monotonic()
     with MemoryWatch(args.memory_root_pid) as memory:
-        abusers = [asyncio.create_task(big_body_client(url, model, body_bytes, i % 2 == 1, stop, big, args.timeout))
-                   for i in range(args.big)]
-        abusers += [asyncio.create_task(idle_stream(url, model, args.idle_max_tokens, stop, idle, args.timeout))
-                    for _ in range(args.idle)]
-        abusers += [asyncio.create_task(hammer_client(url, model, i, stop, hammer, args.timeout))
-                    for i in range(args.hammer)]
+        abusers = [asyncio.create_task(big_body_client(url, model, body_bytes, i % 2 == 1, stop, big, args.timeout,
+                                                       big_times), name=f"big_bodies#{i}") for i in range(args.big)]
+        abusers += [asyncio.create_task(idle_stream(url, model, args.idle_max_tokens, stop, idle, args.timeout),
+                                        name=f"idle_streams#{i}") for i in range(args.idle)]
+        abusers += [asyncio.create_task(hammer_client(url, model, i, stop, hammer, args.timeout),
+                                        name=f"tokenize_health#{i}") for i in range(args.hammer)]
+        abusers += [asyncio.create_task(slow_body_client(url, kind, args, stop, slow, slow_times),
+                                        name=f"slow_bodies_{kind}#{i}")
+                    for kind in ("health", "chunked", "content_length") for i in range(args.slow)]
+        abusers += [asyncio.create_task(heavy_client(url, model, args, stop, heavy, heavy_times), name=f"heavy#{i}")
+                    for i in range(args.heavy)]
         await asyncio.sleep(args.abuse_head_start)  # the abuse is under way before the clients come
+        if args.burst:
+            abusers.append(asyncio.create_task(burst(url, model, args, stop, bursts, burst_times), name="burst#0"))
         good = await _good_phase(url, model, args)
         loaded_s = time.monotonic() - started
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*abusers, return_exceptions=True), args.timeout + 60)
+        # every abusive client ends within its request's timeout once told to stop; one still running
+        # after that is a request the server never answered: named in the report, then cancelled
+        _, pending = await asyncio.wait(abusers, timeout=args.timeout + 60)
+        for task in pending:
+            task.cancel()
+        report["abusive_unfinished"] = dict(Counter(task.get_name().split("#")[0] for task in pending))
     report["loaded"] = {**summarize_good(good), "seconds": round(loaded_s, 1), "memory": memory.report()}
     report["loadavg_end"] = os.getloadavg()
-    report["abusive"] = {"big_bodies": dict(big), "idle_streams": dict(idle), "tokenize_health": dict(hammer)}
+
+    def most(values):
+        return round(max(values), 3) if values else None
+
+    report["abusive"] = {"big_bodies": dict(big), "idle_streams": dict(idle), "tokenize_health": dict(hammer),
+                         "slow_bodies": dict(slow), "heavy": dict(heavy), "burst": dict(bursts)}
+    report["abusive_answer_s_max"] = {
+        "big_bodies": most(big_times), "slow_bodies": most(slow_times),
+        "heavy": {name: most([t["answer_s"] for t in heavy_times if t["request"] == name])
+                  for name in ("echo_n64", "n8_long")},
+        "burst": most([t["answer_s"] for t in burst_times])}
+    report["heavy_requests"] = heavy_times
+    report["burst_requests"] = burst_times
     un, lo = report["unloaded"]["itl_ms_median"], report["loaded"]["itl_ms_median"]
     report["itl_ratio_loaded_vs_unloaded"] = round(lo / un, 3) if un and lo else None
     return report
 
 
-def verdict(report: dict, itl_ratio_bound: float = 2.0) -> dict:
-    """The issue's criteria, each True or False."""
-    abusive_ok = all(k.startswith(("4", "cut", "200 then cut")) for k in report["abusive"]["big_bodies"])
-    idle_ok = all(k.startswith(("4", "cut", "200 then cut", "200 complete")) for k in report["abusive"]["idle_streams"])
+def verdict(report: dict, args) -> dict:
+    """The issue's criteria, each True or False (the bounds: args)."""
+    abusive = report["abusive"]
+    answer = report["abusive_answer_s_max"]
+
+    def within(seconds, bound):
+        return seconds is None or seconds <= bound
+
     ratio = report["itl_ratio_loaded_vs_unloaded"]
-    return {"good_clients_no_error": report["unloaded"]["errors"] == 0 and report["loaded"]["errors"] == 0,
-            f"itl_ratio_within_{itl_ratio_bound:g}x": ratio is not None and ratio <= itl_ratio_bound,
-            "big_bodies_all_4xx_or_cut": abusive_ok, "idle_streams_4xx_cut_or_bounded": idle_ok}
+    slow_ok = all(k.split(" ", 1)[1] in ("cut", "401", "403", "405", "408", "413") for k in abusive["slow_bodies"])
+    heavy_ok = all(k.split(" ", 1)[1].startswith(("4", "200 complete", "200 left at phase end"))
+                   and "without Retry-After" not in k for k in abusive["heavy"])
+    burst_ok = all(k in ("429", "200 complete", "200 left at phase end") for k in abusive["burst"])
+    peaks = {role: max(report[phase]["memory"]["peak_mib"].get(role, 0.0) for phase in ("unloaded", "loaded"))
+             for role in ("ingress", "proxy", "verifier")}
+    bounds = {"ingress": args.max_rss_ingress_mib, "proxy": args.max_rss_proxy_mib,
+              "verifier": args.max_rss_verifier_mib}
+    heavy_answers = [t for t in answer["heavy"].values() if t is not None]
+    out = {"good_clients_no_error": report["unloaded"]["errors"] == 0 and report["loaded"]["errors"] == 0,
+           f"itl_ratio_within_{args.itl_ratio_bound:g}x": ratio is not None and ratio <= args.itl_ratio_bound,
+           "big_bodies_all_4xx_or_cut": all(k.startswith(("4", "cut", "200 then cut")) for k in abusive["big_bodies"]),
+           "idle_streams_4xx_cut_or_bounded": all(k.startswith(("4", "cut", "200 then cut", "200 complete"))
+                                                   for k in abusive["idle_streams"]),
+           "slow_bodies_all_4xx_or_cut": slow_ok,
+           f"slow_bodies_answered_within_{args.body_deadline_s:g}s_deadline": within(
+               answer["slow_bodies"], args.body_deadline_s + args.slow_grace_s),
+           "heavy_4xx_429_or_served": heavy_ok,
+           "burst_200_or_429_with_retry_after": burst_ok,
+           f"no_client_waits_past_{args.answer_deadline_s:g}s": all(
+               within(t, args.answer_deadline_s) for t in [answer["big_bodies"], answer["burst"], *heavy_answers])
+           and within(answer["slow_bodies"], max(args.answer_deadline_s, args.body_deadline_s + args.slow_grace_s)),
+           "every_abusive_client_ended": not report.get("abusive_unfinished"),
+           "peak_rss_mib": {role: round(v, 1) for role, v in peaks.items()},
+           "peak_rss_bounds_mib": bounds}
+    out["peak_rss_within_bounds"] = all(peaks[role] <= bound for role, bound in bounds.items())
+    out["all_pass"] = all(v for k, v in out.items() if isinstance(v, bool))
+    return out
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -372,6 +572,23 @@ def _overrides(pairs: list[str]) -> dict:
         if not sep or not key:
             raise SystemExit(f"--set wants KEY=VALUE, got {pair!r}")
         out[key] = yaml.safe_load(value)
+    return out
+
+
+def with_overrides(app_args: dict, overrides: dict) -> dict:
+    """app_args with each override set: a dotted key sets inside a nested mapping
+    (verifier.num_replicas=2, engine.kv_cache_memory_gb=1.0), the mappings on its way made as needed."""
+    import copy
+
+    out = copy.deepcopy(app_args)
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = value
     return out
 
 
@@ -390,12 +607,15 @@ def serve_forever(config_path: str, port: int, overrides: dict) -> None:
     http = {**config.get("http_options", {}), "port": port}
     # one try: a failed start leaves its GCS and agents running until this process ends (on a loaded
     # machine the raylet may give up waiting for its dashboard agent: start again later)
+    from deployments.frontend.proxy_guard import install_env
+
+    install_env()  # Serve's proxy bounded as `rayspec serve` bounds it (deployments/frontend/proxy_guard.py)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     serve.start(http_options=http, proxy_location=config.get("proxy_location", "HeadOnly"))
     for app in config["applications"]:
         if app.get("import_path", "deployments.app:build_app") != "deployments.app:build_app":
             raise ValueError(f"{app['name']}: only deployments.app:build_app apps are started here")
-        serve.run(build_app({**app.get("args", {}), **overrides}), name=app["name"],
+        serve.run(build_app(with_overrides(app.get("args", {}), overrides)), name=app["name"],
                   route_prefix=app.get("route_prefix", "/"))
     stopped = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
@@ -464,7 +684,8 @@ def main(argv=None) -> int:
                                            "here, HTTP on --port (stopped at the end)")
     p.add_argument("--port", type=int, default=8000, help="with --serve-config: the port it serves on")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --serve-config: an app arg set in every app (YAML value), e.g. max_ongoing_per_client=8")
+                   help="with --serve-config: an app arg set in every app (YAML value), e.g. max_ongoing_per_client=8, "
+                        "body_timeout_s=10, verifier.num_replicas=2 (dotted: inside a nested one)")
     p.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--one-address", action="store_true",
                    help="every client from 127.0.0.1 (default on loopback: each good client an address of "
@@ -483,6 +704,27 @@ def main(argv=None) -> int:
     p.add_argument("--idle", type=int, default=50)
     p.add_argument("--idle-max-tokens", type=int, default=512)
     p.add_argument("--hammer", type=int, default=64)
+    p.add_argument("--slow", type=int, default=4, help="slow-body connections of each kind (POST /health chunked, "
+                   "POST /v1/completions chunked and with a Content-Length), none with an API key")
+    p.add_argument("--slow-interval-s", type=float, default=3.0, help="a slow body's seconds between bytes")
+    p.add_argument("--slow-content-length", type=int, default=64 << 10,
+                   help="the Content-Length the trickled body claims (below the server's body limit: its deadline, "
+                        "not its size, must end it)")
+    p.add_argument("--body-deadline-s", type=float, default=30.0,
+                   help="the server's body_timeout_s: every slow body answered or cut within it (+ --slow-grace-s)")
+    p.add_argument("--slow-grace-s", type=float, default=5.0)
+    p.add_argument("--heavy", type=int, default=2, help="clients sending the two heavy requests in turn")
+    p.add_argument("--heavy-prompt-tokens", type=int, default=2047, help="the echo request's prompt (max_model_len - 1)")
+    p.add_argument("--heavy-echo-n", type=int, default=64)
+    p.add_argument("--burst", type=int, default=48, help="completions sent at once (0: none)")
+    p.add_argument("--burst-n", type=int, default=8)
+    p.add_argument("--burst-max-tokens", type=int, default=512)
+    p.add_argument("--burst-prompt-words", type=int, default=300)
+    p.add_argument("--answer-deadline-s", type=float, default=30.0, help="no client waits longer for an answer")
+    p.add_argument("--itl-ratio-bound", type=float, default=2.0)
+    p.add_argument("--max-rss-ingress-mib", type=float, default=1024.0)
+    p.add_argument("--max-rss-proxy-mib", type=float, default=1024.0)
+    p.add_argument("--max-rss-verifier-mib", type=float, default=4096.0)
     p.add_argument("--abuse-head-start", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--dry-run", action="store_true", help="tiny counts and bodies (CI)")
@@ -493,6 +735,9 @@ def main(argv=None) -> int:
         args.good, args.good_requests, args.max_tokens = 2, 2, 8
         args.big, args.body_mib, args.idle, args.idle_max_tokens, args.hammer = 2, 1, 2, 16, 4
         args.abuse_head_start, args.timeout = 0.5, min(args.timeout, 60.0)
+        args.slow, args.slow_interval_s, args.heavy, args.heavy_echo_n = 1, 0.5, 1, 4
+        args.heavy_prompt_tokens = min(args.heavy_prompt_tokens, 200)
+        args.burst, args.burst_n, args.burst_max_tokens, args.burst_prompt_words = 6, 2, 8, 30
     if args.serve_only:
         serve_forever(args.serve_config, args.port, _overrides(args.set))
         return 0
@@ -513,7 +758,7 @@ def main(argv=None) -> int:
             stop_server(server)
     report["command"] = " ".join([Path(sys.argv[0]).name if argv is None else "abuse.py", *(argv or sys.argv[1:])])
     report["note"] = args.note
-    report["verdict"] = verdict(report)
+    report["verdict"] = verdict(report, args)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output_json:

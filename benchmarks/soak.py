@@ -14,6 +14,22 @@ other), from psutil. At the end: the first and last windows side by side, and th
 
 Usage (with `serve run configs/default.yaml` up on :8000):
     python benchmarks/soak.py --minutes 10 --concurrency 8 --output-json benchmarks/results/soak.json
+
+With faults (#51 item 7), `--kill-every-s S`: every S seconds a verifier replica's process is
+killed (SIGKILL; found with psutil by its Ray actor title, ServeReplica:<--app>:Verifier, in turn),
+and half-way between two such kills the proposer replica's (disaggregated: its channel is cut) when
+there is one. Traffic is then only requests whose answer can be checked exactly: greedy completions
+and chats (streamed and not) with ignore_eos, each of --max-tokens tokens. Each request is counted
+as answered (200, exactly --max-tokens tokens, one [DONE], the usage counts of a stream only rising),
+retryable (429/503 with Retry-After, before or in-band), other_error, lost (no answer within
+--timeout) or duplicated (a stream whose token count goes back or past --max-tokens, or with two
+[DONE]: tokens sent again after a failover); answers that differ from the first answer to the same
+request are counted apart (differs_from_first: greedy output should not change over a failover).
+The server may be started here (`--serve-config`, `--set KEY=VALUE` as benchmarks/abuse.py:
+dotted keys set inside nested args, e.g. verifier.num_replicas=2):
+    python benchmarks/soak.py --serve-config configs/disaggregated.yaml --port 8438 \
+        --set verifier.num_replicas=2 ... --kill-every-s 120 --concurrency 16 --output-json ...
+`--dry-run`: 20 s, 2 clients of 8 tokens, (with --kill-every-s) a kill every 10 s, 5 s windows.
 """
 
 from __future__ import annotations
@@ -21,9 +37,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import signal
 import subprocess
+import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -57,6 +77,47 @@ def ray_memory_mib() -> dict[str, float]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
             continue
     return {k: round(v, 1) for k, v in sorted(totals.items())}
+
+
+def replica_pids(app: str, deployment: str) -> list[int]:
+    """The processes of app's replicas of deployment on this machine (Ray actor title
+    ray::ServeReplica:<app>:<deployment>...)."""
+    key = f"ServeReplica:{app}:{deployment}"
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            title = " ".join(proc.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if title.startswith("ray::") and key in title:
+            pids.append(proc.pid)
+    return sorted(pids)
+
+
+async def killer(app: str, every_s: float, kill_proposer: bool, start: float, until: float, kills: list) -> None:
+    """Every every_s a verifier replica killed (in turn), and half-way between, the proposer's."""
+    turn = 0
+    schedule = []
+    t = every_s
+    while t < until - start:
+        schedule.append((t, "Verifier"))
+        if kill_proposer and t + every_s / 2 < until - start:
+            schedule.append((t + every_s / 2, "Proposer"))
+        t += every_s
+    for at, deployment in sorted(schedule):
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        pids = replica_pids(app, deployment)
+        if not pids:
+            kills.append({"t_s": round(time.monotonic() - start, 1), "deployment": deployment, "pid": None})
+            continue
+        pid = pids[turn % len(pids)]
+        turn += deployment == "Verifier"
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kills.append({"t_s": round(time.monotonic() - start, 1), "deployment": deployment, "pid": pid})
+        print(json.dumps({"killed": kills[-1]}), flush=True)
 
 
 class Soak:
@@ -115,17 +176,100 @@ class Soak:
 
     async def client_loop(self, client: httpx.AsyncClient, until: float) -> None:
         while time.monotonic() < until:
-            await self.one(client)
+            await (self.exact(client) if self.faults else self.one(client))
+
+    faults = False
+    outcomes: Counter
+    first_answers: dict
+
+    async def exact(self, client: httpx.AsyncClient) -> None:
+        """One request whose answer is checked exactly (fault mode): its outcome counted."""
+        i, prompt = self._next()
+        kind = ("completion_stream", "chat_stream", "completion", "chat")[i % 4]
+        route = "chat/completions" if kind.startswith("chat") else "completions"
+        stream = kind.endswith("stream")
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        body.update({"messages": [{"role": "user", "content": prompt}]} if route == "chat/completions" else {"prompt": prompt})
+        if stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        started = time.monotonic()
+        outcome, text = "other_error", None
+        try:
+            async with asyncio.timeout(self.timeout):
+                outcome, text = await (self._exact_stream(client, route, body) if stream
+                                       else self._exact_whole(client, route, body))
+        except (TimeoutError, httpx.TimeoutException):
+            outcome = "lost"
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError):
+            outcome = "other_error"
+        if outcome == "answered" and text is not None:
+            key = (kind, prompt)
+            first = self.first_answers.setdefault(key, text)
+            if first != text:
+                self.outcomes["differs_from_first"] += 1
+        self.outcomes[outcome] += 1
+        self.events.append((time.monotonic(), kind, time.monotonic() - started, outcome == "answered", outcome))
+
+    @staticmethod
+    def _refused(resp: httpx.Response) -> str:
+        return "retryable" if resp.status_code in (429, 503) and "retry-after" in resp.headers else "other_error"
+
+    async def _exact_whole(self, client, route, body) -> tuple[str, str | None]:
+        resp = await client.post(f"{self.url}/v1/{route}", json=body)
+        if resp.status_code != 200:
+            return self._refused(resp), None
+        data = resp.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        ok = data["usage"]["completion_tokens"] == self.max_tokens
+        return ("answered" if ok else "other_error"), text
+
+    async def _exact_stream(self, client, route, body) -> tuple[str, str | None]:
+        async with client.stream("POST", f"{self.url}/v1/{route}", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return self._refused(resp), None
+            done, counts, parts, error = 0, [], [], None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done += 1
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    error = event["error"]
+                    continue
+                for choice in event.get("choices") or ():
+                    parts.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+                usage = event.get("usage") or {}
+                if "completion_tokens" in usage and event.get("choices"):
+                    counts.append(usage["completion_tokens"])
+        if done > 1 or any(b < a for a, b in zip(counts, counts[1:])) or (counts and counts[-1] > self.max_tokens):
+            return "duplicated", None
+        if error is not None:  # in-band: retryable when the server says so (a replica lost past the failover)
+            return ("retryable" if error.get("code") in ("replica_lost", "server_overloaded", "not_ready")
+                    else "other_error"), None
+        if done == 1 and counts and counts[-1] == self.max_tokens:
+            return "answered", "".join(parts)
+        return "other_error", None
 
 
 async def soak(args) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     runner = Soak(args.url.rstrip("/"), args.model, prompts, args.max_tokens, args.timeout)
-    windows = []
+    runner.faults, runner.outcomes, runner.first_answers = bool(args.kill_every_s), Counter(), {}
+    windows, kills = [], []
     start = time.monotonic()
     until = start + args.minutes * 60
-    async with httpx.AsyncClient(timeout=args.timeout) as client:
+    limits = httpx.Limits(max_connections=max(100, 2 * args.concurrency))
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         clients = [asyncio.create_task(runner.client_loop(client, until)) for _ in range(args.concurrency)]
+        if args.kill_every_s:
+            clients.append(asyncio.create_task(killer(args.app, args.kill_every_s, args.kill_proposer, start, until,
+                                                      kills)))
         edge = start
         while edge < until:
             await asyncio.sleep(min(args.window, until - edge))
@@ -133,6 +277,7 @@ async def soak(args) -> dict:
             window = [e for e in runner.events if edge <= e[0] < now]
             full = [e[2] for e in window if e[3] and e[1] not in ("abandoned", "bad_request")]
             windows.append({"t_end_s": round(now - start, 1), "requests": len(window),
+                            "outcomes": dict(Counter(e[4] for e in window if len(e) > 4)),
                             "errors": sum(not e[3] for e in window),
                             "latency_p50_s": round(float(np.percentile(full, 50)), 3) if full else None,
                             "latency_p95_s": round(float(np.percentile(full, 95)), 3) if full else None,
@@ -140,11 +285,21 @@ async def soak(args) -> dict:
             print(json.dumps(windows[-1]), flush=True)
             edge = now
         await asyncio.gather(*clients)
-    stats = httpx.get(f"{runner.url}/v1/stats", timeout=60).json()
+    try:
+        stats = httpx.get(f"{runner.url}/v1/stats", timeout=60).json()
+    except (httpx.HTTPError, ValueError):  # (after faults: a replica may still be coming back)
+        stats = {}
     rss = [sum(w["rss_mib"].get(r, 0) for r in ("verifier", "ingress", "proposer", "proxy")) for w in windows]
     p50 = [w["latency_p50_s"] for w in windows if w["latency_p50_s"] is not None]
     return {"cpu": cpu_model(), "url": args.url, "minutes": args.minutes, "concurrency": args.concurrency,
             "max_tokens": args.max_tokens, "requests": len(runner.events),
+            "kill_every_s": args.kill_every_s, "kills": kills, "outcomes": dict(runner.outcomes),
+            "fault_verdict": None if not args.kill_every_s else {
+                "every_request_answered_or_retryable": runner.outcomes["other_error"] == 0
+                and runner.outcomes["lost"] == 0 and runner.outcomes["duplicated"] == 0,
+                "none_lost": runner.outcomes["lost"] == 0, "none_duplicated": runner.outcomes["duplicated"] == 0,
+                "memory_flat_within_mib": args.memory_growth_bound_mib,
+                "memory_flat": len(rss) < 2 or rss[-1] - rss[1] <= args.memory_growth_bound_mib},
             "errors": sum(not e[3] for e in runner.events), "windows": windows,
             "serve_rss_mib_second_window": rss[1] if len(rss) > 1 else None, "serve_rss_mib_last_window": rss[-1],
             "latency_p50_first_s": p50[0] if p50 else None, "latency_p50_last_s": p50[-1] if p50 else None,
@@ -152,7 +307,7 @@ async def soak(args) -> dict:
                                                       "num_finished", "num_aborted", "num_rejected")}}
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -163,14 +318,45 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--kill-every-s", type=float, default=0.0,
+                        help="fault mode: kill a verifier replica's process this often (0: no faults)")
+    parser.add_argument("--kill-proposer", action=argparse.BooleanOptionalAction, default=True,
+                        help="fault mode: also kill the proposer replica's process half-way between (when there is one)")
+    parser.add_argument("--app", default="rayspec", help="the Serve app whose replicas are killed")
+    parser.add_argument("--memory-growth-bound-mib", type=float, default=256.0,
+                        help="fault mode: the serving processes' RSS may grow this much from the second window to the last")
+    parser.add_argument("--serve-config", help="serve this config's apps first (as benchmarks/abuse.py does), on --port")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --serve-config: an app arg (YAML value; dotted keys inside nested ones)")
+    parser.add_argument("--dry-run", action="store_true", help="20 s, 2 clients, 8 tokens, kills every 10 s (CI)")
     parser.add_argument("--output-json")
-    args = parser.parse_args()
-    result = asyncio.run(soak(args))
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.minutes, args.concurrency, args.max_tokens, args.window = 20 / 60, 2, 8, 5.0
+        args.num_prompts, args.timeout = 4, min(args.timeout, 60.0)
+        args.kill_every_s = args.kill_every_s and 10.0
+    server = None
+    if args.serve_config:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from abuse import _overrides, start_server
+
+        _overrides(args.set)
+        args.url, server = start_server(args.serve_config, args.port, args.set)
+    try:
+        result = asyncio.run(soak(args))
+    finally:
+        if server is not None:
+            from abuse import stop_server
+
+            stop_server(server)
+    result["command"] = " ".join(["soak.py", *(sys.argv[1:] if argv is None else argv)])
     summary = {k: v for k, v in result.items() if k != "windows"}
     print(json.dumps(summary, indent=1))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

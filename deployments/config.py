@@ -221,6 +221,11 @@ class AppArgs(_Strict):
     # or the value of `client_header` (behind a trusted proxy: "x-forwarded-for", or a tenant header)
     max_ongoing_per_client: int | None = Field(None, ge=1)
     client_header: str | None = None
+    # admission by work (deployments.replicas.work_budget): tokens of work (prompt + max_tokens per
+    # choice, prompts scored with logprobs and echoed weighted more) one verifier replica lets in at
+    # once; past it a request gets a 429 at once, a request larger than all of it a 400. None: engine
+    # max_num_seqs x max_model_len (a full batch of the longest sequences)
+    work_budget_tokens: int | None = Field(None, ge=1)
     # a header naming the request's tenant, set by a trusted proxy (e.g. "x-tenant-id"): requests of
     # different tenants never share cached prefixes (each tenant's salts its prefix cache; without the
     # header a request is tenant ""). None: one cache for all (a request's own cache_salt still splits it)
@@ -304,6 +309,16 @@ class AppArgs(_Strict):
         return EngineConfig(model=self.model, speculative=dataclasses.replace(self.speculative), **engine)
 
     # ---- deployment options -------------------------------------------------------------
+    @property
+    def work_budget(self) -> int | None:
+        """A verifier replica's work budget in tokens (deployments.replicas.work_budget); None: not known
+        before the model is (its max_model_len from the model's config)."""
+        from deployments.replicas.work_budget import default_work_budget
+
+        if self.work_budget_tokens or not self.engine.max_model_len:
+            return self.work_budget_tokens
+        return default_work_budget(self.engine.max_num_seqs, self.engine.max_model_len)
+
     @property
     def verifier_max_ongoing(self) -> int:
         # requests past the KV slots wait inside the engine (continuous batching), so accept more

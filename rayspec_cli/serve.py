@@ -116,6 +116,9 @@ def cmd_serve(args) -> int:
     from deployments.app import build_app
 
     local = not args.address
+    from deployments.frontend.proxy_guard import install_env
+
+    install_env()  # Serve's proxies bounded (deployments/frontend/proxy_guard.py): they inherit this environment
     init = {"address": args.address or "local", "include_dashboard": False}
     if local and args.num_cpus is not None:
         init["num_cpus"] = args.num_cpus

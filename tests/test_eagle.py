@@ -1026,7 +1026,7 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
         run(TrainConfig(work_dir=str(tmp_path / "three"), output=str(tmp_path / "head-three"), num_workers=2,
                         **{**common, "epochs": 1}))
         placed = {}
-        for actor in list_actors(limit=1000):
+        for actor in list_actors(address=cluster.address, limit=1000):
             placed.setdefault(actor.class_name, set()).add(actor.node_id)
         assert placed["_TargetActor"] == nodes and placed["RayTrainWorker"] == nodes, placed
     finally:

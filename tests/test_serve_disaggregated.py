@@ -56,7 +56,8 @@ def cluster_app(tiny_model_dir, tiny_draft_dir, own_cluster):
 def _replica_nodes(deployment: str) -> set[str]:
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", f"ServeReplica:rayspec:{deployment}"),
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,  # not "the" cluster: CI runs two
+                         filters=[("class_name", "=", f"ServeReplica:rayspec:{deployment}"),
                                   ("state", "=", "ALIVE")])
     return {a.node_id for a in actors}
 

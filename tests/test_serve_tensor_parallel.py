@@ -55,7 +55,8 @@ def reference(tiny_model_dir):
 def _replica(app: str):
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", f"ServeReplica:{app}:Verifier"), ("state", "=", "ALIVE")])
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,  # not "the" cluster: CI runs two
+                         filters=[("class_name", "=", f"ServeReplica:{app}:Verifier"), ("state", "=", "ALIVE")])
     assert len(actors) == 1, actors
     return actors[0]
 
@@ -64,7 +65,7 @@ def _rank_node(replica_actor_id: str) -> str:
     from ray.util.state import get_actor
 
     rank = ray.get_actor(rank_actor_name(replica_actor_id, 1), namespace=None)
-    return get_actor(rank._actor_id.hex()).node_id
+    return get_actor(rank._actor_id.hex(), address=ray.get_runtime_context().gcs_address).node_id
 
 
 def _rank_handle(replica_actor_id: str):

@@ -82,11 +82,13 @@ def _wait(condition, timeout: float = 10.0) -> None:
 def _verifier(loop: EngineLoop, request_timeout_s: float | None = None):
     """A Verifier around `loop`, without Serve: what check_health and generate read."""
     from deployments.replicas.verifier import MAX_BUFFERED_OUTPUTS, Verifier
+    from deployments.replicas.work_budget import WorkBudget
 
     verifier = object.__new__(Verifier.func_or_class)
     verifier.loop, verifier._prefix, verifier._ids = loop, "t-", itertools.count()
     verifier._watched, verifier._watcher = {}, None
     verifier.max_buffered_outputs, verifier.request_timeout_s = MAX_BUFFERED_OUTPUTS, request_timeout_s
+    verifier.work = WorkBudget(1 << 30)  # admission by work: never the bound here
     return verifier
 
 

@@ -14,7 +14,10 @@ Bounds, outermost first (deployments/README.md has the table and the defaults):
    replica with room; past it the handle raises BackPressureError, which the ingress answers with 429
    (503 `not_ready` while no verifier replica has answered yet: the target is still loading);
 3. the engine's waiting queue (`engine.max_num_waiting`, per verifier replica): past it the engine
-   refuses the request (EngineOverloadedError) and the ingress answers 429.
+   refuses the request (EngineOverloadedError) and the ingress answers 429;
+4. the verifier replica's work budget (`work_budget_tokens`, deployments.replicas.work_budget): a
+   request's work in tokens (prompt + max_tokens per choice, prompts scored or echoed weighted more),
+   its choices let in together; past the budget a 429 at once, past the whole budget alone a 400.
 Requests let in are served in full and unchanged; refused ones cost microseconds.
 
 Every request body is also bounded before anything parses it (`BodyLimit`, app arg

@@ -3,20 +3,47 @@ each, run concurrently (they batch in the verifier's engine like any other reque
 streams merged in arrival order.
 
 Choice c is prompt c // n, sample c % n. A seeded request's sample i uses seed + i, so that the
-n samples differ and the request stays reproducible; greedy samples are all the same.
+n samples differ and the request stays reproducible; greedy samples are all the same. The choices of
+one request carry its id and their number (GenerateRequest.group, group_size): a verifier replica lets
+them in together, by their work, or refuses them together (deployments.replicas.work_budget).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import AsyncIterator
 
 from deployments.frontend.failover import FailoverCounts, FailoverStream
 from deployments.transport.protocol import GenerateChunk, GenerateRequest
 
 
+def check_work(requests: list[GenerateRequest], n: int, budget: int | None, max_model_len: int | None) -> None:
+    """A request whose prompts are token ids has its work known here, before any verifier place is
+    taken: past a replica's whole budget it is refused at once (a 400, WorkTooLargeError's), not after
+    waiting in a full verifier's queue for the verifier to say the same (text and chat prompts are
+    weighed by the verifier, which tokenizes them)."""
+    from deployments.frontend.openai_limits import OpenAIError
+    from deployments.replicas.work_budget import WorkTooLargeError, choice_work
+
+    if not budget or not max_model_len or not requests or not all(isinstance(r.prompt, list) for r in requests):
+        return
+    works = [choice_work(len(r.prompt), r.max_tokens, max_model_len, r.prompt_logprobs, r.echo_prompt)
+             for r in requests]
+    total = n * sum(w.tokens for w in works)
+    if total > budget:
+        raise OpenAIError(
+            f"this request is {total} tokens of work ({len(requests)} prompts x {n} choices; one choice: "
+            f"{works[0].describe()}), more than a server replica takes in at once (its work budget: {budget} "
+            "tokens, the app arg work_budget_tokens); ask for fewer choices (n), fewer tokens (max_tokens) "
+            "or fewer prompt logprobs", code=WorkTooLargeError.code)
+
+
 def expand(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
     out = []
+    if (size := len(requests) * n) > 1:  # one group (one request alone needs none)
+        group = uuid.uuid4().hex
+        requests = [r.model_copy(update={"group": group, "group_size": size}) for r in requests]
     for request in requests:
         for i in range(n):
             seed = None if request.seed is None else request.seed + i

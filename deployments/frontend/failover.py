@@ -50,6 +50,9 @@ class FailoverCounts:
     def __init__(self):
         self.streams = 0  # streams resumed on another replica (one per failover)
         self.requests = 0  # whole requests sent again from the start
+        # when a verifier last answered anything (a chunk, a whole call): the ingress's readiness
+        # counts it as a health answer, so a verifier busy with a full queue still reads as ready
+        self.answered_at: float | None = None
 
     def as_dict(self) -> dict:
         return {"num_stream_failovers": self.streams, "num_request_failovers": self.requests,
@@ -96,6 +99,7 @@ class FailoverStream:
                 self._gen = self._open(resumed.model_copy(update={
                     "resume_output_ids": list(self.request.resume_output_ids) + self.output_ids,
                     "resume_sent_chars": self.request.resume_sent_chars + self.sent_chars}))
+        self.counts.answered_at = time.monotonic()
         self.output_ids += chunk.delta_token_ids
         self.sent_chars += len(chunk.delta_text)
         self._drafts, self._accepted = chunk.num_draft_tokens, chunk.num_accepted_tokens
@@ -120,7 +124,9 @@ async def call_with_failover(call: Callable[[], Awaitable[T]], counts: FailoverC
     for attempt in range(MAX_FAILOVERS + 1):
         response = call()
         try:
-            return await response
+            result = await response
+            counts.answered_at = time.monotonic()
+            return result
         except REPLICA_LOST as err:
             cancel = getattr(response, "cancel", None)
             if cancel is not None:  # a replica that is unreachable may still be running the request

@@ -7,6 +7,8 @@ makes of its choices' output is its ChoiceFormat (deployments.frontend.completio
 The same replica also serves Python handle calls: `generate`, `generate_stream`, `stats`.
 With an API key (app args `api_key`, else $RAYSPEC_API_KEY) every HTTP route but GET /health wants
 `Authorization: Bearer <key>` (deployments.frontend.api_key); handle calls come over Ray, which has no keys.
+(Over 500 lines: the routes, the readiness probe and the verifier calls' error mapping share one
+replica's state: its admission gate, failover counts and health clock.)
 """
 
 
@@ -29,8 +31,9 @@ from deployments.frontend.admission import (AdmissionGate, AdmissionState, BodyL
                                             not_ready, tenant_salt,
                                    overloaded)
 from deployments.frontend.api_key import RequireApiKey, exposure_warning, key_digest
+from deployments.frontend.proxy_guard import unguarded_warning
 from deployments.frontend.chat import ChatChoices
-from deployments.frontend.choices import expand, gather_or_cancel, merged, open_streams
+from deployments.frontend.choices import check_work, expand, gather_or_cancel, merged, open_streams
 from deployments.frontend.completions import CompletionChoices
 from deployments.config import load_app_args, resolve_api_key
 from deployments.frontend.failover import REPLICA_LOST, FailoverCounts, FailoverStream, call_with_failover, time_left
@@ -85,6 +88,7 @@ def _ingress_replica_id() -> str | None:
 
 HEALTH_TIMEOUT_S = 5.0  # a verifier probe that takes longer reads as not ready
 HEALTH_PROBE_S = 2.0  # how often the ingress asks a verifier for its health (whatever /health's traffic)
+TOKENIZER_WAIT_S = 10.0  # /tokenize, /detokenize: past this in a full verifier's queue, a 429
 HEALTH_STALE_S = 3 * HEALTH_PROBE_S + HEALTH_TIMEOUT_S  # /health is 503 when no probe succeeded this recently
 
 
@@ -138,12 +142,12 @@ def _as_openai_error(err: BaseException, constraint: str | None = None, retry_af
         if not ready or isinstance(cause, DeploymentUnavailableError):
             return not_ready("no verifier replica is serving yet", retry_after_s)
         return overloaded("every verifier replica's queue is full", retry_after_s)
-    if isinstance(cause, EngineOverloadedError):
-        return overloaded("the engine's waiting queue is full", retry_after_s)
+    if isinstance(cause, EngineOverloadedError):  # with a reason of its own: admission by work (WorkBudgetExceeded)
+        return overloaded(getattr(cause, "reason", None) or "the engine's waiting queue is full", retry_after_s)
     if isinstance(cause, InvalidRequestError) or isinstance(err, InvalidRequestError):
         param = constraint if isinstance(cause, InvalidGrammarError) or isinstance(err, InvalidGrammarError) else None
         return OpenAIError(str(cause).strip().splitlines()[-1] if str(cause).strip() else "invalid request",
-                           param=param)
+                           param=param, code=getattr(cause, "code", None))  # (WorkTooLargeError's)
     if isinstance(cause, ValidationError):
         return OpenAIError(str(cause))
     return None
@@ -223,8 +227,9 @@ class OpenAIIngress:
 
         self._probe = loop.create_task(probe())
 
-    def _stale(self) -> bool:
-        return self._healthy_at is None or time.monotonic() - self._healthy_at > HEALTH_STALE_S
+    def _stale(self) -> bool:  # no probe answered, and no other verifier answer (a chunk, a call), lately
+        last = max(self._healthy_at or 0.0, self.failovers.answered_at or 0.0)
+        return not last or time.monotonic() - last > HEALTH_STALE_S
 
     async def _probe_verifier(self) -> bool:
         """One health call to a verifier replica; its answer is remembered (`_healthy_at`)."""
@@ -232,15 +237,16 @@ class OpenAIIngress:
             await asyncio.wait_for(_awaited(self.verifier.health.remote()), HEALTH_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - still loading, every replica busy, or the engine down
             logger.debug("verifier health probe failed: %r", err)
-            self._healthy_at = None
+            if not isinstance(err, TimeoutError):  # busy (the probe queued behind generation) is not down
+                self._healthy_at = None
             return False
         self.verifier_answered = True
         self._healthy_at = time.monotonic()
         return True
 
     def _warn_if_exposed(self):
-        """`serve run` with a config binds the HTTP proxy where its http_options say: ask Serve's
-        controller once, and log a warning when that is not loopback and no API key is set."""
+        """Ask Serve's controller once where the proxy binds: a warning when that is not loopback and no
+        API key is set, or when the proxy lacks its body bounds (deployments.frontend.proxy_guard)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # built outside Serve (unit tests)
@@ -250,14 +256,13 @@ class OpenAIIngress:
             try:
                 import ray
                 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
                 controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
                 host = getattr(await controller.get_http_config.remote(), "host", None)
             except Exception:  # noqa: BLE001 - another Serve version: no warning, nothing else changes
                 return
-            warning = exposure_warning(host, self._api_key_digest is not None)
-            if warning:
-                logger.warning(warning)
+            for warning in (exposure_warning(host, self._api_key_digest is not None), unguarded_warning()):
+                if warning:
+                    logger.warning(warning)
 
         return loop.create_task(check())
 
@@ -381,6 +386,7 @@ class OpenAIIngress:
         if self.cfg.tenant_header and http is not None:
             tenant = http.headers.get(self.cfg.tenant_header, "")
             requests = [r.model_copy(update={"cache_salt": tenant_salt(tenant, r.cache_salt)}) for r in requests]
+        check_work(requests, body.n, self.cfg.work_budget, self.cfg.engine.max_model_len)  # token ids: 400 unqueued
         return expand(requests, body.n)
 
     def _to_generate(self, body) -> list[GenerateRequest]:
@@ -427,8 +433,12 @@ class OpenAIIngress:
 
     async def _call_method(self, method: str, *args):
         """A verifier method other than generation (tokenize, detokenize), errors mapped."""
-        with self._errors_mapped():
-            result = await call_with_failover(lambda: getattr(self.verifier, method).remote(*args), self.failovers)
+        with self._errors_mapped():  # waits at most TOKENIZER_WAIT_S for a verifier's place (else 429)
+            call = call_with_failover(lambda: getattr(self.verifier, method).remote(*args), self.failovers)
+            try:
+                result = await asyncio.wait_for(call, TOKENIZER_WAIT_S)
+            except TimeoutError:
+                raise EngineOverloadedError("every verifier replica is busy; try again later") from None
         self.verifier_answered = True
         return result
 

@@ -224,6 +224,8 @@ def _env(source: str, ref: str) -> list[dict]:
         secret("HF_TOKEN", "hf-token", "token", optional=True),  # gated hub models (Llama)
         # required: the proxy is reached from outside the pod; no secret, no pod (fail closed)
         secret("RAYSPEC_API_KEY", "rayspec-api-key", "key", optional=False),
+        # Serve's proxy bounds the bodies it buffers (deployments/frontend/proxy_guard.py)
+        {"name": "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "value": "deployments.frontend.proxy_guard:middlewares"},
     ]
 
 

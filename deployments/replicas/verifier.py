@@ -4,11 +4,15 @@ colocated: the proposer lives inside the engine (no RPC per step).
 disaggregated: the engine drafts through RemoteProposer -> the Proposer deployment, one call per step;
 with proposer_placement 'paired', -> this replica's own proposer actor (deployments.replicas.pairing).
 A caller that is cancelled or disconnects aborts its request, which frees its KV slot.
+A request's prompt is chat-templated and tokenized in its handler, on a worker thread, and its work
+weighed against the replica's budget (deployments.replicas.work_budget: 429 / 400 at once) before it
+is queued to the engine's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -20,7 +24,8 @@ from ray import serve
 logger = logging.getLogger("ray.serve")
 
 from deployments.config import load_app_args, replica_device
-from deployments.replicas.engine_loop import ChatPrompt, EngineLoop
+from deployments.replicas.engine_loop import EngineLoop
+from deployments.replicas.work_budget import WorkBudget, choice_work, default_work_budget
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse, RequestTimeoutError
 from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 
@@ -140,6 +145,10 @@ class Verifier:
         # replica, and its requests fail over as from a dead one (deployments.frontend.failover)
         self.loop = EngineLoop(factory, metrics=metrics, on_fatal=_end_replica, step_watchdog_s=cfg.step_watchdog_s)
         self.loop.wait_ready()
+        # work let in at once (deployments.replicas.work_budget); default: a full batch of the longest sequences
+        engine = self.loop.engine
+        self.work = WorkBudget(cfg.work_budget_tokens or default_work_budget(engine.config.max_num_seqs,
+                                                                             engine.max_model_len))
         # seq ids unique across verifier replicas: a shared proposer keys its state on them
         self._prefix = f"{tag}-"
         self._ids = itertools.count()
@@ -205,38 +214,42 @@ class Verifier:
         timeout_s = request.timeout_s if request.timeout_s is not None else self.request_timeout_s
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         rid = f"{self._prefix}{next(self._ids)}"
-        prompt = ChatPrompt(request.messages, request.tools) if request.messages is not None else request.prompt
-        grammar = None
-        if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
-            grammar = await asyncio.to_thread(self.loop.engine.prepare_grammar, params.structured)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        cut_off = False
-
-        def put(item) -> None:  # on the event loop: a reader that stopped reading is cut off, not buffered for
-            nonlocal cut_off
-            if cut_off:
-                return
-            if queue.qsize() >= self.max_buffered_outputs:
-                cut_off = True
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(_BACKLOG)
-                self.loop.abort(rid)
-                return
-            queue.put_nowait(item)
-
-        left = None if deadline is None else max(0.0, deadline - time.perf_counter())  # (the grammar took some)
-        self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(put, item),
-                         resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar,
-                         timeout_s=left)
-        timer = None if left is None else loop.call_later(left + TIMEOUT_GRACE_S, queue.put_nowait, _TIMED_OUT)
-        done = False
-        if request.caller is not None:
-            self._watched[rid] = (request.caller, queue)
-            self._watch_callers()
+        prompt = await self._prompt_ids(request)
+        self._admit(rid, request, prompt, params)  # raises WorkBudgetExceeded (429) / WorkTooLargeError (400)
+        submitted = done = False
+        timer = None
         try:
+            grammar = None
+            if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
+                grammar = await asyncio.to_thread(self.loop.engine.prepare_grammar, params.structured)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+
+            cut_off = False
+
+            def put(item) -> None:  # on the event loop: a reader that stopped reading is cut off, not buffered for
+                nonlocal cut_off
+                if cut_off:
+                    return
+                if queue.qsize() >= self.max_buffered_outputs:
+                    cut_off = True
+                    while not queue.empty():
+                        queue.get_nowait()
+                    queue.put_nowait(_BACKLOG)
+                    self.loop.abort(rid)
+                    return
+                queue.put_nowait(item)
+
+            # (the prompt's encoding and the grammar took some of the time)
+            left = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(put, item),
+                             resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar,
+                             timeout_s=left)
+            submitted = True
+            timer = None if left is None else loop.call_later(left + TIMEOUT_GRACE_S, queue.put_nowait, _TIMED_OUT)
+            if request.caller is not None:
+                self._watched[rid] = (request.caller, queue)
+                self._watch_callers()
             while True:
                 item = await queue.get()
                 if item is _BACKLOG:
@@ -256,15 +269,44 @@ class Verifier:
                     raise item
                 if item.finished:
                     done = True
+                    self.work.release(rid)  # the engine is done: its work is free before the caller sees the end
                 yield item
                 if done:
                     return
         finally:
+            self.work.release(rid)  # (once: a second release is a no-op)
             if timer is not None:
                 timer.cancel()
             self._watched.pop(rid, None)
-            if not done:  # cancelled or disconnected: free the slot
+            if submitted and not done:  # cancelled or disconnected: free the slot
                 self.loop.abort(rid)
+
+    async def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The request's prompt as token ids: chat messages through the chat template, text through
+        the tokenizer, on a worker thread (not on the engine's thread, where every running request's
+        next step would wait for it, nor on this event loop). Its length is the request's work."""
+        engine = self.loop.engine
+        if request.messages is not None:
+            try:
+                return await asyncio.to_thread(engine.encode_chat, request.messages, request.tools)
+            except InvalidRequestError:
+                raise
+            except Exception as err:  # noqa: BLE001 - e.g. the chat template refused the messages: the request's fault
+                raise InvalidRequestError(f"{type(err).__name__}: {err}") from None
+        if isinstance(request.prompt, str):
+            return await asyncio.to_thread(engine.encode, request.prompt)  # (no tokenizer: InvalidRequestError)
+        return list(request.prompt)
+
+    def _admit(self, rid: str, request: GenerateRequest, prompt_ids: list[int], params) -> None:
+        """Charge the request's work to this replica's budget (deployments.replicas.work_budget), or
+        refuse it. A prompt too long for max_model_len is not weighed: the engine refuses it as it
+        comes, saying so. A failover (resumed request) was let in before: charged, never refused."""
+        max_len = self.loop.engine.max_model_len
+        num = len(prompt_ids)
+        if num >= max_len or (params.max_tokens is not None and num + params.max_tokens > max_len):
+            return
+        work = choice_work(num, params.max_tokens, max_len, request.prompt_logprobs, request.echo_prompt)
+        self.work.admit(rid, work, request.group, request.group_size, force=bool(request.resume_output_ids))
 
     def _prompt_text(self, request: GenerateRequest) -> str | None:
         if not request.echo_prompt or request.messages is not None:
@@ -277,21 +319,24 @@ class Verifier:
         if isinstance(request, dict):
             request = GenerateRequest.model_validate(request)
         first = not request.resume_output_ids  # prompt text and logprobs go in the first chunk
-        async for out in self._stream(request):
-            new = out.delta_token_ids  # the engine's outputs are deltas (EngineLoop): nothing is copied here
-            if not (new or out.delta_text or out.finished):
-                continue
-            extra = {}
-            if first:
-                extra = dict(prompt_logprobs=out.prompt_logprobs, prompt_text=self._prompt_text(request))
-                first = False
-            yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text, **extra,
-                                delta_token_ids=new,
-                                logprobs=out.delta_logprobs,
-                                finished=out.finished, finish_reason=out.finish_reason,
-                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                                num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens,
-                                num_cached_tokens=out.num_cached_tokens)
+        # aclosing: the request closed with this generator (its work released, the engine told at
+        # once), not whenever the garbage collector gets to an abandoned generator
+        async with contextlib.aclosing(self._stream(request)) as outputs:
+            async for out in outputs:
+                new = out.delta_token_ids  # the engine's outputs are deltas (EngineLoop): nothing is copied here
+                if not (new or out.delta_text or out.finished):
+                    continue
+                extra = {}
+                if first:
+                    extra = dict(prompt_logprobs=out.prompt_logprobs, prompt_text=self._prompt_text(request))
+                    first = False
+                yield GenerateChunk(request_id=request.request_id or out.request_id, delta_text=out.delta_text, **extra,
+                                    delta_token_ids=new,
+                                    logprobs=out.delta_logprobs,
+                                    finished=out.finished, finish_reason=out.finish_reason,
+                                    num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                    num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=out.num_accepted_tokens,
+                                    num_cached_tokens=out.num_cached_tokens)
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
         if isinstance(request, dict):
@@ -299,10 +344,13 @@ class Verifier:
         start = time.perf_counter()
         first = None
         last = None
-        async for out in self._stream(request):
-            if first is None and out.num_output_tokens:
-                first = time.perf_counter() - start
-            last = out
+        # aclosing: the request closed with this generator (its work released, the engine told at
+        # once), not whenever the garbage collector gets to an abandoned generator
+        async with contextlib.aclosing(self._stream(request)) as outputs:
+            async for out in outputs:
+                if first is None and out.num_output_tokens:
+                    first = time.perf_counter() - start
+                last = out
         return GenerateResponse(request_id=request.request_id or last.request_id, text=last.text,
                                 token_ids=last.token_ids, logprobs=last.logprobs,
                                 prompt_logprobs=last.prompt_logprobs, prompt_text=self._prompt_text(request),
@@ -317,7 +365,8 @@ class Verifier:
         """Engine counters (SpecDecodeStats) and queue sizes as of the last step."""
         paired = {"paired_proposer_restarts": self.paired.num_restarts} if self.paired is not None else {}
         return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
-                    num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged, **paired)
+                    num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged, **self.work.as_dict(),
+                    **paired)
 
     def record_routing_stats(self) -> dict:
         """The same counters, under the name Ray Serve's controller polls each replica by (and a
@@ -345,7 +394,7 @@ class Verifier:
                 # the call format of the model's chat template (tool_choice "auto"; None: not known)
                 "tool_call_parser": parser_for_template(getattr(tokenizer, "chat_template", None))}
 
-    # ---- /tokenize, /detokenize (on the engine's thread, where the tokenizer is used) ----------
+    # ---- /tokenize, /detokenize (on a worker thread, not the engine's: its steps go on meanwhile) ----
     async def tokenize(self, request: dict) -> dict:
         """{"prompt", "add_special_tokens"} or {"messages", "tools", "add_generation_prompt"} (the
         ingress validated them) -> {"count", "max_model_len", "tokens"}."""
@@ -363,7 +412,7 @@ class Verifier:
                     raise InvalidRequestError(f"the chat template failed: {err}") from None
             return engine.tokenizer.encode(request["prompt"], add_special_tokens=request.get("add_special_tokens", True))
 
-        tokens = await asyncio.to_thread(self.loop.call, run)
+        tokens = await asyncio.to_thread(run, self.loop.engine)
         return {"count": len(tokens), "max_model_len": self.loop.snapshot["max_model_len"], "tokens": tokens}
 
     async def detokenize(self, tokens: list[int]) -> dict:
@@ -376,4 +425,4 @@ class Verifier:
                 raise InvalidRequestError(f"token ids must be in [0, {vocab}); got {bad}")
             return engine.tokenizer.decode(tokens)
 
-        return {"prompt": await asyncio.to_thread(self.loop.call, run)}
+        return {"prompt": await asyncio.to_thread(run, self.loop.engine)}

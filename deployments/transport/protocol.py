@@ -51,6 +51,10 @@ class GenerateRequest(BaseModel):
     # the Serve actor name of the ingress replica that sends this request: if that actor dies (and
     # with it the client's connection), the verifier aborts the request instead of decoding for no one
     caller: str | None = None
+    # the OpenAI request this is one choice of (the ingress's id for it) and how many choices it has:
+    # a verifier replica lets a request's choices in together, by their work (deployments.replicas.work_budget)
+    group: str | None = Field(None, max_length=64)
+    group_size: int = Field(1, ge=1)
     # seconds this request may take from when the verifier takes it; past it the verifier aborts it
     # with RequestTimeoutError. The ingress sets its app's request_timeout_s, and a failover the time
     # left. None: the verifier's own request_timeout_s

@@ -29,17 +29,27 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, tokenizer) -> list[TokenLogprob]:
-    """logits: [N, vocab], row i predicting token_ids[i] -> N TokenLogprobs with `num_top` alternatives."""
+def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, tokenizer,
+                     texts: dict[int, str] | None = None) -> list[TokenLogprob]:
+    """logits: [N, vocab], row i predicting token_ids[i] -> N TokenLogprobs with `num_top` alternatives.
+    texts: token id -> its text, decoded so far (shared by calls for one prompt's chunks)."""
     logprobs = logits.float().log_softmax(-1)  # [N, vocab]
     index = torch.tensor(token_ids, device=logits.device)
     chosen = logprobs.gather(-1, index[:, None])[:, 0].tolist()  # [N]
     tops: list[list[tuple[int, str, float]]] = [[] for _ in token_ids]
+    texts = {} if texts is None else texts  # each distinct id decoded once: rows share most of their alternatives
+
+    def text(t: int) -> str:
+        found = texts.get(t)
+        if found is None:
+            found = texts[t] = token_text(tokenizer, t)
+        return found
+
     if num_top:
         values, ids = logprobs.topk(num_top, dim=-1)  # [N, num_top]
-        tops = [[(t, token_text(tokenizer, t), v) for t, v in zip(row_ids, row_values)]
+        tops = [[(t, text(t), v) for t, v in zip(row_ids, row_values)]
                 for row_ids, row_values in zip(ids.tolist(), values.tolist())]
-    return [TokenLogprob(t, token_text(tokenizer, t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
+    return [TokenLogprob(t, text(t), lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
 
 
 def prompt_logprobs_rows(model, tokenizer, prompt_ids: list[int], hidden: torch.Tensor, start: int, num_top: int,
@@ -50,8 +60,9 @@ def prompt_logprobs_rows(model, tokenizer, prompt_ids: list[int], hidden: torch.
     (no logprob: nothing predicts it). The chunks of one prompt, in order, give one entry per token."""
     out = [TokenLogprob(prompt_ids[0], token_text(tokenizer, prompt_ids[0]), None)] if start == 0 else []
     rows = max(0, min(len(hidden), len(prompt_ids) - 1 - start))
+    texts: dict[int, str] = {}
     for lo in range(0, rows, chunk):  # sub-chunks: [rows, vocab] float32 logits are large
         hi = min(lo + chunk, rows)
         logits = model.logits(hidden[lo:hi])
-        out += compute_logprobs(logits, prompt_ids[start + lo + 1: start + hi + 1], num_top, tokenizer)
+        out += compute_logprobs(logits, prompt_ids[start + lo + 1: start + hi + 1], num_top, tokenizer, texts)
     return out
