@@ -27,7 +27,7 @@ CLUSTER_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                # Serve's proxy bounded as `rayspec serve` bounds it (deployments/frontend/proxy_guard.py),
                # its body deadline shorter than the ingress's 30 s: a test can tell whose 408 it got
                "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.frontend.proxy_guard:middlewares",
-               "RAYSPEC_PROXY_BODY_TIMEOUT_S": "5"}
+               "RAYSPEC_PROXY_BODY_TIMEOUT_S": "10"}
 
 _shared: dict | None = None  # while the shared cluster is up: its metrics port, and Serve's HTTP port once started
 
