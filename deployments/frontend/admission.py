@@ -209,20 +209,26 @@ class BodyLimit:
             return
         if parts is _TOO_LARGE:
             return await error_response(too_large(limit))(scope, receive, send)
-        whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
-        del parts
-
-        async def replay():
-            nonlocal whole
-            if whole is not None:
-                message, whole = whole, None
-                return message
-            return await receive()  # a disconnect, for streamed responses
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(parts, receive), send)
 
 
 _TOO_LARGE: list = []  # (a marker: _read_body's answer for a body past the limit)
+
+
+def replaying(parts: list[bytes], receive):
+    """A receive that hands on a body read whole (its parts) as one message, then the client's own
+    messages (a disconnect, for streamed responses)."""
+    whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+    parts.clear()
+
+    async def replay():
+        nonlocal whole
+        if whole is not None:
+            message, whole = whole, None
+            return message
+        return await receive()
+
+    return replay
 
 
 async def _read_body(receive, limit: int) -> list[bytes] | None:

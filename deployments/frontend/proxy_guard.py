@@ -38,7 +38,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from deployments.frontend.admission import _TOO_LARGE, _read_body, body_too_slow, error_response, overloaded, too_large
+from deployments.frontend.admission import (_TOO_LARGE, _read_body, body_too_slow, error_response, overloaded, replaying,
+                                            too_large)
 
 PROXY_CALLBACK = "deployments.frontend.proxy_guard:middlewares"
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -111,17 +112,7 @@ class ProxyBodyGuard:
                 return
             if parts is _TOO_LARGE:
                 return await error_response(too_large(limit))(scope, receive, send)
-            whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
-            del parts
-
-            async def replay():
-                nonlocal whole
-                if whole is not None:
-                    message, whole = whole, None
-                    return message
-                return await receive()  # a disconnect, for streamed responses
-
-            await self.app(scope, replay, send)
+            await self.app(scope, replaying(parts, receive), send)
         finally:
             self.pool.give(held)
 
