@@ -229,6 +229,8 @@ def test_config_and_default():
         EngineConfig(batch_invariant=True, paged_attention=True)
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant=True, compile=True)
     model = torch.nn.Linear(2, 2)  # no set_batch_invariant: the generic path
-    assert default_batch_invariant(EngineConfig(), model, torch.device("cpu"), torch.float32) is False
-    assert default_batch_invariant(EngineConfig(batch_invariant=True), model, torch.device("cpu"), torch.float32)
+    assert default_batch_invariant(EngineConfig(), model, torch.device("cpu")) is False
+    assert default_batch_invariant(EngineConfig(batch_invariant=True), model, torch.device("cpu"))

@@ -113,7 +113,7 @@ class LLMEngine:
                                            enable_prefix_caching=config.enable_prefix_caching),
                                    self._proposer, self.max_k, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention,
-                                  batch_invariant=default_batch_invariant(config, model, self.device, self.dtype))
+                                  batch_invariant=default_batch_invariant(config, model, self.device))
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()

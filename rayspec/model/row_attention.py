@@ -15,7 +15,11 @@ positions if the node is accepted). A 1-row decode goes through the same call. O
 keeps its batched attention and runs it on a kernel whose per-row order does not depend on the
 batch (rayspec.model.native.attention: the memory-efficient kernel, one query block's rows
 independent, keys in fixed blocks, masked keys adding exact zeros), since one call per row would
-cost a kernel launch each.
+cost a kernel launch each; the step runs eager there too (ModelRunner.set_compile). Written for
+review: not yet run on a GPU.
+
+The cost on CPU: each row reads its keys again where a batched call reads them once per sequence,
+so a verification of k+1 rows, or many sequences' decodes, take longer (BATCH_INVARIANT_BY_DEFAULT).
 """
 
 from __future__ import annotations
@@ -91,16 +95,21 @@ def row_key_spans(starts: list[int], lengths: list[int], trees: list[TreeQuery] 
     return spans, flat
 
 
-# where batch-invariant decoding is on when EngineConfig.batch_invariant is left unset: where it measured
-# at most 10% of a step's time (device type, dtype) -> on. Elsewhere it is an option.
-BATCH_INVARIANT_BY_DEFAULT: dict[tuple[str, torch.dtype], bool] = {}
+# where batch-invariant decoding is on when EngineConfig.batch_invariant is left unset (device type -> on):
+# where it measured at most 10% of a step's time; elsewhere it is an option. CPU: off -- SmolLM2 on a
+# 2-core AMD EPYC, the settings in turn in one process (benchmarks/results/batch_invariance_cpu_run*.json),
+# a 6-row verification took 1.06-1.27x the step time, 4 or 16 of them batched 1.20-1.72x (each row
+# reads its keys again). CUDA: not measured yet.
+BATCH_INVARIANT_BY_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 
 
-def default_batch_invariant(config, model, device: torch.device, dtype: torch.dtype) -> bool:
-    """The engine's batch_invariant: the config's, or where unset BATCH_INVARIANT_BY_DEFAULT's for this
-    device and dtype (off for models without the path: the generic one, tensor-parallel, paged attention)."""
+def default_batch_invariant(config, model, device: torch.device) -> bool:
+    """The engine's batch_invariant: the config's (rayspec.config.EngineSettings), or where unset
+    BATCH_INVARIANT_BY_DEFAULT's for this device (off where it cannot run: a model without the path, the
+    generic one; compile, paged attention or tensor parallelism asked for)."""
     if config.batch_invariant is not None:
         return config.batch_invariant
-    if not hasattr(model, "set_batch_invariant") or config.paged_attention or config.tensor_parallel_size > 1:
+    if not hasattr(model, "set_batch_invariant") or config.compile or config.paged_attention \
+            or config.tensor_parallel_size > 1:
         return False
-    return BATCH_INVARIANT_BY_DEFAULT.get((device.type, dtype), False)
+    return BATCH_INVARIANT_BY_DEFAULT.get(device.type, False)

@@ -43,7 +43,7 @@ class ModelRunner:
         batch-invariant kernel in every forward (CausalLM.set_batch_invariant, set again before a
         forward where another runner of the model chose otherwise), attention row by row on CPU
         (rayspec.model.row_attention), on a batch-invariant kernel elsewhere; prefill attention stays
-        batched. On CPU those forwards run eager (the row-by-row attention is not compiled)."""
+        batched. Every forward runs eager (set_compile)."""
         self.model = model
         param = next(model.parameters())
         # the KV cache and inputs follow the layers' dtype (a head's embedding is the target's)
@@ -54,13 +54,13 @@ class ModelRunner:
                       else KVCache(model.args, kv.num_pool_blocks, kv.block_size, self.dtype, self.device))
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
+        self.batch_invariant = batch_invariant
         # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it
         self.compiled = None
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
         # than gathering each row's keys and masking them densely
         self.paged_attention = paged_attention
-        self.batch_invariant = batch_invariant
         if batch_invariant:
             if not hasattr(model, "set_batch_invariant"):
                 raise ValueError(f"batch_invariant needs the native model ({type(model).__name__} has no such path)")
@@ -68,10 +68,12 @@ class ModelRunner:
 
     def set_compile(self, on: bool) -> None:
         """Run static forwards (decode, verification, a proposer's drafting steps) through the compiled
-        step, or not. A no-op where the model cannot be compiled (rayspec.model.compiled.compilable)."""
+        step, or not. A no-op where the model cannot be compiled (rayspec.model.compiled.compilable), and
+        batch-invariant: inductor picks a reduction's blocks (split reductions, autotuned block sizes) per
+        shape, so a row's bits would follow the batch's bucket; row-by-row attention is not compiled either."""
         if not on:
             self.compiled = None
-        elif self.compiled is None and compilable(self.model):
+        elif self.compiled is None and compilable(self.model) and not self.batch_invariant:
             self.compiled = CompiledForward(self.model, self.device)
 
     def apply_moves(self) -> None:
@@ -142,8 +144,7 @@ class ModelRunner:
         invariant = static and self.batch_invariant
         if getattr(self.model, "batch_invariant", self.batch_invariant) != self.batch_invariant:
             self.model.set_batch_invariant(self.batch_invariant)  # (another runner of this model chose otherwise)
-        if static and self.compiled is not None and self.compiled.fits(B, Q) and not (
-                invariant and self.device.type == "cpu"):
+        if static and self.compiled is not None and self.compiled.fits(B, Q):
             out = self._forward_static(seq_ids, token_lists, lengths, starts, trees, packed, model_kwargs)
         else:
             kv_len = self._grow_for(seq_ids, starts, lengths, Q, trees)
@@ -278,7 +279,6 @@ class ModelRunner:
             ids[b, : len(t)] = t
         real = np.concatenate([np.arange(n) + b * Qp for b, n in enumerate(lengths)])
         t_ids, t_real, batch = self._static_batch(seq_ids, starts, trees, ids, real, Bp, Qp, kv_len)
-        batch.batch_invariant = self.batch_invariant  # (off the CPU: a dense mask, never paged)
         if on_device:
             t_ids = pad_rows(token_lists, Bp, Qp)
         # tensor arguments per token (an EAGLE head's features, [B, Q, F]) padded as the tokens are
@@ -344,11 +344,9 @@ class ModelRunner:
 
     def _pages(self, trees) -> bool:
         """Whether the compiled step's attention reads the pool in place (rayspec.model.paged_attention):
-        paged attention on, not batch-invariant (FlexAttention's decoding kernel splits the keys by the
-        batch), and no tree given as a device mask or partly cached (an EAGLE head's draft steps: one
-        layer, whose gather is small)."""
-        return self.paged_attention and not self.batch_invariant and (
-            trees is None or all(t.parents is not None and not t.first for t in trees))
+        paged attention on, and no tree given as a device mask or partly cached (an EAGLE head's
+        draft steps: one layer, whose gather is small)."""
+        return self.paged_attention and (trees is None or all(t.parents is not None and not t.first for t in trees))
 
     def _paged_arrays(self, seq_ids, starts, Bp, Qp, trees):
         """A PagedLayout's table [Bp, max_blocks] (scratch past a row's blocks, and for padding rows),
