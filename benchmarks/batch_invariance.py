@@ -34,17 +34,18 @@ from rayspec.model.runner import make_runner  # noqa: E402
 from rayspec.sampling.sampler import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
-CASES = [(1, 1), (1, 6), (2, 1), (2, 6), (4, 1), (4, 6)]  # (sequences, rows each): decode, a k=5 verification
+CASES = [(1, 1), (1, 6), (4, 1), (4, 6), (16, 1), (16, 6)]  # (sequences, rows each): decode, a k=5 verification
 CONTEXTS = (128, 512)
 
 
 def step_costs(model, repeats: int) -> list[dict]:
     """Median seconds of one static forward + logits + argmax read, batch_invariant off and on."""
-    runners = {on: make_runner(model, 1024, 4, slack=8, batch_invariant=on) for on in (False, True)}
+    num_seqs = max(b for b, _ in CASES)
+    runners = {on: make_runner(model, 1024, num_seqs, slack=8, batch_invariant=on) for on in (False, True)}
     vocab, rows_out = model.args.vocab_size, []
     g = torch.Generator().manual_seed(0)
     for context in CONTEXTS:
-        prompts = [torch.randint(3, vocab, (context,), generator=g).tolist() for _ in range(4)]
+        prompts = [torch.randint(3, vocab, (context,), generator=g).tolist() for _ in range(num_seqs)]
         for on, runner in runners.items():
             model.set_batch_invariant(on)
             for i, p in enumerate(prompts):
@@ -71,7 +72,7 @@ def step_costs(model, repeats: int) -> list[dict]:
                              "on_ms": round(on_ms, 3), "on_over_off": round(on_ms / off_ms, 3)})
             print(rows_out[-1], flush=True)
         for runner in runners.values():
-            for i in range(4):
+            for i in range(num_seqs):
                 runner.kv.free(f"s{i}")
     return rows_out
 
