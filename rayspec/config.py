@@ -140,6 +140,13 @@ class EngineSettings:
     # densely. Measured faster on an H100 (benchmarks/results/gpu_paged_attention_h100.json); off by
     # default until its outputs are checked on a GPU (see that file's note)
     paged_attention: bool = False
+    # batch-invariant decoding (vLLM's and SGLang's batch-invariant mode, for verification): each row of a
+    # decode or verification forward computes with the bits a 1-row decode of its token gives, whatever
+    # else is batched with it, so greedy speculative output equals target-only output token for token even
+    # after a near-tie (CausalLM.set_batch_invariant, rayspec.model.row_attention). None: on where it measured
+    # at most 10% of a step (rayspec.model.row_attention.BATCH_INVARIANT_BY_DEFAULT: nowhere yet; on CPU it
+    # cost more); needs the native model on one device, and runs the target's step eager
+    batch_invariant: bool | None = None
     # the random streams of sampled requests without a seed of their own (vLLM's engine `seed`): None,
     # from the OS's entropy; an int, a fixed sequence (the i-th such request of the engine's life gets
     # the i-th stream), so a run is reproducible as a whole. Seeded requests draw coupled to their own
@@ -149,6 +156,9 @@ class EngineSettings:
     def __post_init__(self):
         if self.paged_attention and self.compile is False:
             raise ValueError("paged_attention is the compiled step's attention: it needs compile true (or unset)")
+        if self.batch_invariant and (self.compile or self.paged_attention or self.tensor_parallel_size > 1):
+            raise ValueError("batch_invariant runs the eager step on one device: not with compile, paged_attention "
+                             "(the compiled step's kernels choose their blocks by the batch) or tensor_parallel_size > 1")
 
 
 @dataclass(config=_STRICT)

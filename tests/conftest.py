@@ -110,7 +110,7 @@ def smollm2_dir() -> Path:
 # with ray_cluster or serve_url, cluster with own_cluster. `scripts/test --quick` runs unit.
 TIERS = ("unit", "engine", "serve", "cluster")
 ENGINE_MODULES = {
-    "test_async_model", "test_bench_offline", "test_chunked_prefill", "test_compiled_step", "test_cpu_kernels",
+    "test_async_model", "test_batch_invariance", "test_bench_offline", "test_chunked_prefill", "test_compiled_step", "test_cpu_kernels",
     "test_default_config_greedy", "test_eagle", "test_engine_limits", "test_families", "test_generic_model",
     "test_gpu_bench", "test_greedy_equivalence", "test_host_syncs", "test_kv_cache", "test_logprobs",
     "test_lossless_sampled", "test_metrics", "test_numerics", "test_paged_kv", "test_penalties", "test_plan",

@@ -240,6 +240,8 @@ def run_offline_benchmark(model: str, spec: SpeculativeConfig, prompts_file: str
         "method_vs_hf_assisted": (meth.throughput / runs["hf_assisted"].throughput
                                   if with_hf and method != "none" and runs["hf_assisted"].throughput else None),
         "dtype": str(baseline.dtype).removeprefix("torch."),
+        # greedy_match may be false without it, after a near-tie (EngineConfig.batch_invariant)
+        "batch_invariant": baseline.runner.batch_invariant,
         "device": str(baseline.device),
         "tensor_parallel_size": tensor_parallel_size,
         "baseline_step_ms": base.step_ms,
@@ -258,7 +260,8 @@ def format_result(result: dict) -> str:
     keys = ["method", "prompts", "concurrency", "temperature", "output_throughput", "baseline_output_throughput", "speedup",
             "baseline_concurrency_scaling",
             "hf_output_throughput", "hf_assisted_output_throughput", "spec_decode_acceptance_length",
-            "spec_decode_acceptance_rate", "greedy_match", "seeded_match", "baseline_vs_hf", "method_vs_hf_assisted",
+            "spec_decode_acceptance_rate", "greedy_match", "batch_invariant", "seeded_match", "baseline_vs_hf",
+            "method_vs_hf_assisted",
             "tensor_parallel_size", "dtype", "baseline_step_ms", "tp1_step_ms", "tp_vs_tp1", "tp1_greedy_match",
             "cpu_kernels"]
     env = result["environment"]

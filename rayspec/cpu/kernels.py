@@ -30,6 +30,15 @@ whose microbenchmark medians differed by 5-10% run to run, and served side by si
 target and W @ x^T for one row at 29.0, drafting nothing; with one choice 37.2 and 38.0); a
 measurement made once also spares every later load its second and a half. The first quiet
 measurement of a key is kept; one finishing later adopts it.
+
+Batch-invariant projections (EngineConfig.batch_invariant, `choose_invariant`): a row's output must
+not depend on how many rows are computed with it, so one kernel serves every row count, and it must
+be one whose per-row reduction order does not change with the row count. Which is, depends on the
+kernel library and the CPU (on one AMD EPYC with AVX-512 BF16, oneDNN 3.12: F.linear changed a row's
+bits from 2 rows on in float32 and from 8 in bfloat16, oneDNN unpadded from 2 (float32) and 10
+(bfloat16) on a 1536-wide input, oneDNN padded to 4 rows at no count from 1 to 256), so each load
+checks the candidates on the model's own MLP (`rows_invariant`) and keeps the first that passes; if
+none does, rows run in calls of exactly TILE_ROWS (every call the same shape, so the same kernel).
 """
 
 from __future__ import annotations
@@ -60,6 +69,12 @@ BUSY_SHARE = 0.25  # other processes' share of our CPUs during a measurement pas
 TIE = 0.05
 CACHE_ENV = "RAYSPEC_CPU_KERNELS_CACHE"  # the file of this machine's choices; "off": measure every load
 CACHE_TTL_S = 24 * 3600.0  # a kept choice older than this is measured again (the VM under us may change)
+# batch-invariant projections: the candidates in order of preference (onednn_pad4: the fastest for
+# 1-9 rows on the AMD EPYC measured, and row-count invariant there), the row counts each is checked at,
+# and the fixed call size of the fallback
+INVARIANT_VARIANTS = ("onednn_pad4", "flinear", "wxt", "onednn")
+INVARIANT_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 32, 33, 64)
+TILE_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,8 @@ class CpuKernels:
     median_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # variant -> rows -> ms (measured)
     busy: float | None = None  # other processes' share of our CPUs while measuring (None: not known)
     kept_at: float | None = None  # taken from KernelCache: when that measurement was made (time.time())
+    # batch-invariant fallback: rows go through in calls of exactly this many (the last padded); None: one call
+    tile: int | None = None
 
     @property
     def contended(self) -> bool:
@@ -304,3 +321,33 @@ def choose(mlp_factory, hidden_size: int, dtype: torch.dtype, timer=time.perf_co
         if kept is not chosen and usable(kept):
             return kept  # another load of this machine kept its choice first: the same for both
     return chosen
+
+
+# ---- batch-invariant projections ----------------------------------------------------------------
+
+def rows_invariant(fn, in_features: int, dtype: torch.dtype, rows: tuple[int, ...] = INVARIANT_ROWS) -> bool:
+    """Whether fn ([M, in_features] -> [M, out]) computes every row with the same bits at each of
+    `rows` row counts as it does for that row alone."""
+    x = torch.randn(max(rows), in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([fn(x[i: i + 1]) for i in range(max(rows))])
+        return all(torch.equal(fn(x[:m]), alone[:m]) for m in rows)
+
+
+def choose_invariant(mlp_factory, hidden_size: int, dtype: torch.dtype,
+                     variants: tuple[str, ...] = INVARIANT_VARIANTS) -> CpuKernels:
+    """One kernel for every row count whose rows do not depend on the row count, checked on this CPU:
+    mlp_factory(kernels) -> a callable MLP running every projection on `kernels` (a CpuKernels).
+    The first of `variants` (those this torch has) that passes rows_invariant, else the first in
+    calls of TILE_ROWS rows (checked too: if even that fails, it is used and a warning says so)."""
+    candidates = [v for v in variants if v not in ONEDNN or onednn_available()] or ["flinear"]
+    for variant in candidates:
+        kernels = CpuKernels.single(variant, "batch-invariant")
+        if rows_invariant(mlp_factory(kernels), hidden_size, dtype):
+            return kernels
+    tiled = CpuKernels({n: candidates[0] for n in ROWS}, f"batch-invariant, in calls of {TILE_ROWS} rows",
+                       tile=TILE_ROWS)
+    if not rows_invariant(mlp_factory(tiled), hidden_size, dtype):
+        logger.warning("no CPU matmul kernel here computes a row alike at every row count, not even in calls of "
+                       "%d rows: batch_invariant does not hold on this CPU", TILE_ROWS)
+    return tiled

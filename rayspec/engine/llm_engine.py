@@ -47,6 +47,7 @@ from rayspec.model.batch_layout import TreeQuery, packed_offsets, prefill_groups
 from rayspec.model.compiled import default_compile
 from rayspec.kv.kv_space import KVSpace
 from rayspec.model.native import CausalLM
+from rayspec.model.row_attention import default_batch_invariant
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.sampling.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
@@ -111,7 +112,8 @@ class LLMEngine:
                                            block_size=config.block_size,
                                            enable_prefix_caching=config.enable_prefix_caching),
                                    self._proposer, self.max_k, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention)
+        self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention,
+                                  batch_invariant=default_batch_invariant(config, model, self.device))
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()

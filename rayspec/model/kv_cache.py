@@ -92,6 +92,10 @@ class ForwardBatch:
                write_index and real_rows when asked for (the runner gives it, built on the host)
     paged:     rayspec.model.paged_attention.PagedLayout: attention reads the pool in place through it
                (read_index and mask unused); None: keys gathered through read_index, masked by mask
+    row_keys:  rayspec.model.row_attention.RowKeys (batch-invariant, on CPU): each real row attends over
+               its own keys, one row at a time (mask unused); sliding_row_keys: sliding-window layers'
+    batch_invariant: attention on a kernel whose rows do not depend on the batch (off the CPU:
+               rayspec.model.native.attention); set with row_keys too
     """
 
     write_index: torch.Tensor
@@ -107,6 +111,9 @@ class ForwardBatch:
     read_range: tuple[int, int] | None = None
     write_rows: torch.Tensor | None = None
     paged: "PagedLayout | None" = None
+    row_keys: "RowKeys | None" = None
+    sliding_row_keys: "RowKeys | None" = None
+    batch_invariant: bool = False
 
     def token_write_rows(self) -> torch.Tensor:
         """[N] long: the cache row of each real token (see write_rows)."""

@@ -38,6 +38,33 @@ def onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
+# batch-invariant projections off the CPU (CausalLM.set_batch_invariant): rows go through the GEMM in
+# calls of exactly this many (the compiled step's most padded rows, rayspec.model.compiled.MAX_ROWS), so
+# every call has one shape and one kernel, and a row's reduction order does not depend on how many
+# rows came with it. A decode's one row costs a 64-row GEMM, which on a GPU reads the same weights
+# in about the same time (written for review: not yet run on a GPU)
+DEVICE_TILE_ROWS = 64
+
+
+def tiled_rows(fn, rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn over rows [N, in] -> [N, out] in calls of exactly `tile` rows, the last padded with zeros."""
+    n = rows.shape[0]
+    pad = -n % tile
+    if pad:
+        rows = torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
+    if n + pad == tile:
+        return fn(rows)[:n]
+    return torch.cat([fn(chunk) for chunk in rows.split(tile)])[:n]
+
+
+def device_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int | None) -> torch.Tensor:
+    """F.linear, or with `tile` (batch-invariant) its rows in calls of exactly `tile` rows (tiled_rows)."""
+    if tile is None:
+        return F.linear(x, weight, bias)
+    out = tiled_rows(lambda rows: F.linear(rows, weight, bias), x.reshape(-1, x.shape[-1]), tile)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def _packable(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_fast())
 
@@ -61,6 +88,7 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
     int8 = None  # a rayspec.model.quantize.Int8Weight (weight-only int8): replaces the float weight
+    tile_rows: int | None = None  # off the CPU, batch-invariant: DEVICE_TILE_ROWS (CausalLM.set_batch_invariant)
 
     def pack_for_cpu(self) -> None:
         w = self.weight
@@ -81,23 +109,28 @@ class Linear(nn.Linear):
         if self.int8 is not None:
             return self.int8(x)
         if x.device.type != "cpu" or torch.compiler.is_compiling():  # (compiled: inductor picks the kernel)
-            return F.linear(x, self.weight, self.bias)
+            return device_linear(x, self.weight, self.bias, self.tile_rows)
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        tile = self.kernels.tile if self.kernels is not None else None
+        out = self._rows(rows) if tile is None else tiled_rows(self._rows, rows, tile)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [N, in] -> [N, out] on the kernel chosen for N rows."""
         n = rows.shape[0]
         path = self.path_for(n)
-        if (path in cpu_kernels.ONEDNN and self._packed is not None and x.dtype == self.weight.dtype
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        if (path in cpu_kernels.ONEDNN and self._packed is not None and rows.dtype == self.weight.dtype
+                and not (torch.is_grad_enabled() and (rows.requires_grad or self.weight.requires_grad))
                 and self.weight._version == self._packed_version):  # stale after in-place updates
-            out = onednn_linear(rows, self._packed, self.bias, cpu_kernels.ONEDNN[path])
-            return out.reshape(*x.shape[:-1], out.shape[-1])
+            return onednn_linear(rows, self._packed, self.bias, cpu_kernels.ONEDNN[path])
         if path != "wxt" or n > cpu_kernels.ROWS[-1]:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(rows, self.weight, self.bias)
         if n == 1:
             rows = rows.expand(2, -1).contiguous()
         out = (self.weight @ rows.t()).t()[:n]  # [N, out]
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out
 
 
 class FusedProjection:
@@ -131,6 +164,8 @@ class FusedProjection:
         if (x.device.type != "cpu" or torch.compiler.is_compiling() or x.dtype != self.parts[0].weight.dtype
                 or torch.is_grad_enabled()
                 or any(p.weight._version != v for p, v in zip(self.parts, self.versions))):
+            return None
+        if self.lead.kernels is not None and self.lead.kernels.tile:  # batch-invariant in tiles: the parts' own
             return None
         rows = x.reshape(-1, x.shape[-1])
         path = self.lead.path_for(rows.shape[0]) if self.lead.kernels is not None else (

@@ -18,7 +18,7 @@ from torch import nn
 from rayspec.cpu import kernels as cpu_kernels
 from rayspec.model.families import ModelArgs
 from rayspec.model.kv_cache import ForwardBatch, KVCache
-from rayspec.model.linear import FusedProjection, Linear, fuse_weights
+from rayspec.model.linear import DEVICE_TILE_ROWS, FusedProjection, Linear, device_linear, fuse_weights
 from rayspec.model.parallel import (NO_TP, OP_LOGITS, OP_NEW_CACHE, TPGroup, VocabParallelEmbedding, column_parallel,
                                     row_parallel, send_forward)
 
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         fused = self.qkv(x) if self.qkv is not None else None
         if fused is None and self.qkv_fused is not None and x.device == self.qkv_fused[0].device:
             weight, bias, _ = self.qkv_fused
-            qkv = F.linear(x, weight, bias)  # [N, (heads + 2 kv_heads) * head_dim]
+            qkv = device_linear(x, weight, bias, self.q_proj.tile_rows)  # [N, (heads + 2 kv_heads) * head_dim]
             q, k, v = qkv.view(N, nq + 2 * nkv, hd).split((nq, nkv, nkv), dim=1)
             if self.q_norm is None:  # q and k rotated at once: one slice of the fused output
                 qk = apply_rotary(qkv[:, : (nq + nkv) * hd].view(N, nq + nkv, hd), cos, sin)
@@ -111,6 +111,10 @@ class Attention(nn.Module):
         q, k, v = self._project(x, cos, sin)
         # this step's keys/values, then every key through the block tables
         batch.write_tokens_kv(cache_k, cache_v, k, v, batch.token_write_rows())
+        rows = batch.row_keys if self.sliding_window is None else batch.sliding_row_keys
+        if rows is not None:  # batch-invariant: each row over its own keys (rayspec.model.row_attention)
+            out = rows.attend(q, *batch.read_kv(cache_k, cache_v))  # [N, heads, head_dim]
+            return self.tp.all_reduce(self.o_proj(out.reshape(N, nq * hd)))
         q = batch.unpack(q.reshape(N, nq * hd)).view(B, Q, nq, hd).transpose(1, 2)  # padding rows zero
         if batch.paged is not None and self.sliding_window is None:  # the pool read in place
             out = batch.paged.attend(q, cache_k, cache_v)
@@ -122,7 +126,7 @@ class Attention(nn.Module):
                     raise ValueError("a sliding-window layer needs ForwardBatch.sliding_mask (ModelRunner builds it)")
                 keys, values = keys[:, :, batch.sliding_start:], values[:, :, batch.sliding_start:]
                 mask = batch.sliding_mask
-            out = attention(q, keys, values, mask)  # [B, heads, Q, head_dim]
+            out = attention(q, keys, values, mask, invariant=batch.batch_invariant)  # [B, heads, Q, head_dim]
         out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, nq * hd))
         return self.tp.all_reduce(out)  # [N, H]: the ranks' partial sums
 
@@ -163,7 +167,7 @@ def repeats_kv_heads(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | N
     return _MATH_FALLBACK[key]
 
 
-def attention(q, keys, values, mask, repeat_kv: bool | None = None) -> torch.Tensor:
+def attention(q, keys, values, mask, repeat_kv: bool | None = None, invariant: bool = False) -> torch.Tensor:
     """SDPA over q [B, heads, Q, D] and keys/values [B, kv_heads, kv_len, D] (see repeats_kv_heads).
 
     On CPU, bfloat16 / float16 attention runs in float32: the CPU flash kernel in reduced precision
@@ -208,7 +212,7 @@ class MLP(nn.Module):
         fused = self.gate_up(x) if self.gate_up is not None else None
         if fused is None and self.gate_up_fused is not None and x.device == self.gate_up_fused[0].device:
             weight, bias, sizes = self.gate_up_fused
-            fused = F.linear(x, weight, bias).split(sizes, dim=-1)
+            fused = device_linear(x, weight, bias, self.gate_proj.tile_rows).split(sizes, dim=-1)
         gate, up = fused or (self.gate_proj(x), self.up_proj(x))
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
@@ -226,18 +230,19 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _probe_mlp(src: MLP, variant: str) -> MLP:
+def _probe_mlp(src: MLP, variant: "str | cpu_kernels.CpuKernels") -> MLP:
     """A copy of `src` sharing its weights that runs every row count on one of
-    rayspec.cpu.kernels.VARIANTS."""
+    rayspec.cpu.kernels.VARIANTS (or on a CpuKernels)."""
+    kernels = variant if isinstance(variant, cpu_kernels.CpuKernels) else cpu_kernels.CpuKernels.single(variant, "probe")
     probe = MLP.__new__(MLP)
     nn.Module.__init__(probe)
     probe.tp = NO_TP  # times this rank's share alone
-    packed = variant in cpu_kernels.ONEDNN
+    packed = kernels.onednn
     for name in ("gate_proj", "up_proj", "down_proj"):
         part = getattr(src, name)
         lin = Linear(part.in_features, part.out_features, bias=part.bias is not None, device="meta")
         lin.weight, lin.bias = part.weight, part.bias
-        lin.kernels = cpu_kernels.CpuKernels.single(variant, "probe")
+        lin.kernels = kernels
         if packed:
             lin.pack_for_cpu()
         setattr(probe, name, lin)
@@ -246,6 +251,16 @@ def _probe_mlp(src: MLP, variant: str) -> MLP:
     if packed:
         probe.fuse_for_cpu()
     return probe
+
+
+def _pack_onednn(model: nn.Module) -> None:
+    """A oneDNN-packed copy of every projection of `model`, q/k/v and gate/up fused."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack_for_cpu()
+    for module in model.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.fuse_for_cpu()
 
 
 class Backbone(nn.Module):
@@ -293,6 +308,8 @@ class CausalLM(Float32Rotary):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
+        # set_batch_invariant: whether the projections run the batch-invariant kernel (and on CPU which)
+        self.batch_invariant, self.invariant_kernels = False, None
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, Q] -> cos, sin: [B, 1, Q, head_dim]
@@ -354,10 +371,38 @@ class CausalLM(Float32Rotary):
         self.cpu_kernels = cpu_kernels.choose(lambda variant: _probe_mlp(mlp, variant), mlp.gate_proj.in_features,
                                               weight.dtype, variants=variants, cache=cpu_kernels.KernelCache.from_env(),
                                               cache_key=key)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.kernels = self.cpu_kernels
+        if not getattr(self, "batch_invariant", False):  # (else the projections keep the batch-invariant kernel)
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.kernels = self.cpu_kernels
         return self.cpu_kernels
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Have every projection (the LM head's too) compute a row with the same bits whatever the row
+        count, or not (EngineConfig.batch_invariant; attention's part is the runner's ForwardBatch.row_keys).
+        On CPU one kernel for every row count that this CPU computes row-count invariantly, checked once
+        on this model's MLP (rayspec.cpu.kernels.choose_invariant; oneDNN ones prepack the weights as
+        pack_for_cpu does), instead of the fastest per row count; off the CPU GEMMs of a fixed row count
+        (rayspec.model.linear.DEVICE_TILE_ROWS). Cheap to call again with the same value."""
+        if on == self.batch_invariant:
+            return
+        self.batch_invariant = on
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if next(self.parameters()).device.type != "cpu":
+            for module in linears:
+                module.tile_rows = DEVICE_TILE_ROWS if on else None
+            return
+        mlp = next((m for m in self.modules() if isinstance(m, MLP)), None)
+        if getattr(self, "cpu_kernels", None) is None or mlp is None:  # int8 projections: their own kernels
+            return
+        if on and self.invariant_kernels is None:
+            self.invariant_kernels = cpu_kernels.choose_invariant(lambda kernels: _probe_mlp(mlp, kernels),
+                                                                  mlp.gate_proj.in_features, mlp.gate_proj.weight.dtype)
+            logger.info("batch-invariant CPU matmul kernel: %s", self.invariant_kernels.describe())
+            if self.invariant_kernels.onednn and not self.cpu_kernels.onednn:
+                _pack_onednn(self)
+        for module in linears:
+            module.kernels = self.invariant_kernels if on else self.cpu_kernels
 
     def pack_for_cpu(self) -> "CausalLM":
         """On CPU, pick the projections' matmul kernel per row count by measuring this CPU
@@ -378,14 +423,8 @@ class CausalLM(Float32Rotary):
             return self
         self._use_cpu_kernels(mlp, cpu_kernels.VARIANTS)
         logger.info("CPU matmul kernels: %s", self.cpu_kernels.describe())
-        if not self.cpu_kernels.onednn:
-            return self
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu()
-        for module in self.modules():
-            if isinstance(module, (Attention, MLP)):
-                module.fuse_for_cpu()
+        if self.cpu_kernels.onednn:
+            _pack_onednn(self)
         return self
 
     @property

@@ -21,21 +21,29 @@ from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
 from rayspec.model.native import CausalLM
 from rayspec.model.paged_attention import PagedLayout, chain_tail, tree_tail
+from rayspec.model.row_attention import RowKeys, row_key_spans
 
 
 def make_runner(model: CausalLM, max_model_len: int, num_slots: int, slack: int, num_blocks: int | None = None,
                 block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = False, compile: bool = False,
-                paged_attention: bool = False) -> "ModelRunner":
+                paged_attention: bool = False, batch_invariant: bool = False) -> "ModelRunner":
     """A runner over a pool of its own books (a KVSpace made here, reached as runner.kv): for a model
     run on its own (tests, benchmarks, a training data pass); an engine's scheduler and a proposer
     make their KVSpace themselves and hand it in."""
     kv = KVSpace(max_model_len, num_slots, slack, num_blocks, block_size, enable_prefix_caching)
-    return ModelRunner(model, kv, compile=compile, paged_attention=paged_attention)
+    return ModelRunner(model, kv, compile=compile, paged_attention=paged_attention, batch_invariant=batch_invariant)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVSpace, compile: bool = False, paged_attention: bool = False):
-        """kv: the books of the pool this runner's cache tensors hold (its owner's)."""
+    def __init__(self, model: CausalLM, kv: KVSpace, compile: bool = False, paged_attention: bool = False,
+                 batch_invariant: bool = False):
+        """kv: the books of the pool this runner's cache tensors hold (its owner's).
+        batch_invariant: decode and verification forwards (`static`) compute each row with the bits a
+        1-row decode of it gives (EngineConfig.batch_invariant): the model's projections on a
+        batch-invariant kernel in every forward (CausalLM.set_batch_invariant, set again before a
+        forward where another runner of the model chose otherwise), attention row by row on CPU
+        (rayspec.model.row_attention), on a batch-invariant kernel elsewhere; prefill attention stays
+        batched. Every forward runs eager (set_compile)."""
         self.model = model
         param = next(model.parameters())
         # the KV cache and inputs follow the layers' dtype (a head's embedding is the target's)
@@ -46,19 +54,26 @@ class ModelRunner:
                       else KVCache(model.args, kv.num_pool_blocks, kv.block_size, self.dtype, self.device))
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
+        self.batch_invariant = batch_invariant
         # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it
         self.compiled = None
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
         # than gathering each row's keys and masking them densely
         self.paged_attention = paged_attention
+        if batch_invariant:
+            if not hasattr(model, "set_batch_invariant"):
+                raise ValueError(f"batch_invariant needs the native model ({type(model).__name__} has no such path)")
+            model.set_batch_invariant(True)
 
     def set_compile(self, on: bool) -> None:
         """Run static forwards (decode, verification, a proposer's drafting steps) through the compiled
-        step, or not. A no-op where the model cannot be compiled (rayspec.model.compiled.compilable)."""
+        step, or not. A no-op where the model cannot be compiled (rayspec.model.compiled.compilable), and
+        batch-invariant: inductor picks a reduction's blocks (split reductions, autotuned block sizes) per
+        shape, so a row's bits would follow the batch's bucket; row-by-row attention is not compiled either."""
         if not on:
             self.compiled = None
-        elif self.compiled is None and compilable(self.model):
+        elif self.compiled is None and compilable(self.model) and not self.batch_invariant:
             self.compiled = CompiledForward(self.model, self.device)
 
     def apply_moves(self) -> None:
@@ -126,6 +141,9 @@ class ModelRunner:
         lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
         starts = [self.kv.cached_len(s) for s in seq_ids]
+        invariant = static and self.batch_invariant
+        if getattr(self.model, "batch_invariant", self.batch_invariant) != self.batch_invariant:
+            self.model.set_batch_invariant(self.batch_invariant)  # (another runner of this model chose otherwise)
         if static and self.compiled is not None and self.compiled.fits(B, Q):
             out = self._forward_static(seq_ids, token_lists, lengths, starts, trees, packed, model_kwargs)
         else:
@@ -134,6 +152,8 @@ class ModelRunner:
             t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, trees, kv_len)))
             input_ids = token_lists if on_device else t["input_ids"]
             batch = self._eager_batch(seq_ids, starts, trees, kv_len, t, packed)
+            if invariant:
+                self._invariant_batch(batch, starts, lengths, trees, kv_len)
             out = self.model(input_ids, self.cache, batch, **model_kwargs)
         if trees is None and advance:
             for s, start, n in zip(seq_ids, starts, lengths):
@@ -215,6 +235,22 @@ class ModelRunner:
                             kv_len=kv_len, mask=mask, cache_positions=cache_positions, real_rows=t.get("real_rows"),
                             packed_output=packed, sliding_start=sliding_start, sliding_mask=sliding_mask,
                             read_range=read_range, write_rows=t.get("write_rows"))
+
+    def _invariant_batch(self, batch: ForwardBatch, starts, lengths, trees, kv_len: int) -> None:
+        """Make an eager decode or verification batch-invariant: on CPU each row attends over its own
+        keys (rayspec.model.row_attention; its spans on the host, so trees given by parents), elsewhere
+        the batched attention on a batch-invariant kernel, masked even for one query."""
+        batch.batch_invariant = True
+        if self.device.type == "cpu" and (trees is None or all(t.parents is not None for t in trees)):
+            batch.row_keys = self._row_keys(starts, lengths, trees, None)
+            if self.model.args.sliding_layers:
+                batch.sliding_row_keys = self._row_keys(starts, lengths, trees, self.model.args.sliding_window)
+        elif batch.mask is None:  # one query seeing every key: the same kernel as the masked rows
+            batch.mask = torch.zeros((1, 1, 1, kv_len), dtype=self.dtype, device=self.device)
+
+    def _row_keys(self, starts, lengths, trees, window: int | None) -> RowKeys:
+        spans, index = row_key_spans(starts, lengths, trees, window)
+        return RowKeys(spans, None if index is None else torch.from_numpy(index).to(self.device))
 
     def _grow_for(self, seq_ids, starts, lengths, Q, trees) -> int:
         """Blocks for each row's real tokens (rows padded to Q); returns the keys a forward spans
