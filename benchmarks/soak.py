@@ -180,6 +180,7 @@ class Soak:
 
     faults = False
     outcomes: Counter
+    reasons: Counter  # (outcome, what was seen) of every request not answered, in fault mode
     first_answers: dict
 
     async def exact(self, client: httpx.AsyncClient) -> None:
@@ -194,15 +195,17 @@ class Soak:
         if stream:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         started = time.monotonic()
-        outcome, text = "other_error", None
+        outcome, text, why = "other_error", None, None
         try:
             async with asyncio.timeout(self.timeout):
-                outcome, text = await (self._exact_stream(client, route, body) if stream
-                                       else self._exact_whole(client, route, body))
-        except (TimeoutError, httpx.TimeoutException):
-            outcome = "lost"
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError):
-            outcome = "other_error"
+                outcome, text, why = await (self._exact_stream(client, route, body) if stream
+                                            else self._exact_whole(client, route, body))
+        except (TimeoutError, httpx.TimeoutException) as err:
+            outcome, why = "lost", f"{kind}: no answer within {self.timeout:g} s ({type(err).__name__})"
+        except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+            outcome, why = "other_error", f"{kind}: {type(err).__name__}: {str(err)[:120]}"
+        if why is not None and outcome != "answered":
+            self.reasons[(outcome, why)] += 1
         if outcome == "answered" and text is not None:
             key = (kind, prompt)
             first = self.first_answers.setdefault(key, text)
@@ -212,24 +215,32 @@ class Soak:
         self.events.append((time.monotonic(), kind, time.monotonic() - started, outcome == "answered", outcome))
 
     @staticmethod
-    def _refused(resp: httpx.Response) -> str:
-        return "retryable" if resp.status_code in (429, 503) and "retry-after" in resp.headers else "other_error"
+    def _refused(resp: httpx.Response) -> tuple[str, None, str]:
+        retryable = resp.status_code in (429, 503) and "retry-after" in resp.headers
+        try:
+            error = resp.json().get("error") or {}
+            said = f"{error.get('code') or error.get('type')}: {str(error.get('message'))[:100]}"
+        except (ValueError, AttributeError):
+            said = resp.text[:100]
+        return ("retryable" if retryable else "other_error"), None, f"HTTP {resp.status_code} {said}"
 
     async def _exact_whole(self, client, route, body) -> tuple[str, str | None]:
         resp = await client.post(f"{self.url}/v1/{route}", json=body)
         if resp.status_code != 200:
-            return self._refused(resp), None
+            return self._refused(resp)
         data = resp.json()
         choice = data["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
-        ok = data["usage"]["completion_tokens"] == self.max_tokens
-        return ("answered" if ok else "other_error"), text
+        got = data["usage"]["completion_tokens"]
+        if got != self.max_tokens:
+            return "other_error", text, f"whole: {got} tokens, not {self.max_tokens}"
+        return "answered", text, None
 
     async def _exact_stream(self, client, route, body) -> tuple[str, str | None]:
         async with client.stream("POST", f"{self.url}/v1/{route}", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
-                return self._refused(resp), None
+                return self._refused(resp)
             done, counts, parts, error = 0, [], [], None
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
@@ -248,19 +259,21 @@ class Soak:
                 if "completion_tokens" in usage and event.get("choices"):
                     counts.append(usage["completion_tokens"])
         if done > 1 or any(b < a for a, b in zip(counts, counts[1:])) or (counts and counts[-1] > self.max_tokens):
-            return "duplicated", None
+            return "duplicated", None, f"stream: {done} [DONE], usage counts {counts[-4:]}"
         if error is not None:  # in-band: retryable when the server says so (a replica lost past the failover)
+            said = f"in-band {error.get('code') or error.get('type')}: {str(error.get('message'))[:100]}"
             return ("retryable" if error.get("code") in ("replica_lost", "server_overloaded", "not_ready")
-                    else "other_error"), None
+                    else "other_error"), None, said
         if done == 1 and counts and counts[-1] == self.max_tokens:
-            return "answered", "".join(parts)
-        return "other_error", None
+            return "answered", "".join(parts), None
+        return "other_error", None, f"stream: {done} [DONE], {counts[-1] if counts else 0} of {self.max_tokens} tokens"
 
 
 async def soak(args) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     runner = Soak(args.url.rstrip("/"), args.model, prompts, args.max_tokens, args.timeout)
     runner.faults, runner.outcomes, runner.first_answers = bool(args.kill_every_s), Counter(), {}
+    runner.reasons = Counter()
     windows, kills = [], []
     start = time.monotonic()
     until = start + args.minutes * 60
@@ -301,6 +314,7 @@ async def soak(args) -> dict:
                 "memory_flat_within_mib": args.memory_growth_bound_mib,
                 "memory_flat": len(rss) < 2 or rss[-1] - rss[1] <= args.memory_growth_bound_mib},
             "errors": sum(not e[3] for e in runner.events), "windows": windows,
+            "why_not_answered": [{"outcome": o, "why": w, "count": c} for (o, w), c in runner.reasons.most_common()],
             "serve_rss_mib_second_window": rss[1] if len(rss) > 1 else None, "serve_rss_mib_last_window": rss[-1],
             "latency_p50_first_s": p50[0] if p50 else None, "latency_p50_last_s": p50[-1] if p50 else None,
             "engine_after": {k: stats.get(k) for k in ("num_running", "num_waiting", "num_free_slots", "num_slots",

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 logger = logging.getLogger("ray.serve")
 
@@ -145,8 +145,17 @@ def preferred_replicas(matched: dict[Hashable, int], loads: dict[Hashable, int],
     return [r for r in eligible if matched.get(r, 0) == longest]
 
 
-class PrefixAwareRouter(RequestRouter):
+class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """Serve's request router for the Verifier deployment (`request_router_config`).
+
+    FIFOMixin, as Serve's own default router has it: the choices of one HTTP request (n > 1) are
+    separate verifier calls that share the request's internal id (Serve's handles take it from the
+    ingress's request context), and Serve's router indexes pending requests by that id, one per id.
+    Without FIFOMixin's fallback, a replica chosen for the second choice found no pending request to
+    give itself to (the first had taken the id's entry), so that choice's routing task chose again,
+    forever, probing the replicas' queue lengths each time without backoff: the request never
+    answered, and the probes (thousands a second, more than the replicas answered) queued up in the
+    ingress until no call reached a verifier (tests/test_serve_faults.py, the n > 1 test).
 
     choose_replicas returns ranks: the preferred replicas first (preferred_replicas), then two
     random ones; Serve takes the least busy replica of the first rank that has room. The index
