@@ -345,9 +345,9 @@ async def slow_body(url: str, kind: str, interval_s: float, give_up_s: float, co
         await writer.drain()
 
         async def trickle():
-            body = b'{"model": "m", "prompt": "' + b"x" * (1 << 30)  # never whole
+            head = b'{"model": "m", "prompt": "'  # then x after x: never whole (no body held here)
             for i in range(1 << 30):
-                byte = body[i:i + 1]
+                byte = head[i:i + 1] if i < len(head) else b"x"
                 writer.write(byte if kind == "content_length" else b"1\r\n" + byte + b"\r\n")
                 await writer.drain()
                 await asyncio.sleep(interval_s)
