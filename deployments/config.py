@@ -241,6 +241,10 @@ class AppArgs(_Strict):
     # each request's deadline, from when the ingress takes it (over failovers too): past it the request
     # ends with a 504 (OpenAI error JSON, code request_timeout) and is aborted in the engine. None: none
     request_timeout_s: float | None = Field(600.0, gt=0)
+    # a request not started (first output after its prefill) within this many seconds of the ingress
+    # taking it, waiting in Serve's queue for a verifier place or in the engine's for a batch place,
+    # is refused: 429 with Retry-After (code server_overloaded), its place and work freed. None: it waits
+    queue_timeout_s: float | None = Field(60.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

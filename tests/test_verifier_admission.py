@@ -132,3 +132,44 @@ def test_a_stream_closed_by_its_caller_releases_its_work_at_once(verifier):
     while not _idle(verifier):
         assert time.monotonic() < deadline, "the closed stream's request still runs in the engine"
         time.sleep(0.05)
+
+
+def test_a_request_not_started_by_its_start_by_is_refused_and_freed(verifier):
+    """GenerateRequest.start_by (the ingress sets it from the app's queue_timeout_s): a request whose
+    first output has not come by then is refused as overloaded (the ingress's 429), aborted in the
+    engine and its work released; one already past it when it arrives is refused before it is queued;
+    a failover (resume_output_ids) is never refused by it; one that starts in time runs to its end."""
+    from deployments.transport.protocol import NotStartedInTime
+    from rayspec.engine.outputs import EngineOverloadedError
+
+    assert issubclass(NotStartedInTime, EngineOverloadedError)  # (what the ingress maps to 429)
+    before = verifier.num_not_started
+    late = GenerateRequest(prompt=[5, 6, 7], max_tokens=4, temperature=0, start_by=time.time() - 1)
+    with pytest.raises(NotStartedInTime, match="could not start this request in time"):
+        asyncio.run(verifier.generate(late))
+    assert _idle(verifier)
+
+    # the engine's thread held (as by a long step): nothing can start
+    held = threading.Thread(target=verifier.loop.call, args=(lambda engine: time.sleep(3),))
+    held.start()
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        with pytest.raises(NotStartedInTime):
+            asyncio.run(verifier.generate(GenerateRequest(prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                                          start_by=time.time() + 0.5)))
+        assert time.monotonic() - started < 2.0  # at its start_by, not when the engine is back
+    finally:
+        held.join()
+    assert verifier.num_not_started - before == 2  # (the one refused on arrival was never queued)
+    deadline = time.monotonic() + 10
+    while not _idle(verifier) and time.monotonic() < deadline:  # aborted once the engine is back
+        time.sleep(0.05)
+    assert _idle(verifier)
+
+    resumed = GenerateRequest(prompt=[5, 6, 7], max_tokens=4, temperature=0, start_by=time.time() - 1,
+                              resume_output_ids=[9])
+    assert asyncio.run(verifier.generate(resumed)).num_output_tokens == 4
+    in_time = GenerateRequest(prompt=[5, 6, 7], max_tokens=4, temperature=0, start_by=time.time() + 30)
+    assert asyncio.run(verifier.generate(in_time)).num_output_tokens == 4
+    assert _idle(verifier)

@@ -274,6 +274,8 @@ class OpenAIIngress:
         update = {"caller": self.actor_name} if self.actor_name else {}
         if request.timeout_s is None and self.cfg.request_timeout_s is not None:
             update["timeout_s"] = self.cfg.request_timeout_s
+        if request.start_by is None and self.cfg.queue_timeout_s is not None:
+            update["start_by"] = time.time() + self.cfg.queue_timeout_s
         return request.model_copy(update=update) if update else request
 
     def _generate_call(self, request: GenerateRequest):

@@ -26,7 +26,8 @@ logger = logging.getLogger("ray.serve")
 from deployments.config import load_app_args, replica_device
 from deployments.replicas.engine_loop import EngineLoop
 from deployments.replicas.work_budget import WorkBudget, choice_work, default_work_budget
-from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse, RequestTimeoutError
+from deployments.transport.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, NotStartedInTime,
+                                            RequestTimeoutError)
 from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 
 
@@ -34,6 +35,7 @@ CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is ch
 _CALLER_GONE = object()  # put in a request's queue when its caller died
 _BACKLOG = object()  # put in a request's queue when its reader fell too far behind
 _TIMED_OUT = object()  # put in a request's queue TIMEOUT_GRACE_S past its deadline
+_NOT_STARTED = object()  # put in a request's queue at its start_by, unless it has started by then
 UNHEALTHY_AFTER_FAILED_STEPS = 3  # steps in a row that raised: the replica reports unhealthy
 MAX_BUFFERED_OUTPUTS = 1024  # outputs of one request waiting for its reader (each a step's delta)
 # the engine loop ends a request at its deadline; this much later the replica's event loop ends it
@@ -157,6 +159,7 @@ class Verifier:
         self.max_buffered_outputs = MAX_BUFFERED_OUTPUTS
         self.request_timeout_s = cfg.request_timeout_s  # a request's deadline unless it brings its own
         self.num_backlogged = 0  # requests aborted because their reader fell too far behind
+        self.num_not_started = 0  # requests refused (429) because they had not started by their start_by
         self._watched: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (its caller, its queue)
         self._watcher: asyncio.Task | None = None
 
@@ -214,10 +217,15 @@ class Verifier:
         timeout_s = request.timeout_s if request.timeout_s is not None else self.request_timeout_s
         deadline = None if timeout_s is None else time.perf_counter() + timeout_s
         rid = f"{self._prefix}{next(self._ids)}"
+        # a failover has started already: its start deadline is behind it
+        start_by = request.start_by if not request.resume_output_ids else None
+        if start_by is not None and time.time() >= start_by:  # (it waited its time in Serve's queue)
+            self.num_not_started += 1
+            raise NotStartedInTime(self._not_started(request))
         prompt = await self._prompt_ids(request)
         self._admit(rid, request, prompt, params)  # raises WorkBudgetExceeded (429) / WorkTooLargeError (400)
         submitted = done = False
-        timer = None
+        timer = start_timer = None
         try:
             grammar = None
             if params.structured is not None:  # built here, not on the engine's thread (can take ~1 s)
@@ -225,12 +233,13 @@ class Verifier:
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
 
-            cut_off = False
+            cut_off = started = False
 
             def put(item) -> None:  # on the event loop: a reader that stopped reading is cut off, not buffered for
-                nonlocal cut_off
+                nonlocal cut_off, started
                 if cut_off:
                     return
+                started = started or isinstance(item, RequestOutput)
                 if queue.qsize() >= self.max_buffered_outputs:
                     cut_off = True
                     while not queue.empty():
@@ -247,6 +256,8 @@ class Verifier:
                              timeout_s=left)
             submitted = True
             timer = None if left is None else loop.call_later(left + TIMEOUT_GRACE_S, queue.put_nowait, _TIMED_OUT)
+            if start_by is not None:
+                start_timer = loop.call_later(max(0.0, start_by - time.time()), queue.put_nowait, _NOT_STARTED)
             if request.caller is not None:
                 self._watched[rid] = (request.caller, queue)
                 self._watch_callers()
@@ -261,6 +272,11 @@ class Verifier:
                     logger.warning("request %s: its ingress replica %s is gone; aborting", rid, request.caller)
                     self.num_caller_lost += 1
                     raise CallerLostError(f"the ingress replica {request.caller} that sent this request is gone")
+                if item is _NOT_STARTED:
+                    if started:  # (its first output came first)
+                        continue
+                    self.num_not_started += 1
+                    raise NotStartedInTime(self._not_started(request))  # aborted in the engine (finally)
                 if item is _TIMED_OUT:  # the engine's thread did not end it: it hangs (aborted when it is back)
                     logger.warning("request %s: past its deadline (%g s), the engine not answering", rid, timeout_s)
                     raise RequestTimeoutError(f"the request passed its deadline ({timeout_s:.3g} s) and was aborted")
@@ -275,11 +291,17 @@ class Verifier:
                     return
         finally:
             self.work.release(rid)  # (once: a second release is a no-op)
-            if timer is not None:
-                timer.cancel()
+            for pending in (timer, start_timer):
+                if pending is not None:
+                    pending.cancel()
             self._watched.pop(rid, None)
             if submitted and not done:  # cancelled or disconnected: free the slot
                 self.loop.abort(rid)
+
+    @staticmethod
+    def _not_started(request: GenerateRequest) -> str:
+        return ("the server could not start this request in time (it waited its queue_timeout_s for a place "
+                "behind other requests' work); try again later")
 
     async def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The request's prompt as token ids: chat messages through the chat template, text through
@@ -365,7 +387,8 @@ class Verifier:
         """Engine counters (SpecDecodeStats) and queue sizes as of the last step."""
         paired = {"paired_proposer_restarts": self.paired.num_restarts} if self.paired is not None else {}
         return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
-                    num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged, **self.work.as_dict(),
+                    num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged,
+                    num_not_started_in_time=self.num_not_started, **self.work.as_dict(),
                     **paired)
 
     def record_routing_stats(self) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rayspec.engine.llm_engine import InvalidRequestError
+from rayspec.engine.llm_engine import EngineOverloadedError, InvalidRequestError
 from rayspec.sampling.logprobs import TokenLogprob
 from rayspec.sampling.sampler import SamplingParams
 from rayspec.sampling.structured import StructuredOutput
@@ -13,6 +13,15 @@ from rayspec.sampling.structured import StructuredOutput
 class RequestTimeoutError(RuntimeError):
     """The request passed its deadline (GenerateRequest.timeout_s, app arg request_timeout_s) and was
     aborted, its engine resources freed. The ingress answers 504 (code request_timeout)."""
+
+
+class NotStartedInTime(EngineOverloadedError):
+    """The request had not started (no output yet) by its start_by (app arg queue_timeout_s): refused
+    as overloaded, its place in the engine and its work freed. The ingress answers 429 with Retry-After."""
+
+    @property
+    def reason(self) -> str:  # what the ingress's 429 says
+        return str(self)
 
 
 class GenerateRequest(BaseModel):
@@ -59,6 +68,12 @@ class GenerateRequest(BaseModel):
     # with RequestTimeoutError. The ingress sets its app's request_timeout_s, and a failover the time
     # left. None: the verifier's own request_timeout_s
     timeout_s: float | None = Field(None, gt=0)
+    # when (wall clock, time.time()) this request must have started (its first output, after its
+    # prefill) or be refused as overloaded (429 with Retry-After): a request queued behind more work than
+    # a replica serves in time is told so instead of waiting. The ingress sets its app's
+    # queue_timeout_s from when it takes the request (so the wait in Serve's queue for a verifier place
+    # counts too). A failover (resume_output_ids) has started: never refused by it. None: no deadline
+    start_by: float | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
