@@ -10,7 +10,7 @@ anything else is counted as an error (5xx, connection errors, timeouts past --ti
 Per window (--window seconds): requests, errors, end-to-end latency p50/p95 of the full requests,
 and the resident memory (RSS) of the Ray processes by role (verifier, ingress, proxy, controller,
 other), from psutil. At the end: the first and last windows side by side, and the verdict figures
-(memory growth from the second window to the last, p50 drift), written as JSON.
+(memory growth: each role's peak RSS in the run's second half against its first, p50 drift), written as JSON.
 
 Usage (with `serve run configs/default.yaml` up on :8000):
     python benchmarks/soak.py --minutes 10 --concurrency 8 --output-json benchmarks/results/soak.json
@@ -269,6 +269,21 @@ class Soak:
         return "other_error", None, f"stream: {done} [DONE], {counts[-1] if counts else 0} of {self.max_tokens} tokens"
 
 
+def memory_growth(windows: list[dict]) -> dict[str, float]:
+    """Per role, the peak RSS of the run's second half minus that of its first (the first window, the
+    warm-up, left out). Peaks, not one window against another: with faults a role's processes are
+    killed and replaced, and a window may catch one replica of two (the other still loading, its RSS
+    not counted), which would read as memory freed or grown when none was."""
+    rest = windows[1:] if len(windows) > 2 else windows
+    half = max(1, len(rest) // 2)
+    roles = sorted({role for w in rest for role in w["rss_mib"]})
+
+    def peak(part, role):
+        return max((w["rss_mib"].get(role, 0.0) for w in part), default=0.0)
+
+    return {role: round(peak(rest[half:], role) - peak(rest[:half], role), 1) for role in roles}
+
+
 async def soak(args) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     runner = Soak(args.url.rstrip("/"), args.model, prompts, args.max_tokens, args.timeout)
@@ -312,7 +327,8 @@ async def soak(args) -> dict:
                 and runner.outcomes["lost"] == 0 and runner.outcomes["duplicated"] == 0,
                 "none_lost": runner.outcomes["lost"] == 0, "none_duplicated": runner.outcomes["duplicated"] == 0,
                 "memory_flat_within_mib": args.memory_growth_bound_mib,
-                "memory_flat": len(rss) < 2 or rss[-1] - rss[1] <= args.memory_growth_bound_mib},
+                "memory_growth_mib_by_role": memory_growth(windows),
+                "memory_flat": sum(memory_growth(windows).values()) <= args.memory_growth_bound_mib},
             "errors": sum(not e[3] for e in runner.events), "windows": windows,
             "why_not_answered": [{"outcome": o, "why": w, "count": c} for (o, w), c in runner.reasons.most_common()],
             "serve_rss_mib_second_window": rss[1] if len(rss) > 1 else None, "serve_rss_mib_last_window": rss[-1],
@@ -338,14 +354,26 @@ def main(argv=None) -> int:
                         help="fault mode: also kill the proposer replica's process half-way between (when there is one)")
     parser.add_argument("--app", default="rayspec", help="the Serve app whose replicas are killed")
     parser.add_argument("--memory-growth-bound-mib", type=float, default=256.0,
-                        help="fault mode: the serving processes' RSS may grow this much from the second window to the last")
+                        help="fault mode: the serving processes' peak RSS may grow this much, second half of the run against the first")
     parser.add_argument("--serve-config", help="serve this config's apps first (as benchmarks/abuse.py does), on --port")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="with --serve-config: an app arg (YAML value; dotted keys inside nested ones)")
     parser.add_argument("--dry-run", action="store_true", help="20 s, 2 clients, 8 tokens, kills every 10 s (CI)")
     parser.add_argument("--output-json")
+    parser.add_argument("--reanalyze", metavar="JSON",
+                        help="recompute a recorded fault run's memory verdict from its windows (no run), in place")
     args = parser.parse_args(argv)
+    if args.reanalyze:
+        path = Path(args.reanalyze)
+        result = json.loads(path.read_text())
+        growth = memory_growth(result["windows"])
+        bound = result["fault_verdict"]["memory_flat_within_mib"]
+        result["fault_verdict"].update(memory_growth_mib_by_role=growth, memory_flat=sum(growth.values()) <= bound)
+        result["reanalyzed"] = "memory verdict recomputed by soak.py --reanalyze (peaks per role, second half vs first)"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result["fault_verdict"], indent=1))
+        return 0
     if args.dry_run:
         args.minutes, args.concurrency, args.max_tokens, args.window = 20 / 60, 2, 8, 5.0
         args.num_prompts, args.timeout = 4, min(args.timeout, 60.0)
