@@ -44,9 +44,10 @@ def round_up(n: int, to: int) -> int:
 
 
 def compilable(model) -> bool:
-    """Whether this model's forward may be compiled (one process, no sliding windows)."""
+    """Whether this model's forward may be compiled (one process, no sliding windows, no mixture of
+    experts: its expert loop reads which experts a forward uses on the host)."""
     tp = getattr(model, "tp", None)
-    return getattr(tp, "size", 1) == 1 and not model.args.sliding_layers
+    return getattr(tp, "size", 1) == 1 and not model.args.sliding_layers and not model.args.num_experts
 
 
 class CompiledForward:

@@ -81,15 +81,20 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     return inv_freq.clone(), float(scaling)
 
 
-def empty_model(config, device, dtype, tp=None) -> CausalLM:
+def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False) -> CausalLM:
     """A CausalLM for `config` with its parameters allocated at `dtype` on `device` and not yet
     filled (tied embeddings shared, the rotary buffer float32 and computed). Built on the meta
     device and cast there, so no float32 copy of a bfloat16 model ever exists. A parameter's
     `tp_shard` (see `load_checkpoint`), set at construction, is kept. tp: this rank's
-    rayspec.model.parallel.TPGroup (the model is then its shard; its layers' slices become `tp_shard`s)."""
+    rayspec.model.parallel.TPGroup (the model is then its shard; its layers' slices become `tp_shard`s).
+    dequantize_experts: float experts where the checkpoint's are MXFP4 (which the model keeps 4-bit otherwise)."""
+    from dataclasses import replace
+
     from rayspec.model.parallel import NO_TP, tag_shards
 
     args = ModelArgs.from_hf_config(config)
+    if dequantize_experts:
+        args = replace(args, mxfp4_experts=False)
     inv_freq, scaling = rope_from_config(config)
     with torch.device("meta"):
         model = CausalLM(args, inv_freq, scaling, tp=tp or NO_TP)
@@ -107,14 +112,16 @@ def empty_model(config, device, dtype, tp=None) -> CausalLM:
 
 
 def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torch.float32,
-                model_dir: Path | None = None, tp=None, quantization: str | None = None) -> CausalLM:
+                model_dir: Path | None = None, tp=None, quantization: str | None = None,
+                dequantize_experts: bool = False) -> CausalLM:
     """A ready model (eval mode, packed for the CPU): weights streamed from the checkpoint in
     `model_dir` (`load_checkpoint`), or copied from `state_dict`, or left uninitialized when
     neither is given (only the sizes matter: memory checks, tests that fill weights themselves).
-    quantization: "int8" makes every projection and the LM head weight-only int8 (rayspec.model.quantize)."""
+    quantization: "int8" makes every projection and the LM head weight-only int8 (rayspec.model.quantize).
+    dequantize_experts: MXFP4 experts (gpt-oss) dequantized at load rather than kept 4-bit."""
     from rayspec.model.parallel import NO_TP, zero_row_biases
 
-    model = empty_model(config, device, dtype, tp)
+    model = empty_model(config, device, dtype, tp, dequantize_experts)
     if model_dir is not None:
         load_checkpoint(model, model_dir)
     elif state_dict is not None:
@@ -142,10 +149,11 @@ def is_native(config) -> bool:
 
 
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True,
-               quantization: str | None = None):
+               quantization: str | None = None, dequantize_experts: bool = False):
     """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft).
     tp: a rayspec.model.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None).
-    quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.model.quantize)."""
+    quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.model.quantize).
+    dequantize_experts: a native gpt-oss's MXFP4 experts dequantized at load (else kept 4-bit)."""
     from transformers import AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -155,7 +163,8 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     if is_native(config):
         if num_layers is not None:
             config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
-        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp, quantization=quantization)
+        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp, quantization=quantization,
+                            dequantize_experts=dequantize_experts)
     else:  # transformers' own modeling code over our KV cache (rayspec/model/generic.py)
         from rayspec.model.generic import load_generic_model
 
