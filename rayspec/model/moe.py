@@ -69,17 +69,19 @@ class Experts(nn.Module):
         if tp.size > 1:  # whole experts per rank: a slice of the first dim of each
             self.tp_shards = {name: (0, self.first, stop) for name in (*names, "gate_up_proj_bias", "down_proj_bias")}
 
+    # an MXFP4 expert is dequantized into the float layout ([in, out], contiguous) and multiplied as a float
+    # one is: the same matmul on the same values, so the same bits as its dequantized twin
     def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
         weight = mxfp4.dequantize(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], x.dtype)  # [2I, H]
-        return F.linear(x, weight, self.gate_up_proj_bias[e])
+        return x @ weight.t().contiguous() + self.gate_up_proj_bias[e]
 
     def _down(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return x @ self.down_proj[e] + self.down_proj_bias[e]
         weight = mxfp4.dequantize(self.down_proj_blocks[e], self.down_proj_scales[e], x.dtype)  # [H, I]
-        return F.linear(x, weight, self.down_proj_bias[e])
+        return x @ weight.t().contiguous() + self.down_proj_bias[e]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; experts [N, k] long (the model's expert ids); weights [N, k] -> [N, H]: the weighted sum
