@@ -592,9 +592,11 @@ def test_fp4_guide_plans_offline(fp4_hub, capsys):
     rc, out = run_plan_text(capsys, "gpt_oss_eagle3.yaml", "80GB")
     assert rc == 1
     assert "openai/gpt-oss-120b: MXFP4 (config.json quantization_config)" in out
-    assert "stored 65.25 GB, loaded 233.66 GB in bfloat16" in out  # experts at 4.25 bits, the rest bf16
-    assert "tp 1: 254.58 GB per GPU: does not fit 80 GB (H100, A100 80GB); does not fit 141 GB (H200)" in out
-    assert "tp 2: not possible: GptOssConfig runs on the generic path" in out  # FIXME
+    # the native path keeps the experts 4-bit (4.25 bits a weight), the rest bfloat16, and splits them by rank
+    assert "116.83 B parameters" in out
+    assert "stored 65.25 GB, loaded 65.25 GB in bfloat16 (experts kept 4-bit)" in out
+    assert "tp 1: 86.17 GB per GPU: does not fit 80 GB (H100, A100 80GB); fits 141 GB (H200)" in out
+    assert "tp 2: 51.55 GB per GPU: fits 80 GB (H100, A100 80GB); fits 141 GB (H200)" in out
 
 
 def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
