@@ -88,7 +88,7 @@ def test_family_args_follow_transformers(family):
 
 
 def test_registry_and_unsupported_architectures():
-    assert set(NATIVE_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(NATIVE_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3", "gpt_oss"}  # gpt_oss: test_gpt_oss.py
     with pytest.raises(UnsupportedArchitectureError, match="model_type 'gpt2'"):
         ModelArgs.from_hf_config(GPT2Config())
     assert issubclass(UnsupportedArchitectureError, ValueError)
