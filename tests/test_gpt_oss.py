@@ -59,7 +59,7 @@ def write_checkpoints(root: Path) -> dict[str, Path]:
     out = {}
     for name, tensor in hf.state_dict().items():
         if name.endswith(tuple(f"experts.{p}" for p in EXPERT_PROJECTIONS)):  # [E, in, out] -> rows = outputs
-            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2).contiguous())
         else:
             out[name] = tensor.contiguous()
     mx = root / "mxfp4"
@@ -191,6 +191,48 @@ def test_mxfp4_experts_equal_their_dequantized_twin(oss):
     twin = dict(native.named_parameters())
     for name, param in dequantized.named_parameters():
         assert torch.equal(param, twin[name]), name
+
+
+def test_float_experts_under_an_mxfp4_config(oss, tmp_path):
+    """A checkpoint whose config.json still names MXFP4 but whose experts are float (a dequantized export)
+    loads them as float experts."""
+    import shutil
+
+    path = shutil.copytree(oss["dirs"]["float"], tmp_path / "float-mx-config")
+    doc = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(doc | {"quantization_config": {"quant_method": "mxfp4"}}))
+    model, _ = loader.load_model(str(path), device="cpu", tokenizer=False)
+    assert not model.args.mxfp4_experts
+    twin = dict(oss["native"][0].named_parameters())
+    assert all(torch.equal(p, twin[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "dequantized"])
+def test_a_rank_loads_its_experts_only(oss, experts):
+    """Rank 1 of 2 holds experts 2 and 3 (their codes and scales, or their dequantization), heads 2 and 3's
+    sinks, the whole router; built without a process group (loading needs none)."""
+    from safetensors.torch import load_file
+
+    from rayspec.model.parallel import TPGroup
+    from rayspec.model.weights.hub import load_hf_config
+
+    path = oss["dirs"]["mxfp4"]
+    model = loader.build_model(load_hf_config(path), model_dir=path, tp=TPGroup(rank=1, size=2),
+                               dequantize_experts=experts == "dequantized")
+    params = dict(model.named_parameters())
+    raw = load_file(str(path / "model.safetensors"))
+    whole = dict(oss["native"][0].named_parameters())
+    layer = "model.layers.1."
+    assert torch.equal(params[layer + "self_attn.sinks"], raw[layer + "self_attn.sinks"][2:])
+    assert torch.equal(params[layer + "mlp.router.weight"], raw[layer + "mlp.router.weight"])
+    assert torch.equal(params[layer + "mlp.experts.down_proj_bias"], raw[layer + "mlp.experts.down_proj_bias"][2:])
+    for proj in EXPERT_PROJECTIONS:
+        name = layer + "mlp.experts." + proj
+        if experts == "mxfp4":
+            assert torch.equal(params[name + "_blocks"], raw[name + "_blocks"][2:])
+            assert torch.equal(params[name + "_scales"], raw[name + "_scales"][2:])
+        else:
+            assert torch.equal(params[name], whole[name][2:])
 
 
 @pytest.fixture(scope="module")

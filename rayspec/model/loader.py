@@ -121,6 +121,8 @@ def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torc
     dequantize_experts: MXFP4 experts (gpt-oss) dequantized at load rather than kept 4-bit."""
     from rayspec.model.parallel import NO_TP, zero_row_biases
 
+    if model_dir is not None and not dequantize_experts:
+        dequantize_experts = _experts_stored_float(config, model_dir)
     model = empty_model(config, device, dtype, tp, dequantize_experts)
     if model_dir is not None:
         load_checkpoint(model, model_dir)
@@ -135,6 +137,17 @@ def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torc
             raise ValueError("draft_quantization needs a draft on one device (not split over tensor-parallel ranks)")
         quantize_int8(model)
     return model.eval().pack_for_cpu()
+
+
+def _experts_stored_float(config, model_dir: Path) -> bool:
+    """Whether a config that says MXFP4 experts comes with float ones (a dequantized export that kept its
+    quantization_config): no `<proj>_blocks` tensor among the checkpoint's names."""
+    from rayspec.model.weights.files import weight_names
+
+    if not ModelArgs.from_hf_config(config).mxfp4_experts:
+        return False
+    names = weight_names(model_dir)
+    return names is not None and not any(n.endswith("_blocks") for n in names)
 
 
 def is_native(config) -> bool:
