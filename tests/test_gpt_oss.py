@@ -2,8 +2,8 @@
 top-2 routing, the clamped SwiGLU, sinks and biases non-zero, sliding window 8 on alternate layers, YaRN
 rope) computes transformers' GptOssForCausalLM logits for prefill chunks, decode steps, padded batches
 and token trees across the window; its MXFP4 experts kept 4-bit give the logits of their dequantized
-twin; greedy output equals transformers' `generate` token for token under every proposer; split over
-two ranks (experts by rank) it equals one rank."""
+twin; greedy output equals transformers' `generate` token for token under every proposer and through
+the compiled step; split over two ranks (experts by rank) it equals one rank."""
 
 from __future__ import annotations
 
@@ -146,18 +146,24 @@ def _path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "batch-invariant"])
-def test_tree_rows_across_the_window(oss, invariant):
+@pytest.mark.parametrize("mode", ["batched", "batch-invariant", "compiled"])
+def test_tree_rows_across_the_window(oss, mode, monkeypatch):
     """A token tree deeper than the window, node order unlike depth order (cache rows differ from rope
     positions), verified as one forward: each node's logits are transformers' over prefix + its path.
-    batch-invariant: each row's attention (with its sinks) over its own keys (rayspec.model.row_attention)."""
+    batch-invariant: each row's attention (with its sinks) over its own keys (rayspec.model.row_attention);
+    compiled: through the compiled step (traced with aot_eager), the sliding layers' mask built there."""
+    from rayspec.model.compiled import CompiledForward
+
+    monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
     hf, model = oss["hf"], oss["native"][0]
+    invariant = mode == "batch-invariant"
     parents = [-1, 0] + [i - 2 for i in range(2, 2 * (WINDOW + 2))]  # two interleaved chains
     assert max(len(_path(parents, n)) for n in range(len(parents))) > WINDOW
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, VOCAB, (13,), generator=g).tolist()
     tokens = torch.randint(0, VOCAB, (len(parents),), generator=g).tolist()
-    runner = make_runner(model, 96, num_slots=1, slack=8, batch_invariant=invariant)
+    runner = make_runner(model, 96, num_slots=1, slack=8, batch_invariant=invariant, compile=mode == "compiled")
+    assert (runner.compiled is not None) == (mode == "compiled")
     runner.kv.allocate("a")
     try:
         with torch.no_grad():
@@ -274,6 +280,23 @@ def test_greedy_equals_transformers(oss, eagle3_head, method, spec):
         assert engine.stats.num_drafts > 0
         if method != "eagle3":  # a random head's drafts are (almost) all rejected
             assert engine.stats.num_accepted_tokens > 0
+
+
+def test_compiled_step_equals_transformers(oss, monkeypatch):
+    """The compiled step (traced with torch.compile's aot_eager backend: the step as traced, without
+    inductor's CPU kernels): decode and n-gram verification forwards past the window, batched and padded
+    to the buckets, sliding layers through their own mask and the expert loop eager between the compiled
+    pieces: greedy output equals transformers'."""
+    from rayspec.model.compiled import CompiledForward
+
+    monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
+    engine = make_engine(oss["dirs"]["float"], "ngram", k=3, loaded=oss["native"], prompt_lookup_min=1,
+                         prompt_lookup_max=3)
+    engine.runner.set_compile(True)
+    assert engine.runner.compiled is not None
+    params = SamplingParams(temperature=0, max_tokens=12)  # (a prefix of the reference's 24)
+    assert run_batch(engine, PROMPTS[:2], params) == [r[:12] for r in oss["reference"][:2]]
+    assert engine.runner.compiled.shapes and engine.stats.num_accepted_tokens > 0
 
 
 def test_tp2_experts_by_rank_equal_tp1(oss):

@@ -5,7 +5,9 @@ the rows per sequence to powers of two, the keys to a multiple of KV_BUCKET (mar
 graph per batch x rows bucket covers every context length). Padding rows read and write the
 scratch block; padded keys are masked. On CUDA the graphs are captured in CUDA graphs
 (mode "reduce-overhead": a step replays its kernels in one launch); on CPU inductor's C++ kernels.
-Prefill chunks (any length) and tensor-parallel or sliding-window models stay eager.
+Prefill chunks (any length) and tensor-parallel models stay eager. Sliding-window layers get a mask of
+their own over every key; a mixture of experts (rayspec.model.moe) runs its expert loop eager between
+the compiled pieces (it reads on the host which experts a forward uses).
 
 The default (`EngineConfig.compile` None): off on CPU; on CUDA the engine times a decode forward
 eager and compiled when it is built and keeps the faster (LLMEngine.warm_up).
@@ -44,10 +46,9 @@ def round_up(n: int, to: int) -> int:
 
 
 def compilable(model) -> bool:
-    """Whether this model's forward may be compiled (one process, no sliding windows, no mixture of
-    experts: its expert loop reads which experts a forward uses on the host)."""
+    """Whether this model's forward may be compiled (one process)."""
     tp = getattr(model, "tp", None)
-    return getattr(tp, "size", 1) == 1 and not model.args.sliding_layers and not model.args.num_experts
+    return getattr(tp, "size", 1) == 1
 
 
 class CompiledForward:
@@ -85,6 +86,8 @@ class CompiledForward:
         if batch.paged is None:  # one graph for every context length (a paged layout's shapes are static)
             torch._dynamo.mark_dynamic(batch.read_index, 1)
             torch._dynamo.mark_dynamic(batch.mask, 3)
+            if batch.sliding_mask is not None and batch.sliding_mask is not batch.mask:
+                torch._dynamo.mark_dynamic(batch.sliding_mask, 3)
         key = tuple(input_ids.shape)
         if key not in self.shapes:
             self.shapes.add(key)

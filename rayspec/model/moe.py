@@ -69,32 +69,51 @@ class Experts(nn.Module):
         if tp.size > 1:  # whole experts per rank: a slice of the first dim of each
             self.tp_shards = {name: (0, self.first, stop) for name in (*names, "gate_up_proj_bias", "down_proj_bias")}
 
-    # an MXFP4 expert is dequantized into the float layout ([in, out], contiguous) and multiplied as a float
-    # one is: the same matmul on the same values, so the same bits as its dequantized twin
-    def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-        weight = mxfp4.dequantize(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], x.dtype)  # [2I, H]
-        return x @ weight.t().contiguous() + self.gate_up_proj_bias[e]
-
-    def _down(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return x @ self.down_proj[e] + self.down_proj_bias[e]
-        weight = mxfp4.dequantize(self.down_proj_blocks[e], self.down_proj_scales[e], x.dtype)  # [H, I]
-        return x @ weight.t().contiguous() + self.down_proj_bias[e]
-
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; experts [N, k] long (the model's expert ids); weights [N, k] -> [N, H]: the weighted sum
-        of this rank's experts' outputs (zero for tokens none of them serves). Experts in increasing order,
-        each over its tokens at once (as transformers' loop)."""
-        out = torch.zeros_like(x)
-        local = experts - self.first  # [N, k]: this rank's index of each chosen expert
-        mine = (local >= 0) & (local < self.num_local)
-        for e in torch.unique(local[mine]).tolist():  # the experts used: one host read per layer
-            token, slot = torch.where(local == e)
-            h = clamped_swiglu(self._gate_up(e, x[token]), self.alpha, self.limit)
-            out.index_add_(0, token, self._down(e, h) * weights[token, slot, None])
-        return out
+        of this rank's experts' outputs (zero for tokens none of them serves). One opaque op
+        (rayspec::moe_experts) to torch.compile: its loop over the experts used reads them on the host."""
+        if self.packed:
+            return torch.ops.rayspec.moe_experts(x, experts, weights, self.gate_up_proj_blocks, self.gate_up_proj_scales,
+                                                 self.gate_up_proj_bias, self.down_proj_blocks, self.down_proj_scales,
+                                                 self.down_proj_bias, self.first, self.alpha, self.limit)
+        return torch.ops.rayspec.moe_experts(x, experts, weights, self.gate_up_proj, None, self.gate_up_proj_bias,
+                                             self.down_proj, None, self.down_proj_bias, self.first, self.alpha,
+                                             self.limit)
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor:
+    """x [n, in] through one expert's projection: weight [in, out] float, or (scales given) its MXFP4 codes
+    [out, in / 32, 16] with scales [out, in / 32], dequantized into the float layout ([in, out], contiguous)
+    and multiplied as a float one is: the same matmul on the same values, the same bits as its twin."""
+    if scales is not None:
+        weight = mxfp4.dequantize(weight, scales, x.dtype).t().contiguous()
+    return x @ weight + bias
+
+
+@torch.library.custom_op("rayspec::moe_experts", mutates_args=(), schema=(
+    "(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor? gate_up_scales, Tensor gate_up_bias, "
+    "Tensor down, Tensor? down_scales, Tensor down_bias, int first, float alpha, float limit) -> Tensor"))
+def moe_experts(x, experts, weights, gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias,
+                first, alpha, limit):
+    """Experts.forward's computation over this rank's experts first.. (gate_up / down: [E_local, ...], float or
+    MXFP4 codes with their scales): the experts used in increasing order, each over its tokens at once (as
+    transformers' loop), their outputs weighted and added per token."""
+    out = torch.zeros_like(x)
+    local = experts - first  # [N, k]: this rank's index of each chosen expert
+    mine = (local >= 0) & (local < gate_up.shape[0])
+    for e in torch.unique(local[mine]).tolist():  # the experts used: one host read per layer
+        token, slot = torch.where(local == e)
+        h = _project(x[token], gate_up[e], None if gate_up_scales is None else gate_up_scales[e], gate_up_bias[e])
+        h = _project(clamped_swiglu(h, alpha, limit), down[e], None if down_scales is None else down_scales[e],
+                     down_bias[e])
+        out.index_add_(0, token, h * weights[token, slot, None])
+    return out
+
+
+@moe_experts.register_fake
+def _(x, *args):
+    return torch.empty_like(x)
 
 
 class Router(nn.Module):
