@@ -6,8 +6,9 @@ graph per batch x rows bucket covers every context length). Padding rows read an
 scratch block; padded keys are masked. On CUDA the graphs are captured in CUDA graphs
 (mode "reduce-overhead": a step replays its kernels in one launch); on CPU inductor's C++ kernels.
 Prefill chunks (any length) and tensor-parallel models stay eager. Sliding-window layers get a mask of
-their own over every key; a mixture of experts (rayspec.model.moe) runs its expert loop eager between
-the compiled pieces (it reads on the host which experts a forward uses).
+their own over every key. A mixture of experts (rayspec.model.moe) is one opaque op in the graph whose
+loop reads on the host which experts a forward uses: no CUDA graph can hold that read, so such a model's
+step is compiled without CUDA graphs (inductor's kernels, launched one by one).
 
 The default (`EngineConfig.compile` None): off on CPU; on CUDA the engine times a decode forward
 eager and compiled when it is built and keeps the faster (LLMEngine.warm_up).
@@ -66,7 +67,8 @@ class CompiledForward:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.mode = "reduce-overhead" if device.type == "cuda" else None
+        # (a mixture of experts reads on the host inside the step: no CUDA graph, see the module doc)
+        self.mode = "reduce-overhead" if device.type == "cuda" and not model.args.num_experts else None
         if self.backend == "inductor":
             self.fn = torch.compile(model, dynamic=False, mode=self.mode)
         else:
