@@ -285,8 +285,8 @@ def test_greedy_equals_transformers(oss, eagle3_head, method, spec):
 def test_compiled_step_equals_transformers(oss, monkeypatch):
     """The compiled step (traced with torch.compile's aot_eager backend: the step as traced, without
     inductor's CPU kernels): decode and n-gram verification forwards past the window, batched and padded
-    to the buckets, sliding layers through their own mask and the expert loop eager between the compiled
-    pieces: greedy output equals transformers'."""
+    to the buckets, sliding layers through their own mask and the expert loop one opaque op in the graph
+    (rayspec::moe_experts, no graph break): greedy output equals transformers'."""
     from rayspec.model.compiled import CompiledForward
 
     monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
