@@ -146,35 +146,50 @@ def _path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("mode", ["batched", "batch-invariant", "compiled"])
+@pytest.mark.parametrize("mode", ["batched", "compiled"])
 def test_tree_rows_across_the_window(oss, mode, monkeypatch):
     """A token tree deeper than the window, node order unlike depth order (cache rows differ from rope
     positions), verified as one forward: each node's logits are transformers' over prefix + its path.
-    batch-invariant: each row's attention (with its sinks) over its own keys (rayspec.model.row_attention);
     compiled: through the compiled step (traced with aot_eager), the sliding layers' mask built there."""
     from rayspec.model.compiled import CompiledForward
 
     monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
     hf, model = oss["hf"], oss["native"][0]
-    invariant = mode == "batch-invariant"
     parents = [-1, 0] + [i - 2 for i in range(2, 2 * (WINDOW + 2))]  # two interleaved chains
     assert max(len(_path(parents, n)) for n in range(len(parents))) > WINDOW
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, VOCAB, (13,), generator=g).tolist()
     tokens = torch.randint(0, VOCAB, (len(parents),), generator=g).tolist()
-    runner = make_runner(model, 96, num_slots=1, slack=8, batch_invariant=invariant, compile=mode == "compiled")
+    runner = make_runner(model, 96, num_slots=1, slack=8, compile=mode == "compiled")
     assert (runner.compiled is not None) == (mode == "compiled")
     runner.kv.allocate("a")
-    try:
-        with torch.no_grad():
-            runner.forward(["a"], [prefix], last_only=False)
-            hidden, _ = runner.forward_hidden(["a"], [tokens], trees=[TreeQuery(parents)], static=True)
-            logits = model.logits(hidden)[0]  # [nodes, vocab]
-    finally:
-        model.set_batch_invariant(False)
+    with torch.no_grad():
+        runner.forward(["a"], [prefix], last_only=False)
+        hidden, _ = runner.forward_hidden(["a"], [tokens], trees=[TreeQuery(parents)], static=True)
+        logits = model.logits(hidden)[0]  # [nodes, vocab]
     for node in range(len(parents)):
         want = _hf_logits(hf, prefix + [tokens[n] for n in _path(parents, node)])[-1]
         torch.testing.assert_close(logits[node], want, atol=1e-4, rtol=0, msg=f"tree node {node}")
+
+
+def test_batch_invariance_is_refused_and_row_attention_takes_sinks(oss):
+    """Batch-invariant decoding is refused for a mixture of experts (an expert's matmul takes the tokens
+    routed to it, a count the batch sets); its row-by-row attention (rayspec.model.row_attention) takes
+    sinks as the batched attention does."""
+    from rayspec.model.native import sink_attention
+    from rayspec.model.row_attention import RowKeys, row_key_spans
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_runner(oss["native"][0], 64, num_slots=1, slack=8, batch_invariant=True)
+    g = torch.Generator().manual_seed(2)
+    q, keys, values = (torch.randn(*shape, generator=g) for shape in ((1, 4, 3, 16), (1, 2, 7, 16), (1, 2, 7, 16)))
+    sinks = torch.randn(4, generator=g)
+    visible = torch.arange(7)[None, :] <= torch.arange(4, 7)[:, None]  # 3 queries at positions 4..6
+    mask = torch.zeros(1, 1, 3, 7).masked_fill(~visible, float("-inf"))
+    want = sink_attention(q, keys, values, mask, sinks)[0].transpose(0, 1)  # [3, heads, D]
+    spans, _ = row_key_spans([4], [3], None)
+    got = RowKeys(spans).attend(q[0].transpose(0, 1), keys, values, sinks=sinks)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def test_mxfp4_experts_equal_their_dequantized_twin(oss):

@@ -113,10 +113,10 @@ BATCH_INVARIANT_BY_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 def default_batch_invariant(config, model, device: torch.device) -> bool:
     """The engine's batch_invariant: the config's (rayspec.config.EngineSettings), or where unset
     BATCH_INVARIANT_BY_DEFAULT's for this device (off where it cannot run: a model without the path, the
-    generic one; compile, paged attention or tensor parallelism asked for)."""
+    generic one, a mixture of experts; compile, paged attention or tensor parallelism asked for)."""
     if config.batch_invariant is not None:
         return config.batch_invariant
     if not hasattr(model, "set_batch_invariant") or config.compile or config.paged_attention \
-            or config.tensor_parallel_size > 1:
+            or config.tensor_parallel_size > 1 or model.args.num_experts:
         return False
     return BATCH_INVARIANT_BY_DEFAULT.get(device.type, False)

@@ -64,6 +64,8 @@ class ModelRunner:
         if batch_invariant:
             if not hasattr(model, "set_batch_invariant"):
                 raise ValueError(f"batch_invariant needs the native model ({type(model).__name__} has no such path)")
+            if model.args.num_experts:  # an expert's matmul takes the tokens routed to it: a count the batch sets
+                raise ValueError("batch_invariant has no mixture-of-experts path (rayspec.model.moe)")
             model.set_batch_invariant(True)
 
     def set_compile(self, on: bool) -> None:
