@@ -35,15 +35,23 @@ EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # transformers' GptOssExpert
 BLOCKS, SCALES = "_blocks", "_scales"  # a checkpoint's <projection>_blocks / <projection>_scales
 
 
+def _e2m1_values(device) -> torch.Tensor:
+    """[16] float32: the value of each E2M1 code (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa),
+    computed on `device` (no host copy per call: a step dequantizes an expert per layer)."""
+    code = torch.arange(16, device=device)
+    exponent, mantissa = (code >> 1) & 3, (code & 1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent.to(torch.float32) - 1) * (1 + 0.5 * mantissa))
+    return torch.where(code >= 8, -magnitude, magnitude)
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """blocks uint8 [..., rows, K / 32, 16] (two E2M1 codes a byte, the even input in the low nibble),
     scales uint8 [..., rows, K / 32] (E8M0) -> [..., rows, K] in `dtype`, on blocks' device. Exact: a
     code's value times a power of two, in float32, then the cast (exact in bfloat16 too)."""
-    from rayspec.model.formats.nvfp4 import _byte_table
-
-    values = _byte_table(blocks.device)[blocks.to(torch.int32)]  # [..., rows, K / 32, 16, 2]
-    values = values.flatten(-2) * torch.exp2(scales.to(torch.float32) - SCALE_BIAS)[..., None]
-    return values.flatten(-2).to(dtype)
+    values, codes = _e2m1_values(blocks.device), blocks.to(torch.int32)
+    pairs = torch.stack((values[codes & 0xF], values[codes >> 4]), dim=-1)  # [..., rows, K / 32, 16, 2]
+    pairs = pairs.flatten(-2) * torch.exp2(scales.to(torch.float32) - SCALE_BIAS)[..., None]
+    return pairs.flatten(-2).to(dtype)
 
 
 def quantized_params(model, quantization) -> dict[int, int]:
