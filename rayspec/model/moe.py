@@ -16,6 +16,10 @@ exact) when a token of the forward routes to it, and the copy is dropped after.
 Tensor parallelism: expert parallelism. Each rank holds num_experts / size whole experts (a `tp_shard`
 on the experts' first dim) and the whole router, computes its experts' share of every token, and one
 all-reduce sums the ranks' shares (each expert's bias is added by its own rank, once).
+
+The expert loop is one custom op, rayspec::moe_experts: it reads on the host which experts a forward uses
+(one read per layer), which torch.compile cannot trace; as an opaque op it leaves the compiled step one
+graph (rayspec.model.compiled: without CUDA graphs, which cannot hold the read).
 """
 
 from __future__ import annotations
