@@ -88,7 +88,7 @@ def test_family_args_follow_transformers(family):
 
 
 def test_registry_and_unsupported_architectures():
-    assert set(NATIVE_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(NATIVE_MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3", "gpt_oss"}  # gpt_oss: test_gpt_oss.py
     with pytest.raises(UnsupportedArchitectureError, match="model_type 'gpt2'"):
         ModelArgs.from_hf_config(GPT2Config())
     assert issubclass(UnsupportedArchitectureError, ValueError)
@@ -181,11 +181,17 @@ def _path(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("name", SLIDING)
-def test_tree_rows_across_the_window_edge(build, name):
+def test_tree_rows_across_the_window_edge(build, name, compiled, monkeypatch):
     """Token trees deeper than the window, node order unlike depth order (cache rows differ from
     positions): each node's logits are transformers' over prefix + its own path, in a batch of two
-    trees at different depths. Then keeping a path leaves the cache as a plain forward would."""
+    trees at different depths. Then keeping a path leaves the cache as a plain forward would.
+    compiled: the trees verified through the compiled step (traced with aot_eager), whose sliding layers
+    mask every key outside their window."""
+    from rayspec.model.compiled import CompiledForward
+
+    monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
     _, _, hf, loaded, _ = build(name)
     window = loaded[0].args.sliding_window
     g = torch.Generator().manual_seed(1)
@@ -193,7 +199,7 @@ def test_tree_rows_across_the_window_edge(build, name):
     parents = [-1, 0] + [i - 2 for i in range(2, 2 * (window + 2))]
     depth = max(len(_path(parents, n)) for n in range(len(parents)))
     assert depth > window  # the deepest nodes' first ancestors lie outside their window
-    runner = make_runner(loaded[0], 128, num_slots=2, slack=8)
+    runner = make_runner(loaded[0], 128, num_slots=2, slack=8, compile=compiled)
     prefixes, trees_tokens = {}, {}
     for seq, plen in (("a", 30), ("b", 11)):
         runner.kv.allocate(seq)
@@ -203,8 +209,9 @@ def test_tree_rows_across_the_window_edge(build, name):
         trees_tokens[seq] = torch.randint(0, VOCAB, (len(parents),), generator=g).tolist()
     with torch.no_grad():
         hidden, _ = runner.forward_hidden(["a", "b"], [trees_tokens["a"], trees_tokens["b"]],
-                                          trees=[TreeQuery(parents), TreeQuery(parents)])
+                                          trees=[TreeQuery(parents), TreeQuery(parents)], static=compiled)
         logits = loaded[0].logits(hidden)  # [2, nodes, vocab]
+    assert bool(runner.compiled and runner.compiled.shapes) == compiled
     for row, seq in enumerate(("a", "b")):
         for node in range(len(parents)):
             tokens = prefixes[seq] + [trees_tokens[seq][n] for n in _path(parents, node)]

@@ -187,7 +187,7 @@ def test_unsupported_quantizations_fail_by_name(checkpoints, tmp_path):
         loader.load_model(str(awq), device="cpu", tokenizer=False)
 
 
-# ---- MXFP4 gpt-oss with its EAGLE-3 head (the generic path) ----------------------------------------
+# ---- MXFP4 gpt-oss with its EAGLE-3 head (the native path, experts kept 4-bit) ------------------------
 
 GPT_OSS, GPT_OSS_HEAD = "openai/tiny-gpt-oss", "nvidia/tiny-gpt-oss-Eagle3"
 AUX_LAYERS = [0, 1, 3]  # not the default for 4 layers: the head's eagle_config must be read
@@ -231,20 +231,27 @@ def oss_hub(gpt_oss, tmp_path, monkeypatch):
 
 
 def test_mxfp4_gpt_oss_and_eagle3_head_by_hub_id(oss_hub, gpt_oss):
-    """The MXFP4 gpt_oss from the hub: its experts equal a bit-level MXFP4 dequantization, target-only
-    greedy output equals the dequantized float model's, and EAGLE-3 speculation (features from the
-    layers the head's eagle_config names, t2d rebuilt from d2t) gives the same tokens."""
+    """The MXFP4 gpt_oss from the hub, on the native path: its experts held as the checkpoint's codes and
+    scales, whose dequantization (rayspec.model.formats.mxfp4) equals a bit-level one; dequantized at load
+    when asked; target-only greedy output equals the dequantized float model's, and EAGLE-3 speculation
+    (features from the layers the head's eagle_config names, t2d rebuilt from d2t) gives the same tokens."""
     from fp4_utils import mxfp4_dequantized_state
 
-    from rayspec.model.generic import GenericCausalLM
+    from rayspec.model.formats import mxfp4
+    from rayspec.model.native import CausalLM
 
     model, _ = loader.load_model(GPT_OSS, device="cpu", tokenizer=False)
-    assert isinstance(model, GenericCausalLM)
+    assert isinstance(model, CausalLM) and model.args.mxfp4_experts
+    raw = load_file(str(gpt_oss["mxfp4"] / "model.safetensors"))
     ref = mxfp4_dequantized_state(gpt_oss["mxfp4"])
     params = dict(model.named_parameters())
-    experts = [n for n in ref if ".experts." in n and not n.endswith("_bias")]
-    assert len(experts) == 8 and all(torch.equal(params[n], ref[n]) for n in experts)
+    packed = [n for n in raw if n.endswith(("_blocks", "_scales"))]
+    assert len(packed) == 16 and all(torch.equal(params[n], raw[n]) for n in packed)
+    for name in (n.removesuffix("_blocks") for n in packed if n.endswith("_blocks")):
+        assert torch.equal(mxfp4.dequantize(raw[name + "_blocks"], raw[name + "_scales"]).transpose(1, 2), ref[name])
     assert all(torch.equal(params[n], ref[n]) for n in ref if n in params)
+    dequantized, _ = loader.load_model(GPT_OSS, device="cpu", tokenizer=False, dequantize_experts=True)
+    assert all(torch.equal(p, ref[n]) for n, p in dequantized.named_parameters())
 
     reference = run_alone(make_engine(gpt_oss["dequantized"]), OSS_PROMPTS, GREEDY)
     assert run_alone(make_engine(GPT_OSS, loaded=(model, None)), OSS_PROMPTS, GREEDY) == reference
@@ -257,14 +264,15 @@ def test_mxfp4_gpt_oss_and_eagle3_head_by_hub_id(oss_hub, gpt_oss):
 
 
 def test_nvfp4_on_the_generic_path_is_refused(checkpoints, tmp_path):
-    """An NVFP4 checkpoint of a family the native model does not run fails by name at load."""
+    """An NVFP4 checkpoint of a family the native model does not run (Gemma 2) fails by name at load."""
     import shutil
 
-    from fp4_utils import tiny_gpt_oss_config
+    from transformers import Gemma2Config
 
-    other = tmp_path / "oss-nvfp4"
+    other = tmp_path / "gemma2-nvfp4"
     shutil.copytree(checkpoints["fp4"], other)
-    (other / "config.json").write_text(json.dumps(tiny_gpt_oss_config().to_dict()))
+    (other / "config.json").write_text(json.dumps(Gemma2Config(vocab_size=VOCAB, hidden_size=HIDDEN,
+                                                               num_hidden_layers=LAYERS).to_dict()))
     with pytest.raises(UnsupportedQuantizationError, match="native model families only"):
         loader.load_model(str(other), device="cpu", tokenizer=False)
 

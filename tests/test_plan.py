@@ -363,14 +363,15 @@ def test_tp_sizes_the_model_cannot_take_are_refused():
         causal_lm_weights(args, torch.bfloat16, tp_size=3)
 
 
-# ---- the generic path: weights of models the native formula does not describe ---------------------
+# ---- gpt-oss: a mixture of experts on the native path ---------------------------------------------
 
-def test_gpt_oss_weights_are_the_generic_models(tmp_path):
-    """A tiny gpt_oss (mixture of experts, attention sinks): counted from transformers' model of its
-    config, as the generic path loads it, where the native formula would miss its experts."""
+def test_gpt_oss_weights_are_the_native_models(tmp_path):
+    """A tiny gpt_oss (mixture of experts, attention sinks) runs on the native path: the native formula
+    counts transformers' parameters (experts, router, sinks, biases), what the native model holds with
+    float experts and with MXFP4 experts kept 4-bit, and at TP 2 one rank's half of the experts."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from rayspec.model.generic import load_generic_model
+    from rayspec.model.loader import load_model
 
     H, heads, kv_heads, hd, E, I, V, L = 64, 4, 2, 16, 4, 64, 128, 2
     hf = GptOssConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_attention_heads=heads,
@@ -382,24 +383,34 @@ def test_gpt_oss_weights_are_the_generic_models(tmp_path):
     experts = (E * H + E) + (E * H * 2 * I + E * 2 * I) + (E * I * H + E * H)  # router, gate_up, down (with biases)
     params = 2 * V * H + L * (attention + experts + 2 * H) + H
     shape = shape_of(hf)
-    assert shape.generic is not None
-    assert causal_lm_weights(shape.args, torch.float32).num_params < params  # what the native formula would say
+    assert shape.generic is None
+    assert causal_lm_weights(shape.args, torch.float32).num_params == params
 
     config = EngineConfig(model="x", dtype="float32", max_model_len=64, max_num_seqs=2, kv_cache_memory_gb=0.01,
                           speculative=SpeculativeConfig(method="ngram"))
     plan = engine_plan(config, shape, "cpu")
     items = {i.name: (i.bytes, i.detail) for i in plan.items}
-    assert items["target weights"][1].startswith(f"{params:,} params") and "generic path" in items["target weights"][1]
-    assert items["oneDNN prepacked projections"][0] == 0  # the generic path packs nothing for the CPU
-    assert plan.load_peak >= items["target weights"][0] + READ_CHUNK_BYTES  # a CPU load holds the read buffer too
+    assert items["target weights"][1].startswith(f"{params:,} params")
+    assert items["oneDNN prepacked projections"][0] == 0  # no MLP to choose CPU kernels on: nothing prepacked
 
     torch.manual_seed(0)
     GptOssForCausalLM(hf).save_pretrained(tmp_path)
-    loaded = load_generic_model(tmp_path, hf.__class__.from_pretrained(tmp_path), "cpu", torch.float32)
+    loaded, _ = load_model(str(tmp_path), device="cpu", dtype="float32", tokenizer=False)
     assert held_bytes(loaded) == (params, items["target weights"][0])
-
-    with pytest.raises(ValueError, match="generic path.*no tensor parallelism"):
-        engine_plan(dataclasses.replace(config, tensor_parallel_size=2), shape, "cpu")
+    # MXFP4 experts kept 4-bit: 17 bytes per 32 weights
+    packed = dataclasses.replace(shape.args, mxfp4_experts=True)
+    expert_weights = L * E * 3 * H * I
+    assert causal_lm_weights(packed, torch.float32).bytes == items["target weights"][0] - 4 * expert_weights \
+        + expert_weights * 17 // 32
+    quantized = GptOssConfig(**hf.to_dict())
+    quantized.quantization_config = {"quant_method": "mxfp4"}
+    assert ModelArgs.from_hf_config(quantized).mxfp4_experts
+    # TP 2: each rank half the vocabulary, heads (and sinks) and experts; o_proj's bias and the router whole
+    q, kv = heads // 2 * hd, kv_heads // 2 * hd
+    rank_attention = heads // 2 + (H * q + q) + 2 * (H * kv + kv) + (q * H + H)
+    rank_experts = (E * H + E) + E // 2 * (H * 2 * I + 2 * I + I * H + H)
+    rank = V * H + L * (rank_attention + rank_experts + 2 * H) + H
+    assert causal_lm_weights(shape.args, torch.float32, tp_size=2).num_params == rank
 
 
 # ---- Llama-3.3-70B over 4 GPUs, and Qwen3-8B + EAGLE-3, through the localhost hub ------------------
@@ -581,9 +592,11 @@ def test_fp4_guide_plans_offline(fp4_hub, capsys):
     rc, out = run_plan_text(capsys, "gpt_oss_eagle3.yaml", "80GB")
     assert rc == 1
     assert "openai/gpt-oss-120b: MXFP4 (config.json quantization_config)" in out
-    assert "stored 65.25 GB, loaded 233.66 GB in bfloat16" in out  # experts at 4.25 bits, the rest bf16
-    assert "tp 1: 254.58 GB per GPU: does not fit 80 GB (H100, A100 80GB); does not fit 141 GB (H200)" in out
-    assert "tp 2: not possible: GptOssConfig runs on the generic path" in out
+    # the native path keeps the experts 4-bit (4.25 bits a weight), the rest bfloat16, and splits them by rank
+    assert "116.83 B parameters" in out
+    assert "stored 65.25 GB, loaded 65.25 GB in bfloat16 (experts kept 4-bit)" in out
+    assert "tp 1: 86.17 GB per GPU: does not fit 80 GB (H100, A100 80GB); fits 141 GB (H200)" in out
+    assert "tp 2: 51.55 GB per GPU: fits 80 GB (H100, A100 80GB); fits 141 GB (H200)" in out
 
 
 def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):

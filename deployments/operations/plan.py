@@ -303,6 +303,7 @@ class CheckpointSize:
     num_params: int
     loaded: int  # bytes of the weights once loaded (dequantized) at `dtype`
     dtype: torch.dtype
+    kept_quantized: bool = False  # loaded as stored (a native gpt-oss's MXFP4 experts), not dequantized
 
 
 def _meta_model(shape: ModelShape):
@@ -329,8 +330,12 @@ def checkpoint_size(role: str, spec: str, shape: ModelShape, dtype: torch.dtype)
     model = _meta_model(shape)
     stored, quantized = stored_bytes(model, quantization, float_bytes=2)  # the rest: bfloat16, as published
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    args = shape.args
+    if shape.generic is None and args.mxfp4_experts:  # held as codes and scales: count the weights they stand for
+        quantized = args.num_layers * args.num_experts * 3 * args.hidden_size * args.intermediate_size
+        num_params = shape.weights(dtype).num_params
     return CheckpointSize(role, spec, quantization.algo, quantization.source, stored, quantized, num_params,
-                          shape.weights(dtype).bytes, dtype)
+                          shape.weights(dtype).bytes, dtype, kept_quantized=shape.generic is None and args.mxfp4_experts)
 
 
 def checkpoint_sizes(app: AppPlan) -> list[CheckpointSize]:
@@ -372,7 +377,8 @@ def _checkpoint_lines(app: AppPlan) -> list[str]:
     for c in app.checkpoints:
         out.append(f"  {c.role} {c.spec}: {c.algo} ({c.source}), {c.quantized_params / 1e9:.2f} B of "
                    f"{c.num_params / 1e9:.2f} B parameters quantized: stored {fmt_bytes(c.stored)}, loaded "
-                   f"{fmt_bytes(c.loaded)} in {str(c.dtype).removeprefix('torch.')} (dequantized at load)")
+                   f"{fmt_bytes(c.loaded)} in {str(c.dtype).removeprefix('torch.')} "
+                   f"({'experts kept 4-bit' if c.kept_quantized else 'dequantized at load'})")
     return out
 
 

@@ -36,8 +36,8 @@ def _rope_buffer(args: ModelArgs) -> int:
 def _check_divides(args: ModelArgs, tp_size: int) -> None:
     """Refuse a tp_size the model cannot be split by, with the model's own message (TPGroup.shard)."""
     tp = TPGroup(rank=0, size=tp_size)
-    for n, what in ((args.num_heads, "num_attention_heads"), (args.num_kv_heads, "num_key_value_heads"),
-                    (args.intermediate_size, "intermediate_size")):
+    split = (args.num_experts, "num_local_experts") if args.num_experts else (args.intermediate_size, "intermediate_size")
+    for n, what in ((args.num_heads, "num_attention_heads"), (args.num_kv_heads, "num_key_value_heads"), split):
         tp.shard(n, what)
 
 
@@ -51,11 +51,21 @@ def _attention(args: ModelArgs, input_size: int, tp_size: int = 1) -> tuple[int,
     params = weights + ((q + 2 * kv) if args.attention_bias else 0)
     params += h if getattr(args, "o_proj_bias", False) else 0  # the families' ModelArgs (Qwen2/3, Llama)
     params += 2 * hd if getattr(args, "qk_norm", False) else 0  # Qwen3
+    params += args.num_heads // tp_size if getattr(args, "attention_sinks", False) else 0  # gpt-oss
     return params, weights
 
 
+def _expert_weights(args: ModelArgs, tp_size: int = 1) -> int:
+    """The expert projections' weights one rank holds (rayspec.model.moe: whole experts per rank)."""
+    return args.num_experts // tp_size * 3 * args.hidden_size * args.intermediate_size
+
+
 def _mlp(args: ModelArgs, tp_size: int = 1) -> tuple[int, int]:
-    """gate/up column-parallel, down row-parallel (its bias whole on every rank)."""
+    """gate/up column-parallel, down row-parallel (its bias whole on every rank). A mixture of experts
+    (rayspec.model.moe): this rank's experts with their biases and the whole router; no Linear among them."""
+    if getattr(args, "num_experts", 0):
+        h, i, local = args.hidden_size, args.intermediate_size, args.num_experts // tp_size
+        return _expert_weights(args, tp_size) + local * (2 * i + h) + args.num_experts * (h + 1), 0
     h, i = args.hidden_size, args.intermediate_size // tp_size
     weights = 3 * h * i
     return weights + ((2 * i + h) if args.mlp_bias else 0), weights
@@ -83,7 +93,13 @@ def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> 
     h = args.hidden_size
     layer, layer_linear = _decoder_layer(args, h, num_norms=2, tp_size=tp_size)
     params = v * h + args.num_layers * layer + h + (0 if args.tie_word_embeddings else v * h)
-    return _weights(params, args.num_layers * layer_linear + v * h, dtype, _rope_buffer(args))
+    weights = _weights(params, args.num_layers * layer_linear + v * h, dtype, _rope_buffer(args))
+    if getattr(args, "num_experts", 0):  # no MLP to choose CPU kernels on: nothing prepacked (CausalLM.pack_for_cpu)
+        weights = dataclasses.replace(weights, linear_bytes=0)
+    if getattr(args, "mxfp4_experts", False):  # kept as MXFP4: a byte per two weights and one per 32
+        packed = args.num_layers * _expert_weights(args, tp_size)
+        weights = dataclasses.replace(weights, bytes=weights.bytes - packed * dtype.itemsize + packed * 17 // 32)
+    return weights
 
 
 def target_io_weights(args: ModelArgs, dtype: torch.dtype) -> Weights:

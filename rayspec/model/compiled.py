@@ -5,7 +5,10 @@ the rows per sequence to powers of two, the keys to a multiple of KV_BUCKET (mar
 graph per batch x rows bucket covers every context length). Padding rows read and write the
 scratch block; padded keys are masked. On CUDA the graphs are captured in CUDA graphs
 (mode "reduce-overhead": a step replays its kernels in one launch); on CPU inductor's C++ kernels.
-Prefill chunks (any length) and tensor-parallel or sliding-window models stay eager.
+Prefill chunks (any length) and tensor-parallel models stay eager. Sliding-window layers get a mask of
+their own over every key. A mixture of experts (rayspec.model.moe) is one opaque op in the graph whose
+loop reads on the host which experts a forward uses: no CUDA graph can hold that read, so such a model's
+step is compiled without CUDA graphs (inductor's kernels, launched one by one).
 
 The default (`EngineConfig.compile` None): off on CPU; on CUDA the engine times a decode forward
 eager and compiled when it is built and keeps the faster (LLMEngine.warm_up).
@@ -44,9 +47,9 @@ def round_up(n: int, to: int) -> int:
 
 
 def compilable(model) -> bool:
-    """Whether this model's forward may be compiled (one process, no sliding windows)."""
+    """Whether this model's forward may be compiled (one process)."""
     tp = getattr(model, "tp", None)
-    return getattr(tp, "size", 1) == 1 and not model.args.sliding_layers
+    return getattr(tp, "size", 1) == 1
 
 
 class CompiledForward:
@@ -64,7 +67,8 @@ class CompiledForward:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.mode = "reduce-overhead" if device.type == "cuda" else None
+        # (a mixture of experts reads on the host inside the step: no CUDA graph, see the module doc)
+        self.mode = "reduce-overhead" if device.type == "cuda" and not model.args.num_experts else None
         if self.backend == "inductor":
             self.fn = torch.compile(model, dynamic=False, mode=self.mode)
         else:
@@ -84,6 +88,8 @@ class CompiledForward:
         if batch.paged is None:  # one graph for every context length (a paged layout's shapes are static)
             torch._dynamo.mark_dynamic(batch.read_index, 1)
             torch._dynamo.mark_dynamic(batch.mask, 3)
+            if batch.sliding_mask is not None and batch.sliding_mask is not batch.mask:
+                torch._dynamo.mark_dynamic(batch.sliding_mask, 3)
         key = tuple(input_ids.shape)
         if key not in self.shapes:
             self.shapes.add(key)

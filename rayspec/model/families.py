@@ -1,6 +1,7 @@
 """Which checkpoints the native model runs (NATIVE_MODEL_TYPES: Llama 2/3/3.1/3.3 and SmolLM, Mistral,
-Qwen2/2.5, Qwen3) and the shapes it reads from their transformers configs (ModelArgs): one small
-registry of what differs per family (attention biases, q/k norms, sliding windows)."""
+Qwen2/2.5, Qwen3, gpt-oss) and the shapes it reads from their transformers configs (ModelArgs): one small
+registry of what differs per family (attention biases, q/k norms, sliding windows, attention sinks,
+mixture-of-experts MLPs)."""
 
 from __future__ import annotations
 
@@ -50,12 +51,30 @@ def _qwen3_family(config) -> dict:
     return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, **_layer_type_windows(config))
 
 
+def _gpt_oss_family(config) -> dict:
+    """gpt-oss: `attention_bias` on q/k/v and o_proj alike, a learned sink logit per head, layer_types
+    alternating sliding and full attention, and a mixture-of-experts MLP (rayspec.model.moe: top-k
+    routing, the clamped SwiGLU, biases). Experts kept as MXFP4 codes when the checkpoint has them."""
+    from rayspec.model.formats import MXFP4, quantization_of_config
+
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    mxfp4 = quantization is not None and quantization_of_config({"quantization_config": quantization}).algo == MXFP4
+    bias = bool(getattr(config, "attention_bias", True))
+    return dict(attention_bias=bias, o_proj_bias=bias, attention_sinks=True, **_layer_type_windows(config),
+                num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
+                swiglu_alpha=float(config.swiglu_alpha), swiglu_limit=float(config.swiglu_limit),
+                mxfp4_experts=mxfp4)
+
+
 # config.model_type -> the ModelArgs fields particular to that family (the shapes are read alike)
 NATIVE_MODEL_TYPES = {
     "llama": _llama_family,
     "mistral": _mistral_family,
     "qwen2": _qwen2_family,
     "qwen3": _qwen3_family,
+    "gpt_oss": _gpt_oss_family,
 }
 
 
@@ -78,10 +97,21 @@ class ModelArgs:
     # layers in sliding_layers see, at position p, only the keys at positions p - sliding_window + 1 .. p
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned logit per head in each softmax, its probability dropped (gpt-oss)
+    # a mixture-of-experts MLP where num_experts > 0 (rayspec.model.moe): experts_per_token routed per
+    # token, each expert intermediate_size wide with the clamped SwiGLU (gpt-oss); mxfp4_experts: kept as
+    # the checkpoint's MXFP4 codes and scales, dequantized per expert when used
+    num_experts: int = 0
+    experts_per_token: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False
 
     def __post_init__(self):
         if self.sliding_layers and not self.sliding_window:
             raise ValueError("sliding_layers without a sliding_window")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} of {self.num_experts} experts")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None where it attends to every position."""

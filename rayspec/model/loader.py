@@ -81,15 +81,20 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     return inv_freq.clone(), float(scaling)
 
 
-def empty_model(config, device, dtype, tp=None) -> CausalLM:
+def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False) -> CausalLM:
     """A CausalLM for `config` with its parameters allocated at `dtype` on `device` and not yet
     filled (tied embeddings shared, the rotary buffer float32 and computed). Built on the meta
     device and cast there, so no float32 copy of a bfloat16 model ever exists. A parameter's
     `tp_shard` (see `load_checkpoint`), set at construction, is kept. tp: this rank's
-    rayspec.model.parallel.TPGroup (the model is then its shard; its layers' slices become `tp_shard`s)."""
+    rayspec.model.parallel.TPGroup (the model is then its shard; its layers' slices become `tp_shard`s).
+    dequantize_experts: float experts where the checkpoint's are MXFP4 (which the model keeps 4-bit otherwise)."""
+    from dataclasses import replace
+
     from rayspec.model.parallel import NO_TP, tag_shards
 
     args = ModelArgs.from_hf_config(config)
+    if dequantize_experts:
+        args = replace(args, mxfp4_experts=False)
     inv_freq, scaling = rope_from_config(config)
     with torch.device("meta"):
         model = CausalLM(args, inv_freq, scaling, tp=tp or NO_TP)
@@ -107,14 +112,18 @@ def empty_model(config, device, dtype, tp=None) -> CausalLM:
 
 
 def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torch.float32,
-                model_dir: Path | None = None, tp=None, quantization: str | None = None) -> CausalLM:
+                model_dir: Path | None = None, tp=None, quantization: str | None = None,
+                dequantize_experts: bool = False) -> CausalLM:
     """A ready model (eval mode, packed for the CPU): weights streamed from the checkpoint in
     `model_dir` (`load_checkpoint`), or copied from `state_dict`, or left uninitialized when
     neither is given (only the sizes matter: memory checks, tests that fill weights themselves).
-    quantization: "int8" makes every projection and the LM head weight-only int8 (rayspec.model.quantize)."""
+    quantization: "int8" makes every projection and the LM head weight-only int8 (rayspec.model.quantize).
+    dequantize_experts: MXFP4 experts (gpt-oss) dequantized at load rather than kept 4-bit."""
     from rayspec.model.parallel import NO_TP, zero_row_biases
 
-    model = empty_model(config, device, dtype, tp)
+    if model_dir is not None and not dequantize_experts:
+        dequantize_experts = _experts_stored_float(config, model_dir)
+    model = empty_model(config, device, dtype, tp, dequantize_experts)
     if model_dir is not None:
         load_checkpoint(model, model_dir)
     elif state_dict is not None:
@@ -130,6 +139,17 @@ def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torc
     return model.eval().pack_for_cpu()
 
 
+def _experts_stored_float(config, model_dir: Path) -> bool:
+    """Whether a config that says MXFP4 experts comes with float ones (a dequantized export that kept its
+    quantization_config): no `<proj>_blocks` tensor among the checkpoint's names."""
+    from rayspec.model.weights.files import weight_names
+
+    if not ModelArgs.from_hf_config(config).mxfp4_experts:
+        return False
+    names = weight_names(model_dir)
+    return names is not None and not any(n.endswith("_blocks") for n in names)
+
+
 def is_native(config) -> bool:
     """Whether rayspec's own model (rayspec/model/native.py) runs this transformers config; the others run
     on the generic path. Native: the families of NATIVE_MODEL_TYPES, with the rope types and
@@ -142,10 +162,11 @@ def is_native(config) -> bool:
 
 
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True,
-               quantization: str | None = None):
+               quantization: str | None = None, dequantize_experts: bool = False):
     """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft).
     tp: a rayspec.model.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None).
-    quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.model.quantize)."""
+    quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.model.quantize).
+    dequantize_experts: a native gpt-oss's MXFP4 experts dequantized at load (else kept 4-bit)."""
     from transformers import AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -155,7 +176,8 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     if is_native(config):
         if num_layers is not None:
             config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
-        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp, quantization=quantization)
+        model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp, quantization=quantization,
+                            dequantize_experts=dequantize_experts)
     else:  # transformers' own modeling code over our KV cache (rayspec/model/generic.py)
         from rayspec.model.generic import load_generic_model
 

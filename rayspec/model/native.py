@@ -1,5 +1,6 @@
 """One Llama-family decoder over an explicit KV cache, configured per family (NATIVE_MODEL_TYPES:
-Llama 2/3/3.1/3.3 and SmolLM, Mistral, Qwen2/2.5, Qwen3): attention biases, q/k norms, sliding windows.
+Llama 2/3/3.1/3.3 and SmolLM, Mistral, Qwen2/2.5, Qwen3, gpt-oss): attention biases, q/k norms, sliding
+windows, attention sinks, and a mixture-of-experts MLP (rayspec.model.moe) where the family has one.
 
 Module names mirror Hugging Face's `LlamaForCausalLM`, so HF safetensors load as they are.
 The cache is written at explicit positions (as in gpt-fast): a rejected draft needs no
@@ -19,6 +20,7 @@ from rayspec.cpu import kernels as cpu_kernels
 from rayspec.model.families import ModelArgs
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.model.linear import DEVICE_TILE_ROWS, FusedProjection, Linear, device_linear, fuse_weights
+from rayspec.model.moe import MoE
 from rayspec.model.parallel import (NO_TP, OP_LOGITS, OP_NEW_CACHE, TPGroup, VocabParallelEmbedding, column_parallel,
                                     row_parallel, send_forward)
 
@@ -69,6 +71,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.sliding_window = None if layer is None else args.layer_window(layer)
+        # gpt-oss: a learned logit per head in the softmax whose probability is dropped (this rank's heads)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if args.attention_sinks else None
+        if args.attention_sinks and tp.size > 1:
+            self.tp_shards = {"sinks": (0, *tp.shard(args.num_heads, "num_attention_heads"))}
         self.qkv: FusedProjection | None = None  # set by pack_for_cpu
         self.qkv_fused = None  # (weight, bias, sizes) off the CPU (fuse_weights)
 
@@ -113,10 +119,10 @@ class Attention(nn.Module):
         batch.write_tokens_kv(cache_k, cache_v, k, v, batch.token_write_rows())
         rows = batch.row_keys if self.sliding_window is None else batch.sliding_row_keys
         if rows is not None:  # batch-invariant: each row over its own keys (rayspec.model.row_attention)
-            out = rows.attend(q, *batch.read_kv(cache_k, cache_v))  # [N, heads, head_dim]
+            out = rows.attend(q, *batch.read_kv(cache_k, cache_v), sinks=self.sinks)  # [N, heads, head_dim]
             return self.tp.all_reduce(self.o_proj(out.reshape(N, nq * hd)))
         q = batch.unpack(q.reshape(N, nq * hd)).view(B, Q, nq, hd).transpose(1, 2)  # padding rows zero
-        if batch.paged is not None and self.sliding_window is None:  # the pool read in place
+        if batch.paged is not None and self.sliding_window is None and self.sinks is None:  # the pool read in place
             out = batch.paged.attend(q, cache_k, cache_v)
         else:  # every key gathered through the block tables
             keys, values = batch.read_kv(cache_k, cache_v)
@@ -126,7 +132,10 @@ class Attention(nn.Module):
                     raise ValueError("a sliding-window layer needs ForwardBatch.sliding_mask (ModelRunner builds it)")
                 keys, values = keys[:, :, batch.sliding_start:], values[:, :, batch.sliding_start:]
                 mask = batch.sliding_mask
-            out = attention(q, keys, values, mask, invariant=batch.batch_invariant)  # [B, heads, Q, head_dim]
+            if self.sinks is not None:
+                out = sink_attention(q, keys, values, mask, self.sinks)
+            else:
+                out = attention(q, keys, values, mask, invariant=batch.batch_invariant)  # [B, heads, Q, head_dim]
         out = self.o_proj(batch.pack(out.transpose(1, 2)).reshape(-1, nq * hd))
         return self.tp.all_reduce(out)  # [N, H]: the ranks' partial sums
 
@@ -189,6 +198,23 @@ def attention(q, keys, values, mask, repeat_kv: bool | None = None, invariant: b
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
+def sink_attention(q, keys, values, mask, sinks) -> torch.Tensor:
+    """Attention with a sink per head (gpt-oss): one more logit column, sinks[h], in each row's softmax,
+    whose probability goes to no value. SDPA takes no such column, so the scores are computed here, in
+    float32. q [B, heads, Q, D]; keys / values [B, kv_heads, kv_len, D]; mask [B, 1, Q, kv_len] additive or
+    None; sinks [heads] -> [B, heads, Q, D]."""
+    B, H, Q, D = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.float().reshape(B, kv_heads, H // kv_heads * Q, D)  # the heads of a KV head share its keys
+    scores = (grouped @ keys.float().transpose(-1, -2)).view(B, H, Q, -1) * D ** -0.5  # [B, H, Q, kv_len]
+    if mask is not None:
+        scores = scores + mask.float()
+    column = sinks.float().view(1, H, 1, 1).expand(B, H, Q, 1)
+    probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    out = probs.reshape(B, kv_heads, H // kv_heads * Q, -1) @ values.float()  # [B, kv_heads, group * Q, D]
+    return out.view(B, H, Q, D).to(q.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, tp: TPGroup = NO_TP):
         super().__init__()
@@ -221,7 +247,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int | None = None, tp: TPGroup = NO_TP):
         super().__init__()
         self.self_attn = Attention(args, layer=layer, tp=tp)
-        self.mlp = MLP(args, tp)
+        self.mlp = MoE(args, tp) if args.num_experts else MLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

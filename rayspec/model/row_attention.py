@@ -47,10 +47,14 @@ class RowKeys:
     spans: list[tuple[int, int, int, int]]
     index: torch.Tensor | None = None
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, heads, head_dim] (the real rows, packed); keys / values [B, kv_heads, kv_len, head_dim]
         -> [N, heads, head_dim]. On CPU in float32 (as rayspec.model.native.attention: its reduced
-        precision kernel rounds probabilities in blocks shaped by the batch)."""
+        precision kernel rounds probabilities in blocks shaped by the batch). sinks [heads]: gpt-oss's
+        (rayspec.model.native.sink_attention)."""
+        from rayspec.model.native import sink_attention
+
         dtype = q.dtype
         if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
             q, keys, values = q.float(), keys.float(), values.float()
@@ -62,7 +66,10 @@ class RowKeys:
             else:
                 cols = self.index[at: at + hi - lo]
                 k, v = keys[b: b + 1].index_select(2, cols), values[b: b + 1].index_select(2, cols)
-            out.append(F.scaled_dot_product_attention(queries[r], k, v, enable_gqa=gqa))  # [1, heads, 1, D]
+            if sinks is not None:
+                out.append(sink_attention(queries[r], k, v, None, sinks))
+            else:
+                out.append(F.scaled_dot_product_attention(queries[r], k, v, enable_gqa=gqa))  # [1, heads, 1, D]
         return torch.cat(out)[:, :, 0].to(dtype)
 
 
@@ -106,10 +113,10 @@ BATCH_INVARIANT_BY_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 def default_batch_invariant(config, model, device: torch.device) -> bool:
     """The engine's batch_invariant: the config's (rayspec.config.EngineSettings), or where unset
     BATCH_INVARIANT_BY_DEFAULT's for this device (off where it cannot run: a model without the path, the
-    generic one; compile, paged attention or tensor parallelism asked for)."""
+    generic one, a mixture of experts; compile, paged attention or tensor parallelism asked for)."""
     if config.batch_invariant is not None:
         return config.batch_invariant
     if not hasattr(model, "set_batch_invariant") or config.compile or config.paged_attention \
-            or config.tensor_parallel_size > 1:
+            or config.tensor_parallel_size > 1 or model.args.num_experts:
         return False
     return BATCH_INVARIANT_BY_DEFAULT.get(device.type, False)

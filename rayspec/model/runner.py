@@ -64,6 +64,8 @@ class ModelRunner:
         if batch_invariant:
             if not hasattr(model, "set_batch_invariant"):
                 raise ValueError(f"batch_invariant needs the native model ({type(model).__name__} has no such path)")
+            if model.args.num_experts:  # an expert's matmul takes the tokens routed to it: a count the batch sets
+                raise ValueError("batch_invariant has no mixture-of-experts path (rayspec.model.moe)")
             model.set_batch_invariant(True)
 
     def set_compile(self, on: bool) -> None:
@@ -295,31 +297,38 @@ class ModelRunner:
 
     def _static_positions(self, starts, trees, Bp: int, Qp: int, kv_len: int, paged: bool):
         """The compiled step's padded [Bp, Qp] rope and cache positions, and (not paged) its dense
-        visibility [Bp, 1, Qp, kv_len] on the host: (positions, write positions, visible or None)."""
+        visibility [Bp, 1, Qp, kv_len] on the host, and for a model with sliding-window layers (not paged)
+        the position of each cache row's key [Bp, kv_len] (a tree node's: its rope position):
+        (positions, write positions, visible or None, key positions or None)."""
         B = len(starts)
         positions = np.tile(np.arange(Qp, dtype=np.int64), (Bp, 1))
-        visible = None
+        visible = key_positions = None
+        sliding = not paged and bool(self.model.args.sliding_layers)
+        if sliding:
+            key_positions = np.tile(np.arange(kv_len, dtype=np.int64), (Bp, 1))
         if trees is None:
             positions[:B] += np.asarray(starts, dtype=np.int64)[:, None]
             write_pos = positions
             if not paged:
                 visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
         else:
-            tree_pos, cache_pos, tree_visible, _ = tree_layout_host(trees, starts, Qp, kv_len)
+            tree_pos, cache_pos, tree_visible, tree_keys = tree_layout_host(trees, starts, Qp, kv_len, sliding)
             positions[:B] = tree_pos
             write_pos = positions.copy()
             write_pos[:B] = cache_pos
             if not paged:
                 visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
                 visible[:B] = tree_visible
-        return positions, write_pos, visible
+            if sliding:
+                key_positions[:B] = tree_keys
+        return positions, write_pos, visible, key_positions
 
     def _static_batch(self, seq_ids, starts, trees, ids, real, Bp: int, Qp: int, kv_len: int):
         """The compiled step's inputs on the device, in one copy: (token ids, real rows, ForwardBatch),
         reading the pool through block tables (paged) or through every key's row and a dense mask."""
         B, bs = len(seq_ids), self.kv.block_size
         paged = self._pages(trees)
-        positions, write_pos, visible = self._static_positions(starts, trees, Bp, Qp, kv_len, paged)
+        positions, write_pos, visible, key_positions = self._static_positions(starts, trees, Bp, Qp, kv_len, paged)
         if paged:  # block tables, not every key's row, and no dense mask (rayspec.model.paged_attention)
             table, context, tail = self._paged_arrays(seq_ids, starts, Bp, Qp, trees)
             block = write_pos // bs  # padding written past a table's width: the scratch block
@@ -334,18 +343,26 @@ class ModelRunner:
         read = np.empty((Bp, kv_len), dtype=np.int64)
         read[:B] = self.kv.rows(seq_ids, kv_len)
         read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
-        t_ids, t_pos, t_read, t_write, t_visible, t_real = to_device(
-            ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real, device=self.device)
+        arrays = [ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real]
+        t_ids, t_pos, t_read, t_write, t_visible, t_real, *t_keys = to_device(
+            *arrays, *([key_positions] if key_positions is not None else []), device=self.device)
         for b, (tree, start) in enumerate(zip(trees or [], starts)):
             if tree.sees is not None:
                 t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
+        mask = additive_mask(t_visible, self.dtype)
+        sliding_mask = None
+        if t_keys:  # sliding-window layers: every key kept (a static start), those outside a window masked
+            _, sliding_mask = sliding_window_mask(t_visible, mask, t_pos, t_keys[0], self.model.args.sliding_window,
+                                                  0, kv_len)
         return t_ids, t_real, ForwardBatch(write_index=t_write, read_index=t_read, positions=t_pos, kv_len=kv_len,
-                                           mask=additive_mask(t_visible, self.dtype))
+                                           mask=mask, sliding_mask=sliding_mask)
 
     def _pages(self, trees) -> bool:
         """Whether the compiled step's attention reads the pool in place (rayspec.model.paged_attention):
         paged attention on, and no tree given as a device mask or partly cached (an EAGLE head's
         draft steps: one layer, whose gather is small)."""
+        if self.model.args.sliding_layers:  # its layout has no windows: such models gather their keys
+            return False
         return self.paged_attention and (trees is None or all(t.parents is not None and not t.first for t in trees))
 
     def _paged_arrays(self, seq_ids, starts, Bp, Qp, trees):

@@ -6,7 +6,8 @@ its config files alone.
   path (rayspec.model.native), target and draft alike, at any tensor-parallel size: each weight is
   dequantized to the engine's dtype as it is read (rayspec.model.weights.checkpoint.load_checkpoint).
 - MXFP4 (gpt-oss, `rayspec.model.formats.mxfp4`): the MoE expert weights in E2M1 with a power-of-two
-  scale per 32 inputs. Loaded on the generic path (transformers' gpt_oss), dequantized at load.
+  scale per 32 inputs. Kept 4-bit by the native model (rayspec.model.moe), each expert dequantized when
+  used; dequantized at load on the generic path (transformers' gpt_oss).
 
 A checkpoint says its format in `hf_quant_config.json` (ModelOpt's own file: `quantization.
 quant_algo`, `group_size`, `exclude_modules`) or in config.json's `quantization_config`

@@ -1,4 +1,6 @@
-"""MXFP4 weights as gpt-oss ships them: its MoE experts only, dequantized at load by transformers.
+"""MXFP4 weights as gpt-oss ships them: its MoE experts only. The native model keeps them as codes and
+scales and dequantizes an expert when a token routes to it (rayspec.model.moe, `dequantize` here); the
+generic path has transformers dequantize them at load.
 
 Per expert projection (E experts of `rows` outputs x K inputs) a checkpoint holds
   `<proj>_blocks`  uint8 [E, rows, K / 32, 16]: two E2M1 codes per byte, the even input in the low nibble
@@ -6,15 +8,16 @@ Per expert projection (E experts of `rows` outputs x K inputs) a checkpoint hold
 so W[e, o, i] = E2M1[code] * 2^(scale[e, o, i // 32] - 127), exact in bfloat16 and float32; everything
 else (attention, router, embeddings, LM head) is bfloat16.
 
-transformers' gpt_oss reads this layout: `Mxfp4Config(dequantize=True)` makes it dequantize in plain
+transformers' gpt_oss (the generic path) reads this layout: `Mxfp4Config(dequantize=True)` makes it dequantize in plain
 torch as each tensor loads, on any device (without it transformers would fetch Triton kernels from the
 hub on a GPU: rayspec never downloads kernels). Dequantized, gpt-oss-20b is about 42 GB in bfloat16,
-gpt-oss-120b about 234 GB: more than one GPU holds, and rayspec has no MXFP4 grouped matmul (keeping
-the experts 4-bit, about 65 GB) nor tensor parallelism on the generic path, so 120b does not run here
-(README, "FP4 checkpoints").
+gpt-oss-120b about 234 GB: more than one GPU holds; on the native path the experts stay 4-bit (about
+65 GB for 120b) and split over tensor-parallel ranks.
 """
 
 from __future__ import annotations
+
+import torch
 
 GROUP_SIZE = 32
 SCALE_BIAS = 127
@@ -29,6 +32,26 @@ def transformers_config():
 
 
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # transformers' GptOssExperts parameters
+BLOCKS, SCALES = "_blocks", "_scales"  # a checkpoint's <projection>_blocks / <projection>_scales
+
+
+def _e2m1_values(device) -> torch.Tensor:
+    """[16] float32: the value of each E2M1 code (bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa),
+    computed on `device` (no host copy per call: a step dequantizes an expert per layer)."""
+    code = torch.arange(16, device=device)
+    exponent, mantissa = (code >> 1) & 3, (code & 1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent.to(torch.float32) - 1) * (1 + 0.5 * mantissa))
+    return torch.where(code >= 8, -magnitude, magnitude)
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks uint8 [..., rows, K / 32, 16] (two E2M1 codes a byte, the even input in the low nibble),
+    scales uint8 [..., rows, K / 32] (E8M0) -> [..., rows, K] in `dtype`, on blocks' device. Exact: a
+    code's value times a power of two, in float32, then the cast (exact in bfloat16 too)."""
+    values, codes = _e2m1_values(blocks.device), blocks.to(torch.int32)
+    pairs = torch.stack((values[codes & 0xF], values[codes >> 4]), dim=-1)  # [..., rows, K / 32, 16, 2]
+    pairs = pairs.flatten(-2) * torch.exp2(scales.to(torch.float32) - SCALE_BIAS)[..., None]
+    return pairs.flatten(-2).to(dtype)
 
 
 def quantized_params(model, quantization) -> dict[int, int]:
@@ -39,4 +62,6 @@ def quantized_params(model, quantization) -> dict[int, int]:
         module, _, leaf = name.rpartition(".")
         if module.endswith("experts") and leaf in EXPERT_PROJECTIONS and not quantization.excludes(module):
             out[id(param)] = param.numel() // 2 + param.numel() // GROUP_SIZE
+        elif module.endswith("experts") and leaf.removesuffix(BLOCKS).removesuffix(SCALES) in EXPERT_PROJECTIONS:
+            out[id(param)] = param.numel()  # the native model's packed experts: stored as they are held
     return out

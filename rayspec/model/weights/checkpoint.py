@@ -1,7 +1,8 @@
 """A checkpoint streamed into a built model, tensor by tensor: each parameter is read from its
 file (safetensors with positioned reads, or a memory-mapped pytorch_model*.bin), cast and copied to
 its device, so a load never holds the weights twice. NVFP4 weights are dequantized as they are read
-(rayspec.model.formats)."""
+(rayspec.model.formats); MXFP4 experts (gpt-oss) load as codes and scales into a model that keeps them so,
+or dequantized into one with float experts (rayspec.model.moe)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rayspec.model import moe
 from rayspec.model.formats import nvfp4
 from rayspec.model.native import CausalLM
 from rayspec.model.weights.files import torch_load, weight_files
@@ -101,6 +103,12 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
         # NVFP4: a weight's scales may lie in another shard, so every shard's header is read first
         tensors = CheckpointTensors([stack.enter_context(SafetensorsReader(p)) for p in files]) if quantization else None
         quantized = nvfp4.quantized_weights(tensors.names()) if tensors is not None else set()
+        # MXFP4 experts into float ones (a model built with dequantized experts): "<proj>" -> "<proj>_blocks"
+        mx_float = {name: blocks for name, blocks in moe.dequantized_names(tensors.names()).items()
+                    if name in params} if tensors is not None else {}
+        for name, blocks in mx_float.items():
+            moe.fill_dequantized(params[name], name, tensors, _shard_of(params[name]))
+            filled.add(name)
         for path in files:
             if fmt == "safetensors":
                 with SafetensorsReader(path) as reader:
@@ -122,18 +130,18 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
 
 
 def checkpoint_quantization(model_dir: Path, fmt: str | None = None):
-    """The checkpoint's rayspec.model.formats.Quantization when the native path loads it (NVFP4), None for a
-    float checkpoint; UnsupportedQuantizationError for any other (MXFP4 loads on the generic path only)."""
-    from rayspec.model.formats import NVFP4, UnsupportedQuantizationError, read_quantization
+    """The checkpoint's rayspec.model.formats.Quantization when the native path loads it (NVFP4, MXFP4
+    experts), None for a float checkpoint; UnsupportedQuantizationError for any other."""
+    from rayspec.model.formats import SUPPORTED, UnsupportedQuantizationError, read_quantization
 
     quantization = read_quantization(model_dir)
     if quantization is None:
         return None
-    if quantization.algo != NVFP4:
-        raise UnsupportedQuantizationError(f"{model_dir}: {quantization.algo} weights load on the generic path only "
-                                           "(gpt-oss), not into rayspec's native model")
+    if quantization.algo not in SUPPORTED:
+        raise UnsupportedQuantizationError(f"{model_dir}: {quantization.algo} weights do not load into rayspec's "
+                                           "native model")
     if fmt is not None and fmt != "safetensors":
-        raise UnsupportedQuantizationError(f"{model_dir}: an NVFP4 checkpoint must be in safetensors")
+        raise UnsupportedQuantizationError(f"{model_dir}: an {quantization.algo} checkpoint must be in safetensors")
     return quantization
 
 
