@@ -234,10 +234,13 @@ def transformers_peer(a, device, dtype, clock: Clock, out) -> float | None:
             ts = clock.time(lambda: gen(short), iters=1, warmup=1)
             tl = clock.time(lambda: gen(long_), iters=1, warmup=0)
         per_token = (tl - ts) / a.peer_tokens
-        record(out, "peer", {"what": "transformers static cache, compiled", "batch": 1, "context": a.context,
-                             "ms_per_token": round(per_token * 1e3, 3), "tok_s": round(1 / per_token, 1)})
+        row = {"what": "transformers static cache, compiled", "batch": 1, "context": a.context,
+               "ms_per_token": round(per_token * 1e3, 3), "tok_s": round(1 / per_token, 1) if per_token > 0 else None}
+        if per_token <= 0:  # two runs' difference within their noise (a dry run's 4 tokens): no figure
+            row["note"] = f"the longer run was not slower: noise; give more --peer-tokens (had {a.peer_tokens})"
+        record(out, "peer", row)
         del model
-        return per_token
+        return per_token if per_token > 0 else None
     except Exception as err:  # noqa: BLE001
         record(out, "errors", {"case": "transformers peer", "error": repr(err), "trace": traceback.format_exc()[-2000:]})
         return None

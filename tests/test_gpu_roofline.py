@@ -32,7 +32,10 @@ def test_gpu_roofline_dry_run(tmp_path):
     decode = {(r["batch"], r["compiled"]) for r in results["decode"]}
     assert decode == {(1, False), (2, False), (1, True), (2, True)}
     assert {r["what"] for r in results["verify"]} == {"8-node tree", "8-token chain"}
-    assert results["head"] and results["peer"][0]["ms_per_token"] > 0
+    # the peer's figure is a difference of two timed runs: in a dry run's 4 tokens it may be noise
+    # (then no tok/s and a note), but it is measured
+    peer = results["peer"][0]
+    assert results["head"] and isinstance(peer["ms_per_token"], float) and (peer["tok_s"] is None) == (peer["ms_per_token"] <= 0)
     paged = {(r["what"], r["batch"]): r for r in results["paged"]}  # the step with paged attention == gather
     assert set(paged) == {("decode", 2), ("8-node tree", 1)}
     assert all(r["max_abs_diff_hidden"] < 1e-4 and r["paged_ms"] > 0 for r in paged.values()), paged

@@ -110,27 +110,31 @@ class Linear(nn.Linear):
             return self.int8(x)
         if x.device.type != "cpu" or torch.compiler.is_compiling():  # (compiled: inductor picks the kernel)
             return device_linear(x, self.weight, self.bias, self.tile_rows)
-        rows = x.reshape(-1, x.shape[-1])  # [N, in]
         tile = self.kernels.tile if self.kernels is not None else None
-        out = self._rows(rows) if tile is None else tiled_rows(self._rows, rows, tile)
+        if tile is None:
+            return self._rows(x)
+        out = tiled_rows(self._rows, x.reshape(-1, x.shape[-1]), tile)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: [N, in] -> [N, out] on the kernel chosen for N rows."""
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] -> [..., out] on the kernel chosen for its number of rows (F.linear takes x as
+        it is: no reshape it does not need)."""
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
         n = rows.shape[0]
         path = self.path_for(n)
         if (path in cpu_kernels.ONEDNN and self._packed is not None and rows.dtype == self.weight.dtype
                 and not (torch.is_grad_enabled() and (rows.requires_grad or self.weight.requires_grad))
                 and self.weight._version == self._packed_version):  # stale after in-place updates
-            return onednn_linear(rows, self._packed, self.bias, cpu_kernels.ONEDNN[path])
+            out = onednn_linear(rows, self._packed, self.bias, cpu_kernels.ONEDNN[path])
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if path != "wxt" or n > cpu_kernels.ROWS[-1]:
-            return F.linear(rows, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         if n == 1:
             rows = rows.expand(2, -1).contiguous()
         out = (self.weight @ rows.t()).t()[:n]  # [N, out]
         if self.bias is not None:
             out = out + self.bias
-        return out
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class FusedProjection:
