@@ -29,6 +29,13 @@ CLUSTER_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.frontend.proxy_guard:middlewares",
                "RAYSPEC_PROXY_BODY_TIMEOUT_S": "10"}
 
+def head_node_args(**args) -> dict:
+    """ray.cluster_utils.Cluster's head_node_args with a dashboard port of its own: CI's two serve workers
+    may each run a cluster test at once, and a second head on Ray's default 8265 fails to bind it and
+    starts no dashboard, which Ray's state API (list_actors) then cannot reach."""
+    return {"dashboard_port": _free_port(), **args}
+
+
 _shared: dict | None = None  # while the shared cluster is up: its metrics port, and Serve's HTTP port once started
 
 

@@ -31,6 +31,7 @@ from rayspec.model.runner import make_runner
 from rayspec.proposers.base import Draft
 from rayspec.sampling.rejection import verify_tree_greedy, verify_tree_parents
 from rayspec.sampling.sampler import SamplingParams
+from ray_utils import head_node_args
 
 VOCAB, LAYERS, HIDDEN = 256, 4, 64  # the tiny target: 4 layers -> EAGLE-3 features of layers (0, 2, 3)
 DRAFT_VOCAB = 128  # the trained EAGLE-3 head drafts over the 128 most frequent target choices
@@ -1015,7 +1016,7 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
     (tmp_path / "two").mkdir()  # the same answers and features: only the training differs
     shutil.copy(tmp_path / "one" / "answers.jsonl", tmp_path / "two" / "answers.jsonl")
     shutil.copytree(tmp_path / "one" / "features-eagle3", tmp_path / "two" / "features-eagle3")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args=head_node_args(**{"num_cpus": 0}))
     nodes = {cluster.add_node(num_cpus=1).node_id for _ in range(2)}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)

@@ -24,6 +24,7 @@ from deployments.app import build_app
 from deployments.config import AppArgs
 from deployments.operations.kuberay import deployment_units, worker_groups
 from deployments.operations.plan import plan_app
+from ray_utils import head_node_args
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma"]
 MAX_TOKENS = 96
@@ -108,7 +109,7 @@ def served(tiny_model_dir, own_cluster):
     """app name -> its URL; and the ids of the nodes with GPUs."""
     # STRICT_PACK (deployed first) needs a node with two free GPUs: the head; STRICT_SPREAD then
     # gets the two one-GPU nodes
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 2})
+    cluster = Cluster(initialize_head=True, head_node_args=head_node_args(**{"num_cpus": 3, "num_gpus": 2}))
     nodes = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)

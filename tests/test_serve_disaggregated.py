@@ -23,6 +23,7 @@ from deployments.app import build_app  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
 from rayspec.sampling.sampler import SamplingParams  # noqa: E402
+from ray_utils import head_node_args
 
 PROMPT = "one two three four five six seven one two three four five six seven one two"
 
@@ -33,7 +34,7 @@ def _spec(draft_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster_app(tiny_model_dir, tiny_draft_dir, own_cluster):
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args=head_node_args(**{"num_cpus": 2, "num_gpus": 0}))
     draft_node = cluster.add_node(num_cpus=2, num_gpus=1, resources={"draft_node": 1})
     target_node = cluster.add_node(num_cpus=2, num_gpus=1, resources={"target_node": 1})
     cluster.wait_for_nodes()

@@ -17,6 +17,7 @@ from ray.cluster_utils import Cluster
 from serve_utils import astream_completion, free_port, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.replicas.tensor_parallel import rank_actor_name
+from ray_utils import head_node_args
 
 PROMPTS = ["one two three four five one two three four five one two", "The quick brown fox jumps over"]
 DEADLINE_S = 240
@@ -30,7 +31,7 @@ def _tp_args(model_dir, strategy: str) -> dict:
 
 @pytest.fixture(scope="module")
 def apps(tiny_model_dir, own_cluster):
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args=head_node_args(**{"num_cpus": 3, "num_gpus": 0}))
     # STRICT_PACK needs a node with 2 GPUs; STRICT_SPREAD then gets the two 1-GPU nodes
     nodes = [cluster.add_node(num_cpus=2, num_gpus=gpus) for gpus in (2, 1, 1)]
     cluster.wait_for_nodes()
