@@ -21,6 +21,7 @@ from rayspec.model.families import ModelArgs
 from rayspec.model.moe import MoE
 from rayspec.model.runner import make_runner
 from rayspec.sampling.sampler import SamplingParams
+from test_families import _path  # (the tree helper the families tests use)
 
 VOCAB, HIDDEN, LAYERS, WINDOW = 128, 64, 4, 8
 AUX_LAYERS = [0, 1, 3]  # the head's eagle_config names them (not the default for 4 layers)
@@ -138,12 +139,6 @@ def test_logits_prefill_chunks_decode_and_padding(oss):
     torch.testing.assert_close(both[1, :4], _hf_logits(hf, other[:14])[10:], atol=1e-4, rtol=0)
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 @pytest.mark.parametrize("mode", ["batched", "compiled"])
