@@ -75,8 +75,8 @@ MESSAGES = [
 MAX_TOKENS = 16
 # (temperature, top_k, top_p, requests of n = 2 per prompt): as clients send it, then the settings
 # the engine-level tests run (a cut vocabulary), cheaper here
-SETTINGS = [(1.0, None, None, 14), (0.7, 40, 0.9, 3)]
-FAULT_REQUESTS = 4  # per prompt, T = 1
+SETTINGS = [(1.0, None, None, 8), (0.7, 40, 0.9, 2)]
+FAULT_REQUESTS = 2  # per prompt, T = 1
 ALPHA = 1e-3
 TV = 0.02
 TV_099_MAX = 0.15  # the TV from which each shape is caught with power 0.99 must be below this
@@ -108,7 +108,7 @@ def in_replica(fn, *args):
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return ray.get(verifier_actor().__ray_call__.remote(lambda _self: fn(*args)), timeout=60)
+    return ray.get(verifier_actor().__ray_call__.remote(lambda _self: fn(*args)), timeout=300)
 
 
 # ---- run inside the replica ----------------------------------------------------------------------
@@ -192,12 +192,12 @@ class Reference:
         longest = max(len(o) for o in outputs) - 1
         if longest <= 0:
             return [head[None] for _ in outputs]
-        cache = copy.deepcopy(first.past_key_values)
+        cache = copy.deepcopy(first.cache)
         cache.batch_repeat_interleave(len(outputs))
         ids = torch.zeros(len(outputs), longest, dtype=torch.long)  # right padding: no real token sees it
         for i, o in enumerate(outputs):
             ids[i, :len(o) - 1] = torch.tensor(o[:-1])
-        rest = self.hf(input_ids=ids, past_key_values=cache, use_cache=True).logits  # [B, longest, V]
+        rest = self.hf(input_ids=ids, cache=cache, use_cache=True).logits  # [B, longest, V]
         return [torch.cat([head[None], rest[i, :len(o) - 1]]) for i, o in enumerate(outputs)]
 
 
@@ -213,7 +213,7 @@ def processed(logits: torch.Tensor, temperature: float, top_k, top_p) -> torch.T
 def transforms(probs: torch.Tensor, tokens: torch.Tensor, rng: np.random.Generator):
     """probs [R, V] float64, tokens [R]: (the tokens' randomized PITs [R] (nan: probability 0), and
     per bias shape (its summed per-row TV, its summed move of each bin's probability [BINS]))."""
-    s, order = probs.sort(-1, descending=True, stable=True)  # likeliest first, ties by id
+    s, order = probs.sort(dim=-1, descending=True, stable=True)  # likeliest first, ties by id
     cum = s.cumsum(-1)
     rank = (order == tokens[:, None]).int().argmax(-1)
     p_token = s.gather(1, rank[:, None])[:, 0]
@@ -291,7 +291,7 @@ def reference(smollm2):
 def sample(url: str, reference: Reference, settings, name: str) -> dict:
     """(prompt ids, setting) -> output token lists: one request (n = 2, unseeded) at a time."""
     out: dict = {}
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=300) as client:  # a request takes 1-2 s; minutes on a loaded machine
         for temperature, top_k, top_p, count in settings:
             for messages in MESSAGES:
                 prompt = tuple(reference.prompt_ids(messages))

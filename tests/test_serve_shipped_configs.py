@@ -31,7 +31,7 @@ from deployments.config import AppArgs
 from deployments.dialects import app_args_of
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-WAVE = 4  # configs deployed at once
+WAVE = 3  # configs deployed at once (each verifier ~2 GB: weights, a 1 GB KV pool, torch)
 START_TIMEOUT_S = 600  # replicas importing torch, loading the model and warming up, on a loaded 2-core machine
 
 
@@ -115,7 +115,7 @@ def test_cpu_configs_start_and_answer(smollm2, serve_url, wave):
     apps = [app for path in CPU_CONFIGS[wave:wave + WAVE] for app in deployable(path)]
     _get_global_client().deploy_apps(ServeDeploySchema(applications=apps))
     wait_running([a.name for a in apps])
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=300) as client:
         for app in apps:
             model = app.args.get("served_model_name") or \
                 app.args["llm_configs"][0]["model_loading_config"]["model_id"]
