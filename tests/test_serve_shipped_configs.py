@@ -31,7 +31,7 @@ from deployments.config import AppArgs
 from deployments.dialects import app_args_of
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-WAVE = 3  # configs deployed at once (each verifier ~2 GB: weights, a 1 GB KV pool, torch)
+WAVE = 2  # configs deployed at once (a verifier holds ~2.5 GB: weights, a 1 GB KV pool, torch; an ingress 0.4)
 START_TIMEOUT_S = 600  # replicas importing torch, loading the model and warming up, on a loaded 2-core machine
 
 
