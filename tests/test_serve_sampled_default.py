@@ -207,8 +207,9 @@ def processed(logits: torch.Tensor, temperature: float, top_k, top_p) -> torch.T
 
 
 def transforms(probs: torch.Tensor, tokens: torch.Tensor, rng: np.random.Generator):
-    """probs [R, V] float64, tokens [R]: (the tokens' randomized PITs [R] (nan: probability 0), and
-    per bias shape (its summed per-row TV, its summed move of each bin's probability [BINS]))."""
+    """probs [R, V] float64, tokens [R]: (the tokens' randomized PITs [R] (nan: probability 0), per
+    bias shape (its summed per-row TV, its summed move of each bin's probability [BINS]), and the
+    tokens' summed surprisal minus their contexts' entropies with the variance of that sum)."""
     s, order = probs.sort(dim=-1, descending=True, stable=True)  # likeliest first, ties by id
     cum = s.cumsum(-1)
     rank = (order == tokens[:, None]).int().argmax(-1)
@@ -216,6 +217,11 @@ def transforms(probs: torch.Tensor, tokens: torch.Tensor, rng: np.random.Generat
     before = cum.gather(1, rank[:, None])[:, 0] - p_token
     v = torch.from_numpy(rng.random(len(tokens)))
     us = torch.where(p_token > 0, before + v * p_token, torch.nan)
+    # surprisal -log p(token) against its law at the context: mean the entropy, variance below
+    logs = torch.where(s > 0, s.log(), 0.0)
+    entropy = -(s * logs).sum(-1)
+    surprisal = (-(p_token.clamp_min(1e-300).log()) - entropy).sum()
+    variance = ((s * logs * logs).sum(-1) - entropy ** 2).sum()
     edges = torch.linspace(0, 1, audit.BINS + 1, dtype=torch.float64)[1:-1].expand(len(tokens), -1).contiguous()
     at = torch.searchsorted(cum, edges, right=True).clamp_max(s.shape[1] - 1)  # the token each edge falls in
     start = cum.gather(1, at) - s.gather(1, at)
@@ -234,21 +240,23 @@ def transforms(probs: torch.Tensor, tokens: torch.Tensor, rng: np.random.Generat
         ones = torch.ones(len(tokens), 1, dtype=torch.float64)
         bins = torch.diff(torch.cat([0 * ones, cdf, ones], 1), dim=1)  # [R, BINS]
         shapes[name] = (float((alt - s).abs().sum() / 2), (bins - 1.0 / audit.BINS).sum(0).numpy())
-    return us, shapes
+    return us, shapes, (float(surprisal), float(variance))
 
 
-def law(reference: Reference, samples: dict, seed: int = 0) -> audit.LawResult:
+def law(reference: Reference, samples: dict, seed: int = 0) -> tuple[audit.LawResult, float]:
     """samples: (prompt ids, (T, top_k, top_p)) -> the output token lists. Pearson's test of every
-    output token's PIT, with the two shapes' mean TV and bin moves (audit.LawResult)."""
+    output token's PIT, with the two shapes' mean TV and bin moves (audit.LawResult); the surprisal
+    test's p-value."""
     rng = np.random.default_rng(seed)
-    us, impossible = [], []
+    us, impossible, excess, variance = [], [], 0.0, 0.0
     totals = {"top-two": [0.0, np.zeros(audit.BINS)], "proportional": [0.0, np.zeros(audit.BINS)]}
     for (prompt, setting), outputs in samples.items():
         logits = torch.cat(reference.logits(list(prompt), outputs))
         tokens = torch.tensor([t for o in outputs for t in o])
         for chunk in range(0, len(tokens), 128):  # [128, V] float64 rows at a time
             part = slice(chunk, chunk + 128)
-            u, shapes = transforms(processed(logits[part], *setting), tokens[part], rng)
+            u, shapes, (e, var) = transforms(processed(logits[part], *setting), tokens[part], rng)
+            excess, variance = excess + e, variance + var
             impossible += [f"token {int(t)} after prompt ...{prompt[-3:]}" for t, x in zip(tokens[part], u)
                            if torch.isnan(x)]
             us += [float(x) for x in u if not torch.isnan(x)]
@@ -256,7 +264,16 @@ def law(reference: Reference, samples: dict, seed: int = 0) -> audit.LawResult:
                 totals[name][0] += tv
                 totals[name][1] += move
     n = max(len(us), 1)
-    return audit._pearson(us, impossible, {k: (tv / n, move / n) for k, (tv, move) in totals.items()})
+    result = audit._pearson(us, impossible, {k: (tv / n, move / n) for k, (tv, move) in totals.items()})
+    return result, surprisal_p(excess, variance)
+
+
+def surprisal_p(excess: float, variance: float) -> float:
+    """Two-sided p-value of the summed surprisal excess (mean 0, this variance under the null; normal
+    by the central limit theorem over hundreds of tokens)."""
+    import math
+
+    return math.erfc(abs(excess) / math.sqrt(2 * max(variance, 1e-300)))
 
 
 def power_at(result: audit.LawResult, shape: str, tv: float) -> float:
@@ -322,16 +339,17 @@ def test_t1_output_follows_the_target(served, reference):
     after = httpx.get(f"{served}/v1/stats", timeout=60).json()
     shapes = Counter(in_replica(_shapes))
     started = time.monotonic()
-    result = law(reference, samples)
+    result, surprisal = law(reference, samples)
     powers = {s: (power_at(result, s, TV), result.tv_detected(s, ALPHA)) for s in result.shapes}
     print(f"{sampled_s:.0f} s sampling, {time.monotonic() - started:.0f} s reference; {result}; power at TV {TV}, "
-          f"TV at power 0.99: {powers}; trees (nodes, depth, live siblings): {shapes.most_common(8)}")
+          f"TV at power 0.99: {powers}; surprisal p = {surprisal:.3g}; trees (nodes, depth, live siblings): {shapes.most_common(8)}")
     drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
     assert drafted >= MIN_DRAFT_TOKENS, (before, after)
     full = sum(c for (nodes, depth, live), c in shapes.items() if nodes == 8 and depth >= 3 and live >= 3)
     assert full >= MIN_FULL_TREES, shapes
     assert not result.impossible, result.impossible[:5]
-    assert result.p_value > ALPHA, f"the served output is not the target's: {result}"
+    assert result.p_value > ALPHA / 2, f"the served output is not the target's: {result}"
+    assert surprisal > ALPHA / 2, f"the served output is not the target's: surprisal p = {surprisal:.3g}"
     assert all(tv99 < TV_099_MAX for _, tv99 in powers.values()), powers
 
 
@@ -344,6 +362,7 @@ def test_unverified_drafts_are_caught(served, reference):
         samples = sample(served, reference, [(1.0, None, None, FAULT_REQUESTS)], name)
     finally:
         in_replica(_install, "spy")
-    result = law(reference, samples, seed=1)
-    print(f"faulty rule: {result}")
-    assert result.p_value < ALPHA, f"drafts accepted without the rejection rule went undetected: {result}"
+    result, surprisal = law(reference, samples, seed=1)
+    print(f"faulty rule: {result}; surprisal p = {surprisal:.3g}")
+    assert min(result.p_value, surprisal) < ALPHA / 2, \
+        f"drafts accepted without the rejection rule went undetected: {result}; surprisal p = {surprisal:.3g}"
