@@ -25,9 +25,13 @@ V ~ U(0, 1). Under the null every u is Uniform(0, 1) and independent of the othe
 completion too (Rosenblatt: each is uniform given everything before it), so the counts of the u's
 in BINS = 20 equal bins are multinomial and Pearson's statistic is chi-square with 19 degrees of
 freedom; the test fails above its 1 - ALPHA quantile (ALPHA = 1e-3: the false-alarm rate of a run).
-A token the reference gives probability 0 fails at once.
+A token the reference gives probability 0 fails at once. Beside it, the surprisal test: the tokens'
+summed -log p(token) minus their contexts' entropies has mean 0 and a variance computed exactly from
+the same rows, so its z-score is standard normal (over hundreds of tokens); each test at ALPHA / 2.
+It sees what the transform cannot: tokens of the wrong likelihood spread evenly over the ranks (what
+a head's drafts accepted unverified are at T = 1, where the head is a poor guide).
 
-Power, derived per run from its own contexts (tests/audit.py's method: each bias moves every bin's
+Power of the transform's test, derived per run from its own contexts (tests/audit.py's method: each bias moves every bin's
 probability linearly, so Pearson's statistic is noncentral chi-square with noncentrality
 n BINS sum_b move_b^2), for two bias shapes of per-token TV 0.02:
 - top-two: 0.02 of mass moved from the likeliest token to the second at every context;
