@@ -457,6 +457,9 @@ class OpenAIIngress:
             return await self._stream_response(requests, body, route, constraint)
         results = [route.output(r) for r in await gather_or_cancel(self._call(r, constraint) for r in requests)]
         choices = [route.choice(c, r) for c, r in enumerate(results)]
+        if body.return_token_ids:
+            for choice, result in zip(choices, results):
+                choice["token_ids"] = list(result.token_ids)
         return {"id": new_id(route.id_prefix), "created": now(), "model": self.model_name, "object": route.object,
                 "choices": choices, "usage": self._usage(results, body.n)}
 
@@ -498,6 +501,8 @@ class OpenAIIngress:
                 last[c] = chunk = route.output(chunk)
                 choice = route.delta(c, chunk)
                 if choice is not None:
+                    if body.return_token_ids:
+                        choice["token_ids"] = list(chunk.delta_token_ids)
                     yield event(choice)
             if include_usage and all(last):
                 yield event(None, self._usage(last, body.n))

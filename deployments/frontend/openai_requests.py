@@ -84,6 +84,9 @@ class _Common(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's current field (one of the above)
     num_speculative_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    # vLLM's: each choice also carries the token ids of its output (`token_ids`; streamed: each
+    # chunk's), which its text alone may not give back (a token's bytes can split a character)
+    return_token_ids: bool = False
     # vLLM's: prompt blocks are cached and found again only among requests with the same salt
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 

@@ -1,0 +1,126 @@
+"""Every shipped config that needs no GPU and no cluster of several nodes starts as `serve run` starts
+it and answers a chat completion (issue #53, item 6).
+
+Which configs: every YAML in configs/ with Serve `applications` (configs/cluster.yaml is a cluster
+launcher's file, not a serve config), minus those whose replicas ask for what a one-node CPU
+cluster lacks: a GPU (`num_gpus` > 0 or a GPU in a placement-group bundle, in any deployment's
+options as deployments.config computes them), an accelerator type, a custom resource (a node type
+such as configs/cluster.yaml's `target_node`) or a STRICT_SPREAD placement group (another node).
+A new CPU config is picked up by that rule, not by a list kept here.
+
+How: as `serve run FILE` does (ray.serve.scripts.run): the file parsed into Serve's own
+ServeDeploySchema and its applications deployed by the controller (`deploy_apps`, which builds
+each from its import_path and args on the cluster), here on this test worker's shared cluster and
+Serve instance. Overridden: the Serve instance's host and port (the shared one's, as `serve run
+--address` to a running instance) and, so that the configs' apps can follow one another without
+waiting for the previous to drain, each application's name and route prefix (all are "rayspec" at
+"/"). Args, deployments and their options are the file's. Configs are deployed WAVE at a time (the
+next config applied replaces the previous wave's applications, as a new declarative config does):
+each SmolLM2 verifier holds its weights and a 1 GB KV pool.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deployments.config import AppArgs
+from deployments.dialects import app_args_of
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+WAVE = 2  # configs deployed at once (a verifier holds ~2.5 GB: weights, a 1 GB KV pool, torch; an ingress 0.4)
+START_TIMEOUT_S = 600  # replicas importing torch, loading the model and warming up, on a loaded 2-core machine
+
+
+def serve_doc(path: Path) -> dict | None:
+    doc = yaml.safe_load(path.read_text())
+    return doc if isinstance(doc, dict) and doc.get("applications") else None
+
+
+def needs_more_than_a_cpu_node(app: dict) -> list[str]:
+    """Why this application cannot start on one CPU-only node (empty: it can)."""
+    cfg = AppArgs.model_validate(app_args_of(app))
+    reasons = []
+    for name, opts in (("ingress", cfg.ingress_options()), ("verifier", cfg.verifier_options()),
+                       ("proposer", cfg.proposer_options())):
+        actor = opts.get("ray_actor_options", {})
+        if actor.get("num_gpus", 0) > 0 or any(b.get("GPU", 0) > 0 for b in opts.get("placement_group_bundles", ())):
+            reasons.append(f"{name}: GPU")
+        if actor.get("accelerator_type"):
+            reasons.append(f"{name}: accelerator_type")
+        if actor.get("resources"):
+            reasons.append(f"{name}: resources {actor['resources']}")
+        if opts.get("placement_group_strategy") == "STRICT_SPREAD":
+            reasons.append(f"{name}: STRICT_SPREAD")
+    return reasons
+
+
+def cpu_configs() -> list[Path]:
+    return [p for p in sorted(CONFIGS.glob("*.yaml"))
+            if (doc := serve_doc(p)) is not None and not any(needs_more_than_a_cpu_node(a) for a in doc["applications"])]
+
+
+CPU_CONFIGS = cpu_configs()
+
+
+def test_the_rule_picks_the_cpu_configs():
+    """The rule keeps the configs written for CPU and drops every GPU or multi-node one."""
+    names = {p.stem for p in CPU_CONFIGS}
+    assert {"default", "baseline", "autoscaling", "draft_model", "draft_colocated", "draft_async", "eagle3",
+            "eagle3_async", "eagle3_async_paired", "vllm_style", "ray_serve_llm_style"} <= names
+    assert not names & {"disaggregated", "fractional_gpu", "eagle3_disaggregated", "cluster_eagle3", "llama3_eagle3",
+                        "qwen3_eagle3", "gpt_oss_eagle3", "llama70b_draft8b_tp4", "cluster"}, names
+
+
+def deployable(path: Path):
+    """The file as Serve's schema reads it (what `serve run` validates), its applications renamed."""
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(serve_doc(path))
+    apps = schema.applications
+    for i, app in enumerate(apps):
+        suffix = "" if len(apps) == 1 else f"-{i}"
+        app.name, app.route_prefix = f"{path.stem}{suffix}", f"/{path.stem}{suffix}"
+    return apps
+
+
+def wait_running(names: list[str]) -> None:
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        status = serve.status().applications
+        states = {n: (status[n].status if n in status else "NOT_STARTED") for n in names}
+        failed = {n: status[n].message for n, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
+        assert not failed, failed
+        if all(s == "RUNNING" for s in states.values()):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("wave", range(0, len(CPU_CONFIGS), WAVE), ids=lambda i: "+".join(
+    p.stem for p in CPU_CONFIGS[i:i + WAVE]))
+def test_cpu_configs_start_and_answer(smollm2, serve_url, wave):
+    """Each config of this wave deployed as `serve run` deploys it; every application answers one
+    chat completion (200, non-empty text)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    apps = [app for path in CPU_CONFIGS[wave:wave + WAVE] for app in deployable(path)]
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=apps))
+    wait_running([a.name for a in apps])
+    with httpx.Client(timeout=300) as client:
+        for app in apps:
+            model = app.args.get("served_model_name") or \
+                app.args["llm_configs"][0]["model_loading_config"]["model_id"]
+            r = client.post(f"{serve_url}{app.route_prefix}/v1/chat/completions",
+                            json={"model": model, "max_tokens": 8, "temperature": 0,
+                                  "messages": [{"role": "user", "content": "Say hello."}]})
+            assert r.status_code == 200, (app.name, r.text)
+            assert r.json()["choices"][0]["message"]["content"].strip(), (app.name, r.json())
