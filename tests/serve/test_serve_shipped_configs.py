@@ -30,7 +30,7 @@ import yaml
 from deployments.config import AppArgs
 from deployments.dialects import app_args_of
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WAVE = 2  # configs deployed at once (a verifier holds ~2.5 GB: weights, a 1 GB KV pool, torch; an ingress 0.4)
 START_TIMEOUT_S = 600  # replicas importing torch, loading the model and warming up, on a loaded 2-core machine
 
@@ -102,6 +102,18 @@ def wait_running(names: list[str]) -> None:
             return
         assert time.monotonic() < deadline, states
         time.sleep(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def delete_the_last_wave(serve_url):
+    """The last wave's applications go with the module (the next module on this worker's shared Serve
+    instance gets its memory back): a declarative deploy deletes only the previous declarative apps."""
+    yield
+    from ray import serve
+
+    deployed = {a.name for path in CPU_CONFIGS for a in deployable(path)}
+    for name in sorted(deployed & set(serve.status().applications)):
+        serve.delete(name)
 
 
 @pytest.mark.parametrize("wave", range(0, len(CPU_CONFIGS), WAVE), ids=lambda i: "+".join(

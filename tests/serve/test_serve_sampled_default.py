@@ -77,7 +77,7 @@ import audit
 import stat_utils
 from deployments.app import build_app
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 APP = "sampled"
 MESSAGES = [
     [{"role": "user", "content": "Write a short poem about the sea."}],
