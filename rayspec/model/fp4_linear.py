@@ -78,6 +78,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Te
     values = values.view(rows, 2 * half)
     if out is None:
         return values.to(dtype)  # (float32 into work: the buffer itself)
+    out = out.view(rows, 2 * half)
     if out.data_ptr() != values.data_ptr():
         out.copy_(values)
     return out
@@ -125,7 +126,7 @@ class FP4Linear(nn.Module):
         self.tile_rows: int | None = None  # batch-invariant: rows in calls of exactly this many (CausalLM)
 
         def held(*shape, dtype=torch.uint8):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
         if fmt == NVFP4:
             self.weight = held(out_features, in_features // 2)
@@ -138,7 +139,8 @@ class FP4Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """Casts (`.to(bfloat16)`) leave the codes and scales as stored; moves between devices apply."""
-        kept = {name: p for name, p in self.named_parameters(recurse=False) if name != "bias"}
+        kept = {name: p.detach() for name, p in self.named_parameters(recurse=False) if name != "bias"}  # (a cast
+        # may replace a parameter's data in place: the detached views keep the stored tensors)
         super()._apply(fn, recurse)
         for name, before in kept.items():
             now = getattr(self, name)
