@@ -118,6 +118,7 @@ ENGINE_MODULES = {
     "test_tensor_parallel", "test_tools", "test_loader", "test_compiled_kv", "test_gpu_roofline", "test_bench_sweep",
     "test_prefix_reuse", "test_paged_attention", "test_fp4", "test_stream_bounds", "test_replica_health",
     "test_drafting", "test_coupled_sampling", "test_lossless_grid", "test_verifier_admission", "test_gpt_oss",
+    "test_fp4_kept",
 }
 # Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
 # which must be its app's alone (tests/test_serve_openai.py, fixture server).
