@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -62,15 +63,16 @@ def decode_seconds(model, prompt: list[int], tokens: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", help="float32 (the CPU default) or bfloat16")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     dtype = loader.parse_dtype(args.dtype, torch.device("cpu"))
     report = {"what": "fp4 CPU decode: kept 4-bit vs dequantized at load", "cpu_model": cpu_model(),
               "cpu_count": torch.get_num_threads(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-              "dtype": str(dtype).removeprefix("torch."), "rounds": args.rounds, "tokens": args.tokens, "models": []}
+              "dtype": str(dtype).removeprefix("torch."), "rounds": args.rounds, "tokens": args.tokens,
+              "load_average_at_start": [round(v, 1) for v in os.getloadavg()], "models": []}
     prompt = list(range(1, 17))
     with tempfile.TemporaryDirectory() as tmp:
         for name, dims in MODELS.items():
@@ -93,6 +95,7 @@ def main(argv=None) -> int:
             print(f"{name}: kept {row['median_kept_tok_s']} tok/s, dequantized {row['median_dequantized_tok_s']} tok/s, "
                   f"kept/dequantized time {ratio:.2f}x (median of {args.rounds} interleaved rounds); held "
                   f"{row['held_bytes_kept'] / 1e6:.2f} MB vs {row['held_bytes_dequantized'] / 1e6:.2f} MB")
+    report["load_average_at_end"] = [round(v, 1) for v in os.getloadavg()]
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).write_text(text + "\n")

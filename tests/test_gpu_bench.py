@@ -190,21 +190,3 @@ def test_summary_merges_a_peer_per_level(tmp_path):
     assert gpu_summary.main([str(tmp_path), "--sets", "gsm8k", "--expect", "vllm-eagle3", "--concurrency", "1,4"]) == 1
     assert json.loads((tmp_path / "summary.json").read_text())["missing"] == ["gsm8k vllm-eagle3 c=4"]
 
-
-def test_fp4_gpu_dry_run(tmp_path):
-    """benchmarks/fp4_gpu.py (issue #52's GPU script) runs on CPU with tiny shapes: the 4-bit linear (here the
-    exact torch path) timed and checked against F.linear on its dequantized weight at every shape and row
-    count, a whole 4-bit model's decode steps, and fp4_gpu_check.py's folded checks."""
-    out = tmp_path / "fp4.json"
-    _run("fp4_gpu.py", "--json", str(out))
-    results = json.loads(out.read_text())
-    assert results["dry_run"] and results["copy_gb_s"] > 0
-    linear = results["linear"]
-    assert {(r["projection"], r["rows"]) for r in linear} == {(p, n) for p in ("q", "down", "expert") for n in (1, 4, 64)}
-    assert all(r["ms_4bit"] > 0 and r["ms_bf16"] > 0 and r["read_ms_4bit"] > 0 for r in linear)
-    assert all(r["max_rel_err"] < 1e-5 for r in linear), [r["max_rel_err"] for r in linear]
-    decode = results["decode"]
-    assert [s["batch"] for s in decode["steps"]] == [1, 8] and all(s.get("ms_per_step", 0) > 0 for s in decode["steps"])
-    assert decode["held_bytes"] > 0 and decode["read_ms"] > 0
-    assert results["nvfp4_load"]["bit_mismatches"] == 0 and results["nvfp4_load"]["quantized_weights_checked"] > 0
-    assert results["mxfp4_expert_layer"]["tokens_1"]["same_output"]
