@@ -251,3 +251,19 @@ def test_sampled_4bit_target_and_draft_follow_the_target(tmp_path):
     assert_marginals(outs, exact, "4-bit target + 4-bit draft")
     stats = engine.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts were verified, some rejected
+
+
+def test_the_option_is_an_engine_setting_an_app_arg_and_a_flag():
+    """`quantized_weights` (keep | dequantize, default keep) is an EngineSettings field: a serve config's
+    `engine:` key and a `rayspec serve` / `bench` flag (rayspec_cli.flags makes one per scalar field); other
+    values are refused by name."""
+    from deployments.config import load_app_args
+    from rayspec.config import EngineConfig
+    from rayspec_cli.flags import engine_flag_fields
+
+    assert EngineConfig().quantized_weights == "keep"
+    args = load_app_args({"model": TARGET, "engine": {"quantized_weights": "dequantize"}})
+    assert args.engine_config().quantized_weights == "dequantize"
+    with pytest.raises(ValueError, match="quantized_weights 'fp16'"):
+        load_app_args({"model": TARGET, "engine": {"quantized_weights": "fp16"}}).engine_config()
+    assert ("quantized_weights", str, "keep") in engine_flag_fields()
