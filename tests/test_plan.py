@@ -572,8 +572,8 @@ def _nvfp4_llama_stored(layers, hidden, kv, inter, vocab) -> int:
 
 def _scratch(hidden, largest_out) -> int:
     """One dequantization scratch (rayspec.model.fp4_linear.DequantScratch): the largest projection's int32
-    byte indices, float32 values and bfloat16 weight, 2 + 4 + 2 bytes a weight."""
-    return hidden * largest_out * 8
+    byte indices, float32 values and bfloat16 weight, 2 + 4 + 2 bytes a weight, and an int32 scale index per 16."""
+    return hidden * largest_out * 8 + hidden * largest_out // 16 * 4
 
 
 def test_fp4_guide_plans_offline(fp4_hub, capsys, tmp_path):

@@ -90,11 +90,11 @@ def dense_4bit_bytes(num_weights: int, group: int) -> int:
 
 def dequant_scratch_bytes(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> int:
     """What a model with 4-bit projections holds besides them: one dequantization scratch the size of its
-    largest projection (this rank's): int32 byte indices, float32 values and the weight at `dtype`
+    largest projection (this rank's): int32 byte and scale indices, float32 values and the weight at `dtype`
     (rayspec.model.fp4_linear.DequantScratch on CPU; a prefill's transient dequantized weight on CUDA)."""
     q = args.num_heads // tp_size * args.head_dim
     largest = args.hidden_size * max(q, args.intermediate_size // tp_size)
-    return largest // 2 * 4 + largest * 4 + (0 if dtype == torch.float32 else largest * dtype.itemsize)
+    return largest // 2 * 4 + largest // 16 * 4 + largest * 4 + (0 if dtype == torch.float32 else largest * dtype.itemsize)
 
 
 def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1, dense_4bit: int | None = None) -> Weights:
