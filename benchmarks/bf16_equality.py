@@ -11,7 +11,7 @@ projections were batch-invariant in bfloat16; the CPU flash attention kernel in 
 (it rounds the probabilities to bfloat16 in blocks shaped by the query and key counts). With
 attention computed in float32 on CPU (rayspec.model.native.attention): bfloat16 10/10, 10/10, 10/10
 (40, 0 and 760 drafts accepted). On an H100 (torch 2.11) bfloat16 was 10/10 without that
-(benchmarks/gpu_checks.py). Tested: tests/test_numerics.py, every proposer, bf16 and fp16.
+(benchmarks/gpu_checks.py). Tested: tests/engine/test_numerics.py, every proposer, bf16 and fp16.
 """
 
 import sys

@@ -3,7 +3,7 @@
 - `to_host(*tensors)`: one blocking device-to-host read of any number of tensors (on CUDA, the one
   point where the host waits for the GPU). Every read of a step goes through it, so the reads are
   counted (`host_reads`, `count_host_reads`) and a test can hold a step to a small constant number
-  of them, whatever the batch size or draft length (tests/test_host_syncs.py).
+  of them, whatever the batch size or draft length (tests/engine/test_host_syncs.py).
 - `to_device(*arrays, device=...)`: host-built index arrays (block tables, positions, token ids)
   to the device without a wait: on CUDA one pinned buffer per dtype and a non-blocking copy (a
   plain `torch.tensor(list, device="cuda")` is a blocking copy, a sync of its own); on CPU the arrays
@@ -23,7 +23,7 @@ import torch
 
 _lock = threading.Lock()
 _reads = 0
-_inside = threading.local()  # set while to_host itself reads (tests/test_host_syncs.py lets those through)
+_inside = threading.local()  # set while to_host itself reads (tests/engine/test_host_syncs.py lets those through)
 
 
 def host_reads() -> int:

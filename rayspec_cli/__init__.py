@@ -2,7 +2,7 @@
 bench serve.
 
 It sits above both packages: neither the engine (`rayspec`, no Ray) nor the Ray Serve layer
-(`deployments`) imports it, and `rayspec` imports nothing of `deployments` (tests/test_imports.py
+(`deployments`) imports it, and `rayspec` imports nothing of `deployments` (tests/unit/test_imports.py
 checks both). Its modules: `main`
 (the parser, one subcommand per function), `flags` (engine flags shared by the subcommands),
 `local` (fetch-model, generate, configs-dir, train), `serve` (serve, plan, kuberay), `bench`."""

@@ -1,6 +1,6 @@
 """A per-step audit of sampled speculative decoding (issue #53): every random draw an engine makes
 for an unseeded sampled request, recorded as it is made and held to its exact law (not a test
-module; tests/test_lossless_grid.py runs it over the topologies).
+module; tests/engine/test_lossless_grid.py runs it over the topologies).
 
 Recording (`Audit.attach`). rayspec.sampling.rejection.verify calls its rules by module name
 (`verify_sampled`: a chain, `verify_tree_sampled`: a token tree) and the engine samples a finished
@@ -8,7 +8,7 @@ prefill's token with rayspec.engine.llm_engine's `sample`; wrapping the three re
 target rows the rule read (p: the context's row, then one per draft node), the drafts, their
 probabilities q as the rule got them, and what was emitted, at the context of the sequence whose
 random stream the call consumed. A seeded request draws coupled and never reaches these
-(tests/test_coupled_sampling.py holds it to target-only decoding exactly).
+(tests/engine/test_coupled_sampling.py holds it to target-only decoding exactly).
 
 What is checked of a recorded run:
 1. `check_rows`: every p row equals the target's processed distribution at its context computed
@@ -33,7 +33,7 @@ What is checked of a recorded run:
 4. `power`: the test's power against two bias shapes, computed exactly from the run's own draws
    (no simulation): the law of every draw moved a fraction t of the way to
    - "chain": the rule accepting every draft with min(1, 2 p / q) (point masses: 2 R(x) / R's
-     mass), the chain-shaped bias of tests/test_lossless_sampled.py;
+     mass), the chain-shaped bias of tests/engine/test_lossless_sampled.py;
    - "proportional": every final token (recovered, bonus, prefill) drawn from
      r (1 + s / 2) renormalised, s = +1 on the likeliest tokens holding half of r's mass and -1 on
      the rest: a change proportional to r everywhere (a sharper draw: what a wrong temperature

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random Llama models built on the fly, and the real SmolLM2-135M.
 
 Strict mode (`CI` or `RAYSPEC_TEST_STRICT` set; scripts/test sets it): a missing model is an
-error, not a skip, and a run with any skipped test fails. Every test here is of the core or the
+error, not a skip, and a run with any skipped, xfailed or xpassed test fails. Every test here is of the core or the
 serving layer, so a green strict run is a run where all of them ran. Outside strict mode a
 developer without the model gets skips, listed with their reasons at the end of the run.
 """
@@ -22,7 +22,7 @@ from rayspec.model.weights.hub import DEFAULT_MODEL, resolve_model_dir
 
 # Every model load in the tests (here and in Ray workers, which inherit the environment) takes the
 # same CPU matmul path, so that models loaded in different processes compute the same bits: the
-# measured choice (rayspec.cpu.kernels) may differ between loads. tests/test_cpu_kernels.py
+# measured choice (rayspec.cpu.kernels) may differ between loads. tests/engine/test_cpu_kernels.py
 # measures.
 os.environ.setdefault("RAYSPEC_CPU_KERNELS", "onednn_pad4")  # the path of sessions 8-15
 # and no test takes (or leaves) a choice kept by an earlier load on this machine
@@ -98,40 +98,40 @@ def smollm2_dir() -> Path:
 
 
 # ---- tiers ----------------------------------------------------------------------------------------
-# Every test gets one tier marker (registered in pyproject.toml), and the run goes tier by tier
-# (unit, engine, then cluster before serve, see pytest_collection_modifyitems), each module's tests
-# in their own order within a tier:
+# A test's tier is the folder its module is in, tests/<tier>/ (registered as a marker in
+# pyproject.toml), and the run goes tier by tier (unit, engine, then cluster before serve, see
+# pytest_collection_modifyitems), each module's tests in their own order within a tier:
 #   unit     no model engine, or a few steps of a tiny one: seconds in all per module
 #   engine   in-process engines and model loads (tiny models, the real SmolLM2-135M, torch.compile)
 #   serve    apps on the session's shared Ray cluster (tests/ray_utils.py; fixtures ray_cluster, serve_url)
 #   cluster  a Ray cluster of their own (multi-node ray.cluster_utils.Cluster, `ray start`, its own
 #            environment) or a process that starts one (`rayspec serve`, the wheel): fixture own_cluster
-# A test's tier is its module's below (unit when not listed) unless its fixtures start Ray: serve
-# with ray_cluster or serve_url, cluster with own_cluster. `scripts/test --quick` runs unit.
+# The folder must hold what its tier allows, checked at collection: no Ray fixture in unit/ or
+# engine/, no own_cluster in serve/; a module right in tests/ (not a helper, which has no tests)
+# is refused. `scripts/test --quick` runs unit.
 TIERS = ("unit", "engine", "serve", "cluster")
-ENGINE_MODULES = {
-    "test_async_model", "test_batch_invariance", "test_bench_offline", "test_chunked_prefill", "test_compiled_step", "test_cpu_kernels",
-    "test_default_config_greedy", "test_eagle", "test_engine_limits", "test_families", "test_generic_model",
-    "test_gpu_bench", "test_greedy_equivalence", "test_host_syncs", "test_kv_cache", "test_logprobs",
-    "test_lossless_sampled", "test_metrics", "test_numerics", "test_paged_kv", "test_penalties", "test_plan",
-    "test_pre_draft", "test_quantize", "test_sampling_distribution", "test_stopping", "test_structured",
-    "test_tensor_parallel", "test_tools", "test_loader", "test_compiled_kv", "test_gpu_roofline", "test_bench_sweep",
-    "test_prefix_reuse", "test_paged_attention", "test_fp4", "test_stream_bounds", "test_replica_health",
-    "test_drafting", "test_coupled_sampling", "test_lossless_grid", "test_verifier_admission", "test_gpt_oss",
-    "test_fp4_kept",
-}
+RAY_FIXTURES = {"serve": {"ray_cluster", "serve_url"}, "cluster": {"own_cluster"}}
 # Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
-# which must be its app's alone (tests/test_serve_openai.py, fixture server).
+# which must be its app's alone (tests/serve/test_serve_openai.py, fixture server).
 SERVE_FIRST = ("test_serve_openai",)
 
 
 def item_tier(item) -> str:
+    """The tier of the folder `item`'s module is in; a pytest.UsageError where the folder is not a tier
+    or holds a test its tier does not allow."""
+    path = Path(str(item.path)).resolve()
+    tier = path.parent.name
+    if path.parent.parent != Path(__file__).resolve().parent or tier not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test module belongs in tests/<tier>/, one of {TIERS}")
     names = set(getattr(item, "fixturenames", ()))
-    if "own_cluster" in names:
-        return "cluster"
-    if names & {"ray_cluster", "serve_url"}:
-        return "serve"
-    return "engine" if item.module.__name__ in ENGINE_MODULES else "unit"
+    allowed = {"unit": set(), "engine": set(), "serve": RAY_FIXTURES["serve"],
+               "cluster": RAY_FIXTURES["serve"] | RAY_FIXTURES["cluster"]}[tier]
+    used = names & (RAY_FIXTURES["serve"] | RAY_FIXTURES["cluster"])
+    if used - allowed:
+        wants = "cluster" if used & RAY_FIXTURES["cluster"] else "serve"
+        raise pytest.UsageError(f"{item.nodeid}: in tests/{tier}/ but uses {sorted(used - allowed)}: its tier is "
+                                f"{wants} (move it to tests/{wants}/)")
+    return tier
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
@@ -147,22 +147,33 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=keys.__getitem__)
 
 
+# Outcomes that fail a strict run: a test that did not run as written (skipped), or whose outcome
+# was excused in advance (xfail: failed as expected, or passed against the expectation).
+NOT_RUN_AS_WRITTEN = ("skipped", "xfailed", "xpassed")
+
+
+def _not_run_as_written(reporter) -> list:
+    return [r for key in NOT_RUN_AS_WRITTEN for r in (reporter.stats.get(key, []) if reporter is not None else [])]
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """In strict mode a skipped test fails the run (after pytest's own -rs listing of reasons)."""
-    skipped = terminalreporter.stats.get("skipped", [])
-    if strict() and skipped:
-        terminalreporter.write_sep("=", f"strict run: {len(skipped)} skipped test(s), which fails the run", red=True)
-        for report in skipped:
-            terminalreporter.write_line(f"SKIPPED {report.nodeid}: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr}")
+    """In strict mode a skipped, xfailed or xpassed test fails the run (after pytest's own -rs listing)."""
+    excused = _not_run_as_written(terminalreporter)
+    if strict() and excused:
+        terminalreporter.write_sep("=", f"strict run: {len(excused)} test(s) skipped, xfailed or xpassed, which "
+                                        "fails the run", red=True)
+        for report in excused:
+            what = report.longrepr[-1] if isinstance(report.longrepr, tuple) else (report.longrepr or
+                                                                                  getattr(report, "wasxfail", ""))
+            terminalreporter.write_line(f"{report.outcome.upper()} {report.nodeid}: {what}")
 
 
 def pytest_sessionfinish(session, exitstatus):
     ray_utils = sys.modules.get("ray_utils")
     if ray_utils is not None:
         ray_utils.release_shared_cluster()
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
-    if strict() and skipped and exitstatus == 0:
+    excused = _not_run_as_written(session.config.pluginmanager.get_plugin("terminalreporter"))
+    if strict() and excused and exitstatus == 0:
         session.exitstatus = 1
 
 

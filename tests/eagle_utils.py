@@ -1,5 +1,5 @@
-"""The hand-set EAGLE-3 head and prompts shared by tests/test_serve_eagle.py, tests/test_serve_async.py
-and tests/test_pre_draft.py (not a test module)."""
+"""The hand-set EAGLE-3 head and prompts shared by tests/serve/test_serve_eagle.py, tests/serve/test_serve_async.py
+and tests/engine/test_pre_draft.py (not a test module)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from rayspec.engine.llm_engine import LLMEngine, RequestOutput
 from rayspec.model import loader
 from rayspec.proposers.base import Draft, Proposer
 from rayspec.sampling.sampler import SamplingParams
+from planner_costs import MODELLED_COSTS  # noqa: F401 - the tests' modelled costs, named here too
 
 # One intra-op thread: these models are small, and on a 2-core machine that also runs other
 # work, two spinning OpenMP threads make each step 3-30x slower (measured), one never does.
@@ -27,12 +28,14 @@ torch.set_num_threads(int(os.environ.get("RAYSPEC_TEST_THREADS", "1")))
 TEST_COMPILE = True if os.environ.get("RAYSPEC_TEST_COMPILE", "").strip() in ("1", "true") else None
 
 
-def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
+def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = True,
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
                 kv_cache_memory_gb: float = 2.0, measured_costs: bool = False,
                 max_num_batched_tokens: int | None = 2048, engine_seed: int | None = None,
-                enable_prefix_caching: bool = False, **spec) -> LLMEngine:
+                enable_prefix_caching: bool = True, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
+    The production defaults are on (EngineConfig's, as a user gets them): the adaptive draft planner
+    and prefix caching; a test that turns one off says why.
     engine_seed: EngineConfig.seed (unseeded sampled requests draw reproducible streams).
 
     With `adaptive`, the draft planner weighs modelled step costs (MODELLED_COSTS, the config's
@@ -50,9 +53,6 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
     return LLMEngine(config, model=loaded[0], tokenizer=loaded[1], proposer=proposer)
 
 
-# a step costs 10 ms plus 0.5 ms per verified row, a proposer call 1 ms plus 0.5 ms per depth: drafts
-# of middling acceptance pay a little, so the budgets planned vary (0 to k) with what is accepted
-MODELLED_COSTS = {"step_s": 0.010, "row_s": 0.0005, "propose_s": 0.001, "propose_depth_s": 0.0005}
 
 
 def modelled_step_costs(engine: LLMEngine, costs: dict | None = None) -> LLMEngine:

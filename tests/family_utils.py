@@ -1,5 +1,5 @@
 """Tiny random checkpoints of the native model families, written by transformers itself (shared by
-tests/test_families.py and tests/test_tensor_parallel.py; not a test module)."""
+tests/engine/test_families.py and tests/serve/test_tensor_parallel.py; not a test module)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The topologies of tests/test_lossless_grid.py (an engine of each column with each proposer, at
+"""The topologies of tests/engine/test_lossless_grid.py (an engine of each column with each proposer, at
 the engine level: no Ray), this module's own reading of the grammar the structured column uses, and
 the fault injected into each column (not a test module)."""
 
@@ -124,7 +124,7 @@ def remote_proposer(model_dir, spec: dict, k: int):
 
 def kv_budget_gb(loaded, spec: dict, model_dir, blocks: int, block_size: int) -> float:
     """kv_cache_memory_gb for a pool of `blocks` blocks (the scratch block besides), a draft model's
-    own cache paid from it as the engine plans it (as tests/test_paged_kv.py does)."""
+    own cache paid from it as the engine plans it (as tests/engine/test_paged_kv.py does)."""
     from rayspec.memory.plan import draft_kv_fraction
     from rayspec.model.kv_cache import KVCache
 

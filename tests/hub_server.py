@@ -22,7 +22,7 @@ downloads only (as the real hub: a gated repo's info and tree are public). A pri
 "METHOD /path" (query left out); `downloads()` the files fetched with GET.
 
 Use: point `HF_ENDPOINT` at `hub.url`, and `HF_HUB_CACHE` at an empty directory (`use_hub`, or the `hub`
-fixture in tests/test_hub_download.py: huggingface_hub reads both at import, so it patches
+fixture in tests/cluster/test_hub_download.py: huggingface_hub reads both at import, so it patches
 `huggingface_hub.constants` too).
 """
 

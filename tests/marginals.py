@@ -1,6 +1,6 @@
 """Exact marginals of the first sampled tokens of a 16-token model, from the target alone (HF forward
-and temperature / top-k / top-p in numpy, tests/reference.py: not rayspec's transform): what tests/test_sampling_distribution.py (TP=1) and
-tests/test_tensor_parallel.py (TP=2) hold the engine's samples to. Not a test module."""
+and temperature / top-k / top-p in numpy, tests/reference.py: not rayspec's transform): what tests/engine/test_sampling_distribution.py (TP=1) and
+tests/serve/test_tensor_parallel.py (TP=2) hold the engine's samples to. Not a test module."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import time
 
+from planner_costs import MODELLED_COSTS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -13,13 +15,17 @@ def free_port() -> int:
 
 
 def tiny_args(model_dir, **overrides) -> dict:
-    """AppArgs for a fast CPU app on the tiny random model. The adaptive draft length is off: it
-    learns from the wall clock, and tests that count drafts must not depend on machine load."""
+    """AppArgs for a fast CPU app on the tiny random model, with the production defaults on (the
+    adaptive draft planner, prefix caching). The planner weighs modelled step costs
+    (engine_utils.MODELLED_COSTS), not the wall clock: what it plans, and every count a test asserts,
+    is the same on a loaded machine as on an idle one. A test that turns a default off says why."""
     args = {
         "model": str(model_dir),
         "served_model_name": "tiny",
-        "speculative": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
-        "engine": {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25, "num_threads": 1},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": True,
+                        "draft_costs": dict(MODELLED_COSTS)},
+        "engine": {"max_model_len": 1024, "max_num_seqs": 4, "kv_cache_memory_gb": 0.25, "num_threads": 1,
+                   "enable_prefix_caching": True},
         "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
         "verifier": {"ray_actor_options": {"num_cpus": 0.5}},
         "proposer": {"ray_actor_options": {"num_cpus": 0.5}},

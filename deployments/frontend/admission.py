@@ -250,7 +250,7 @@ async def _read_body(receive, limit: int) -> list[bytes] | None:
 
 def body_routes(paths: frozenset[str] = GATED_PATHS) -> Callable[[str, str, object], bool]:
     """(method, path, app) -> whether the request's body is one a route takes: a POST to one of
-    `paths` (the ingress's POST routes, declared here: tests/test_ingress_limits.py checks them
+    `paths` (the ingress's POST routes, declared here: tests/unit/test_ingress_limits.py checks them
     against the ingress's @app.post routes). Declared rather than read from the app: under Serve a
     class-based ingress's routes sit in an included router, whose layout is FastAPI's own."""
     def takes_body(method: str, path: str, app=None) -> bool:

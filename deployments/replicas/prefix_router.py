@@ -155,7 +155,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     give itself to (the first had taken the id's entry), so that choice's routing task chose again,
     forever, probing the replicas' queue lengths each time without backoff: the request never
     answered, and the probes (thousands a second, more than the replicas answered) queued up in the
-    ingress until no call reached a verifier (tests/test_serve_faults.py, the n > 1 test).
+    ingress until no call reached a verifier (tests/serve/test_serve_faults.py, the n > 1 test).
 
     choose_replicas returns ranks: the preferred replicas first (preferred_replicas), then two
     random ones; Serve takes the least busy replica of the first rank that has room. The index

@@ -3,7 +3,7 @@ drives each step: the Scheduler (scheduler), request state and intake (sequence,
 passes between a step's phases (decode_step), the outputs and request errors (outputs), the
 cost-aware draft planner (drafting), the statistics (metrics) and the warm-up before the first
 request (warm_up). The top of the core: the model, sampling, proposers and memory
-layers import nothing of it, the config only drafting's constants (tests/test_imports.py).
+layers import nothing of it, the config only drafting's constants (tests/unit/test_imports.py).
 `LLMEngine`, `RequestOutput` and the request errors are re-exported here, lazily (importing a
 module of this package does not import the engine)."""
 

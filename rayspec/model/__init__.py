@@ -5,4 +5,4 @@ books and its paged attention (kv_cache, kv_space, block_manager, paged_attentio
 models built (weights/, formats/, loader), the ranks of a tensor-parallel model (tp_ranks), and
 ModelRunner (runner, with batch_layout and compiled): token lists in, logits out, the one surface the
 verifier and the proposers drive. It imports nothing of sampling, proposers, config, memory or the
-engine (tests/test_imports.py)."""
+engine (tests/unit/test_imports.py)."""

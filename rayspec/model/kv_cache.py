@@ -24,7 +24,7 @@ class KVCache:
     view of a graph input (`pool[i][rows] = k`) is functionalized into a copy of the layer's slice
     scattered back into the whole pool, every step (a 2-layer step at 8B widths grew 6x from a 16 MB
     to a 512 MB pool: benchmarks/compiled_pool.py); a write into an input of its own stays in place
-    (tests/test_compiled_kv.py inspects the generated code).
+    (tests/engine/test_compiled_kv.py inspects the generated code).
     """
 
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype, device, tp: TPGroup = NO_TP):

@@ -64,12 +64,12 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     llama3, yarn, ...), read from transformers 5's `config.rope_parameters` (rope_theta, rope_type
     and its scaling fields; older configs' rope_theta / rope_scaling are converted into it when the
     config loads). Llama's rotary embedding serves every native family: Mistral's, Qwen2's and
-    Qwen3's compute the same from the same config (tests/test_families.py compares each). The
+    Qwen3's compute the same from the same config (tests/engine/test_families.py compares each). The
     length-dependent types (dynamic, longrope) are refused by ModelArgs.from_hf_config.
 
     As LlamaRotaryEmbedding computes them, without importing Llama's modeling module (0.85 s of
     every process's start, for one formula): the default type here, the others by transformers'
-    own ROPE_INIT_FUNCTIONS (tests/test_families.py compares with LlamaRotaryEmbedding)."""
+    own ROPE_INIT_FUNCTIONS (tests/engine/test_families.py compares with LlamaRotaryEmbedding)."""
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
         base = config.rope_parameters["rope_theta"]

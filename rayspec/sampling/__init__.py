@@ -2,7 +2,7 @@
 acceptance rule of verification (rejection), penalties and logit bias (logits_processing), output
 and prompt logprobs (logprobs), grammar constraints (structured) and tool calls (tools,
 tool_parsers). No model in it: it imports nothing of the model, memory or engine layers, and of the
-proposers only their interface, proposers.base (tests/test_imports.py). `SamplingParams` is
+proposers only their interface, proposers.base (tests/unit/test_imports.py). `SamplingParams` is
 re-exported here, lazily (importing this package imports none of its modules)."""
 
 _SAMPLER_NAMES = ("SamplingParams",)

@@ -103,7 +103,7 @@ class SamplingParams:
 # Top-k / top-p sort only the tokens that can be kept: torch.topk of those (on CPU its cost grows with
 # how many: ~0.25 ms for 256 of 49,152, as much as sorting the whole row, ~4.7 ms per row on an AMD
 # EPYC core, for all of them). A top-p's possible tokens are those above a floor (below); on a GPU
-# the whole row is sorted (fast there, and no host read of the count). tests/test_units.py checks
+# the whole row is sorted (fast there, and no host read of the count). tests/unit/test_units.py checks
 # the kept sets against a full sort's.
 
 
@@ -204,7 +204,7 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
 
 def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
     """_mix64 over int64 lanes: products wrap modulo 2**64 as the Python version's mask does
-    (tests/test_units.py compares the two)."""
+    (tests/unit/test_units.py compares the two)."""
     z = (z ^ _srl(z, 30)) * _signed(_MIX1)
     z = (z ^ _srl(z, 27)) * _signed(_MIX2)
     return z ^ _srl(z, 31)
@@ -300,7 +300,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     The cumulative mass is summed in float32, as multinomial's: its rounding absorbs the last-bit
     differences between the logits of one sequence computed alone and in a batch (kernels differ by
     row count), so a seeded request draws the same tokens in either; a float64 sum kept them and,
-    over a flat 38,000-token row, moved a draw (tests/test_stopping.py)."""
+    over a flat 38,000-token row, moved a draw (tests/engine/test_stopping.py)."""
     cumulative = probs.float().cumsum(-1)
     u = torch.rand(1, generator=generator, device=probs.device) * cumulative[-1]
     return int(torch.searchsorted(cumulative, u, right=True).clamp_(max=probs.shape[-1] - 1))

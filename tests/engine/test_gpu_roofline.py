@@ -1,0 +1,97 @@
+"""The prepared GPU scripts run unchanged on CPU (their --dry-run, tiny shapes): benchmarks/gpu_never_loses.py,
+and those of the roofline issue:
+benchmarks/gpu_roofline.py (bandwidth, our decode eager and compiled, tree and chain verification,
+an EAGLE-3 head step, transformers' static-cache compiled decode, the compiled step with paged attention
+against the gather, FlexAttention over the paged pool against gather + SDPA; JSON, table, plot) and
+benchmarks/compiled_pool.py (the compiled step's time against the pool's size), and benchmarks/fp4_gpu.py (issue #52: 4-bit linears and a 4-bit model's decode)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_gpu_roofline_dry_run(tmp_path):
+    out = tmp_path / "roofline.json"
+    proc = _run("gpu_roofline.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert not results.get("errors"), results.get("errors")
+    assert results["bandwidth"][0]["copy_gb_s"] > 0
+    decode = {(r["batch"], r["compiled"]) for r in results["decode"]}
+    assert decode == {(1, False), (2, False), (1, True), (2, True)}
+    assert {r["what"] for r in results["verify"]} == {"8-node tree", "8-token chain"}
+    # the peer's figure is a difference of two timed runs: in a dry run's 4 tokens it may be noise
+    # (then no tok/s and a note), but it is measured
+    peer = results["peer"][0]
+    assert results["head"] and isinstance(peer["ms_per_token"], float) and (peer["tok_s"] is None) == (peer["ms_per_token"] <= 0)
+    paged = {(r["what"], r["batch"]): r for r in results["paged"]}  # the step with paged attention == gather
+    assert set(paged) == {("decode", 2), ("8-node tree", 1)}
+    assert all(r["max_abs_diff_hidden"] < 1e-4 and r["paged_ms"] > 0 for r in paged.values()), paged
+    (attention,) = results["attention"]  # batch 2: FlexAttention over the paged pool == gather + SDPA
+    assert attention["max_abs_diff"] < 1e-4 and attention["flex_paged_ms_per_layer"] > 0
+    summary = results["summary"]
+    for key in ("weights_read_ms", "decode_b1_compiled_vs_roofline", "tree_vs_decode", "chain_vs_decode",
+                "ours_vs_transformers_b1", "eagle3_implied_tok_s"):
+        assert summary[key] > 0, key
+    assert "decode b=1 compiled" in proc.stdout  # the table
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_compiled_pool_dry_run(tmp_path):
+    out = tmp_path / "pool.json"
+    _run("compiled_pool.py", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["compiled"]) for r in rows} == {False, True} and len({r["pool_mb"] for r in rows}) == 2
+    assert all(r["ms_per_step_median"] > 0 for r in rows)
+
+
+def test_gpu_never_loses_dry_run(tmp_path):
+    """benchmarks/gpu_never_loses.py (cost-aware drafting on a GPU, issue 34) on CPU: every proposer at
+    concurrency 1 and 2, greedy and seeded temperature 1, adaptive and fixed beside the target alone,
+    outputs equal to the target's (greedy: the same tokens; seeded: coupled draws), the fits recorded."""
+    out = tmp_path / "never_loses.json"
+    proc = _run("gpu_never_loses.py", "--json", str(out), "--targets", "plain")
+    results = json.loads(out.read_text())
+    cells = results["cells"]
+    assert not [c for c in cells if "error" in c or "skipped" in c], cells
+    assert {(c["temperature"], c["concurrency"], c["proposer"]) for c in cells} == {
+        (t, c, p) for t in (0.0, 1.0) for c in (1, 2) for p in ("ngram", "draft_model", "draft_model_other", "eagle3")}
+    for c in cells:
+        n = 1 if c["concurrency"] == 1 else 2
+        assert c["adaptive_equal"] == c["fixed_equal"] == f"{n}/{n}", c
+        assert c["base_tok_s"] > 0 and c["adaptive_speedup"] > 0 and c["fixed_drafted"] > 0, c
+    fits = {r["engine"]: r["fitted"] for r in results["costs"]}
+    assert set(fits) == {"base", "ngram adaptive", "draft_model adaptive", "draft_model_other adaptive", "eagle3 adaptive"}
+    assert fits["draft_model adaptive"]["verify"][0] > 0  # ms per step
+    assert "| plain | 0 | 1 | ngram |" in proc.stdout  # the table
+
+
+def test_fp4_gpu_dry_run(tmp_path):
+    """benchmarks/fp4_gpu.py (issue #52's GPU script) runs on CPU with tiny shapes: the 4-bit linear (here the
+    exact torch path) timed and checked against F.linear on its dequantized weight at every shape and row
+    count, a whole 4-bit model's decode steps, and fp4_gpu_check.py's folded checks."""
+    out = tmp_path / "fp4.json"
+    _run("fp4_gpu.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert results["dry_run"] and results["copy_gb_s"] > 0
+    linear = results["linear"]
+    assert {(r["projection"], r["rows"]) for r in linear} == {(p, n) for p in ("q", "down", "expert") for n in (1, 4, 64)}
+    assert all(r["ms_4bit"] > 0 and r["ms_bf16"] > 0 and r["read_ms_4bit"] > 0 for r in linear)
+    assert all(r["max_rel_err"] < 1e-5 for r in linear), [r["max_rel_err"] for r in linear]
+    decode = results["decode"]
+    assert [s["batch"] for s in decode["steps"]] == [1, 8] and all(s.get("ms_per_step", 0) > 0 for s in decode["steps"])
+    assert decode["held_bytes"] > 0 and decode["read_ms"] > 0
+    assert results["nvfp4_load"]["bit_mismatches"] == 0 and results["nvfp4_load"]["quantized_weights_checked"] > 0
+    assert results["mxfp4_expert_layer"]["tokens_1"]["same_output"]

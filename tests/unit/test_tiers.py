@@ -1,0 +1,53 @@
+"""The suite's shape (tests/conftest.py): a test's tier is its folder, and a folder holds only what
+its tier allows; a strict run fails on skips, xfails and xpasses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import conftest
+
+TESTS = Path(conftest.__file__).resolve().parent
+
+
+def fake_item(folder: str, *fixtures: str) -> SimpleNamespace:
+    path = TESTS / folder / "test_x.py" if folder else TESTS / "test_x.py"
+    return SimpleNamespace(path=path, nodeid=f"{path.name}::test_y", fixturenames=list(fixtures))
+
+
+@pytest.mark.parametrize("folder", conftest.TIERS)
+def test_the_tier_is_the_folder(folder):
+    assert conftest.item_tier(fake_item(folder, "tmp_path")) == folder
+
+
+@pytest.mark.parametrize("folder, fixtures, ok", [
+    ("unit", ("serve_url",), False), ("engine", ("ray_cluster",), False), ("engine", ("own_cluster",), False),
+    ("serve", ("own_cluster",), False), ("serve", ("serve_url", "ray_cluster"), True),
+    ("cluster", ("own_cluster", "serve_url"), True)])
+def test_a_folder_refuses_the_fixtures_of_a_higher_tier(folder, fixtures, ok):
+    if ok:
+        assert conftest.item_tier(fake_item(folder, *fixtures)) == folder
+    else:
+        with pytest.raises(pytest.UsageError, match="its tier is"):
+            conftest.item_tier(fake_item(folder, *fixtures))
+
+
+@pytest.mark.parametrize("folder", ["", "helpers"])
+def test_a_module_outside_a_tier_folder_is_refused(folder):
+    with pytest.raises(pytest.UsageError, match="belongs in tests/<tier>/"):
+        conftest.item_tier(fake_item(folder))
+
+
+def test_every_test_module_is_in_a_tier_folder():
+    assert not sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert {p.parent.name for p in TESTS.rglob("test_*.py") if "data" not in p.parts} == set(conftest.TIERS)
+
+
+def test_skips_and_xfails_are_not_run_as_written():
+    reports = {key: [SimpleNamespace(nodeid=key)] for key in ("passed", "skipped", "xfailed", "xpassed", "failed")}
+    excused = conftest._not_run_as_written(SimpleNamespace(stats=reports))
+    assert sorted(r.nodeid for r in excused) == ["skipped", "xfailed", "xpassed"]
+    assert conftest._not_run_as_written(SimpleNamespace(stats={"passed": reports["passed"]})) == []
