@@ -4,7 +4,7 @@ forward, rayspec.model.fp4_linear) and `dequantize` (float weights and the CPU k
 greedy decoding at batch 1 through the model runner, the two interleaved round by round so that the
 machine's load falls on both alike; per round the ratio of their times, and the median over rounds.
 
-Two models: the tests' tiny one (hidden 64, 3 layers, vocab 256: what tests/test_fp4*.py decode, so
+Two models: the tests' tiny one (hidden 64, 3 layers, vocab 256: what tests/engine/test_fp4*.py decode, so
 the ratio says whether those tests stay fast) and a larger one (hidden 512, 8 layers, vocab 4096) where
 the weights, not the per-op overhead, dominate. Random codes and scales (tests/fp4_utils.random_nvfp4_llama).
 
