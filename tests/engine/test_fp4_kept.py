@@ -240,8 +240,10 @@ def test_sampled_4bit_target_and_draft_follow_the_target(tmp_path):
     for pos in range(3):
         null = {t: float(v) for t, v in enumerate(exact[pos]) if v > 0}
         assert stat_utils.power(null, shifted(exact[pos], SHIFT), NUM_REQUESTS, ALPHA) >= 0.99, pos
-    engine = make_engine(target_fp4, method="draft_model", k=3, draft_model=str(draft_fp4), max_model_len=40,
-                         max_num_seqs=64, engine_seed=4321)
+    # adaptive off: every step drafts k = 3 (the planner's modelled costs would let this draft pass), so every
+    # request's tokens go through the rejection rule
+    engine = make_engine(target_fp4, method="draft_model", k=3, adaptive=False, draft_model=str(draft_fp4),
+                         max_model_len=40, max_num_seqs=64, engine_seed=4321)
     assert isinstance(engine.model.model.layers[0].mlp.gate_proj, FP4Linear)
     assert isinstance(engine.proposer.runner.model.model.layers[0].mlp.gate_proj, FP4Linear)
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, max_tokens=4, ignore_eos=True)
