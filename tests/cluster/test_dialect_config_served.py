@@ -91,12 +91,13 @@ def tiny_dialect_apps(tiny_model_dir) -> dict[str, tuple]:
     vllm = copy.deepcopy(yaml_app("vllm_style.yaml")["args"])
     vllm.update(model=native["model"], served_model_name="tiny", ingress=native["ingress"],
                 verifier=native["verifier"], proposer=native["proposer"], **small)
-    vllm["speculative_config"]["adaptive"] = False  # our own key, taken in speculative_config
+    ours = {key: native["speculative"][key] for key in ("adaptive", "draft_costs")}  # our own keys, as the native app's
+    vllm["speculative_config"].update(ours)  # (taken in speculative_config)
     llm = copy.deepcopy(yaml_app("ray_serve_llm_style.yaml")["args"])
     entry = llm["llm_configs"][0]
     entry["model_loading_config"] = {"model_id": "tiny", "model_source": native["model"]}
     entry["engine_kwargs"].update(small)
-    entry["engine_kwargs"]["speculative_config"]["adaptive"] = False
+    entry["engine_kwargs"]["speculative_config"].update(ours)
     entry["deployment_config"] = native["verifier"]
     llm["ingress_deployment_config"] = native["ingress"]
     llm["proposer"] = native["proposer"]
