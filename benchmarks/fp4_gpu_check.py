@@ -1,4 +1,5 @@
-"""GPU checks of FP4 loading (issue #36), one script, JSON to stdout.
+"""GPU checks of FP4 loading (issue #36), one script, JSON to stdout. Its two checks also run as part of
+benchmarks/fp4_gpu.py (issue #52's GPU script, which imports them from here).
 
 1. An NVFP4 Llama checkpoint (random codes and scales, tests/fp4_utils.random_nvfp4_llama) loaded
    into bfloat16 on the GPU, each weight dequantized there as it is read: the weights equal the

@@ -108,6 +108,10 @@ class EngineSettings:
 
     device: str | None = None  # None: cuda when visible (served: when Ray gave the replica a GPU), else cpu
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    # 4-bit checkpoints (NVFP4, MXFP4; target and draft): "keep" holds their weights 4-bit, dequantized per
+    # forward (rayspec.model.fp4_linear: a weight-only kernel on CUDA); "dequantize" at `dtype` when loaded
+    # (4x the bytes of 4-bit ones in bfloat16)
+    quantized_weights: str = "keep"
     max_model_len: Annotated[int, Field(ge=2)] = 2048
     max_num_seqs: Positive = 16
     kv_cache_memory_gb: Annotated[float, Field(gt=0)] = 2.0  # target + draft KV budget; bounds the concurrent sequences
@@ -154,6 +158,9 @@ class EngineSettings:
     seed: NonNegative | None = None
 
     def __post_init__(self):
+        from rayspec.model.fp4_linear import check_mode
+
+        check_mode(self.quantized_weights)
         if self.paged_attention and self.compile is False:
             raise ValueError("paged_attention is the compiled step's attention: it needs compile true (or unset)")
         if self.batch_invariant and (self.compile or self.paged_attention or self.tensor_parallel_size > 1):
@@ -199,3 +206,5 @@ class ProposerContext:
     enable_prefix_caching: bool = False
     # run the proposer's decode-shaped forwards through the compiled step (the target's setting)
     compile: bool = False
+    # a draft model's 4-bit weights kept 4-bit or dequantized (the target's EngineSettings.quantized_weights)
+    quantized_weights: str = "keep"

@@ -134,8 +134,8 @@ def planned_memory(engine, k: int) -> dict:
         config = engine.config
         config = dataclasses.replace(config, speculative=dataclasses.replace(config.speculative,
                                                                              num_speculative_tokens=k))
-        target = model_shape(config.model)
-        draft = draft_shape(config.speculative, config.model, target)
+        target = model_shape(config.model, quantized_weights=config.quantized_weights)
+        draft = draft_shape(config.speculative, config.model, target, config.quantized_weights)
         plan = engine_plan(config, target, engine.device.type, draft)
     except Exception as err:  # noqa: BLE001 - a figure missing, not a failed sweep
         return {"proposer_weights_bytes": None, "proposer_kv_bytes": None, "target_kv_bytes": None,

@@ -263,3 +263,23 @@ def write_mxfp4_float(mxfp4_dir: Path, out_dir: Path) -> Path:
     config.pop("quantization_config")
     (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir
+
+
+def write_mxfp4_llama(float_dir: Path, out_dir: Path) -> Path:
+    """A float Llama checkpoint's decoder projections in MXFP4 (`<module>.weight_blocks` [out, in/32, 16] and
+    `_scales` [out, in/32], rows = outputs; the rest float), config.json's quantization_config "mxfp4"."""
+    from safetensors.torch import load_file, save_file
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(Path(float_dir) / "model.safetensors")).items():
+        if _is_quantized(name):
+            out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor)
+        else:
+            out[name] = tensor
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_dir / "model.safetensors"))
+    config = json.loads((Path(float_dir) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir

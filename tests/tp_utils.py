@@ -29,10 +29,10 @@ class ProcessLauncher(RankLauncher):
     def address(self) -> str:
         return "127.0.0.1"
 
-    def launch(self, size, init_method, model_spec, device, dtype, draft=None, secret=None):
+    def launch(self, size, init_method, model_spec, device, dtype, draft=None, secret=None, quantized_weights="keep"):
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=run_rank, args=(rank, size, init_method, model_spec, device, dtype, draft),
-                             kwargs={"secret": secret}, daemon=True)
+                             kwargs={"secret": secret, "quantized_weights": quantized_weights}, daemon=True)
                  for rank in range(1, size)]
         for p in procs:
             p.start()

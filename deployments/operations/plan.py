@@ -99,19 +99,35 @@ def shape_of(hf_config) -> ModelShape:
     return ModelShape(args_from_config(hf_config), generic=hf_config)
 
 
-def model_shape(spec: str, num_layers: int | None = None) -> ModelShape:
+def model_shape(spec: str, num_layers: int | None = None, quantized_weights: str = "keep") -> ModelShape:
     """The shape of model `spec` from its config file; num_layers keeps the first layers (as
-    loader.load_model and load_generic_model cut a self-draft)."""
+    loader.load_model and load_generic_model cut a self-draft). quantized_weights (EngineSettings'): a
+    4-bit checkpoint's weights counted as held, 4-bit ("keep") or at the engine's dtype ("dequantize")."""
     config = hub.load_model_config(spec)
     if num_layers is not None:
         config = copy.deepcopy(config)
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = config.layer_types[:num_layers]
-    return shape_of(config)
+    shape = shape_of(config)
+    if shape.generic is not None:
+        return shape
+    if quantized_weights == "dequantize":
+        return dataclasses.replace(shape, args=dataclasses.replace(shape.args, mxfp4_experts=False))
+    return dataclasses.replace(shape, dense_4bit=dense_4bit_group(hub.model_quantization(spec), shape.args))
 
 
-def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> DraftShape:
+def dense_4bit_group(quantization, args: ModelArgs) -> int | None:
+    """The group size of a checkpoint's 4-bit decoder projections (16 NVFP4, 32 MXFP4), None where they are
+    float: ModelOpt's NVFP4 quantizes them; an MXFP4 mixture of experts (gpt-oss) only its experts."""
+    from rayspec.model.formats import MXFP4, NVFP4
+
+    if quantization is None or (quantization.algo == MXFP4 and args.num_experts):
+        return None
+    return {NVFP4: 16, MXFP4: 32}.get(quantization.algo)
+
+
+def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape, quantized_weights: str = "keep") -> DraftShape:
     """What the proposer of `spec` (a SpeculativeConfig, as a serve config's `speculative`)
     loads for the target `target_model`: a draft LM's shape (draft_num_layers applied, as
     load_model does), or an EAGLE head's config; where the head is a local safetensors checkpoint
@@ -124,8 +140,9 @@ def draft_shape(spec, target_model: str, target: ModelArgs | ModelShape) -> Draf
     target = as_shape(target).args
     cls = PROPOSERS[spec.method]
     if issubclass(cls, DraftModelProposer):
-        draft = model_shape(spec.draft_model or target_model, spec.draft_num_layers)
-        return DraftShape(model=draft.args, model_generic=draft.generic)
+        draft = model_shape(spec.draft_model or target_model, spec.draft_num_layers,
+                            "dequantize" if spec.draft_quantization else quantized_weights)
+        return DraftShape(model=draft.args, model_generic=draft.generic, model_dense_4bit=draft.dense_4bit)
     if issubclass(cls, EagleProposer):
         config_file = hub.model_config_file(spec.draft_model)
         names = files.weight_names(config_file.parent)
@@ -245,9 +262,9 @@ class AppPlan:
 
 def plan_app(config: str, name: str, args: dict | AppArgs) -> AppPlan:
     cfg = load_app_args(args)
-    target = model_shape(cfg.model)
-    draft = draft_shape(cfg.speculative, cfg.model, target)
     engine = cfg.engine_config()
+    target = model_shape(cfg.model, quantized_weights=engine.quantized_weights)
+    draft = draft_shape(cfg.speculative, cfg.model, target, engine.quantized_weights)
     app = AppPlan(config, name, cfg, target.args, draft, resource_plan(cfg), generic=target.generic is not None)
 
     def device(deployment) -> str:  # as deployments.config.replica_device: CUDA when Ray gives a GPU
@@ -288,7 +305,7 @@ def plan_config(path: str | Path, app: str | None = None, fit: bool = False) -> 
 # ---- quantized checkpoints: stored and loaded size; where a config fits ------------------------
 
 # the GPU sizes fit_table checks (GB = 10^9 bytes)
-FIT_GPUS = (("80 GB (H100, A100 80GB)", 80 * GB), ("141 GB (H200)", 141 * GB))
+FIT_GPUS = (("80 GB (H100, A100 80GB)", 80 * GB), ("128 GB (DGX Spark, unified)", 128 * GB), ("141 GB (H200)", 141 * GB))
 FIT_TP_SIZES = (1, 2, 4)
 
 
@@ -334,17 +351,20 @@ def checkpoint_size(role: str, spec: str, shape: ModelShape, dtype: torch.dtype)
     if shape.generic is None and args.mxfp4_experts:  # held as codes and scales: count the weights they stand for
         quantized = args.num_layers * args.num_experts * 3 * args.hidden_size * args.intermediate_size
         num_params = shape.weights(dtype).num_params
+    kept = shape.generic is None and (args.mxfp4_experts or shape.dense_4bit is not None)
     return CheckpointSize(role, spec, quantization.algo, quantization.source, stored, quantized, num_params,
-                          shape.weights(dtype).bytes, dtype, kept_quantized=shape.generic is None and args.mxfp4_experts)
+                          shape.weights(dtype).bytes, dtype, kept_quantized=kept)
 
 
 def checkpoint_sizes(app: AppPlan) -> list[CheckpointSize]:
     cfg = app.args
     dtype = app.deployments[0].process.dtype
-    out = [checkpoint_size("target", cfg.model, model_shape(cfg.model), dtype)]
+    keep = cfg.engine_config().quantized_weights
+    out = [checkpoint_size("target", cfg.model, model_shape(cfg.model, quantized_weights=keep), dtype)]
     if app.draft.model is not None:
         spec = cfg.speculative.draft_model or cfg.model
-        out.append(checkpoint_size("draft", spec, model_shape(spec, cfg.speculative.draft_num_layers), dtype))
+        draft_keep = "dequantize" if cfg.speculative.draft_quantization else keep
+        out.append(checkpoint_size("draft", spec, model_shape(spec, cfg.speculative.draft_num_layers, draft_keep), dtype))
     return [c for c in out if c is not None]
 
 
@@ -378,7 +398,7 @@ def _checkpoint_lines(app: AppPlan) -> list[str]:
         out.append(f"  {c.role} {c.spec}: {c.algo} ({c.source}), {c.quantized_params / 1e9:.2f} B of "
                    f"{c.num_params / 1e9:.2f} B parameters quantized: stored {fmt_bytes(c.stored)}, loaded "
                    f"{fmt_bytes(c.loaded)} in {str(c.dtype).removeprefix('torch.')} "
-                   f"({'experts kept 4-bit' if c.kept_quantized else 'dequantized at load'})")
+                   f"({'kept 4-bit' if c.kept_quantized else 'dequantized at load'})")
     return out
 
 

@@ -40,8 +40,9 @@ class RankWorker:
         return ray.get_runtime_context().get_node_id()
 
     def run(self, rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-            draft=None, secret: bytes | None = None) -> int:
-        return run_rank(rank, size, init_method, model_spec, device, dtype, draft, secret=secret)
+            draft=None, secret: bytes | None = None, quantized_weights: str = "keep") -> int:
+        return run_rank(rank, size, init_method, model_spec, device, dtype, draft, secret=secret,
+                        quantized_weights=quantized_weights)
 
 
 def rank_actor_name(owner_actor_id: str, rank: int) -> str:
@@ -93,7 +94,7 @@ class RayRankLauncher(RankLauncher):
     def address(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def launch(self, size, init_method, model_spec, device, dtype, draft=None, secret=None):
+    def launch(self, size, init_method, model_spec, device, dtype, draft=None, secret=None, quantized_weights="keep"):
         group, first, own = get_current_placement_group(), 1, None
         if group is None:
             gpus = self.num_gpus if self.num_gpus is not None else (1 if device == "cuda" else 0)
@@ -113,7 +114,7 @@ class RayRankLauncher(RankLauncher):
             workers.append(RankWorker.options(name=rank_actor_name(owner, rank), num_cpus=spec.get("CPU", 0),
                                               num_gpus=spec.get("GPU", 0), scheduling_strategy=strategy).remote())
         started = [w.node_id.remote() for w in workers]
-        runs = [w.run.remote(rank, size, init_method, model_spec, device, dtype, draft, secret)
+        runs = [w.run.remote(rank, size, init_method, model_spec, device, dtype, draft, secret, quantized_weights)
                 for rank, w in enumerate(workers, 1)]
         logger.info("started %d tensor-parallel ranks (%s)", size - 1, "own placement group" if own else
                     "the replica's placement group")

@@ -79,7 +79,8 @@ class LLMEngine:
 
                 model, tokenizer, self.ranks = start_tensor_parallel(config, rank_launcher)
             else:
-                model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype)
+                model, tokenizer = loader.load_model(config.model, device=config.device, dtype=config.dtype,
+                                                     quantized_weights=config.quantized_weights)
             eos_ids |= hub.generation_eos_ids(config.model)
         self.model, self.tokenizer = model, tokenizer
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -101,7 +102,7 @@ class LLMEngine:
         context = ProposerContext(config.model, self.max_model_len, num_slots, self.device, self.dtype, model,
                                   max_num_batched_tokens=config.max_num_batched_tokens, num_blocks=num_blocks,
                                   block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                  compile=self.compile)
+                                  compile=self.compile, quantized_weights=config.quantized_weights)
         self._proposer = proposer if proposer is not None else build_proposer(spec, context)
         # EAGLE heads draft from target hidden states: () the final one, else inputs of those layers
         self.feature_layers = self.proposer.feature_layers

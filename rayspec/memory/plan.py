@@ -170,6 +170,7 @@ class DraftShape:
     head: EagleConfig | None = None  # eagle3 / eagle
     head_has_embedding: bool = False  # the head's checkpoint carries its own embedding
     model_generic: object | None = None  # a draft on the generic path: its transformers config (ModelShape)
+    model_dense_4bit: int | None = None  # a draft whose projections stay 4-bit (ModelShape.dense_4bit)
 
     @property
     def args(self) -> ModelArgs | None:
@@ -177,7 +178,7 @@ class DraftShape:
 
     def weights(self, dtype: torch.dtype) -> Weights:
         if self.model is not None:
-            return ModelShape(self.model, self.model_generic).weights(dtype)
+            return ModelShape(self.model, self.model_generic, self.model_dense_4bit).weights(dtype)
         if self.head is not None:
             return eagle_head_weights(self.head, dtype, self.head_has_embedding)
         return NO_WEIGHTS
@@ -270,7 +271,7 @@ def _add_proposer(plan: ProcessPlan, spec: SpeculativeConfig, draft: DraftShape,
         path = ", generic path" if draft.model_generic is not None else ""
         plan.items.append(PlanItem("draft model weights", weights.bytes,
                                    f"{weights.num_params:,} params, {draft.model.num_layers} layers, "
-                                   f"{_dtype_name(dtype)}{path}"))
+                                   f"{_dtype_name(dtype)}{path}{_held_4bit(draft.model_dense_4bit)}"))
         transient = load_bytes(weights, plan.device) - weights.bytes  # streamed like the target
     elif draft.head is not None:
         shared = "its own embedding" if draft.head_has_embedding else "the target's embedding shared"
@@ -295,6 +296,12 @@ def _cpu_copies(plan: ProcessPlan, *weights: Weights) -> None:
         plan.items.append(PlanItem("oneDNN prepacked projections", linear,
                                    "CPU: a copy of every Linear weight, where the load picks the oneDNN path "
                                    "(rayspec.cpu.kernels; none with the plain one)"))
+
+
+def _held_4bit(group: int | None) -> str:
+    if group is None:
+        return ""
+    return f", decoder projections held 4-bit ({'NVFP4' if group == 16 else 'MXFP4'}) + one dequantization scratch"
 
 
 def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: str, draft: DraftShape = DraftShape(),
@@ -327,7 +334,8 @@ def engine_plan(config: EngineConfig, target: ModelArgs | ModelShape, device: st
         of = f", rank {rank}'s shard of {tp_size} ({vocab})"
     plan.items.append(PlanItem("target weights", weights.bytes,
                                f"{weights.num_params:,} params, {_dtype_name(dtype)}{of}"
-                               + (", generic path" if shape.generic is not None else "")))
+                               + (", generic path" if shape.generic is not None else "")
+                               + _held_4bit(shape.dense_4bit)))
     share = f" (1/{tp_size} of {fmt_gb(total_kv.bytes)}: its KV heads)" if tp_size > 1 else ""
     plan.items.append(PlanItem("target KV cache", kv.bytes,
                                f"{kv.num_blocks:,} blocks (+1 scratch) x {kv.block_size} positions x "

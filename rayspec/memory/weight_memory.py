@@ -82,11 +82,28 @@ def _weights(num_params: int, linear_params: int, dtype: torch.dtype, buffers: i
     return Weights(num_params, num_params * size + buffers, linear_params * size)
 
 
-def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> Weights:
+def dense_4bit_bytes(num_weights: int, group: int) -> int:
+    """A 4-bit projection's bytes as held (rayspec.model.fp4_linear): half a byte a weight, a scale byte per
+    `group` (NVFP4 16, MXFP4 32), NVFP4's float32 global scale."""
+    return num_weights // 2 + num_weights // group + (4 if group == 16 else 0)
+
+
+def dequant_scratch_bytes(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """What a model with 4-bit projections holds besides them: one dequantization scratch the size of its
+    largest projection (this rank's): int32 byte and scale indices, float32 values and the weight at `dtype`
+    (rayspec.model.fp4_linear.DequantScratch on CPU; a prefill's transient dequantized weight on CUDA)."""
+    q = args.num_heads // tp_size * args.head_dim
+    largest = args.hidden_size * max(q, args.intermediate_size // tp_size)
+    return largest // 2 * 4 + largest // 16 * 4 + largest * 4 + (0 if dtype == torch.float32 else largest * dtype.itemsize)
+
+
+def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1, dense_4bit: int | None = None) -> Weights:
     """rayspec.model.native.CausalLM, or one rank's shard of it (every rank's is the same size): embedding
     and LM head (split by vocabulary when it divides by tp_size; the LM head none of its own when
     tied to the embedding, though on CPU it still gets a prepacked copy), decoder layers (see
-    `_attention`, `_mlp`), final norm, rotary buffer."""
+    `_attention`, `_mlp`), final norm, rotary buffer. dense_4bit: the group size (16 NVFP4, 32 MXFP4)
+    of decoder projections kept 4-bit (`quantized_weights: keep` of a 4-bit checkpoint): counted as held,
+    plus the dequantization scratch, and no prepacked CPU copies (no float MLP to choose kernels on)."""
     if tp_size > 1:
         _check_divides(args, tp_size)
     v = args.vocab_size // tp_size if splits_vocab(TPGroup(size=tp_size), args.vocab_size) else args.vocab_size
@@ -99,6 +116,12 @@ def causal_lm_weights(args: ModelArgs, dtype: torch.dtype, tp_size: int = 1) -> 
     if getattr(args, "mxfp4_experts", False):  # kept as MXFP4: a byte per two weights and one per 32
         packed = args.num_layers * _expert_weights(args, tp_size)
         weights = dataclasses.replace(weights, bytes=weights.bytes - packed * dtype.itemsize + packed * 17 // 32)
+    if dense_4bit is not None:
+        dense = args.num_layers * layer_linear
+        projections = 4 if getattr(args, "num_experts", 0) else 7  # (a mixture of experts: attention's only)
+        held = args.num_layers * (layer_linear // 2 + layer_linear // dense_4bit + projections * 4 * (dense_4bit == 16))
+        weights = dataclasses.replace(weights, bytes=weights.bytes - dense * dtype.itemsize + held
+                                      + dequant_scratch_bytes(args, dtype, tp_size), linear_bytes=0)
     return weights
 
 
@@ -134,10 +157,11 @@ class ModelShape:
 
     args: ModelArgs
     generic: object | None = None  # the transformers config of a generic-path model
+    dense_4bit: int | None = None  # decoder projections kept 4-bit: their group size (causal_lm_weights)
 
     def weights(self, dtype: torch.dtype, tp_size: int = 1) -> Weights:
         if self.generic is None:
-            return causal_lm_weights(self.args, dtype, tp_size)
+            return causal_lm_weights(self.args, dtype, tp_size, self.dense_4bit)
         if tp_size > 1:
             raise ValueError(f"{type(self.generic).__name__} runs on the generic path (rayspec.model.generic), "
                              "which has no tensor parallelism: set tensor_parallel_size 1")

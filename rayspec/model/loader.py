@@ -81,13 +81,16 @@ def rope_from_config(config) -> tuple[torch.Tensor, float]:
     return inv_freq.clone(), float(scaling)
 
 
-def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False) -> CausalLM:
+def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False,
+                checkpoint_names=None) -> CausalLM:
     """A CausalLM for `config` with its parameters allocated at `dtype` on `device` and not yet
     filled (tied embeddings shared, the rotary buffer float32 and computed). Built on the meta
     device and cast there, so no float32 copy of a bfloat16 model ever exists. A parameter's
     `tp_shard` (see `load_checkpoint`), set at construction, is kept. tp: this rank's
     rayspec.model.parallel.TPGroup (the model is then its shard; its layers' slices become `tp_shard`s).
-    dequantize_experts: float experts where the checkpoint's are MXFP4 (which the model keeps 4-bit otherwise)."""
+    dequantize_experts: float experts where the checkpoint's are MXFP4 (which the model keeps 4-bit otherwise).
+    checkpoint_names: the checkpoint's tensor names, to keep its 4-bit projections 4-bit (FP4Linear,
+    rayspec.model.fp4_linear; None: every projection float, 4-bit ones then dequantized as they load)."""
     from dataclasses import replace
 
     from rayspec.model.parallel import NO_TP, tag_shards
@@ -99,6 +102,8 @@ def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False
     with torch.device("meta"):
         model = CausalLM(args, inv_freq, scaling, tp=tp or NO_TP)
     model.to(dtype)  # on meta: only the dtypes change (inv_freq stays float32: Float32Rotary)
+    if checkpoint_names is not None:
+        _keep_4bit(model, checkpoint_names, args.tie_word_embeddings)
     shards = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
     # to_empty makes new Parameter objects: their attributes are lost and tied weights come apart
     model = model.to_empty(device=device)
@@ -111,19 +116,35 @@ def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False
     return model
 
 
+def _keep_4bit(model: CausalLM, checkpoint_names, tied: bool) -> None:
+    from rayspec.model.fp4_linear import checkpoint_fp4_modules, keep_4bit
+    from rayspec.model.linear import Linear
+
+    linears = {name for name, m in model.named_modules() if isinstance(m, Linear)} - ({"lm_head"} if tied else set())
+    keep_4bit(model, checkpoint_fp4_modules(checkpoint_names, linears))
+
+
 def build_model(config, state_dict: dict | None = None, device="cpu", dtype=torch.float32,
                 model_dir: Path | None = None, tp=None, quantization: str | None = None,
-                dequantize_experts: bool = False) -> CausalLM:
+                dequantize_experts: bool = False, quantized_weights: str = "keep") -> CausalLM:
     """A ready model (eval mode, packed for the CPU): weights streamed from the checkpoint in
     `model_dir` (`load_checkpoint`), or copied from `state_dict`, or left uninitialized when
     neither is given (only the sizes matter: memory checks, tests that fill weights themselves).
     quantization: "int8" makes every projection and the LM head weight-only int8 (rayspec.model.quantize).
-    dequantize_experts: MXFP4 experts (gpt-oss) dequantized at load rather than kept 4-bit."""
+    dequantize_experts: MXFP4 experts (gpt-oss) dequantized at load rather than kept 4-bit.
+    quantized_weights: "keep" holds a checkpoint's 4-bit projections 4-bit (rayspec.model.fp4_linear),
+    "dequantize" at the model's dtype (and its MXFP4 experts too)."""
+    from rayspec.model.fp4_linear import check_mode
     from rayspec.model.parallel import NO_TP, zero_row_biases
+    from rayspec.model.weights.files import weight_names
 
+    dequantize_experts = dequantize_experts or check_mode(quantized_weights) == "dequantize"
     if model_dir is not None and not dequantize_experts:
         dequantize_experts = _experts_stored_float(config, model_dir)
-    model = empty_model(config, device, dtype, tp, dequantize_experts)
+    names = weight_names(model_dir) if model_dir is not None and quantized_weights == "keep" else None
+    if names is not None and quantization is not None:  # int8 requantizes float weights
+        names = None
+    model = empty_model(config, device, dtype, tp, dequantize_experts, names)
     if model_dir is not None:
         load_checkpoint(model, model_dir)
     elif state_dict is not None:
@@ -162,11 +183,12 @@ def is_native(config) -> bool:
 
 
 def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None, tp=None, tokenizer: bool = True,
-               quantization: str | None = None, dequantize_experts: bool = False):
+               quantization: str | None = None, dequantize_experts: bool = False, quantized_weights: str = "keep"):
     """Load (model, tokenizer). num_layers keeps only the first layers (a cheap self-draft).
     tp: a rayspec.model.parallel.TPGroup: load this rank's shard only. tokenizer=False: (model, None).
     quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.model.quantize).
-    dequantize_experts: a native gpt-oss's MXFP4 experts dequantized at load (else kept 4-bit)."""
+    dequantize_experts: a native gpt-oss's MXFP4 experts dequantized at load (else kept 4-bit).
+    quantized_weights: "keep" (a checkpoint's NVFP4 / MXFP4 weights stay 4-bit) or "dequantize" (at `dtype`)."""
     from transformers import AutoTokenizer
 
     device = torch.device(device) if device is not None else default_device()
@@ -177,7 +199,7 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
         if num_layers is not None:
             config.num_hidden_layers = num_layers  # the later layers' tensors are then never read
         model = build_model(config, None, device, dtype, model_dir=model_dir, tp=tp, quantization=quantization,
-                            dequantize_experts=dequantize_experts)
+                            dequantize_experts=dequantize_experts, quantized_weights=quantized_weights)
     else:  # transformers' own modeling code over our KV cache (rayspec/model/generic.py)
         from rayspec.model.generic import load_generic_model
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from rayspec.cpu import kernels as cpu_kernels
 from rayspec.model.families import ModelArgs
+from rayspec.model.fp4_linear import FP4Linear
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.model.linear import DEVICE_TILE_ROWS, FusedProjection, Linear, device_linear, fuse_weights
 from rayspec.model.moe import MoE
@@ -43,6 +44,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     (sin_signed: sin with its first half negated, exact). Three kernels (q and k of a fused q/k/v
     projection go through at once), not the five of mul / neg / cat / mul / add per tensor."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+def _all_float(parts: list[nn.Module]) -> bool:
+    """Whether projections are float Linears (4-bit ones, rayspec.model.fp4_linear, are not fused)."""
+    return all(isinstance(p, Linear) for p in parts)
 
 
 class Attention(nn.Module):
@@ -79,10 +85,12 @@ class Attention(nn.Module):
         self.qkv_fused = None  # (weight, bias, sizes) off the CPU (fuse_weights)
 
     def fuse_for_cpu(self) -> None:
-        self.qkv = FusedProjection.build([self.q_proj, self.k_proj, self.v_proj])
+        if _all_float(parts := [self.q_proj, self.k_proj, self.v_proj]):
+            self.qkv = FusedProjection.build(parts)
 
     def fuse_for_device(self) -> None:
-        self.qkv_fused = fuse_weights([self.q_proj, self.k_proj, self.v_proj])
+        if _all_float(parts := [self.q_proj, self.k_proj, self.v_proj]):
+            self.qkv_fused = fuse_weights(parts)
 
     def _project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d_in] -> q [N, heads, head_dim], k and v [N, kv_heads, head_dim], q and k rotated."""
@@ -229,10 +237,12 @@ class MLP(nn.Module):
         self.gate_up_fused = None  # (weight, bias, sizes) off the CPU (fuse_weights)
 
     def fuse_for_cpu(self) -> None:
-        self.gate_up = FusedProjection.build([self.gate_proj, self.up_proj])
+        if _all_float(parts := [self.gate_proj, self.up_proj]):
+            self.gate_up = FusedProjection.build(parts)
 
     def fuse_for_device(self) -> None:
-        self.gate_up_fused = fuse_weights([self.gate_proj, self.up_proj])
+        if _all_float(parts := [self.gate_proj, self.up_proj]):
+            self.gate_up_fused = fuse_weights(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up(x) if self.gate_up is not None else None
@@ -277,6 +287,11 @@ def _probe_mlp(src: MLP, variant: "str | cpu_kernels.CpuKernels") -> MLP:
     if packed:
         probe.fuse_for_cpu()
     return probe
+
+
+def _float_mlp(model: nn.Module) -> "MLP | None":
+    """An MLP of float Linears to measure the CPU kernels on (None: none, e.g. all 4-bit)."""
+    return next((m for m in model.modules() if isinstance(m, MLP) and _all_float([m.gate_proj])), None)
 
 
 def _pack_onednn(model: nn.Module) -> None:
@@ -382,7 +397,7 @@ class CausalLM(Float32Rotary):
         old = self.cpu_kernels
         if old is None or old.source != "measured":
             return old
-        mlp = next(m for m in self.modules() if isinstance(m, MLP))
+        mlp = _float_mlp(self)
         packed = any(m._packed is not None for m in self.modules() if isinstance(m, Linear))
         variants = cpu_kernels.VARIANTS if packed else tuple(v for v in cpu_kernels.VARIANTS
                                                               if v not in cpu_kernels.ONEDNN)
@@ -413,13 +428,16 @@ class CausalLM(Float32Rotary):
         if on == self.batch_invariant:
             return
         self.batch_invariant = on
+        for module in self.modules():  # 4-bit projections: rows in calls of one shape on any device
+            if isinstance(module, FP4Linear):
+                module.tile_rows = DEVICE_TILE_ROWS if on else None
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if next(self.parameters()).device.type != "cpu":
             for module in linears:
                 module.tile_rows = DEVICE_TILE_ROWS if on else None
             return
-        mlp = next((m for m in self.modules() if isinstance(m, MLP)), None)
-        if getattr(self, "cpu_kernels", None) is None or mlp is None:  # int8 projections: their own kernels
+        mlp = _float_mlp(self)
+        if getattr(self, "cpu_kernels", None) is None or mlp is None:  # int8 / 4-bit projections: their own kernels
             return
         if on and self.invariant_kernels is None:
             self.invariant_kernels = cpu_kernels.choose_invariant(lambda kernels: _probe_mlp(mlp, kernels),
@@ -439,7 +457,7 @@ class CausalLM(Float32Rotary):
         if getattr(self, "quantization", None):  # int8 linears run their own kernels (rayspec.model.quantize)
             return self
         param = next(self.parameters())
-        mlp = next((m for m in self.modules() if isinstance(m, MLP)), None)
+        mlp = _float_mlp(self)  # (none where the MLPs are 4-bit: the float layers keep the default kernels)
         if param.device.type != "cpu":  # elsewhere q/k/v and gate/up run as one matmul each too
             for module in self.modules():
                 if isinstance(module, (Attention, MLP)):

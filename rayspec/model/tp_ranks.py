@@ -65,7 +65,8 @@ def serve_commands(models: list, tp: TPGroup) -> int:
 
 
 def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-             draft: "DraftShard | None" = None, timeout_s: float = IDLE_TIMEOUT_S, secret: bytes | None = None) -> int:
+             draft: "DraftShard | None" = None, timeout_s: float = IDLE_TIMEOUT_S, secret: bytes | None = None,
+             quantized_weights: str = "keep") -> int:
     """A follower rank's whole process: join the group, load this rank's shard of the model (and of
     the draft model, when it is sharded too), then serve rank 0's commands until it stops them (or
     the group breaks)."""
@@ -74,7 +75,8 @@ def run_rank(rank: int, size: int, init_method: str, model_spec: str, device: st
         device = torch.device("cuda", torch.cuda.current_device())
     tp = TPGroup.init(rank, size, init_method, device, timeout_s, secret=secret)
     try:
-        models = [loader.load_model(model_spec, device=device, dtype=dtype, tp=tp, tokenizer=False)[0]]
+        models = [loader.load_model(model_spec, device=device, dtype=dtype, tp=tp, tokenizer=False,
+                                    quantized_weights=quantized_weights)[0]]
         if draft is not None:
             models.append(draft.load(device, dtype, tp))
         tp.all_reduce(torch.zeros(1, device=device))  # loaded: rank 0 waits for this
@@ -94,6 +96,7 @@ class DraftShard:
     model: str
     num_layers: int | None = None
     dtype: str | None = None
+    quantized_weights: str = "keep"
 
     @classmethod
     def of(cls, config) -> "DraftShard | None":
@@ -101,11 +104,11 @@ class DraftShard:
         spec = config.speculative
         if spec.method != "draft_model" or spec.draft_tensor_parallel_size in (None, 1):
             return None
-        return cls(spec.draft_model or config.model, spec.draft_num_layers, spec.draft_dtype)
+        return cls(spec.draft_model or config.model, spec.draft_num_layers, spec.draft_dtype, config.quantized_weights)
 
     def load(self, device, dtype, tp: TPGroup):
             return loader.load_model(self.model, device=device, dtype=self.dtype or dtype, num_layers=self.num_layers,
-                                 tp=tp, tokenizer=False)[0]
+                                 tp=tp, tokenizer=False, quantized_weights=self.quantized_weights)[0]
 
 
 class RankLauncher:
@@ -117,8 +120,8 @@ class RankLauncher:
         raise NotImplementedError
 
     def launch(self, size: int, init_method: str, model_spec: str, device: str, dtype: str | None,
-               draft: DraftShard | None = None, secret: bytes | None = None):
-        """Start the ranks (each runs run_rank with `secret`, over a channel the launcher trusts: Ray's,
+               draft: DraftShard | None = None, secret: bytes | None = None, quantized_weights: str = "keep"):
+        """Start the ranks (each runs run_rank with `secret` and `quantized_weights`, over a channel the launcher trusts: Ray's,
         a process's arguments); returns a handle with `wait_started()` (raises when a rank cannot
         start), `alive() -> bool` and `shutdown()`."""
         raise NotImplementedError
@@ -146,11 +149,12 @@ def start_tensor_parallel(config, launcher: RankLauncher | None):
     init_method = f"tcp://{launcher.address()}:{free_port()}"
     secret = secrets.token_bytes(32)  # the group's: its ranks prove it once joined (TPGroup._prove)
     ranks = launcher.launch(size, init_method, config.model, device.type, config.dtype, DraftShard.of(config),
-                            secret=secret)
+                            secret=secret, quantized_weights=config.quantized_weights)
     try:
         ranks.wait_started()  # the ranks' processes run (else joining the group below would wait forever)
         tp = TPGroup.init(0, size, init_method, device, secret=secret)
-        model, tokenizer = loader.load_model(config.model, device=device, dtype=config.dtype, tp=tp)
+        model, tokenizer = loader.load_model(config.model, device=device, dtype=config.dtype, tp=tp,
+                                             quantized_weights=config.quantized_weights)
         draft = DraftShard.of(config)
         if draft is not None:  # the draft proposer takes it (rayspec.proposers.draft_model)
             model.draft_shard = draft.load(device, config.dtype, tp)

@@ -57,7 +57,8 @@ class DraftModelProposer(PreDraftable):
                                  "equal to tensor_parallel_size, topology colocated")
             model, _ = load_model(config.draft_model or context.target_model, device=context.device,
                                   dtype=config.draft_dtype or context.dtype, num_layers=config.draft_num_layers,
-                                  quantization=config.draft_quantization, tokenizer=False)
+                                  quantization=config.draft_quantization, tokenizer=False,
+                                  quantized_weights=context.quantized_weights)
         proposer = cls(model, context.max_model_len, context.num_slots, config.num_speculative_tokens,
                        context.num_blocks, context.block_size, context.enable_prefix_caching)
         proposer.runner.max_chunk_tokens = context.max_num_batched_tokens

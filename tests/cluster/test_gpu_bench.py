@@ -189,3 +189,4 @@ def test_summary_merges_a_peer_per_level(tmp_path):
         {**_row("vllm-eagle3", 4, 0.0), "completed": 0, "failed": 4}])))
     assert gpu_summary.main([str(tmp_path), "--sets", "gsm8k", "--expect", "vllm-eagle3", "--concurrency", "1,4"]) == 1
     assert json.loads((tmp_path / "summary.json").read_text())["missing"] == ["gsm8k vllm-eagle3 c=4"]
+

@@ -149,15 +149,16 @@ def test_target_and_draft_by_hub_id_greedy_equals_the_dequantized_float_model(hu
 
 
 def test_tp2_by_hub_id_equals_tp1(hub, checkpoints):
-    """The NVFP4 target split over two ranks (gloo, local processes), each dequantizing only its slice,
-    with the NVFP4 draft on rank 0: greedy output equals TP=1 target-only on the dequantized weights."""
+    """The NVFP4 target loaded `quantized_weights: dequantize` and split over two ranks (gloo, local processes),
+    each dequantizing only its slice, with the NVFP4 draft on rank 0: greedy output equals TP=1 target-only on
+    the dequantized weights (kept 4-bit at TP 2: tests/test_fp4_kept.py)."""
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.engine.llm_engine import LLMEngine
     from tp_utils import ProcessLauncher
 
     reference = run_alone(make_engine(checkpoints["dequantized"]), PROMPTS, GREEDY)
     config = EngineConfig(model=TARGET, device="cpu", tensor_parallel_size=2, max_model_len=256, max_num_seqs=8,
-                          kv_cache_memory_gb=0.5,
+                          kv_cache_memory_gb=0.5, quantized_weights="dequantize",
                           speculative=SpeculativeConfig(method="draft_model", draft_model=DRAFT,
                                                         num_speculative_tokens=3, adaptive=False))
     engine = LLMEngine(config, rank_launcher=ProcessLauncher())

@@ -3,7 +3,7 @@ and those of the roofline issue:
 benchmarks/gpu_roofline.py (bandwidth, our decode eager and compiled, tree and chain verification,
 an EAGLE-3 head step, transformers' static-cache compiled decode, the compiled step with paged attention
 against the gather, FlexAttention over the paged pool against gather + SDPA; JSON, table, plot) and
-benchmarks/compiled_pool.py (the compiled step's time against the pool's size)."""
+benchmarks/compiled_pool.py (the compiled step's time against the pool's size), and benchmarks/fp4_gpu.py (issue #52: 4-bit linears and a 4-bit model's decode)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,22 @@ def test_gpu_never_loses_dry_run(tmp_path):
     assert set(fits) == {"base", "ngram adaptive", "draft_model adaptive", "draft_model_other adaptive", "eagle3 adaptive"}
     assert fits["draft_model adaptive"]["verify"][0] > 0  # ms per step
     assert "| plain | 0 | 1 | ngram |" in proc.stdout  # the table
+
+
+def test_fp4_gpu_dry_run(tmp_path):
+    """benchmarks/fp4_gpu.py (issue #52's GPU script) runs on CPU with tiny shapes: the 4-bit linear (here the
+    exact torch path) timed and checked against F.linear on its dequantized weight at every shape and row
+    count, a whole 4-bit model's decode steps, and fp4_gpu_check.py's folded checks."""
+    out = tmp_path / "fp4.json"
+    _run("fp4_gpu.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert results["dry_run"] and results["copy_gb_s"] > 0
+    linear = results["linear"]
+    assert {(r["projection"], r["rows"]) for r in linear} == {(p, n) for p in ("q", "down", "expert") for n in (1, 4, 64)}
+    assert all(r["ms_4bit"] > 0 and r["ms_bf16"] > 0 and r["read_ms_4bit"] > 0 for r in linear)
+    assert all(r["max_rel_err"] < 1e-5 for r in linear), [r["max_rel_err"] for r in linear]
+    decode = results["decode"]
+    assert [s["batch"] for s in decode["steps"]] == [1, 8] and all(s.get("ms_per_step", 0) > 0 for s in decode["steps"])
+    assert decode["held_bytes"] > 0 and decode["read_ms"] > 0
+    assert results["nvfp4_load"]["bit_mismatches"] == 0 and results["nvfp4_load"]["quantized_weights_checked"] > 0
+    assert results["mxfp4_expert_layer"]["tokens_1"]["same_output"]

@@ -570,33 +570,62 @@ def _nvfp4_llama_stored(layers, hidden, kv, inter, vocab) -> int:
     return layers * sum(n // 2 + n // 16 + 8 for n in linears) + 2 * (2 * vocab * hidden + (2 * layers + 1) * hidden)
 
 
-def test_fp4_guide_plans_offline(fp4_hub, capsys):
-    """`rayspec plan` on the guide's two FP4 configs, from config files alone (config.json, ModelOpt's
-    hf_quant_config.json): stored and loaded weight sizes, and where each fits."""
-    rc, app = plan_json(capsys, "llama70b_fp4_draft8b.yaml", "80GB")
+def _scratch(hidden, largest_out) -> int:
+    """One dequantization scratch (rayspec.model.fp4_linear.DequantScratch): the largest projection's int32
+    byte indices, float32 values and bfloat16 weight, 2 + 4 + 2 bytes a weight, and an int32 scale index per 16."""
+    return hidden * largest_out * 8 + hidden * largest_out // 16 * 4
+
+
+def test_fp4_guide_plans_offline(fp4_hub, capsys, tmp_path):
+    """`rayspec plan` on the guide's FP4 configs, from config files alone (config.json, ModelOpt's
+    hf_quant_config.json): stored and held weight sizes and where each fits. Kept 4-bit (the default), the
+    70B target holds its stored bytes (less the input scales it does not read) plus one scratch: 35-48 GB,
+    and target + draft fit one H200 and one 128 GB DGX Spark by fractional shares; dequantized at load
+    (`quantized_weights: dequantize`) the 70B holds 141 GB and fits no single GPU."""
+    rc, app = plan_json(capsys, "llama70b_fp4_draft8b.yaml", "141GB")
     assert rc == 0 and app["fits"]
     target, draft = app["checkpoints"]
     assert (target["algo"], target["source"], draft["algo"]) == ("NVFP4", "hf_quant_config.json", "NVFP4")
     assert target["stored"] == _nvfp4_llama_stored(80, 8192, 1024, 28672, 128256)
     assert draft["stored"] == _nvfp4_llama_stored(32, 4096, 1024, 14336, 128256)
-    assert round(target["stored"] / GB, 1) == 42.7 and round(target["loaded"] / GB, 1) == 141.1
-    assert draft["loaded"] == 2 * LLAMA_PARAMS + 64 * 4  # the bf16 model's: dequantized at load
+    assert round(target["stored"] / GB, 1) == 42.7
+    # held: the stored bytes less the input_scale scalars (4 bytes per Linear), plus the scratch and the
+    # rotary buffer (64 float32)
+    assert target["loaded"] == target["stored"] - 80 * 7 * 4 + _scratch(8192, 28672) + 64 * 4
+    assert draft["loaded"] == draft["stored"] - 32 * 7 * 4 + _scratch(4096, 14336) + 64 * 4
+    assert 35 * GB <= target["loaded"] <= 48 * GB and target["kept_quantized"] and draft["kept_quantized"]
     fit = {row["tensor_parallel_size"]: row["fits"] for row in app["fit"]}
-    assert fit == {1: {"80 GB (H100, A100 80GB)": False, "141 GB (H200)": False},
-                   2: {"80 GB (H100, A100 80GB)": False, "141 GB (H200)": True},
-                   4: {"80 GB (H100, A100 80GB)": True, "141 GB (H200)": True}}
-    tp4 = next(row for row in app["fit"] if row["tensor_parallel_size"] == 4)
-    verifier = app["deployments"][0]
-    assert tp4["need"] == verifier["peak"]  # as configured (tp 4): the plan's own figure
+    assert fit[1] == {"80 GB (H100, A100 80GB)": False, "128 GB (DGX Spark, unified)": True, "141 GB (H200)": True}
+    verifier, proposer = app["deployments"]
+    assert (verifier["tensor_parallel_size"], verifier["gpus_per_replica"] + proposer["gpus_per_replica"]) == (1, 1.0)
+    rc, out = run_plan_text(capsys, "llama70b_fp4_draft8b.yaml", "128GB")
+    assert rc == 0 and "verdict: fits in 128.00 GB per GPU (GPUs of all replicas: 1)" in out
+    assert "decoder projections held 4-bit (NVFP4)" in out
+
+    dequantized = tmp_path / "dequantized.yaml"
+    text = (REPO / "configs" / "llama70b_fp4_draft8b.yaml").read_text()
+    dequantized.write_text(text.replace("quantized_weights: keep", "quantized_weights: dequantize"))
+    assert main(["plan", str(dequantized), "--gpu-memory", "141GB", "--json"]) == 1
+    (app,) = json.loads(capsys.readouterr().out)
+    target, draft = app["checkpoints"]
+    assert round(target["loaded"] / GB, 1) == 141.1 and not target["kept_quantized"]
+    assert draft["loaded"] == 2 * LLAMA_PARAMS + 64 * 4  # the bf16 model's: dequantized at load
+    assert not any(row["fits"]["141 GB (H200)"] for row in app["fit"] if row["tensor_parallel_size"] == 1)
+
+    rc, app = plan_json(capsys, "llama70b_fp4_draft8b_2gpu.yaml", "80GB")  # the draft on a GPU of its own
+    assert rc == 0 and app["fits"]
+    verifier, proposer = app["deployments"]
+    assert (verifier["gpus_per_replica"], proposer["gpus_per_replica"]) == (1, 1)
 
     rc, out = run_plan_text(capsys, "gpt_oss_eagle3.yaml", "80GB")
-    assert rc == 1
+    assert rc == 0
     assert "openai/gpt-oss-120b: MXFP4 (config.json quantization_config)" in out
-    # the native path keeps the experts 4-bit (4.25 bits a weight), the rest bfloat16, and splits them by rank
+    # the native path keeps the experts 4-bit (4.25 bits a weight), the rest bfloat16
     assert "116.83 B parameters" in out
-    assert "stored 65.25 GB, loaded 65.25 GB in bfloat16 (experts kept 4-bit)" in out
-    assert "tp 1: 86.17 GB per GPU: does not fit 80 GB (H100, A100 80GB); fits 141 GB (H200)" in out
-    assert "tp 2: 51.55 GB per GPU: fits 80 GB (H100, A100 80GB); fits 141 GB (H200)" in out
+    assert "stored 65.25 GB, loaded 65.25 GB in bfloat16 (kept 4-bit)" in out
+    assert "verdict: fits in 80.00 GB per GPU (GPUs of all replicas: 1)" in out
+    tp1 = next(line for line in out.splitlines() if line.strip().startswith("tp 1:"))
+    assert "fits 80 GB (H100, A100 80GB)" in tp1 and "does not fit" not in tp1, tp1
 
 
 def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):

@@ -39,17 +39,21 @@ def test_expected_configs_exist():
 
 
 def test_fp4_guide_configs():
-    """TensorRT-LLM's guide, as published: the NVFP4 70B target over 4 GPUs with its NVFP4 8B draft on a
-    fifth (4 drafted tokens), and gpt-oss-120b with NVIDIA's EAGLE-3 head on one GPU."""
+    """TensorRT-LLM's guide on the guide's hardware (issue #52): the NVFP4 70B target and its NVFP4 8B draft
+    (4 drafted tokens) kept 4-bit on one GPU by fractional shares, or the draft on a GPU of its own; and
+    gpt-oss-120b with NVIDIA's EAGLE-3 head on one GPU."""
     fp4 = AppArgs.model_validate(app_args(CONFIGS / "llama70b_fp4_draft8b.yaml"))
     engine = fp4.engine_config()
-    assert (engine.model, engine.tensor_parallel_size, engine.dtype) == ("nvidia/Llama-3.3-70B-Instruct-FP4", 4,
-                                                                       "bfloat16")
+    assert (engine.model, engine.tensor_parallel_size, engine.dtype, engine.quantized_weights) == (
+        "nvidia/Llama-3.3-70B-Instruct-FP4", 1, "bfloat16", "keep")
     spec = engine.speculative
     assert (spec.method, spec.draft_model, spec.num_speculative_tokens) == (
         "draft_model", "nvidia/Llama-3.1-8B-Instruct-FP4", 4)
-    assert fp4.verifier_options()["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
-    assert fp4.proposer_options()["ray_actor_options"]["num_gpus"] == 1
+    shares = (fp4.verifier_options()["ray_actor_options"]["num_gpus"], fp4.proposer_options()["ray_actor_options"]["num_gpus"])
+    assert shares == (0.75, 0.25)
+    two = AppArgs.model_validate(app_args(CONFIGS / "llama70b_fp4_draft8b_2gpu.yaml"))
+    assert two.engine_config().tensor_parallel_size == 1 and two.engine_config().speculative.draft_model == spec.draft_model
+    assert (two.verifier_options()["ray_actor_options"]["num_gpus"], two.proposer_options()["ray_actor_options"]["num_gpus"]) == (1, 1)
     oss = AppArgs.model_validate(app_args(CONFIGS / "gpt_oss_eagle3.yaml"))
     engine = oss.engine_config()
     assert (engine.model, engine.speculative.method, engine.speculative.draft_model) == (

@@ -3,8 +3,10 @@ its config files alone.
 
 - NVFP4 (NVIDIA ModelOpt, `rayspec.model.formats.nvfp4`): the Linear weights of the decoder layers in
   4-bit E2M1 with an FP8 scale per 16 inputs and one float32 scale per tensor. Loaded on the native
-  path (rayspec.model.native), target and draft alike, at any tensor-parallel size: each weight is
-  dequantized to the engine's dtype as it is read (rayspec.model.weights.checkpoint.load_checkpoint).
+  path (rayspec.model.native), target and draft alike, at any tensor-parallel size: kept 4-bit
+  (`quantized_weights: keep`, the default: rayspec.model.fp4_linear), or each weight dequantized to the
+  engine's dtype as it is read (`dequantize`; rayspec.model.weights.checkpoint.load_checkpoint). Dense
+  projections stored MXFP4 (`<module>.weight_blocks` / `_scales`) load the same two ways.
 - MXFP4 (gpt-oss, `rayspec.model.formats.mxfp4`): the MoE expert weights in E2M1 with a power-of-two
   scale per 32 inputs. Kept 4-bit by the native model (rayspec.model.moe), each expert dequantized when
   used; dequantized at load on the generic path (transformers' gpt_oss).

@@ -65,3 +65,25 @@ def quantized_params(model, quantization) -> dict[int, int]:
         elif module.endswith("experts") and leaf.removesuffix(BLOCKS).removesuffix(SCALES) in EXPERT_PROJECTIONS:
             out[id(param)] = param.numel()  # the native model's packed experts: stored as they are held
     return out
+
+
+@torch.no_grad()
+def fill_dense(param: torch.Tensor, name: str, tensors, shard: tuple[int, int, int] | None) -> None:
+    """Fill a float dense projection `param` ([out, in], or its tp_shard: rows, or inputs in whole groups)
+    named `name` ("<module>.weight") from the checkpoint's MXFP4 `<module>.weight_blocks` [out, in / 32, 16]
+    and `_scales` [out, in / 32] (a checkpoint whose dense projections are MXFP4, read with
+    quantized_weights dequantize). tensors: rayspec.model.weights.checkpoint.CheckpointTensors."""
+    blocks, scales = tensors.read(name + BLOCKS), tensors.read(name + SCALES)
+    if shard is not None:
+        dim, start, stop = shard
+        if dim == 1 and (start % GROUP_SIZE or stop % GROUP_SIZE):
+            raise ValueError(f"{name}: a tensor-parallel slice of inputs {start}..{stop} does not fall on MXFP4's "
+                             f"groups of {GROUP_SIZE}")
+        if dim == 1:
+            start, stop = start // GROUP_SIZE, stop // GROUP_SIZE
+        blocks, scales = blocks.narrow(dim, start, stop - start), scales.narrow(dim, start, stop - start)
+    want = (blocks.shape[0], blocks.shape[1] * GROUP_SIZE)
+    if tuple(param.shape) != want:
+        raise ValueError(f"{name}: the model's parameter has shape {list(param.shape)}, the checkpoint's MXFP4 "
+                         f"weight dequantizes to {list(want)}")
+    param.copy_(dequantize(blocks.to(param.device), scales.to(param.device), param.dtype))

@@ -1,7 +1,8 @@
 """A checkpoint streamed into a built model, tensor by tensor: each parameter is read from its
 file (safetensors with positioned reads, or a memory-mapped pytorch_model*.bin), cast and copied to
-its device, so a load never holds the weights twice. NVFP4 weights are dequantized as they are read
-(rayspec.model.formats); MXFP4 experts (gpt-oss) load as codes and scales into a model that keeps them so,
+its device, so a load never holds the weights twice. 4-bit projections (NVFP4, MXFP4) load as stored into a
+model that keeps them so (rayspec.model.fp4_linear), or are dequantized as they are read (rayspec.model.formats);
+MXFP4 experts (gpt-oss) load as codes and scales into a model that keeps them so,
 or dequantized into one with float experts (rayspec.model.moe)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rayspec.model import moe
-from rayspec.model.formats import nvfp4
+from rayspec.model.formats import mxfp4, nvfp4
 from rayspec.model.native import CausalLM
 from rayspec.model.weights.files import torch_load, weight_files
 from rayspec.progress import progress_bar
@@ -107,7 +108,10 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
         mx_float = {name: blocks for name, blocks in moe.dequantized_names(tensors.names()).items()
                     if name in params} if tensors is not None else {}
         for name, blocks in mx_float.items():
-            moe.fill_dequantized(params[name], name, tensors, _shard_of(params[name]))
+            if params[name].dim() == 2:  # a dense projection's "<module>.weight" from "<module>.weight_blocks"
+                mxfp4.fill_dense(params[name], name, tensors, _shard_of(params[name]))
+            else:
+                moe.fill_dequantized(params[name], name, tensors, _shard_of(params[name]))
             filled.add(name)
         for path in files:
             if fmt == "safetensors":
@@ -115,8 +119,11 @@ def load_checkpoint(model: CausalLM, model_dir: Path) -> None:
                     names = reader.names()
                     bar.update(path.stat().st_size - sum(reader.nbytes(name) for name in names))  # the header
                     for name in names:  # in file order: reads go forward through the file
-                        if name in quantized and name in params:
-                            nvfp4.fill(params[name], name, tensors, _shard_of(params[name]))
+                        if name in quantized and name in params and params[name].dtype != torch.uint8:
+                            nvfp4.fill(params[name], name, tensors, _shard_of(params[name]))  # dequantized
+                            filled.add(name)
+                        elif name in params and params[name].dim() == 0:  # a scalar ([] or [1] as stored)
+                            params[name].copy_(reader.read(name).reshape(()))
                             filled.add(name)
                         elif name in params:
                             buffer = buffer if buffer is not None else bytearray(READ_CHUNK_BYTES)
