@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from rayspec.model import fp4_linear  # noqa: E402
 from rayspec.model.fp4_linear import FP4Linear  # noqa: E402
+
+import fp4_gpu_check  # noqa: E402 - beside this script (its folded checks, its timer)
 
 # (name, format, out_features, in_features)
 SHAPES = {
@@ -58,24 +59,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_ms(fn, device: str, reps: int, warmup: int = 3) -> float:
-    """Median ms of `fn` (CUDA events on a GPU, the wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+time_ms = fp4_gpu_check.time_ms  # median ms of fn: CUDA events on a GPU, the wall clock on CPU
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:
@@ -259,7 +243,6 @@ def main(argv=None) -> int:
     report["decode"] = bench_decode(device, dims, report["copy_gb_s"], reps=5 if args.dry_run else 20,
                                     compile_step=args.compile and not args.dry_run, context=32 if args.dry_run else 512)
     if not args.skip_folded:
-        import fp4_gpu_check
 
         small = args.dry_run
         report["nvfp4_load"] = fp4_gpu_check.check_nvfp4_load(device, hidden=128 if small else 2048,
