@@ -28,11 +28,11 @@ torch.set_num_threads(int(os.environ.get("RAYSPEC_TEST_THREADS", "1")))
 TEST_COMPILE = True if os.environ.get("RAYSPEC_TEST_COMPILE", "").strip() in ("1", "true") else None
 
 
-def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = False,
+def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: bool = True,
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
                 kv_cache_memory_gb: float = 2.0, measured_costs: bool = False,
                 max_num_batched_tokens: int | None = 2048, engine_seed: int | None = None,
-                enable_prefix_caching: bool = False, **spec) -> LLMEngine:
+                enable_prefix_caching: bool = True, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
     Unlike EngineConfig's defaults (and the served fixture, serve_utils.tiny_args), the adaptive draft
     planner and prefix caching are off unless a test asks: with them on as defaults here, ~60 of the
