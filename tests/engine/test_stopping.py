@@ -143,7 +143,8 @@ def test_exact_max_tokens_when_every_draft_is_accepted(tiny_model_dir, tiny, bas
     k = 5
     prompt_ids = tiny[1].encode(PROMPT)
     proposer = OracleProposer(len(prompt_ids), tokens + [0] * 10)
-    engine = make_engine(tiny_model_dir, "ngram", k=k, loaded=tiny, proposer=proposer)
+    # adaptive off: counts the steps of a fixed budget of k (the planner ramps its budget up first)
+    engine = make_engine(tiny_model_dir, "ngram", k=k, loaded=tiny, proposer=proposer, adaptive=False)
     (out,) = engine.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     assert out.finish_reason == "length"
     assert out.token_ids == tokens[:max_tokens]
