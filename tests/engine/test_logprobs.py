@@ -17,7 +17,9 @@ PROMPTS = [
 METHODS = [
     ("none", dict(method="none")),
     ("ngram", dict(method="ngram", k=4, prompt_lookup_min=1, prompt_lookup_max=3)),
-    ("draft-self-1layer", dict(method="draft_model", k=3, draft_num_layers=1)),
+    # adaptive off: the test needs logprobs of accepted drafts, and with the planner on the one-layer
+    # self-draft's first drafts were all rejected and the planner stopped drafting (greedy)
+    ("draft-self-1layer", dict(method="draft_model", k=3, draft_num_layers=1, adaptive=False)),
 ]
 
 

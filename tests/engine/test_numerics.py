@@ -107,6 +107,9 @@ def test_speculation_equals_target_only_in_reduced_precision(bf16_target, tmp_pa
 
         head = oracle_head(bf16_target, 3, 64, [p[-1:] + r.token_ids for p, r in zip(prompts, reference)], kind=method)
         spec["draft_model"] = str(save_eagle_head(head, tmp_path / "head", dtype=torch.float32))
+        # adaptive off: long accepted paths are asserted below (mean accepted length > 1.5), and the
+        # planner cut the budgets of the heads' chains to 2 here (accepted length ~1.47 in bfloat16)
+        spec["adaptive"] = False
     engine = make_engine(bf16_target, method, k=4, loaded=loaded, max_num_seqs=8, **spec)
     assert engine.dtype == getattr(torch, dtype)
     together = engine.generate(prompts, params)
