@@ -108,8 +108,10 @@ def _check(steps, batch: int) -> list[int]:
 def test_eagle3_tree_step_batch1(smollm2, smollm2_loaded, k, depth):
     """configs/default.yaml's tree (topk 2, stop rule, prompt-lookup branch), batch 1, growing on
     the device (the path every device but the CPU takes): the same reads at depth 4 and 6."""
+    # adaptive off: the audit needs tree steps with accepted drafts at every depth asked, and with the
+    # planner on the first trees of these prompts were all rejected and it stopped drafting (3 drafts)
     engine = make_engine(smollm2, "eagle3", k=k, loaded=smollm2_loaded, draft_model=HEAD, eagle_topk=2,
-                         num_steps=depth, eagle_stop_prob=0.2, eagle_prompt_lookup=5, max_num_seqs=1)
+                         num_steps=depth, eagle_stop_prob=0.2, eagle_prompt_lookup=5, max_num_seqs=1, adaptive=False)
     engine.proposer.early_exit_reads = False
     reads = _check(audit_decode_steps(engine, PROMPTS[:2], GREEDY), 1)
     assert max(reads) == 2

@@ -432,12 +432,14 @@ def sample_continuations(engine, target: Target, n: int) -> list[tuple[int, ...]
 
 def _engine(target_dir, loaded, method="ngram", proposer=None, engine_seed: int = 1, **spec):
     """method: ignored with a `proposer` (any other than "none", which would set k to 0)."""
-    # trees at any batch size (tree_max_batch), a large batch for throughput, fixed k (adaptive off).
+    # trees at any batch size (tree_max_batch), a large batch for throughput, fixed k (adaptive off:
+    # the exact engine model, `engine_distribution`, replays a step schedule of min(k, tokens left - 1)
+    # drafts, and the runs assert every draft position and sibling outcome many times).
     # max_model_len 64, not the 28 tokens needed: the EAGLE proposer's catch-up forward pads every row
     # to the longest (a just-admitted prompt) and raises CacheFullError when that runs past the cache
     # end of a sequence deep in its context (the draft_model proposer splits such batches)
     return make_engine(target_dir, method, k=K, loaded=loaded, proposer=proposer, max_model_len=64,
-                       max_num_seqs=WAVE, tree_max_batch=WAVE, engine_seed=engine_seed, **spec)
+                       max_num_seqs=WAVE, tree_max_batch=WAVE, engine_seed=engine_seed, adaptive=False, **spec)
 
 
 def _record_shapes(engine) -> Counter:
