@@ -34,10 +34,11 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
                 max_num_batched_tokens: int | None = 2048, engine_seed: int | None = None,
                 enable_prefix_caching: bool = True, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
-    Unlike EngineConfig's defaults (and the served fixture, serve_utils.tiny_args), the adaptive draft
-    planner and prefix caching are off unless a test asks: with them on as defaults here, ~60 of the
-    engine tier's tests failed (counts of drafts and of cached blocks written for fixed budgets; issue
-    #53 item 5, not finished: each such test would turn them off and say why).
+    The production defaults are on, as in EngineConfig and the served fixture (serve_utils.tiny_args):
+    the adaptive draft planner and prefix caching (issue #53, item 5). A test that needs one off
+    passes `adaptive=False` / `enable_prefix_caching=False` with a comment saying why (typically: it
+    counts the drafts, steps or cached blocks of a fixed budget, or needs drafts verified on every
+    step where the planner would stop drafting after the first rejections).
     engine_seed: EngineConfig.seed (unseeded sampled requests draw reproducible streams).
 
     With `adaptive`, the draft planner weighs modelled step costs (MODELLED_COSTS, the config's
