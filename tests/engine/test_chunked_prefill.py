@@ -65,7 +65,9 @@ def _engine(target_dir, target, method, budget, draft_dir=None, head_dir=None, *
     if method == "draft_model":  # the target's first 3 of 4 layers: often right, not always
         spec.update(draft_model=str(target_dir), draft_num_layers=3)
     elif method == "eagle3":
-        spec.update(draft_model=str(head_dir), eagle_topk=2, tree_max_batch=8)
+        # adaptive off: long accepted tree paths are asserted (mean accepted length > 1.5), and the
+        # planner cut the oracle head's budgets (accepted length 1.19 with it on)
+        spec.update(draft_model=str(head_dir), eagle_topk=2, tree_max_batch=8, adaptive=False)
     return make_engine(target_dir, method, k=4, loaded=target, max_num_batched_tokens=budget, **spec, **kw)
 
 

@@ -128,6 +128,9 @@ def test_greedy_equals_transformers(family, eagle3_head, method, spec):
     spec = dict(spec)
     if method == "eagle3":
         spec["draft_model"] = str(eagle3_head)
+    # adaptive off: verification must accept and reject drafts in every family (asserted below), and
+    # on these random models the planner stopped drafting after its first few drafts (or made none)
+    spec["adaptive"] = False
     alone = run_alone(make_engine(path, loaded=loaded, **spec), PROMPTS, GREEDY)
     # batched, with prefill in chunks of 16 tokens (rows whose window starts past the first key)
     engine = make_engine(path, loaded=loaded, max_num_batched_tokens=16, **spec)

@@ -134,7 +134,9 @@ METHODS = [
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_generic_greedy_matches_transformers(model_dirs, arch, name, method, draft, spec, mode):
     target, other = model_dirs[arch]
-    engine = _engine(target, method, draft=other if draft == "other" else draft, **spec)
+    # adaptive off: verification must accept and reject drafts on every architecture (asserted below),
+    # and on these random models the planner stopped drafting after its first 4-5 drafts
+    engine = _engine(target, method, draft=other if draft == "other" else draft, adaptive=False, **spec)
     run = run_alone if mode == "alone" else run_batch
     got = run(engine, PROMPTS, PARAMS)
     for i, prompt in enumerate(PROMPTS):

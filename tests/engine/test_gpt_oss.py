@@ -281,6 +281,9 @@ def test_greedy_equals_transformers(oss, eagle3_head, method, spec):
     if method == "eagle3":
         spec["draft_model"] = str(eagle3_head)
     path, reference = oss["dirs"]["float"], oss["reference"]
+    # adaptive off: drafts made (and accepted, but for the random head) are asserted, and on this random
+    # model the planner made none for the n-gram proposer
+    spec["adaptive"] = False
     assert run_alone(make_engine(path, loaded=oss["native"], **spec), PROMPTS, GREEDY) == reference
     engine = make_engine(oss["dirs"]["mxfp4"], loaded=oss["packed"], max_num_batched_tokens=8, **spec)
     assert run_batch(engine, PROMPTS, GREEDY) == reference
@@ -300,8 +303,10 @@ def test_compiled_step_equals_transformers(oss, monkeypatch):
     from rayspec.model.compiled import CompiledForward
 
     monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
+    # adaptive off: the n-gram verification forwards must run through the compiled step (accepted
+    # drafts asserted), and on this random model the planner made no draft
     engine = make_engine(oss["dirs"]["float"], "ngram", k=3, loaded=oss["native"], prompt_lookup_min=1,
-                         prompt_lookup_max=3)
+                         prompt_lookup_max=3, adaptive=False)
     engine.runner.set_compile(True)
     assert engine.runner.compiled is not None
     params = SamplingParams(temperature=0, max_tokens=12)  # (a prefix of the reference's 24)

@@ -32,7 +32,10 @@ def test_rank_verdicts():
 def _engine(target, draft_model, k, hypotheses, background):
     inner = DraftModelProposer(draft_model, max_model_len=256, num_slots=8, max_draft_tokens=k)
     proposer = PreDraftingProposer(inner, hypotheses, max_model_len=256, background=background)
-    return make_engine(target, "draft_model", k=k, loaded=cached_model(target), proposer=proposer), proposer
+    # adaptive off: hits in the speculation cache are asserted, and the cache holds drafts of the full
+    # budget k; with the planner on, SmolLM2's budgets were cut and no pre-draft was hit
+    return make_engine(target, "draft_model", k=k, loaded=cached_model(target), proposer=proposer,
+                       adaptive=False), proposer
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
@@ -94,8 +97,10 @@ def eagle_setup(tmp_path_factory):
 @pytest.mark.parametrize("topk", [1, 4], ids=["chain", "tree"])
 def test_eagle3_greedy_matches_target(eagle_setup, topk, background):
     target, head, prompts = eagle_setup
+    # adaptive off: hits in the speculation cache are asserted (inline), and with the planner on the
+    # tree run's budgets changed and no pre-draft was hit
     engine = make_engine(target, "eagle3", k=4, loaded=cached_model(target), draft_model=head, eagle_topk=topk,
-                         num_steps=3, tree_max_batch=8)
+                         num_steps=3, tree_max_batch=8, adaptive=False)
     proposer = PreDraftingProposer(engine.proposer, 4, max_model_len=256, background=background)
     engine.proposer = proposer
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
