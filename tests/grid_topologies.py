@@ -139,8 +139,13 @@ def kv_budget_gb(loaded, spec: dict, model_dir, blocks: int, block_size: int) ->
 def build_engine(column: str, proposer: str, model_dir, loaded, heads, seed: int, max_num_seqs: int = 32):
     """An engine of the column's topology with the proposer (and what to close after)."""
     spec, k = _proposer_spec(proposer, model_dir, heads), _k(proposer)
+    # adaptive off (here and in the EngineConfig below): a cell audits the draws of drafts verified (more
+    # than a quarter of its requests, and the fault of its topology must show in them), and at these
+    # settings the planner on modelled costs (make_engine's default) drafted little or nothing. The
+    # planner's budgets under sampling: test_sampling_distribution.py's -costaware case. Prefix caching
+    # stays on (make_engine's default) where make_engine builds the engine.
     common = dict(k=k, loaded=loaded, max_model_len=128, max_num_seqs=max_num_seqs, tree_max_batch=max_num_seqs,
-                  engine_seed=seed)
+                  engine_seed=seed, adaptive=False)
     closing = []
     if column in ("tp2", "bf16", "compiled"):
         config = EngineConfig(model=str(model_dir), device="cpu", max_model_len=128, max_num_seqs=max_num_seqs,
