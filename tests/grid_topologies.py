@@ -179,6 +179,16 @@ def build_engine(column: str, proposer: str, model_dir, loaded, heads, seed: int
         engine = make_engine(model_dir, enable_prefix_caching=True, **common, **spec)
     else:
         engine = make_engine(model_dir, **common, **spec)
+    if column == "deferred":  # drafts left on the device until the verdict's read (counted)
+        engine.config.defer_draft_reads = True
+        engine.num_deferred, propose = 0, engine.proposer.propose
+
+        def counted(requests, **kw):
+            drafts = propose(requests, **kw)
+            engine.num_deferred += sum(d.deferred is not None for d in drafts)
+            return drafts
+
+        engine.proposer.propose = counted
     if column == "async":
         from rayspec.proposers.pre_draft import PreDraftingProposer
 
@@ -383,6 +393,21 @@ def _fault_penalties(engine, monkeypatch):
                         lambda num_pending, tokens, parents: [[] for _ in range(num_pending + len(tokens))])
 
 
+def _fault_deferred(engine, monkeypatch):
+    """Deferred drafts verified with their tokens rotated by one (the read hands back the true ones)."""
+    import rayspec.engine.llm_engine as llm_engine
+
+    inputs = llm_engine.verification_inputs
+
+    def rotated(proposal, device):
+        for d in proposal.drafts:
+            if d.deferred is not None and d.deferred.num_nodes > 1:
+                d.deferred.tokens = d.deferred.tokens.roll(1)
+        return inputs(proposal, device)
+
+    monkeypatch.setattr(llm_engine, "verification_inputs", rotated)
+
+
 def _fault_stop(engine, monkeypatch):
     """A step's emitted tokens all kept, past the stop string's."""
     from rayspec.engine.sequence import Sequence
@@ -413,6 +438,7 @@ FAULTS = {
     "structured": (_fault_structured, "rows"),
     "penalties": (_fault_penalties, "rows"),
     "stop": (_fault_stop, "stops"),
+    "deferred": (_fault_deferred, "rows"),
 }
 
 def check_stops(outputs: dict, tokenizer) -> None:

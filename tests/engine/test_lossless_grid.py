@@ -19,14 +19,14 @@ verification's outcome, each sampled draft token; 500-1,000 outcomes a cell) and
 
 The grid (proposers x topologies; x: a cell of test_cell; EAGLE-3 trees in every column):
 
-| proposer      | TP 2 | preempt | chunked | prefix hit | compiled | bf16 | remote | async | failover | structured | penalties | stop |
-|---------------|------|---------|---------|------------|----------|------|--------|-------|----------|------------|-----------|------|
-| n-gram        |  x   |         |         |     x      |    x     |      |        |       |          |     x      |           |      |
-| draft model   |      |    x    |         |            |          |  x   |   x    |   x   |          |            |           |  x   |
-| EAGLE-1 chain |      |         |    x    |            |          |      |        |       |          |            |           |      |
-| EAGLE-1 tree  |      |         |         |            |          |      |        |       |    x     |            |           |      |
-| EAGLE-3 chain |      |         |         |            |          |      |        |       |          |            |     x     |      |
-| EAGLE-3 tree  |  x   |    x    |    x    |     x      |    x     |  x   |   x    |   x   |    x     |     x      |     x     |  x   |
+| proposer      | TP 2 | preempt | chunked | prefix hit | compiled | bf16 | remote | async | failover | structured | penalties | stop | deferred |
+|---------------|------|---------|---------|------------|----------|------|--------|-------|----------|------------|-----------|------|----------|
+| n-gram        |  x   |         |         |     x      |    x     |      |        |       |          |     x      |           |      |          |
+| draft model   |      |    x    |         |            |          |  x   |   x    |   x   |          |            |           |  x   |          |
+| EAGLE-1 chain |      |         |    x    |            |          |      |        |       |          |            |           |      |          |
+| EAGLE-1 tree  |      |         |         |            |          |      |        |       |    x     |            |           |      |    x     |
+| EAGLE-3 chain |      |         |         |            |          |      |        |       |          |            |     x     |      |          |
+| EAGLE-3 tree  |  x   |    x    |    x    |     x      |    x     |  x   |   x    |   x   |    x     |     x      |     x     |  x   |    x     |
 
 EAGLE-3 trees: up to 5 nodes, 3 siblings at a node, 3 levels (3 live siblings asserted per cell).
 The draft model is the target's first layer; the heads are oracle heads (tests/eagle_utils.py).
@@ -54,7 +54,9 @@ asserted in column_ran):
 - penalties: frequency, presence and repetition penalties and a logit bias, each row processed
   by the reference in its own path's context;
 - stop: stop strings; each output's text ends before the first occurrence of one, and no token
-  after the one completing it is kept (check_stops).
+  after the one completing it is kept (check_stops);
+- deferred: defer_draft_reads on (issue #50: the drafts stay on the device until the verdict's one
+  read, their tokens and tree layout placed there; rayspec.engine.deferred_verify), counted.
 
 Tolerance (check 1): on the common support, the log-probabilities may differ by 8 tau / T after
 renormalising, tau the largest gap between transformers' own forward in the engine's dtype and its
@@ -88,6 +90,7 @@ fails; tests/grid_topologies.FAULTS):
 | structured | the grammar's mask left out of the draft rows                                | rows      |
 | penalties  | each row penalised for the committed output only, not the drafts before it   | rows      |
 | stop       | a step's emitted tokens all kept, past the stop string's                     | stops     |
+| deferred   | deferred drafts verified with their tokens rotated by one                    | rows      |
 The remote and async faults need a q, which only sampled drafts carry: a token tree of point masses
 is verified losslessly whatever the proposer drafts, so no proposer-side fault of those columns can
 break the EAGLE-3 tree cells there, and they have none.
@@ -115,10 +118,10 @@ TEXTS = ["one two three four one two three four one two", "The cat sat on the ma
          "a b c a b c a b c", "Hello world, hello world, hello"]
 NUM_REQUESTS = 64
 COLUMNS = ["tp2", "preempt", "chunked", "prefix", "compiled", "bf16", "remote", "async", "failover", "structured",
-           "penalties", "stop"]
+           "penalties", "stop", "deferred"]
 SECOND = {"tp2": "ngram", "preempt": "draft", "chunked": "eagle1-chain", "prefix": "ngram", "compiled": "ngram",
           "bf16": "draft", "remote": "draft", "async": "draft", "failover": "eagle1-tree", "structured": "ngram",
-          "penalties": "eagle3-chain", "stop": "draft"}
+          "penalties": "eagle3-chain", "stop": "draft", "deferred": "eagle1-tree"}
 CELLS = [(c, p) for c in COLUMNS for p in ("eagle3-tree", SECOND[c])]
 ALPHA = 1e-3 / (2 * len(CELLS))  # Bonferroni over every law test of the module
 MAX_TV_099 = 0.5  # each cell's check 3 detects both shapes with power 0.99 below this per-outcome TV
@@ -336,6 +339,8 @@ def column_ran(column, engine, draws, done, resumed, tokenizer) -> None:
     elif column == "structured":
         for out in done.values():
             assert re.fullmatch(r"[a-z ]{1,24}", out.text), out.text
+    elif column == "deferred":
+        assert engine.config.defer_draft_reads and engine.num_deferred > NUM_REQUESTS, engine.num_deferred
     elif column == "stop":
         check_stops(done, tokenizer)
         reasons = [o.finish_reason for o in done.values()]
