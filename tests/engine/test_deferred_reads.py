@@ -146,3 +146,26 @@ def test_sampled_output_is_the_same_draw_for_draw(smollm2, loaded, topk):
     assert outs[0] == outs[1]
     assert len({tuple(o) for o in outs[0]}) == 3
     assert np.mean([len(o) for o in outs[0]]) > 4
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["host", "deferred"])
+def test_depth_six_trees_greedy_output_is_the_targets(smollm2, loaded, defer):
+    """EAGLE-3 trees 6 levels deep (topk 2, 12 nodes, stop rule off so every level grows, the lookup
+    branch on), alone and batched: target-only decoding's output; some cycle accepts 4 or more drafts."""
+    engine = make_engine(smollm2, "eagle3", k=12, loaded=loaded, draft_model=HEAD, eagle_topk=2, num_steps=6,
+                         eagle_prompt_lookup=5, tree_max_batch=8)
+    engine.config.defer_draft_reads = defer
+    prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in TEXTS[2:4]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = run_alone(make_engine(smollm2, "none", loaded=loaded), prompts, params)
+    accepted = []
+    take = engine._take_tokens
+
+    def spy(seq, draft, asked, tree, num_pending, emitted, rows, raw_logits):
+        accepted.append(len(emitted) - 1)
+        return take(seq, draft, asked, tree, num_pending, emitted, rows, raw_logits)
+
+    engine._take_tokens = spy
+    assert run_alone(engine, prompts, params) == want
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert max(accepted) >= 4, accepted
