@@ -42,7 +42,8 @@ from rayspec.engine.outputs import (EngineOverloadedError, InvalidGrammarError, 
                                     RequestOutput, request_output)
 from rayspec.engine.scheduler import ScheduledStep, Scheduler
 from rayspec.engine.sequence import IncrementalDetokenizer, Sequence
-from rayspec.engine.warm_up import calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees, time_decode
+from rayspec.engine.warm_up import (calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees,
+                                    time_decode, verification_rows)
 from rayspec.memory.malloc import keep_freed_memory
 from rayspec.model.batch_layout import packed_offsets, prefill_groups
 from rayspec.model.compiled import default_compile
@@ -115,7 +116,8 @@ class LLMEngine:
                                            enable_prefix_caching=config.enable_prefix_caching),
                                    self._proposer, self.max_k, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention,
-                                  batch_invariant=default_batch_invariant(config, model, self.device))
+                                  batch_invariant=default_batch_invariant(config, model, self.device),
+                                  max_compiled_rows=verification_rows(config.max_num_seqs, self.max_k))
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()

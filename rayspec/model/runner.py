@@ -16,7 +16,7 @@ import torch
 from rayspec.device_io import to_device
 from rayspec.model.batch_layout import (TreeQuery, add_tree_depths, additive_mask, last_rows, pad_rows,
                                         sliding_window_mask, tree_layout_host)
-from rayspec.model.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
+from rayspec.model.compiled import KV_BUCKET, MAX_ROWS, CompiledForward, bucket, compilable, round_up
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
 from rayspec.model.native import CausalLM
@@ -36,7 +36,7 @@ def make_runner(model: CausalLM, max_model_len: int, num_slots: int, slack: int,
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVSpace, compile: bool = False, paged_attention: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, max_compiled_rows: int = MAX_ROWS):
         """kv: the books of the pool this runner's cache tensors hold (its owner's).
         batch_invariant: decode and verification forwards (`static`) compute each row with the bits a
         1-row decode of it gives (EngineConfig.batch_invariant): the model's projections on a
@@ -55,8 +55,9 @@ class ModelRunner:
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
         self.batch_invariant = batch_invariant
-        # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it
-        self.compiled = None
+        # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it, up
+        # to max_compiled_rows padded rows (batch x rows)
+        self.compiled, self.max_compiled_rows = None, max_compiled_rows
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
         # than gathering each row's keys and masking them densely
@@ -76,7 +77,7 @@ class ModelRunner:
         if not on:
             self.compiled = None
         elif self.compiled is None and compilable(self.model) and not self.batch_invariant:
-            self.compiled = CompiledForward(self.model, self.device)
+            self.compiled = CompiledForward(self.model, self.device, self.max_compiled_rows)
 
     def apply_moves(self) -> None:
         """Move the rows the books queued (copy-on-write, a relocated prefix, accepted tree paths) on
