@@ -107,13 +107,19 @@ def loaded(smollm2):
 
 
 def _engine(smollm2, loaded, defer: bool, topk: int, **extra):
-    engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=topk, num_steps=4,
-                         eagle_stop_prob=0.2, eagle_prompt_lookup=5 if topk > 1 else 0, tree_max_batch=8, **extra)
+    """EAGLE-3 trees (topk 2) or chains (topk 1) with the shipped head; topk 0: a 2-layer draft model."""
+    if topk == 0:
+        engine = make_engine(smollm2, "draft_model", k=4, loaded=loaded, draft_model=smollm2, draft_num_layers=2,
+                             **extra)
+    else:
+        engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=topk, num_steps=4,
+                             eagle_stop_prob=0.2, eagle_prompt_lookup=5 if topk > 1 else 0, tree_max_batch=8,
+                             **extra)
     engine.config.defer_draft_reads = defer
     return engine
 
 
-@pytest.mark.parametrize("topk", [2, 1], ids=["trees", "chains"])
+@pytest.mark.parametrize("topk", [2, 1, 0], ids=["trees", "chains", "draft-model"])
 def test_greedy_output_is_the_targets_with_joins_prefix_hits_and_preemption(smollm2, loaded, topk):
     """Greedy, with defer_draft_reads on: alone, joining mid-decode with prefix-cache hits, and in
     a pool small enough to preempt, the output is target-only decoding's; accepted drafts counted."""
@@ -132,7 +138,7 @@ def test_greedy_output_is_the_targets_with_joins_prefix_hits_and_preemption(smol
     assert engine.stats.num_accepted_tokens > 0 and small.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("topk", [2, 1], ids=["trees", "chains"])
+@pytest.mark.parametrize("topk", [2, 1, 0], ids=["trees", "chains", "draft-model"])
 def test_sampled_output_is_the_same_draw_for_draw(smollm2, loaded, topk):
     """Unseeded T = 1 requests from an engine seed (reproducible streams): deferring changes no draw,
     so the outputs equal the ones without it token for token (the drafts, rows and rule are the same;
