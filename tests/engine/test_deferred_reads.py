@@ -175,3 +175,26 @@ def test_depth_six_trees_greedy_output_is_the_targets(smollm2, loaded, defer):
     assert run_alone(engine, prompts, params) == want
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     assert max(accepted) >= 4, accepted
+
+
+def test_compiled_step_with_deferred_drafts_is_the_targets(smollm2, loaded, monkeypatch):
+    """The compiled step (traced with aot_eager, as test_lossless_grid's compiled column: the padded
+    buckets, a deferred tree's device mask and depths placed into the static batch) verifies deferred
+    EAGLE-3 trees into target-only greedy output (a batch of 2; its last steps run one sequence)."""
+    from rayspec.config import EngineConfig, SpeculativeConfig
+    from rayspec.engine.llm_engine import LLMEngine
+    from rayspec.model.compiled import CompiledForward
+
+    monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
+    config = EngineConfig(model=smollm2, max_model_len=256, max_num_seqs=2, kv_cache_memory_gb=1.0, compile=True,
+                          defer_draft_reads=True,
+                          speculative=SpeculativeConfig(method="eagle3", draft_model=HEAD, num_speculative_tokens=8,
+                                                        eagle_topk=2, num_steps=4, eagle_prompt_lookup=5,
+                                                        adaptive=False))
+    engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1])
+    assert engine.runner.compiled is not None
+    prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in TEXTS[2:4]]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    want = run_alone(make_engine(smollm2, "none", loaded=loaded), prompts, params)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert engine.stats.num_accepted_tokens > 0 and any(r > 1 for _, r in engine.runner.compiled.shapes)
