@@ -388,6 +388,10 @@ def plot(path: Path) -> None:
             if r["batch"] == b and r["config"] == "target compiled":
                 ax.axhline(r["tok_s"], linestyle="--", color=ax.lines[-1].get_color() if ax.lines else None,
                            label=f"target alone, batch {b}")
+        for r in RESULTS.get("forward_only", []):
+            if r["batch"] == b:
+                ax.axhline(r["tok_s"], linestyle=":", color=ax.lines[-1].get_color() if ax.lines else None,
+                           label=f"forward-only step, batch {b}")
     ax.set_xlabel("achieved acceptance length (tokens per cycle)")
     ax.set_ylabel("output tok/s (steady decode)")
     ax.set_yscale("log")
@@ -499,7 +503,8 @@ def main() -> None:
                     engine.proposer.references = {f"{tag_of(run_label, b)}-{i}": prompts[i] + outs[i]
                                                   for b, outs in reference.items() for i in range(b)}
                     run_engine(a, engine, prompts, run_label, refs, out,
-                               extra={"acceptance_target": length, "p_per_node": round(p, 4)})
+                               extra={"acceptance_target": length, "p_per_node": round(p, 4),
+                                      "reachable": length <= 1 + min(a.depth, a.nodes)})
         engine = None
     RESULTS["summary"] = summary(a)
     RESULTS["summary"]["wall_s"] = round(phases.elapsed(), 1)
