@@ -26,10 +26,16 @@ log "writing the random model ($SHAPE) to $MODEL_DIR"
 "$PY" benchmarks/gpu_serve.py random-model --out "$MODEL_DIR" --shape "$SHAPE"
 "$PY" benchmarks/gpu_serve.py prompts --out "$MODEL_DIR/prompts.jsonl" --vocab "$VOCAB" --words "$WORDS" --num "$NUM"
 log "serving the target alone (the config's app with speculation off) on port $PORT"
-setsid "$PY" benchmarks/gpu_serve.py serve --config "$CONFIG" --apps baseline --port "$PORT" --model "$MODEL_DIR" \
+# (no setsid: on the GPU machine whatever a command leaves running is ended when it returns)
+"$PY" benchmarks/gpu_serve.py serve --config "$CONFIG" --apps baseline --port "$PORT" --model "$MODEL_DIR" \
   --num-gpus "$GPUS" --kv-cache-memory-gb "$KV_GB" --ray-num-cpus 8 > "$OUT/serve.log" 2>&1 &
 SERVER=$!
-trap 'kill -TERM -- -$SERVER 2>/dev/null || true' EXIT
+stop() {  # SIGTERM: the server shuts Serve and its Ray down; SIGKILL if that takes over 60 s
+  kill -TERM "$SERVER" 2>/dev/null || return 0
+  for _ in $(seq 1 60); do kill -0 "$SERVER" 2>/dev/null || return 0; sleep 1; done
+  log "the server did not stop in 60 s: SIGKILL"; kill -KILL "$SERVER" 2>/dev/null || true
+}
+trap stop EXIT
 for _ in $(seq 1 200); do
   curl -sf "http://127.0.0.1:$PORT/baseline/v1/models" > /dev/null && break
   kill -0 "$SERVER" 2>/dev/null || { tail -50 "$OUT/serve.log"; log "the server exited"; exit 1; }
