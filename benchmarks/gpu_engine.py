@@ -1,5 +1,8 @@
 """The engine end to end on one GPU (issue #50 item 1): tokens out of `LLMEngine`, not a forward alone.
 
+(Over 500 lines: one prepared GPU run, its oracle proposer, per-step timing and profiling, table and plot
+in one file, so the device machine runs one script.)
+
 One process, no network, no Ray, random bfloat16 weights of Llama-3.1-8B's shapes (built from the shape
 table of benchmarks/gpu_roofline.py, no download). 1k-token prompts, 256 output tokens, batch 1, 8 and 32.
 Phases, in this order (each printed with its elapsed seconds; each result written to the JSON as soon as
