@@ -42,6 +42,7 @@ compile warm-up + ~15 s runs + ~5 s forward-only, phase 3 ~60-130 s warm-up (the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -294,6 +295,7 @@ class Phases:
         except Exception as err:  # noqa: BLE001 (one phase failing must not lose the others)
             record(self.out, "phases", {"phase": name, "seconds": round(time.perf_counter() - t, 1), "error": repr(err)[:2000]})
             record(self.out, "errors", {"case": name, "error": repr(err)[:2000], "trace": traceback.format_exc()[-3000:]})
+        gc.collect()  # (an engine dropped by the phase: its KV pool and graphs go before the next is built)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
