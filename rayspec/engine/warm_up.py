@@ -11,7 +11,7 @@ import torch
 
 from rayspec.device_io import to_host
 from rayspec.engine.drafting import MeasuredCosts
-from rayspec.model.compiled import bucket
+from rayspec.model.compiled import MAX_ROWS, bucket
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,12 @@ def keep_compiled_step(engine) -> bool:
     engine.runner.compiled, engine.compile = None, False
     engine.proposer.set_compile(False)
     return False
+
+
+def verification_rows(max_num_seqs: int, max_k: int) -> int:
+    """The compiled step's most padded rows: every batch bucket up to max_num_seqs at the verification's
+    rows (1 + max_k, bucketed), and never fewer than rayspec.model.compiled.MAX_ROWS."""
+    return max(MAX_ROWS, bucket(max_num_seqs) * bucket(1 + max_k))
 
 
 def compile_buckets(engine) -> list[tuple[int, int]]:

@@ -20,13 +20,17 @@ class TreeQuery:
     first: this forward computes nodes first..first+len(tokens)-1; earlier ones are cached.
     Or, for a tree whose shape only the device knows (an EAGLE head growing its draft tree there):
     depths[j], node j's depth (0: hangs from the prefix), and sees, [computed nodes, nodes so far]
-    bool on the device: which nodes each computed node attends to (its ancestors and itself).
+    bool on the device: which nodes each computed node attends to (its ancestors and itself); with
+    depth_add, the depths too are completed on the device (first = 0).
     """
 
     parents: list[int] | None
     first: int = 0
     depths: list[int] | None = None
     sees: torch.Tensor | None = None
+    # [num_nodes] long on the device, added to the nodes' rope positions (depths then hold placeholders):
+    # a verification tree whose depths only the device knows (rayspec.engine.deferred_verify)
+    depth_add: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -164,3 +168,11 @@ def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     (idx,) = to_device(np.asarray([b * Q + n - 1 for b, n in enumerate(lengths)], dtype=np.int64),
                        device=hidden.device)
     return hidden.reshape(B * Q, *hidden.shape[2:]).index_select(0, idx)
+
+
+def add_tree_depths(positions: torch.Tensor, trees: list[TreeQuery] | None) -> None:
+    """positions: [B(+padding), Q] rope positions on the device, in place: each tree's depth_add on
+    its nodes' rows."""
+    for b, tree in enumerate(trees or []):
+        if tree.depth_add is not None:
+            positions[b, : tree.depth_add.shape[0]] += tree.depth_add

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from rayspec.device_io import to_device
-from rayspec.model.batch_layout import (TreeQuery, additive_mask, last_rows, pad_rows, sliding_window_mask,
-                                        tree_layout_host)
-from rayspec.model.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
+from rayspec.model.batch_layout import (TreeQuery, add_tree_depths, additive_mask, last_rows, pad_rows,
+                                        sliding_window_mask, tree_layout_host)
+from rayspec.model.compiled import KV_BUCKET, MAX_ROWS, CompiledForward, bucket, compilable, round_up
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
 from rayspec.model.native import CausalLM
@@ -36,7 +36,7 @@ def make_runner(model: CausalLM, max_model_len: int, num_slots: int, slack: int,
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVSpace, compile: bool = False, paged_attention: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, max_compiled_rows: int = MAX_ROWS):
         """kv: the books of the pool this runner's cache tensors hold (its owner's).
         batch_invariant: decode and verification forwards (`static`) compute each row with the bits a
         1-row decode of it gives (EngineConfig.batch_invariant): the model's projections on a
@@ -55,8 +55,9 @@ class ModelRunner:
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
         self.batch_invariant = batch_invariant
-        # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it
-        self.compiled = None
+        # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it, up
+        # to max_compiled_rows padded rows (batch x rows)
+        self.compiled, self.max_compiled_rows = None, max_compiled_rows
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
         # than gathering each row's keys and masking them densely
@@ -76,7 +77,7 @@ class ModelRunner:
         if not on:
             self.compiled = None
         elif self.compiled is None and compilable(self.model) and not self.batch_invariant:
-            self.compiled = CompiledForward(self.model, self.device)
+            self.compiled = CompiledForward(self.model, self.device, self.max_compiled_rows)
 
     def apply_moves(self) -> None:
         """Move the rows the books queued (copy-on-write, a relocated prefix, accepted tree paths) on
@@ -115,11 +116,12 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, packed: bool = False,
-                       static: bool = False, advance: bool = True, **model_kwargs):
+                       static: bool = False, advance: bool = True, lengths: list[int] | None = None,
+                       **model_kwargs):
         """Run the model over new tokens; returns (model output, row lengths).
 
         token_lists: a list of token lists (host), or a [B, Q] long tensor on the device (drafted
-        tokens that never went to the host: every row Q tokens).
+        tokens that never went to the host: every row Q tokens, or lengths[i] real ones).
         The output is [B, Q, ...] with rows padded at the end (padding meaningless), or with
         `packed` [N, ...]: the real tokens only, row after row (see `packed_offsets`).
 
@@ -140,7 +142,8 @@ class ModelRunner:
         """
         B = len(seq_ids)
         on_device = isinstance(token_lists, torch.Tensor)
-        lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
+        if lengths is None:
+            lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
         starts = [self.kv.cached_len(s) for s in seq_ids]
         invariant = static and self.batch_invariant
@@ -209,6 +212,7 @@ class ModelRunner:
         """The eager forward's ForwardBatch from its device index tensors `t`: the attention masks
         (causal, a tree's ancestry, a sliding window) and where keys are read and written."""
         positions_t, dev = t["positions"], self.device
+        add_tree_depths(positions_t, trees)
         cache_positions = key_positions = None
         if trees is None:
             if len(seq_ids) == 1 and positions_t.shape[1] == 1:
@@ -346,6 +350,7 @@ class ModelRunner:
         arrays = [ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real]
         t_ids, t_pos, t_read, t_write, t_visible, t_real, *t_keys = to_device(
             *arrays, *([key_positions] if key_positions is not None else []), device=self.device)
+        add_tree_depths(t_pos, trees)
         for b, (tree, start) in enumerate(zip(trees or [], starts)):
             if tree.sees is not None:
                 t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees

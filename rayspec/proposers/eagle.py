@@ -39,6 +39,7 @@ from rayspec.model.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
+from rayspec.proposers.deferred import defer_chains, defer_trees
 from rayspec.proposers.ngram import find_ngram_continuation
 from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
 
@@ -408,6 +409,7 @@ class EagleProposer(PreDraftable):
         """EAGLE-2 trees: each depth expands the `topk` best frontier nodes by path score into their
         `topk` best children; the num_tokens best nodes overall are sent."""
         B, w, dev = len(reqs), self.topk, last.device
+        defer = self._defers(reqs)
         depth = [min(self.depth, r.num_tokens) for r in reqs]
         D = max(depth)
         ids = [r.seq_id for r in reqs]
@@ -432,7 +434,7 @@ class EagleProposer(PreDraftable):
             ctop = torch.topk(logp, min(c, logp.shape[-1]))
             cand_tok, cand_logp = [self.head.to_target(ctop.indices)[:, None]], [ctop.values[:, None]]
         for d in range(2, D + 1):
-            if self.early_exit_reads and bool(to_host(stopped | (row_depth < d))[0].all()):
+            if self.early_exit_reads and not defer and bool(to_host(stopped | (row_depth < d))[0].all()):
                 break
             if self._stop():
                 return [Draft([]) for _ in reqs]
@@ -469,6 +471,11 @@ class EagleProposer(PreDraftable):
                 stopped = stopped | self._stopped(f_score)
             num_nodes += w * w
         record = self.num_candidates > 0
+        if defer:  # chosen on the device and read with the verdict (rayspec.proposers.deferred)
+            chains = [self._lookup_chain(r) for r in reqs]
+            node_depth = [1] * w + [d for d in range(2, D + 1) for _ in range(w * w)]
+            return defer_trees(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                               node_depth[: num_nodes], [r.num_tokens for r in reqs], chains)
         fed_h = torch.cat(fed_nodes, 1) if record and fed_nodes else torch.zeros(B, 0, dtype=torch.long, device=dev)
         ctok_h, clogp_h = (torch.cat(cand_tok, 1), torch.cat(cand_logp, 1)) if record else (fed_h, fed_h)
         tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = to_host(
@@ -535,6 +542,7 @@ class EagleProposer(PreDraftable):
         """A chain per request: the head's top token per depth, or for a sampled request a token
         sampled from the head's distribution (its probabilities kept for the rejection rule)."""
         B, dev = len(reqs), last.device
+        defer = self._defers(reqs)
         K = max(r.num_tokens for r in reqs)
         ids = [r.seq_id for r in reqs]
         sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
@@ -551,7 +559,7 @@ class EagleProposer(PreDraftable):
         states, cand_tok, cand_logp = [], [], []  # per depth, pre-drafting only: [B, H], [B, c], [B, c]
         for d in range(1, K + 1):
             if d > 1:
-                if (self.early_exit_reads and greedy_rows and not sampled
+                if (self.early_exit_reads and greedy_rows and not sampled and not defer
                         and bool(to_host(score.exp() < self.stop_prob)[0].all())):
                     break
                 if self._stop():
@@ -580,9 +588,18 @@ class EagleProposer(PreDraftable):
             toks.append(self.head.to_target(choice))
             scores.append(score)
         record = self.num_candidates > 0
-        tok_h, score_h, ctok_h, clogp_h = to_host(torch.stack(toks, 1), torch.stack(scores, 1),
-                                                  torch.stack(cand_tok, 1) if record else score,
-                                                  torch.stack(cand_logp, 1) if record else score)
+        read = [torch.stack(toks, 1), torch.stack(scores, 1)]
+        if defer:  # read with the verdict (rayspec.proposers.deferred)
+            return defer_chains(read[0], [r.num_tokens for r in reqs], read,
+                                lambda arrays: self._chains_read(reqs, arrays, probs, sampled, [], False))
+        return self._chains_read(reqs, to_host(*read, torch.stack(cand_tok, 1) if record else score,
+                                               torch.stack(cand_logp, 1) if record else score), probs, sampled,
+                                 states, record)
+
+    def _chains_read(self, reqs, arrays, probs, sampled, states, record: bool) -> list[Draft]:
+        """The host drafts of _draft_chains from its read arrays (tokens, path scores[, candidates])."""
+        tok_h, score_h, *cands = arrays
+        ctok_h, clogp_h = cands if record else (None, None)
         drafts = []
         for i, r in enumerate(reqs):
             n = min(r.num_tokens, tok_h.shape[1])
@@ -603,8 +620,7 @@ class EagleProposer(PreDraftable):
         """Graft the n-gram prompt-lookup continuation onto the tree as a sure branch: its nodes
         (shared with the head's where the tokens agree) get path score 0, so _select keeps them
         first and their head-drafted children stay below them."""
-        chain = find_ngram_continuation(np.asarray(req.token_ids, dtype=np.int64), self.lookup_min,
-                                        self.lookup_max, min(self.lookup_tokens, req.num_tokens))
+        chain = self._lookup_chain(req)
         parent = -1
         for depth, token in enumerate(chain, start=1):
             match = next((n for n, nd in enumerate(nodes) if nd.parent == parent and nd.token == token), None)
@@ -613,6 +629,18 @@ class EagleProposer(PreDraftable):
                 match = len(nodes) - 1
             nodes[match].score = 0.0
             parent = match
+
+    def _lookup_chain(self, req: ProposeRequest) -> list[int]:
+        """The n-gram prompt-lookup continuation a tree grafts on (none without eagle_prompt_lookup)."""
+        if not self.lookup_tokens:
+            return []
+        return [int(t) for t in find_ngram_continuation(np.asarray(req.token_ids, dtype=np.int64), self.lookup_min,
+                                                         self.lookup_max, min(self.lookup_tokens, req.num_tokens))]
+
+    def _defers(self, reqs: list[ProposeRequest]) -> bool:
+        """Leave these drafts on the device for the engine's one read (ProposeRequest.defer_read): not
+        while a pre-drafter records paths (it reads them at once)."""
+        return self.num_candidates == 0 and all(r.defer_read for r in reqs)
 
     @staticmethod
     def _select(nodes: list[_Node], probs: list[torch.Tensor], budget: int, sampled: bool) -> Draft:
