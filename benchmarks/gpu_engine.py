@@ -118,14 +118,19 @@ class OracleEagle(EagleProposer):
         self.references: dict[str, list[int]] = {}
 
     def propose(self, requests: list[ProposeRequest], standins=None) -> list[Draft]:
-        drafts = super().propose(requests, standins)  # catch-up, the depth forwards, top-k, one read
-        return [self._oracle(r, d) for r, d in zip(requests, drafts)]
+        drafts = super().propose(requests, standins)  # catch-up, the depth forwards, top-k, one read or none
+        out = [d if (d.deferred.num_nodes if d.deferred is not None else len(d.tokens)) == 0
+               else self._oracle(r, d.deferred.num_nodes if d.deferred is not None else len(d.tokens),
+                                 d.deferred.sees is None if d.deferred is not None else d.is_chain)
+               for r, d in zip(requests, drafts)]
+        deferred = [i for i, d in enumerate(drafts) if d.deferred is not None and d.deferred.num_nodes]
+        if deferred:  # drafts left on the device (rayspec.proposers.deferred): the oracle's go there instead
+            out = self._on_device(out, deferred, drafts[deferred[0]].deferred.tokens.device)
+        return out
 
-    def _oracle(self, req: ProposeRequest, draft: Draft) -> Draft:
-        n = len(draft.tokens)
-        if n == 0:
-            return draft
-        spine = n if draft.is_chain else min(self.depth, n)
+    def _oracle(self, req: ProposeRequest, n: int, chain: bool) -> Draft:
+        """The oracle's draft of n nodes for this request (a chain, or the fixed tree: see the module doc)."""
+        spine = n if chain else min(self.depth, n)
         # the spine (node j at depth j + 1), then siblings along it (sibling k at depth k % spine + 1)
         depths = [j + 1 for j in range(spine)] + [k % spine + 1 for k in range(n - spine)]
         parents = [d - 2 for d in depths]  # the spine node one level up (-1: the root)
@@ -142,7 +147,39 @@ class OracleEagle(EagleProposer):
                 tokens.append(want if right else wrong)
             else:
                 tokens.append(wrong)
-        return Draft(tokens, None, None if draft.is_chain else parents)
+        return Draft(tokens, None, None if chain else parents)
+
+    @staticmethod
+    def _on_device(drafts: list[Draft], rows: list[int], device) -> list[Draft]:
+        """The host drafts at `rows` as deferred ones (tokens, depths and ancestry sent without a wait),
+        read back with the engine's verdict as the real head's are; the head's own are never read."""
+        import numpy as np
+
+        from rayspec.device_io import to_device
+        from rayspec.proposers.deferred import DeferredBatch, DeferredRow
+
+        K = max(len(drafts[i].tokens) for i in rows)
+        tok, par = np.zeros((len(rows), K), np.int64), np.full((len(rows), K), -1, np.int64)
+        kept, depth = np.zeros((len(rows), K), bool), np.ones((len(rows), K), np.int64)
+        sees = np.zeros((len(rows), K, K), bool)
+        for r, i in enumerate(rows):
+            d = drafts[i]
+            n = len(d.tokens)
+            parents = d.parents if d.parents is not None else list(range(-1, n - 1))
+            tok[r, :n], par[r, :n], kept[r, :n] = d.tokens, parents, True
+            for j, p in enumerate(parents):
+                depth[r, j] = 1 if p < 0 else depth[r, p] + 1
+                sees[r, j] = sees[r, p] if p >= 0 else False
+                sees[r, j, j] = True
+        tok_d, par_d, kept_d, depth_d, sees_d = to_device(tok, par, kept, depth, sees, device=device)
+        host = [drafts[i] for i in rows]
+        batch = DeferredBatch([tok_d, par_d, kept_d], lambda arrays: host)
+        out = list(drafts)
+        for r, i in enumerate(rows):
+            n, chain = len(drafts[i].tokens), drafts[i].parents is None
+            out[i] = Draft([], deferred=DeferredRow(batch, r, n, tok_d[r, :n], None if chain else depth_d[r, :n],
+                                                    None if chain else sees_d[r, :n, :n]))
+        return out
 
 
 # ---- measuring one run ---------------------------------------------------------------------------
@@ -303,7 +340,8 @@ class Phases:
 def engine_config(a, compile: bool, spec: SpeculativeConfig) -> EngineConfig:
     return EngineConfig(model="random", device=a.device, dtype=a.dtype_name, max_model_len=a.prompt_len + a.max_tokens + 64,
                         max_num_seqs=max(a.batches), kv_cache_memory_gb=a.kv_gb, compile=compile,
-                        enable_prefix_caching=False, max_num_batched_tokens=a.chunk, speculative=spec)
+                        enable_prefix_caching=False, max_num_batched_tokens=a.chunk, speculative=spec,
+                        defer_draft_reads={"auto": None, "on": True, "off": False}[a.defer_draft_reads])
 
 
 def oracle_engine(a, model: CausalLM, compile: bool) -> LLMEngine:
@@ -432,6 +470,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8, help="the head's depth forwards (num_steps): the spine's length")
     parser.add_argument("--topk", type=int, default=4, help="the head's branching (eagle_topk)")
     parser.add_argument("--tree-max-batch", type=int, default=32, help="trees up to this batch, chains past it")
+    parser.add_argument("--defer-draft-reads", default="auto", choices=("auto", "on", "off"),
+                        help="EAGLE drafts read with the verdict (one read a cycle); auto: on CUDA")
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--kv-gb", type=float, default=8.0)
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
@@ -447,6 +487,8 @@ def main() -> None:
     if a.dry_run:
         a.shape, a.batches, a.prompt_len, a.max_tokens, a.iters = "tiny", "1,2", 40, 24, 2
         a.nodes, a.depth, a.topk, a.draft_vocab, a.kv_gb, a.profile_steps, a.warm_tokens = 6, 4, 2, 256, 0.05, 2, 8
+        if a.defer_draft_reads == "auto":  # the path a GPU takes (deferred drafts), on the CPU
+            a.defer_draft_reads = "on"
     a.batches = [int(b) for b in str(a.batches).split(",")]
     lengths = [float(x) for x in str(a.acceptance_lengths).split(",") if x]
     sections = set(a.sections.split(","))
