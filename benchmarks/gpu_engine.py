@@ -226,6 +226,21 @@ class ProfileWindow:
             self.result = {"gpu_idle_share": None, "note": f"trace unreadable: {err!r}"[:300]}
 
 
+def cuda_syncs(step) -> tuple:
+    """(step(), the synchronizing CUDA calls it made): torch.cuda.set_sync_debug_mode's warnings,
+    which catch a read that bypasses rayspec.device_io.to_host (an .item(), a nonzero, a blocking copy)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out, sum("synchroniz" in str(w.message) for w in caught)
+
+
 def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str, profile_steps: int,
               cuda: bool) -> tuple[dict, list[list[int]]]:
     """Prefill then decode `prompts` to max_tokens each; per-step timings of the decode steps (every
@@ -248,6 +263,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
     outputs: dict[str, list[int]] = {}
     steps, window = [], ProfileWindow(cuda) if profile_steps else None
     stats0 = engine.stats.as_dict()
+    syncs = None
     started = time.perf_counter()
     try:
         while len(outputs) < len(ids):
@@ -257,8 +273,12 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
                 window.start()
             draft0, verify0 = engine.stats.propose_seconds, verify_s[0]
             t = time.perf_counter()
+            audited = cuda and decoding and len(steps) == 1 and syncs is None  # (one step, left out of the timings)
             with count_host_reads() as reads:
-                outs = engine.step()
+                if audited:
+                    outs, syncs = cuda_syncs(engine.step)
+                else:
+                    outs = engine.step()
             wall = time.perf_counter() - t
             emitted = 0
             for o in outs:
@@ -267,7 +287,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
                 if o.finished:
                     outputs[o.request_id] = list(o.token_ids)
             if decoding:
-                steps.append({"wall": wall, "draft": engine.stats.propose_seconds - draft0, "profiled": profiled,
+                steps.append({"wall": wall, "draft": engine.stats.propose_seconds - draft0, "profiled": profiled or audited,
                               "verify": verify_s[0] - verify0, "tokens": emitted, "reads": reads.count})
             if profiled and (len(steps) == 3 + profile_steps or len(outputs) == len(ids)):
                 window.stop()
@@ -288,6 +308,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
            "host_ms": round(sum(s["wall"] - s["draft"] - s["verify"] for s in timed) / n * 1e3, 3),
            "host_reads_per_cycle": round(sum(s["reads"] for s in timed) / n, 2),
            "host_reads_max": max((s["reads"] for s in timed), default=0),
+           "cuda_syncs_in_a_cycle": syncs,  # every sync CUDA saw in one decode step (hidden ones too)
            "acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0}
     row.update(window.result if window is not None and window.result else {"gpu_idle_share": None, "note": "not profiled"})
     return row, [outputs[i] for i in ids]

@@ -127,11 +127,13 @@ def select_tree(tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, de
 def ancestry(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents: [B, K] (-1 the root) -> [B, K, K] bool: node j sees node i (i is j or an ancestor)."""
     B, K = parents.shape
-    sees = torch.eye(K, dtype=torch.bool, device=parents.device).expand(B, K, K).clone()
+    columns = torch.arange(K, device=parents.device)
+    sees = (columns[:, None] == columns[None, :]).expand(B, K, K).clone()
     cur = parents
     for _ in range(max_depth):
         up = cur >= 0
-        sees |= torch.nn.functional.one_hot(cur.clamp(min=0), K).bool() & up[..., None]
+        # (a comparison, not F.one_hot: one_hot checks its input's range on the host, a read on CUDA)
+        sees |= (cur[..., None] == columns) & up[..., None]
         cur = torch.where(up, parents.gather(1, cur.clamp(min=0)), -1)
     return sees
 
