@@ -119,21 +119,34 @@ def _engine(smollm2, loaded, defer: bool, topk: int, **extra):
     return engine
 
 
+@pytest.fixture(scope="module")
+def prompts(loaded) -> list[list[int]]:
+    from rayspec.engine.intake import encode_chat
+
+    return [encode_chat(loaded[1], [{"role": "user", "content": t}]) for t in TEXTS]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def target_only(smollm2, loaded, prompts) -> list[list[int]]:
+    return run_alone(make_engine(smollm2, "none", loaded=loaded), prompts, GREEDY)
+
+
 @pytest.mark.parametrize("topk", [2, 1, 0], ids=["trees", "chains", "draft-model"])
-def test_greedy_output_is_the_targets_with_joins_prefix_hits_and_preemption(smollm2, loaded, topk):
-    """Greedy, with defer_draft_reads on: alone, joining mid-decode with prefix-cache hits, and in
-    a pool small enough to preempt, the output is target-only decoding's; accepted drafts counted."""
+def test_greedy_output_is_the_targets_with_joins_prefix_hits_and_preemption(smollm2, loaded, prompts, target_only,
+                                                                             topk):
+    """Greedy, with defer_draft_reads on: requests joining mid-decode, then again with every prompt's
+    blocks cached (prefix hits), and in a pool small enough to preempt: the output is target-only
+    decoding's; accepted drafts counted."""
     engine = _engine(smollm2, loaded, True, topk, enable_prefix_caching=True)
-    prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in TEXTS]
-    params = SamplingParams(temperature=0, max_tokens=40)
-    want = run_alone(make_engine(smollm2, "none", loaded=loaded), prompts, params)
-    assert run_alone(engine, prompts[:2], params) == want[:2]
-    assert run_joining(engine, prompts, params) == want
-    again = engine.generate(prompts[:3], params)  # every prompt's blocks are cached now: hits
-    assert [o.token_ids for o in again] == want[:3]
+    assert run_joining(engine, prompts, GREEDY) == target_only
+    again = engine.generate(prompts[:3], GREEDY)
+    assert [o.token_ids for o in again] == target_only[:3]
     assert all(o.num_cached_tokens > 0 for o in again)
     small = _engine(smollm2, loaded, True, topk, kv_cache_memory_gb=0.012, max_model_len=256)
-    assert run_joining(small, prompts, params) == want
+    assert run_joining(small, prompts, GREEDY) == target_only
     assert small.num_preemptions > 0, small.num_blocks
     assert engine.stats.num_accepted_tokens > 0 and small.stats.num_accepted_tokens > 0
 
