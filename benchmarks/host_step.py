@@ -42,6 +42,7 @@ TREE = dict(method="eagle3", num_speculative_tokens=8, eagle_topk=2, num_steps=4
 CONFIGS = {"eagle3-tree": TREE, "target-only": dict(method="none", num_speculative_tokens=0, adaptive=False)}
 CELLS = [("eagle3-tree", 1), ("eagle3-tree", 32), ("target-only", 32)]
 CONTEXTS = [256, 8192]
+MAX_BATCHED = 4096  # prefill tokens per step
 TIMED = ("forward", "write_kv", "logits", "draft_logits")  # the modules' compute entry points
 
 
@@ -107,24 +108,33 @@ class ForwardTimer:
         return timed
 
 
+def max_tokens(batch: int, context: int, steps: int, k: int) -> int:
+    """Enough for `steps` decode steps after every prompt is prefilled (the first prompts decode while
+    the others prefill, MAX_BATCHED tokens a step)."""
+    return (steps + batch * context // MAX_BATCHED + batch + 4) * (k + 1)
+
+
 def build_engine(model_dir: Path, loaded, config: str, batch: int, context: int, steps: int) -> LLMEngine:
+    """An engine whose `batch` requests of `context` tokens can all decode `steps` steps."""
     spec = dict(CONFIGS[config])
     if spec["method"] == "eagle3":
         spec.update(draft_model=str(model_dir.parent / "head"), tree_max_batch=max(batch, 2))
-    max_len = context + (steps + 8) * (spec["num_speculative_tokens"] + 1) + 16
+    max_len = context + max_tokens(batch, context, steps, spec["num_speculative_tokens"]) + 16
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=max_len, max_num_seqs=batch,
                                     kv_cache_memory_gb=max(0.5, batch * max_len * 2048 / 2**30),
-                                    max_num_batched_tokens=4096, compile=False,
+                                    max_num_batched_tokens=MAX_BATCHED, compile=False,
                                     speculative=SpeculativeConfig(**spec)),
                        model=loaded[0], tokenizer=loaded[1])
     return engine
 
 
-def start_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int, seed: int = 0) -> None:
-    """Add `batch` prompts of `context` random tokens and step until every one decodes."""
+def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0) -> None:
+    """Add `batch` prompts of `context` random tokens and step until every one decodes (and can
+    decode `steps` steps more)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.args.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens(batch, context, steps, engine.max_k),
+                            ignore_eos=True)
     for _ in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
         engine.add_request(prompt, params)
@@ -157,7 +167,7 @@ def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int) ->
         for context in contexts:
             engine = build_engine(model_dir, loaded, config, batch, context, total)
             timer = ForwardTimer([engine.model] + engine.proposer.models())
-            start_decoding(engine, batch, context, max_tokens=(total + 4) * (engine.max_k + 1))
+            start_decoding(engine, batch, context, total)
             timed_steps(engine, timer, warm)
             engines[(config, batch, context)] = (engine, timer)
             results[(config, batch, context)] = []
@@ -196,7 +206,7 @@ def main(argv=None) -> dict:
         args.rounds, args.steps, args.warm = 1, 2, 1
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp), max(contexts) + 1024)
+        model_dir = make_model_dir(Path(tmp), max(contexts) + 4096)
         rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm)
     report = {"what": "engine host time per decode step (step wall - forwards), tiny model, issue #50 (d)",
               "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
