@@ -12,6 +12,9 @@ cached length it was asked to extend and take the blocks they need; it moves the
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 
 from rayspec.kv.block_manager import BlockManager
@@ -173,8 +176,9 @@ class KVSpace:
     # ---- reading ---------------------------------------------------------------------------------
     def consecutive(self, seq_id: str, kv_len: int) -> bool:
         """seq_id's first kv_len positions lie in consecutive blocks (its keys read as a view)."""
-        blocks = self.blocks.tables[seq_id][: -(-kv_len // self.block_size)]
-        return len(blocks) * self.block_size >= kv_len and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        table, n = self.blocks.tables[seq_id], -(-kv_len // self.block_size)
+        # compared in C, nothing copied (a lone sequence asks at every forward)
+        return len(table) >= n and all(map(operator.eq, itertools.islice(table, n), range(table[0], table[0] + n)))
 
     def rows(self, seq_ids: list[str], kv_len: int) -> np.ndarray:
         """[B, kv_len] int64: the pool row of each sequence's positions 0..kv_len-1 (past its blocks:
@@ -189,8 +193,8 @@ class KVSpace:
         nb = -(-kv_len // self.block_size)
         table = np.full((len(seq_ids), nb), SCRATCH_BLOCK, dtype=np.int64)
         for b, s in enumerate(seq_ids):
-            blocks = self.blocks.tables[s][:nb]
-            table[b, : len(blocks)] = blocks
+            blocks = self.blocks.tables[s]
+            table[b, : len(blocks)] = blocks if len(blocks) <= nb else blocks[:nb]
         return table
 
     def block_tables(self, seq_ids: list[str], num_rows: int) -> np.ndarray:

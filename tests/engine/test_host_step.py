@@ -5,9 +5,16 @@ Timing on this VM drifts 2x, so the work is counted instead: per decode step, th
 made (sys.setprofile's 'call' and 'c_call' events) and the peak of the memory Python and numpy
 allocate (tracemalloc; torch's own buffers are not traced, so the forwards' attention over the
 cache, which must grow with the context, is left out). A tiny model decodes the same way at 256
-and at 8,192 tokens of context: each count within 1.15x. Before the fix (fe17201) the EAGLE head's
-pair hashing (`_pair_tokens` over the whole context at every step) and the n-gram lookups
-(the whole context copied into an array, then scanned) made both grow with the context.
+and at 8,192 tokens of context: each count within 1.15x, the bytes after one allowance: the eager
+forward's block table (KVSpace.covering_blocks, 8 bytes per block_size positions of each row, and
+the list it is read from), the one host array left that grows with the context (a block per 16
+positions; the keys' rows and masks are spread from it on the device).
+
+On fe17201 this fails: the EAGLE head's pair hashing (`_pair_tokens` over the whole context at
+every step), the n-gram lookups (the whole context copied into an array, then scanned) and the
+runner's host arrays per key ([B, kv_len] cache rows, a tree's [B, 1, Q, kv_len] visibility) made
+the calls and the bytes grow with the context (eagle3-tree batch 1: 290,137 peak bytes per step at
+8,192 tokens, 19,428 at 256).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import host_step  # noqa: E402  (benchmarks/host_step.py)
 
 SHORT, LONG = 256, 8192
 BOUND = 1.15
+BLOCK_TABLE_BYTES = 2 * 8 * (LONG - SHORT) // 16  # per row: the table and the list it is read from
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +97,8 @@ def host_work(model_dir, loaded, config: str, batch: int, context: int, steps: i
 def test_host_work_per_step_does_not_grow_with_the_context(model_dir, loaded, config, batch):
     short = host_work(model_dir, loaded, config, batch, SHORT)
     long = host_work(model_dir, loaded, config, batch, LONG)
-    for what, s, lng in zip(("python calls", "peak bytes"), short, long):
-        assert lng <= BOUND * s, f"{what} per decode step: {lng} at {LONG} tokens of context, {s} at {SHORT}"
+    for what, s, lng, allowed in zip(("python calls", "peak bytes"), short, long, (0, batch * BLOCK_TABLE_BYTES)):
+        assert lng <= BOUND * s + allowed, f"{what} per decode step: {lng} at {LONG} tokens of context, {s} at {SHORT}"
 
 
 def test_host_step_benchmark_dry_run(tmp_path, smollm2):
