@@ -40,10 +40,28 @@ from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.proposers.deferred import defer_chains, defer_trees
-from rayspec.proposers.ngram import find_ngram_continuation
+from rayspec.proposers.ngram import NgramIndex
 from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
+
+
+class _Pairs:
+    """The head's pair tokens (_pair_tokens) of token_ids[:num_pairs + 1] as a read-only sequence
+    whose slices are computed when read: the prefix cache reads only the blocks it has not hashed."""
+
+    __slots__ = ("token_ids", "num_pairs")
+
+    def __init__(self, token_ids: list[int], num_pairs: int):
+        self.token_ids, self.num_pairs = token_ids, max(0, min(num_pairs, len(token_ids) - 1))
+
+    def __len__(self) -> int:
+        return self.num_pairs
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, _ = index.indices(self.num_pairs)
+        t = self.token_ids
+        return [(a << 32) | b for a, b in zip(t[start:stop], t[start + 1: stop + 1])]
 
 
 class _Node:
@@ -132,6 +150,7 @@ class EagleProposer(PreDraftable):
         # asynchronous drafting: > 0 records each draft's best path and its top candidates
         super().__init__()  # (PreDraftable: candidates, path position -> top tokens, probs)
         self.paths: dict[str, tuple[list[int], torch.Tensor]] = {}  # path tokens, [len, H] states predicting them
+        self._ngrams: dict[str, NgramIndex] = {}  # seq id -> its n-gram index (the prompt-lookup branch)
 
     # what the engine must hand over: inputs of these target layers, or () for the final hidden state
     @property
@@ -156,6 +175,7 @@ class EagleProposer(PreDraftable):
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
         self.paths.pop(seq_id, None)
+        self._ngrams.pop(seq_id, None)
 
     def _draft_to_target(self, draft_vocab: int, device) -> torch.Tensor:
         """[draft_vocab] the target id of each draft id (made once per device)."""
@@ -172,6 +192,11 @@ class EagleProposer(PreDraftable):
     @staticmethod
     def _pair_tokens(token_ids: list[int]) -> list[int]:
         return [(a << 32) | b for a, b in zip(token_ids, token_ids[1:])]
+
+    def _commit_pairs(self, seq_id: str, token_ids: list[int], num_tokens: int) -> None:
+        """Register the verified pairs of token_ids[:num_tokens + 1] in the head's prefix cache; only
+        the blocks not registered yet are read (_Pairs), so a step costs what it adds."""
+        self.kv.commit(seq_id, _Pairs(token_ids, num_tokens))
 
     # Salted like the target's (cache_salt, one hash-chain root per salt): a tenant finds only its
     # salt's pairs in the head's cache too. A sequence the head starts without being told its salt
@@ -224,7 +249,7 @@ class EagleProposer(PreDraftable):
         if ids:
             self._catch_up(ids, toks, feats, outputs=False)
             for s, req in zip(ids, reqs):
-                self.kv.commit(s, self._pair_tokens(req.token_ids[: self.kv.cached_len(s) + 1]))
+                self._commit_pairs(s, req.token_ids, self.kv.cached_len(s))
 
     # ---- catch-up --------------------------------------------------------------------
     def _allocate(self, seq_id: str) -> None:
@@ -320,7 +345,7 @@ class EagleProposer(PreDraftable):
             drafts = self._draft(active, torch.stack(last)) if not self._stop() else [Draft([])] * len(active)
             for s, n, req in zip(ids, committed, active):
                 self.kv.set_cached_len(s, n)
-                self.kv.commit(s, self._pair_tokens(req.token_ids[: n + 1]))  # positions < n: verified pairs
+                self._commit_pairs(s, req.token_ids, n)  # positions < n: verified pairs
             by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
 
@@ -634,8 +659,11 @@ class EagleProposer(PreDraftable):
         """The n-gram prompt-lookup continuation a tree grafts on (none without eagle_prompt_lookup)."""
         if not self.lookup_tokens:
             return []
-        return [int(t) for t in find_ngram_continuation(np.asarray(req.token_ids, dtype=np.int64), self.lookup_min,
-                                                         self.lookup_max, min(self.lookup_tokens, req.num_tokens))]
+        index = self._ngrams.get(req.seq_id)  # (kept per sequence: a step's lookup costs what it adds)
+        if index is None:
+            index = self._ngrams[req.seq_id] = NgramIndex(self.lookup_min, self.lookup_max)
+        index.sync(req.token_ids)
+        return [int(t) for t in index.lookup(min(self.lookup_tokens, req.num_tokens))]
 
     def _defers(self, reqs: list[ProposeRequest]) -> bool:
         """Leave these drafts on the device for the engine's one read (ProposeRequest.defer_read): not
