@@ -151,6 +151,11 @@ class EngineSettings:
     # at most 10% of a step (rayspec.model.row_attention.BATCH_INVARIANT_BY_DEFAULT: nowhere yet; on CPU it
     # cost more); needs the native model on one device, and runs the target's step eager
     batch_invariant: bool | None = None
+    # an EAGLE cycle's drafts stay on the device until the verification's one read (the target's choices
+    # and the drafts together: rayspec.engine.deferred_verify), instead of a read after drafting and another
+    # after verifying. None: on where a read waits for the device (CUDA), off on CPU (a read costs nothing
+    # there, and the host builds the layout with fewer kernels)
+    defer_draft_reads: bool | None = None
     # the random streams of sampled requests without a seed of their own (vLLM's engine `seed`): None,
     # from the OS's entropy; an int, a fixed sequence (the i-th such request of the engine's life gets
     # the i-th stream), so a run is reproducible as a whole. Seeded requests draw coupled to their own

@@ -21,6 +21,8 @@ MAX_TOKENS = 16
 K = 3  # chains; EAGLE-3 trees: up to 5 nodes, 3 siblings a node, 3 levels
 PLAIN = dict(temperature=1.0)
 CUT = dict(temperature=0.3, top_k=20, top_p=0.9)
+DEEP = 6  # the "deep" column's tree depth
+COLD = dict(temperature=0.2, top_k=3)  # its other half: the oracle heads' paths accepted deep
 PENALTIES = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.3,
                  logit_bias={5: 2.0, 17: -3.0, 100: 1.5})
 GRAMMAR = "[a-z ]{1,24}"
@@ -139,6 +141,8 @@ def kv_budget_gb(loaded, spec: dict, model_dir, blocks: int, block_size: int) ->
 def build_engine(column: str, proposer: str, model_dir, loaded, heads, seed: int, max_num_seqs: int = 32):
     """An engine of the column's topology with the proposer (and what to close after)."""
     spec, k = _proposer_spec(proposer, model_dir, heads), _k(proposer)
+    if column == "deep":  # trees 6 levels deep (issue #50: a dynamic tree of depth 6 verified losslessly)
+        spec, k = dict(spec, num_steps=DEEP), 12
     # adaptive off (here and in the EngineConfig below): a cell audits the draws of drafts verified (more
     # than a quarter of its requests, and the fault of its topology must show in them), and at these
     # settings the planner on modelled costs (make_engine's default) drafted little or nothing. The
@@ -184,6 +188,16 @@ def build_engine(column: str, proposer: str, model_dir, loaded, heads, seed: int
         engine = make_engine(model_dir, enable_prefix_caching=True, **common, **spec)
     else:
         engine = make_engine(model_dir, **common, **spec)
+    if column == "deferred":  # drafts left on the device until the verdict's read (counted)
+        engine.config.defer_draft_reads = True
+        engine.num_deferred, propose = 0, engine.proposer.propose
+
+        def counted(requests, **kw):
+            drafts = propose(requests, **kw)
+            engine.num_deferred += sum(d.deferred is not None for d in drafts)
+            return drafts
+
+        engine.proposer.propose = counted
     if column == "async":
         from rayspec.proposers.pre_draft import PreDraftingProposer
 
@@ -197,7 +211,8 @@ def request_params(column: str, proposer: str, i: int) -> SamplingParams:
     nearly greedy)."""
     extra = {"penalties": PENALTIES, "stop": dict(stop=list(STOPS)),
              "structured": dict(structured=StructuredOutput("regex", GRAMMAR))}.get(column, {})
-    return SamplingParams(**(PLAIN if i % 2 else CUT), max_tokens=MAX_TOKENS, ignore_eos=column != "structured",
+    odd = COLD if column == "deep" else PLAIN
+    return SamplingParams(**(odd if i % 2 else CUT), max_tokens=MAX_TOKENS, ignore_eos=column != "structured",
                           **extra)
 
 
@@ -388,6 +403,29 @@ def _fault_penalties(engine, monkeypatch):
                         lambda num_pending, tokens, parents: [[] for _ in range(num_pending + len(tokens))])
 
 
+def _fault_deferred(engine, monkeypatch):
+    """Deferred drafts verified with their tokens rotated by one (the read hands back the true ones)."""
+    import rayspec.engine.llm_engine as llm_engine
+
+    inputs = llm_engine.verification_inputs
+
+    def rotated(proposal, device):
+        for d in proposal.drafts:
+            if d.deferred is not None and d.deferred.num_nodes > 1:
+                d.deferred.tokens = d.deferred.tokens.roll(1)
+        return inputs(proposal, device)
+
+    monkeypatch.setattr(llm_engine, "verification_inputs", rotated)
+
+
+def _fault_deep(engine, monkeypatch):
+    """Tree nodes past depth 3 at depth 3's rope position (a layout that stops counting)."""
+    import rayspec.model.batch_layout as batch_layout
+
+    depths_of = batch_layout.tree_depths
+    monkeypatch.setattr(batch_layout, "tree_depths", lambda parents: [min(d, 3) for d in depths_of(parents)])
+
+
 def _fault_stop(engine, monkeypatch):
     """A step's emitted tokens all kept, past the stop string's."""
     from rayspec.engine.sequence import Sequence
@@ -418,6 +456,8 @@ FAULTS = {
     "structured": (_fault_structured, "rows"),
     "penalties": (_fault_penalties, "rows"),
     "stop": (_fault_stop, "stops"),
+    "deferred": (_fault_deferred, "rows"),
+    "deep": (_fault_deep, "rows"),
 }
 
 def check_stops(outputs: dict, tokenizer) -> None:

@@ -532,27 +532,44 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def measured_step_lines(target: ModelArgs, results_dir: Path = RESULTS_DIR) -> list[str]:
-    """What a GPU measured for a target of these shapes (benchmarks/results/gpu_roofline_*.json, read
-    where the repository is at hand): its compiled decode step per batch, and the weights' read time."""
+    """What a GPU measured for a target of these shapes, read where the repository is at hand: end to end
+    (benchmarks/results/gpu_engine_*.json: tokens out of LLMEngine, the figure a user gets) first, then
+    the forward-only step (gpu_roofline_*.json: the compiled forward + LM head + argmax, no token read
+    back, no scheduling or drafting), labelled so: a forward-only tok/s is a bound, not what is served."""
     dims = (target.vocab_size, target.hidden_size, target.intermediate_size, target.num_layers, target.num_heads,
             target.num_kv_heads)
     shape = next((name for name, d in ROOFLINE_SHAPES.items() if d == dims), None)
     out = []
-    for path in sorted(results_dir.glob("gpu_roofline_*.json")) if shape else []:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+    for path in sorted(results_dir.glob("gpu_engine_*.json")) if shape else []:
+        data = _read_json(path)
+        runs = [r for r in (data or {}).get("runs", []) if r.get("tok_s") and (data.get("args") or {}).get("shape") == shape]
+        if not runs:
             continue
-        steps = [r for r in data.get("decode", []) if r.get("shape") == shape and r.get("compiled")]
+        gpu = (data.get("summary") or {}).get("gpu") or (data.get("environment") or {}).get("gpu_model") or "a GPU"
+        each = "; ".join(f"{r['config']}" + (f" (acceptance length {r['acceptance_length']:.1f})" if r.get("acceptance_target") else "")
+                         + f" batch {r['batch']} {r['tok_s']:,.0f} tok/s" for r in runs if "eager" not in r["config"])
+        out.append(f"measured end to end on {gpu} ({shape} shapes, random weights, LLMEngine, "
+                   f"benchmarks/results/{path.name}): {each}")
+    for path in sorted(results_dir.glob("gpu_roofline_*.json")) if shape else []:
+        data = _read_json(path)
+        steps = [r for r in (data or {}).get("decode", []) if r.get("shape") == shape and r.get("compiled")]
         if not steps:
             continue
         gpu = (data.get("summary") or {}).get("gpu") or (data.get("environment") or {}).get("gpu_model") or "a GPU"
-        each = ", ".join(f"batch {r['batch']} {r['ms_per_step']:.2f} ms ({r['tok_s']:,.0f} tok/s)" for r in steps)
+        each = ", ".join(f"batch {r['batch']} {r['ms_per_step']:.2f} ms ({r['tok_s']:,.0f} tok/s forward only)" for r in steps)
         roof = (data.get("summary") or {}).get("weights_read_ms")
         out.append(f"measured on {gpu} ({shape} shapes, random weights, {steps[0]['context']:,}-token context, "
-                   f"benchmarks/results/{path.name}): compiled decode step {each}"
+                   f"benchmarks/results/{path.name}): compiled decode step, forward only (no token read back, "
+                   f"no scheduling or drafting: a bound, not an end-to-end figure): {each}"
                    + (f"; the weights read once in {roof:.2f} ms" if roof else ""))
     return [""] + out if out else []
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _verdict(need: int, budget: int) -> str:

@@ -32,7 +32,7 @@ class Proposal:
 
     @property
     def has_tree(self) -> bool:
-        return any(not d.is_chain for d in self.drafts)
+        return any(not d.is_chain for d in self.drafts)  # (after verify: deferred drafts are read by then)
 
 
 @dataclass
@@ -71,3 +71,11 @@ class Prefilled:
     features: torch.Tensor | None  # [N, F] packed (EAGLE heads), else None
     complete: list[int]  # the chunks whose prompt ends here
     last: torch.Tensor | None  # [len(complete), vocab] their last rows' logits
+
+
+def features_of(seq: Sequence) -> tuple[torch.Tensor | None, int]:
+    """The target features the sequence holds for its proposer, [m, F] from features_start (they
+    leave it at commit)."""
+    if not seq.features:
+        return None, seq.features_start
+    return (torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]), seq.features_start

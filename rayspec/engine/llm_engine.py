@@ -33,7 +33,8 @@ import torch
 
 from rayspec.config import EngineConfig, ProposerContext
 from rayspec.device_io import to_device, to_host
-from rayspec.engine.decode_step import Prefilled, Proposal, Verdict, cut_draft, draft_depth
+from rayspec.engine.decode_step import Prefilled, Proposal, Verdict, cut_draft, draft_depth, features_of
+from rayspec.engine.deferred_verify import may_defer, read_verdict, row_lengths, verification_inputs
 from rayspec.engine.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
 from rayspec.engine.intake import check_request, encode_chat, resume
 from rayspec.engine.metrics import SpecDecodeStats
@@ -41,9 +42,10 @@ from rayspec.engine.outputs import (EngineOverloadedError, InvalidGrammarError, 
                                     RequestOutput, request_output)
 from rayspec.engine.scheduler import ScheduledStep, Scheduler
 from rayspec.engine.sequence import IncrementalDetokenizer, Sequence
-from rayspec.engine.warm_up import calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees, time_decode
+from rayspec.engine.warm_up import (calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees,
+                                    time_decode, verification_rows)
 from rayspec.memory.malloc import keep_freed_memory
-from rayspec.model.batch_layout import TreeQuery, packed_offsets, prefill_groups
+from rayspec.model.batch_layout import packed_offsets, prefill_groups
 from rayspec.model.compiled import default_compile
 from rayspec.kv.kv_space import KVSpace
 from rayspec.model.native import CausalLM
@@ -52,7 +54,7 @@ from rayspec.model.runner import ModelRunner
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.sampling.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.sampling.logprobs import compute_logprobs, prompt_logprobs_rows
-from rayspec.sampling.rejection import coupled, coupled_choices, verify, verify_tree_parents
+from rayspec.sampling.rejection import coupled, coupled_choices, verify
 from rayspec.sampling.sampler import SamplingParams, coupled_key, coupled_sample, logits_to_probs, make_generator, sample
 from rayspec.sampling.structured import GrammarCompiler, GrammarCompilerBusy
 
@@ -114,7 +116,8 @@ class LLMEngine:
                                            enable_prefix_caching=config.enable_prefix_caching),
                                    self._proposer, self.max_k, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention,
-                                  batch_invariant=default_batch_invariant(config, model, self.device))
+                                  batch_invariant=default_batch_invariant(config, model, self.device),
+                                  max_compiled_rows=verification_rows(config.max_num_seqs, self.max_k))
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()
@@ -334,7 +337,7 @@ class LLMEngine:
         requests = []
         for seq in seqs:
             if seq.features and seq.finish_reason not in ("abort", "error"):
-                features, start = self._features_of(seq)
+                features, start = features_of(seq)
                 requests.append(ProposeRequest(seq.request_id, seq.token_ids, 0, features=features,
                                                features_start=start, cache_salt=seq.params.cache_salt))
         if requests:
@@ -390,12 +393,12 @@ class LLMEngine:
         seq.error = f"{type(err).__name__}: {err}"
         seq.finish("error", flush=False)
 
-    def _target_forward(self, ids, inputs, trees=None, packed=False, static=False, advance=True):
+    def _target_forward(self, ids, inputs, trees=None, packed=False, static=False, advance=True, lengths=None):
         """Target forward returning (hidden [B, Q, H], features [B, Q, F] or None); with
         `packed`, [N, H] and [N, F] over the real tokens only (batch_layout.packed_offsets). static: a
         decode or verification forward (the compiled step's, when it is on). advance: the rows count
         as cached at once (else the caller's commit says what stays; ModelRunner.forward_hidden)."""
-        kwargs = dict(trees=trees, packed=packed, static=static, advance=advance)
+        kwargs = dict(trees=trees, packed=packed, static=static, advance=advance, lengths=lengths)
         if self.feature_layers is None:
             return self.runner.forward_hidden(ids, inputs, **kwargs)[0], None
         if self.feature_layers == ():
@@ -524,10 +527,11 @@ class LLMEngine:
         """One batched proposer call: (a draft per sequence, seconds it took, feature rows sent)."""
         if not any(draft_lens):
             return [Draft([]) for _ in seqs], 0.0, None
+        defer = may_defer(self, seqs)
         requests = [ProposeRequest(s.request_id, s.token_ids, n, s.params.temperature, s.params.top_k,
-                                   s.params.top_p, s.params.seed, *self._features_of(s), tree=tree,
+                                   s.params.top_p, s.params.seed, *features_of(s), tree=tree,
                                    cache_salt=s.params.cache_salt, stream_seed=s.stream_seed,
-                                   max_catch_up=self._max_catch_up(s))
+                                   max_catch_up=self._max_catch_up(s), defer_read=defer)
                     for s, n in zip(seqs, draft_lens)]
         started = time.perf_counter()
         # a draft longer than asked (a remote proposer's reply) is cut: it would take KV blocks
@@ -583,27 +587,29 @@ class LLMEngine:
     def _verify(self, proposal: Proposal) -> Verdict:
         """One target forward over every sequence's pending tokens and drafts (token trees under a
         tree mask), then the rejection rule (rayspec.sampling.rejection.verify)."""
-        seqs, inputs = proposal.seqs, proposal.inputs
+        seqs = proposal.seqs
         ids = [s.request_id for s in seqs]
-        trees = None
-        if proposal.has_tree:
-            trees = [TreeQuery(verify_tree_parents(len(p), d)) for p, d in zip(proposal.pending, proposal.drafts)]
-        row_context = sum(len(inp) * (self.kv.cached_len(i) + len(inp)) for i, inp in zip(ids, inputs))
+        deferred = any(d.deferred is not None for d in proposal.drafts)
+        lengths = row_lengths(proposal)
+        inputs, trees = verification_inputs(proposal, self.device)  # (deferred drafts: placed on the device)
+        row_context = sum(n * (self.kv.cached_len(i) + n) for i, n in zip(ids, lengths))
         # packed: rows of different lengths cost only their real tokens (no padding computed); the
         # rows are written past each cached length, which only commit moves
-        hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True,
-                                                advance=False)  # [N, H], [N, F]
+        hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True, advance=False,
+                                                lengths=lengths)  # [N, H], [N, F]
         raw = self.model.logits(hidden)  # [N, vocab]
-        lengths = [len(inp) for inp in inputs]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
-        logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
         params, pending = [s.params for s in seqs], [len(p) for p in proposal.pending]
-        target_choice = None
-        if any(p.greedy or coupled(p) for p in params):  # one read: the target's choice at every row
-            choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
-                                     [len(s.token_ids) for s in seqs])
-            (target_choice,) = to_host(choice)
-            target_choice = target_choice.tolist()
+        if deferred:  # one read: the target's choices with the drafts (no processing, nothing coupled here)
+            logits = raw
+            target_choice = read_verdict(proposal, raw.argmax(-1) if any(p.greedy for p in params) else None)
+        else:
+            logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
+            target_choice = None
+            if any(p.greedy or coupled(p) for p in params):  # one read: the target's choice at every row
+                choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
+                                         [len(s.token_ids) for s in seqs])
+                target_choice = to_host(choice)[0].tolist()
         emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params,
                                     [s.generator for s in seqs])
         return Verdict(emitted, kept_rows, raw, features, starts, row_context)
@@ -614,7 +620,7 @@ class LLMEngine:
         features sent to the proposer leave the sequence, each sequence takes its emitted tokens."""
         self._keep_kv(proposal, verdict)
         for seq, n in zip(proposal.seqs, proposal.features_sent or ()):
-            if n:  # (all it held: _features_of sends every row)
+            if n:  # (all it held: features_of sends every row)
                 seq.features, seq.features_start = [], seq.features_start + n
         self._keep_features(proposal, verdict)
         for i, seq in enumerate(proposal.seqs):
@@ -663,7 +669,7 @@ class LLMEngine:
         if not self.adaptive:
             return
         costs = self.planner.costs
-        num_rows = sum(len(inp) for inp in proposal.inputs)
+        num_rows = int(verdict.raw_logits.shape[0])
         costs.observe_verify(len(proposal.seqs), num_rows, verdict.row_context, seconds - proposal.propose_s)
         if proposal.propose_s:
             drafting = [n for n in proposal.draft_lens if n]
@@ -674,14 +680,6 @@ class LLMEngine:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""
         if seq.logprobs is not None and tokens:
             seq.logprobs += compute_logprobs(logits, tokens, seq.params.logprobs, self.tokenizer)
-
-    @staticmethod
-    def _features_of(seq: Sequence) -> tuple[torch.Tensor | None, int]:
-        """The target features the sequence holds for its proposer, [m, F] from features_start (they
-        leave it at commit)."""
-        if not seq.features:
-            return None, seq.features_start
-        return (torch.cat(seq.features) if len(seq.features) > 1 else seq.features[0]), seq.features_start
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return request_output(seq, whole=seq.finished or not self.delta_outputs)

@@ -11,7 +11,7 @@ import torch
 
 from rayspec.device_io import to_host
 from rayspec.engine.drafting import MeasuredCosts
-from rayspec.model.compiled import bucket
+from rayspec.model.compiled import MAX_ROWS, bucket
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ def keep_compiled_step(engine) -> bool:
     return False
 
 
+def verification_rows(max_num_seqs: int, max_k: int) -> int:
+    """The compiled step's most padded rows: every batch bucket up to max_num_seqs at the verification's
+    rows (1 + max_k, bucketed), and never fewer than rayspec.model.compiled.MAX_ROWS."""
+    return max(MAX_ROWS, bucket(max_num_seqs) * bucket(1 + max_k))
+
+
 def compile_buckets(engine) -> list[tuple[int, int]]:
     """Compile (and on CUDA capture) every batch bucket up to max_num_seqs at 1 row (decoding) and
     at the verification's rows (1 + num_speculative_tokens, bucketed). Returns the (batch, rows) done."""
@@ -78,32 +84,46 @@ def compile_buckets(engine) -> list[tuple[int, int]]:
     return done
 
 
-def paged_attention_agrees(runner, context: int = 40, tolerance: float = 0.02) -> bool:
-    """Paged attention's self-check (EngineConfig.paged_attention): one decode forward of a dummy
-    sequence through the compiled step with attention gathering the keys and reading the pool in
-    place; they must agree to `tolerance` of the hidden states' largest magnitude (bfloat16
-    kernels differ in their last bits, a wrong mask by far more). Where they do not, paged
-    attention is turned off with an error in the log, so a kernel fault costs speed, not
-    correctness."""
-    seq_id, hiddens = "__paged_check", []
-    runner.kv.allocate(seq_id)
+def paged_attention_agrees(runner, contexts: tuple[int, ...] = (40, 77, 13), tolerance: float = 0.02) -> bool:
+    """Paged attention's self-check (EngineConfig.paged_attention): forwards of dummy sequences through
+    the compiled step with attention gathering the keys and reading the pool in place: a decode of one
+    sequence, a decode of a batch of sequences of different contexts (blocks and partial blocks), and a
+    verification of token trees over that batch (issue #50 (f): on an H100 the batch > 1 kernel once
+    failed where batch 1 passed). Each must agree to `tolerance` of the hidden states' largest magnitude
+    (bfloat16 kernels differ in their last bits, a wrong mask by far more). Where one does not, paged
+    attention is turned off with an error in the log, so a kernel fault costs speed, not correctness."""
+    from rayspec.model.batch_layout import TreeQuery
+
+    n = min(len(contexts), runner.kv.num_free_slots)
+    ids = [f"__paged_check_{i}" for i in range(n)]
+    vocab = runner.model.args.vocab_size
+    trees = [TreeQuery([-1, 0, 0, 1]), TreeQuery([-1, 0]), TreeQuery([-1, 0, 1])][:n]
+    forwards = [(ids[:1], [[5]], None), (ids, [[5 + i] for i in range(n)], None),
+                (ids, [[(11 * i + 3 * j) % vocab for j in range(t.num_nodes)] for i, t in enumerate(trees)], trees)]
+    outputs: list[list[torch.Tensor]] = [[], []]
+    for i in ids:
+        runner.kv.allocate(i)
     try:
-        prompt = [(7 * i + 3) % runner.model.args.vocab_size for i in range(context)]
-        runner.forward_hidden([seq_id], [prompt])
+        for i, context in zip(ids, contexts):
+            runner.forward_hidden([i], [[(7 * j + 3 + len(i)) % vocab for j in range(context)]])
         for paged in (False, True):
             runner.paged_attention = paged
-            runner.kv.set_cached_len(seq_id, context)
-            hiddens.append(runner.forward_hidden([seq_id], [[5]], packed=True, static=True)[0].float())
+            for seq_ids, tokens, tree in forwards:
+                for i, context in zip(ids, contexts):
+                    runner.kv.set_cached_len(i, context)
+                outputs[paged].append(runner.forward_hidden(seq_ids, tokens, trees=tree, packed=True,
+                                                            static=True)[0].float())
     finally:
         runner.paged_attention = True
-        runner.kv.free(seq_id)
-    gather, paged = hiddens
-    diff, scale = (paged - gather).abs().max().item(), gather.abs().max().item()
-    if not diff <= tolerance * max(scale, 1e-6):  # (NaN fails too)
-        logger.error("paged attention off: its decode forward differs from the gather's by %.4g (hidden "
-                     "states up to %.4g); please report this GPU and torch version", diff, scale)
-        return False
-    logger.info("paged attention on: agrees with the gather to %.3g (hidden states up to %.3g)", diff, scale)
+        for i in ids:
+            runner.kv.free(i)
+    for name, gather, paged in zip(("a decode", f"a decode of {n}", f"trees of {n}"), *outputs):
+        diff, scale = (paged - gather).abs().max().item(), gather.abs().max().item()
+        if not diff <= tolerance * max(scale, 1e-6):  # (NaN fails too)
+            logger.error("paged attention off: %s differs from the gather's by %.4g (hidden states up to %.4g); "
+                         "please report this GPU and torch version", name, diff, scale)
+            return False
+    logger.info("paged attention on: agrees with the gather (a decode, a batch, trees)")
     return True
 
 

@@ -249,10 +249,14 @@ class BlockManager:
     def _free_run(self, n: int) -> int | None:
         """The first of n consecutive free blocks, trying the most recently freed first; None if none
         among the first _RUN_SCAN tried."""
+        ref, lru = self._ref, self._lru  # (_free_block inlined: grow asks at every block boundary)
         for tried, b in enumerate(reversed(self._free)):
             if tried >= _RUN_SCAN:
                 break
-            if all(self._free_block(c) for c in range(b + 1, b + n)):
+            c = b + 1
+            while c < b + n and ref.get(c, 1) == 0 and c not in lru:
+                c += 1
+            if c >= b + n:
                 return b
         return None
 

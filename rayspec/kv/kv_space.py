@@ -12,6 +12,9 @@ cached length it was asked to extend and take the blocks they need; it moves the
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 
 from rayspec.kv.block_manager import BlockManager
@@ -173,19 +176,26 @@ class KVSpace:
     # ---- reading ---------------------------------------------------------------------------------
     def consecutive(self, seq_id: str, kv_len: int) -> bool:
         """seq_id's first kv_len positions lie in consecutive blocks (its keys read as a view)."""
-        blocks = self.blocks.tables[seq_id][: -(-kv_len // self.block_size)]
-        return len(blocks) * self.block_size >= kv_len and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+        table, n = self.blocks.tables[seq_id], -(-kv_len // self.block_size)
+        # compared in C, nothing copied (a lone sequence asks at every forward)
+        return len(table) >= n and all(map(operator.eq, itertools.islice(table, n), range(table[0], table[0] + n)))
 
     def rows(self, seq_ids: list[str], kv_len: int) -> np.ndarray:
         """[B, kv_len] int64: the pool row of each sequence's positions 0..kv_len-1 (past its blocks:
         scratch)."""
-        bs = self.block_size
-        nb = -(-kv_len // bs)
+        bs, table = self.block_size, self.covering_blocks(seq_ids, kv_len)
+        return (table[:, :, None] * bs + np.arange(bs)).reshape(len(seq_ids), -1)[:, :kv_len]
+
+    def covering_blocks(self, seq_ids: list[str], kv_len: int) -> np.ndarray:
+        """[B, ceil(kv_len / block_size)] int64: the blocks holding each sequence's positions
+        0..kv_len-1 (past its blocks: scratch), which `rows` spreads into rows (a runner does that on
+        the device: a forward's host work is then a block per block_size positions, not a row each)."""
+        nb = -(-kv_len // self.block_size)
         table = np.full((len(seq_ids), nb), SCRATCH_BLOCK, dtype=np.int64)
         for b, s in enumerate(seq_ids):
-            blocks = self.blocks.tables[s][:nb]
-            table[b, : len(blocks)] = blocks
-        return (table[:, :, None] * bs + np.arange(bs)).reshape(len(seq_ids), nb * bs)[:, :kv_len]
+            blocks = self.blocks.tables[s]
+            table[b, : len(blocks)] = blocks if len(blocks) <= nb else blocks[:nb]
+        return table
 
     def block_tables(self, seq_ids: list[str], num_rows: int) -> np.ndarray:
         """[num_rows, max_blocks] int64: the sequences' block tables (scratch past a row's blocks, and
@@ -195,3 +205,4 @@ class KVSpace:
             blocks = self.blocks.tables[s][: self.max_blocks]
             table[b, : len(blocks)] = blocks
         return table
+

@@ -20,13 +20,17 @@ class TreeQuery:
     first: this forward computes nodes first..first+len(tokens)-1; earlier ones are cached.
     Or, for a tree whose shape only the device knows (an EAGLE head growing its draft tree there):
     depths[j], node j's depth (0: hangs from the prefix), and sees, [computed nodes, nodes so far]
-    bool on the device: which nodes each computed node attends to (its ancestors and itself).
+    bool on the device: which nodes each computed node attends to (its ancestors and itself); with
+    depth_add, the depths too are completed on the device (first = 0).
     """
 
     parents: list[int] | None
     first: int = 0
     depths: list[int] | None = None
     sees: torch.Tensor | None = None
+    # [num_nodes] long on the device, added to the nodes' rope positions (depths then hold placeholders):
+    # a verification tree whose depths only the device knows (rayspec.engine.deferred_verify)
+    depth_add: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -46,18 +50,33 @@ def tree_layout_host(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: 
     with_key_positions the position of each cache row's key [B, kv_len] (a tree node's: its rope
     position; a sliding window counts positions, not cache rows), else None; numpy arrays. For a
     tree given by `sees`, visibility covers the prefix only: the caller adds the nodes' own."""
-    # built in numpy: element writes into torch tensors cost microseconds each, on every draft step
-    B = len(trees)
-    positions = np.zeros((B, Q), dtype=np.int64)
-    cache_positions = np.zeros((B, Q), dtype=np.int64)
+    positions, cache_positions, nodes_visible = tree_layout_nodes(trees, starts, Q)
+    B, W = len(trees), nodes_visible.shape[-1]
     visible = np.zeros((B, 1, Q, kv_len), dtype=bool)
     key_positions = np.tile(np.arange(kv_len, dtype=np.int64), (B, 1)) if with_key_positions else None
     for b, (tree, start) in enumerate(zip(trees, starts)):
+        visible[b, 0, :, :start] = True
+        visible[b, 0, :, start: start + W] = nodes_visible[b, 0, :, : kv_len - start]
+        if key_positions is not None:
+            depths = tree.depths if tree.parents is None else tree_depths(tree.parents)
+            key_positions[b, start: start + len(depths)] = start + np.asarray(depths, dtype=np.int64)
+    return positions, cache_positions, visible, key_positions
+
+
+def tree_layout_nodes(trees: list[TreeQuery], starts: list[int], Q: int):
+    """tree_layout_host without the prefix: rope positions [B, Q], cache rows [B, Q], and which nodes
+    each row sees [B, 1, Q, W] (W: the most nodes of a tree; node j is cache row start + j), for
+    `spread_tree_visible` to place after the prefix on the device: host work per tree node, not per
+    position of the context. For a tree given by `sees`, no node is marked (the caller adds them)."""
+    # built in numpy: element writes into torch tensors cost microseconds each, on every draft step
+    B = len(trees)
+    W = max(1, max(t.num_nodes for t in trees))
+    positions = np.zeros((B, Q), dtype=np.int64)
+    cache_positions = np.zeros((B, Q), dtype=np.int64)
+    visible = np.zeros((B, 1, Q, W), dtype=bool)
+    for b, (tree, start) in enumerate(zip(trees, starts)):
         depths = tree.depths if tree.parents is None else tree_depths(tree.parents)
         n = len(depths)
-        if key_positions is not None:
-            key_positions[b, start: start + n] = start + np.asarray(depths, dtype=np.int64)
-        visible[b, 0, :, :start] = True
         for q in range(Q):
             node = min(tree.first + q, n - 1)  # padding repeats the last node
             positions[b, q] = start + depths[node]
@@ -66,9 +85,19 @@ def tree_layout_host(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: 
                 continue
             a = node
             while a >= 0:
-                visible[b, 0, q, start + a] = True
+                visible[b, 0, q, a] = True
                 a = tree.parents[a]
-    return positions, cache_positions, visible, key_positions
+    return positions, cache_positions, visible
+
+
+def spread_tree_visible(nodes_visible: torch.Tensor, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[B, 1, Q, kv_len] bool on the device: every row sees its sequence's prefix (positions below
+    starts [B]) and the nodes nodes_visible [B, 1, Q, W] marks (tree_layout_nodes), at start + j."""
+    B, _, Q, W = nodes_visible.shape
+    rel = torch.arange(kv_len, device=starts.device)[None] - starts[:, None]  # [B, kv_len]
+    index = rel.clamp(0, W - 1)[:, None, None, :].expand(B, 1, Q, kv_len)
+    nodes = nodes_visible.gather(3, index) & ((rel >= 0) & (rel < W))[:, None, None, :]
+    return nodes | (rel < 0)[:, None, None, :]
 
 
 def tree_layout(trees: list[TreeQuery], starts: list[int], Q: int, kv_len: int, device,
@@ -164,3 +193,11 @@ def last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     (idx,) = to_device(np.asarray([b * Q + n - 1 for b, n in enumerate(lengths)], dtype=np.int64),
                        device=hidden.device)
     return hidden.reshape(B * Q, *hidden.shape[2:]).index_select(0, idx)
+
+
+def add_tree_depths(positions: torch.Tensor, trees: list[TreeQuery] | None) -> None:
+    """positions: [B(+padding), Q] rope positions on the device, in place: each tree's depth_add on
+    its nodes' rows."""
+    for b, tree in enumerate(trees or []):
+        if tree.depth_add is not None:
+            positions[b, : tree.depth_add.shape[0]] += tree.depth_add

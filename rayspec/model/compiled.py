@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 KV_BUCKET = 64
-MAX_ROWS = 64  # a forward of more padded rows than this (batch x rows) runs eager (a prefill's size)
+MAX_ROWS = 64  # by default a forward of more padded rows (batch x rows) runs eager (a prefill's size)
 
 # where the compiled step may be faster than eager (docs/benchmarks-history.md, "Compiled step"). On an
 # H200 it measured 3.4-3.9x faster for SmolLM2's shapes (launch-bound) and 0.76-0.83x for
@@ -60,7 +60,9 @@ class CompiledForward:
     # (rayspec.model.paged_attention), which is why paged attention is a CUDA feature
     backend = "inductor"
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, max_rows: int = MAX_ROWS):
+        """max_rows: the most padded rows (batch x rows) a compiled forward takes; an engine sets it to
+        its largest verification, max_num_seqs x (1 + num_speculative_tokens) bucketed (LLMEngine)."""
         import torch._dynamo
 
         # a graph per batch x rows bucket (and per aux_layers choice): well past the default limit of 8
@@ -75,9 +77,10 @@ class CompiledForward:
             self.mode = None
             self.fn = torch.compile(model, dynamic=False, backend=self.backend)
         self.shapes: set[tuple[int, int]] = set()
+        self.max_rows = max_rows
 
     def fits(self, batch_size: int, rows: int) -> bool:
-        return bucket(batch_size) * bucket(rows) <= MAX_ROWS
+        return bucket(batch_size) * bucket(rows) <= self.max_rows
 
     def __call__(self, input_ids, cache, batch, **kwargs):
         if self.mode == "reduce-overhead" and not getattr(cache, "static_address", False):

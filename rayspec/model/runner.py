@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from rayspec.device_io import to_device
-from rayspec.model.batch_layout import (TreeQuery, additive_mask, last_rows, pad_rows, sliding_window_mask,
-                                        tree_layout_host)
-from rayspec.model.compiled import KV_BUCKET, CompiledForward, bucket, compilable, round_up
+from rayspec.model.batch_layout import (TreeQuery, add_tree_depths, additive_mask, last_rows, pad_rows,
+                                        sliding_window_mask, spread_tree_visible, tree_layout_host, tree_layout_nodes)
+from rayspec.model.compiled import KV_BUCKET, MAX_ROWS, CompiledForward, bucket, compilable, round_up
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
 from rayspec.model.native import CausalLM
@@ -36,7 +36,7 @@ def make_runner(model: CausalLM, max_model_len: int, num_slots: int, slack: int,
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVSpace, compile: bool = False, paged_attention: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, max_compiled_rows: int = MAX_ROWS):
         """kv: the books of the pool this runner's cache tensors hold (its owner's).
         batch_invariant: decode and verification forwards (`static`) compute each row with the bits a
         1-row decode of it gives (EngineConfig.batch_invariant): the model's projections on a
@@ -55,8 +55,9 @@ class ModelRunner:
         # catch-up forwards (catch_up_pieces) take at most this many tokens at once; None: all
         self.max_chunk_tokens: int | None = None
         self.batch_invariant = batch_invariant
-        # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it
-        self.compiled = None
+        # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it, up
+        # to max_compiled_rows padded rows (batch x rows)
+        self.compiled, self.max_compiled_rows = None, max_compiled_rows
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
         # than gathering each row's keys and masking them densely
@@ -76,7 +77,7 @@ class ModelRunner:
         if not on:
             self.compiled = None
         elif self.compiled is None and compilable(self.model) and not self.batch_invariant:
-            self.compiled = CompiledForward(self.model, self.device)
+            self.compiled = CompiledForward(self.model, self.device, self.max_compiled_rows)
 
     def apply_moves(self) -> None:
         """Move the rows the books queued (copy-on-write, a relocated prefix, accepted tree paths) on
@@ -115,11 +116,12 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     def forward_hidden(self, seq_ids, token_lists, trees: list[TreeQuery] | None = None, packed: bool = False,
-                       static: bool = False, advance: bool = True, **model_kwargs):
+                       static: bool = False, advance: bool = True, lengths: list[int] | None = None,
+                       **model_kwargs):
         """Run the model over new tokens; returns (model output, row lengths).
 
         token_lists: a list of token lists (host), or a [B, Q] long tensor on the device (drafted
-        tokens that never went to the host: every row Q tokens).
+        tokens that never went to the host: every row Q tokens, or lengths[i] real ones).
         The output is [B, Q, ...] with rows padded at the end (padding meaningless), or with
         `packed` [N, ...]: the real tokens only, row after row (see `packed_offsets`).
 
@@ -140,7 +142,8 @@ class ModelRunner:
         """
         B = len(seq_ids)
         on_device = isinstance(token_lists, torch.Tensor)
-        lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
+        if lengths is None:
+            lengths = [int(token_lists.shape[1])] * B if on_device else [len(t) for t in token_lists]
         Q = max(lengths)
         starts = [self.kv.cached_len(s) for s in seq_ids]
         invariant = static and self.batch_invariant
@@ -151,7 +154,7 @@ class ModelRunner:
         else:
             kv_len = self._grow_for(seq_ids, starts, lengths, Q, trees)
             self.apply_moves()
-            t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, trees, kv_len)))
+            t = self._eager_host(seq_ids, token_lists, lengths, starts, trees, kv_len)
             input_ids = token_lists if on_device else t["input_ids"]
             batch = self._eager_batch(seq_ids, starts, trees, kv_len, t, packed)
             if invariant:
@@ -172,17 +175,18 @@ class ModelRunner:
         starts = [self.kv.cached_len(s) for s in seq_ids]
         kv_len = self._grow_for(seq_ids, starts, lengths, Q, None)
         self.apply_moves()
-        t = dict(zip(*self._eager_host(seq_ids, token_lists, lengths, starts, None, kv_len)))
+        t = self._eager_host(seq_ids, token_lists, lengths, starts, None, kv_len)
         batch = ForwardBatch(write_index=t["write_index"], read_index=t["read_index"], positions=t["positions"],
                              kv_len=kv_len, mask=None, real_rows=t.get("real_rows"), write_rows=t.get("write_rows"))
         self.model.write_kv(t["input_ids"], self.cache, batch, **model_kwargs)
         for s, start, n in zip(seq_ids, starts, lengths):
             self.kv.extend(s, start + n)
 
-    def _eager_host(self, seq_ids, token_lists, lengths, starts, trees, kv_len) -> tuple[list[str], list]:
-        """The eager forward's index arrays, built on the host and sent in one non-blocking copy:
-        (names, device tensors)."""
-        B, Q = len(seq_ids), max(lengths)
+    def _eager_host(self, seq_ids, token_lists, lengths, starts, trees, kv_len) -> dict[str, torch.Tensor]:
+        """The eager forward's index tensors, built on the host and sent in one non-blocking copy. What
+        grows with the context (every key's cache row, the prefix's visibility) is spread on the
+        device from per-block and per-node arrays: the host's work does not grow with the context."""
+        B, Q, bs = len(seq_ids), max(lengths), self.kv.block_size
         starts_np = np.asarray(starts, dtype=np.int64)
         host: dict[str, np.ndarray] = {}
         if not isinstance(token_lists, torch.Tensor):
@@ -192,23 +196,29 @@ class ModelRunner:
             host["input_ids"] = ids
         if trees is None:
             write_pos = host["positions"] = starts_np[:, None] + np.arange(Q)  # [B, Q]
-        else:
-            positions, write_pos, visible_np, key_pos_np = tree_layout_host(
-                trees, starts, Q, kv_len, with_key_positions=bool(self.model.args.sliding_layers))
+        elif self.model.args.sliding_layers:  # (key positions per cache row: built here whole)
+            positions, write_pos, visible_np, key_pos_np = tree_layout_host(trees, starts, Q, kv_len, True)
             host["positions"], host["cache_positions"], host["visible"] = positions, write_pos, visible_np
-            if key_pos_np is not None:
-                host["key_positions"] = key_pos_np
-        read_np = host["read_index"] = self.kv.rows(seq_ids, kv_len)  # [B, kv_len]
-        host["write_index"] = np.take_along_axis(read_np, write_pos, axis=1)  # [B, Q]
+            host["key_positions"] = key_pos_np
+        else:
+            host["positions"], write_pos, host["nodes_visible"] = tree_layout_nodes(trees, starts, Q)
+            host["cache_positions"], host["starts"] = write_pos, starts_np
+        blocks = host["blocks"] = self.kv.covering_blocks(seq_ids, kv_len)  # [B, ceil(kv_len / bs)]
+        host["write_index"] = np.take_along_axis(blocks, write_pos // bs, axis=1) * bs + write_pos % bs  # [B, Q]
         if any(n != Q for n in lengths):  # padded rows: the model computes only the real tokens
             host["real_rows"] = np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)])
             host["write_rows"] = host["write_index"].reshape(-1)[host["real_rows"]]
-        return list(host), to_device(*host.values(), device=self.device)
+        t = dict(zip(host, to_device(*host.values(), device=self.device)))
+        t["read_index"] = _rows_of_blocks(t.pop("blocks"), bs, kv_len)  # [B, kv_len]
+        if "nodes_visible" in t:
+            t["visible"] = spread_tree_visible(t.pop("nodes_visible"), t.pop("starts"), kv_len)
+        return t
 
     def _eager_batch(self, seq_ids, starts, trees, kv_len: int, t: dict, packed: bool) -> ForwardBatch:
         """The eager forward's ForwardBatch from its device index tensors `t`: the attention masks
         (causal, a tree's ancestry, a sliding window) and where keys are read and written."""
         positions_t, dev = t["positions"], self.device
+        add_tree_depths(positions_t, trees)
         cache_positions = key_positions = None
         if trees is None:
             if len(seq_ids) == 1 and positions_t.shape[1] == 1:
@@ -296,32 +306,28 @@ class ModelRunner:
         return tuple(unpad(o) for o in out) if isinstance(out, tuple) else unpad(out)
 
     def _static_positions(self, starts, trees, Bp: int, Qp: int, kv_len: int, paged: bool):
-        """The compiled step's padded [Bp, Qp] rope and cache positions, and (not paged) its dense
-        visibility [Bp, 1, Qp, kv_len] on the host, and for a model with sliding-window layers (not paged)
-        the position of each cache row's key [Bp, kv_len] (a tree node's: its rope position):
-        (positions, write positions, visible or None, key positions or None)."""
+        """The compiled step's padded [Bp, Qp] rope and cache positions, for trees (not paged) which
+        nodes each tree row sees [B, 1, Qp, W] (tree_layout_nodes; the visibility is spread on the
+        device), and for a model with sliding-window layers (not paged) the position of each cache
+        row's key [Bp, kv_len] (a tree node's: its rope position):
+        (positions, write positions, nodes seen or None, key positions or None)."""
         B = len(starts)
         positions = np.tile(np.arange(Qp, dtype=np.int64), (Bp, 1))
-        visible = key_positions = None
+        nodes = key_positions = None
         sliding = not paged and bool(self.model.args.sliding_layers)
         if sliding:
             key_positions = np.tile(np.arange(kv_len, dtype=np.int64), (Bp, 1))
         if trees is None:
             positions[:B] += np.asarray(starts, dtype=np.int64)[:, None]
             write_pos = positions
-            if not paged:
-                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
         else:
-            tree_pos, cache_pos, tree_visible, tree_keys = tree_layout_host(trees, starts, Qp, kv_len, sliding)
+            tree_pos, cache_pos, nodes = tree_layout_nodes(trees, starts, Qp)
             positions[:B] = tree_pos
             write_pos = positions.copy()
             write_pos[:B] = cache_pos
-            if not paged:
-                visible = np.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
-                visible[:B] = tree_visible
             if sliding:
-                key_positions[:B] = tree_keys
-        return positions, write_pos, visible, key_positions
+                key_positions[:B] = tree_layout_host(trees, starts, Qp, kv_len, True)[3]
+        return positions, write_pos, None if paged else nodes, key_positions
 
     def _static_batch(self, seq_ids, starts, trees, ids, real, Bp: int, Qp: int, kv_len: int):
         """The compiled step's inputs on the device, in one copy: (token ids, real rows, ForwardBatch),
@@ -340,12 +346,20 @@ class ModelRunner:
             layout = PagedLayout.build(t_table, t_context, t_tail, bs, self.cache.k[0].shape[0] // bs)
             return t_ids, t_real, ForwardBatch(write_index=t_write, read_index=t_write[:, :0], positions=t_pos,
                                                kv_len=kv_len, mask=None, paged=layout)
-        read = np.empty((Bp, kv_len), dtype=np.int64)
-        read[:B] = self.kv.rows(seq_ids, kv_len)
-        read[B:] = SCRATCH_BLOCK * bs + np.arange(kv_len) % bs
-        arrays = [ids, positions, read, np.take_along_axis(read, write_pos, axis=1), visible, real]
-        t_ids, t_pos, t_read, t_write, t_visible, t_real, *t_keys = to_device(
-            *arrays, *([key_positions] if key_positions is not None else []), device=self.device)
+        blocks = np.full((Bp, -(-kv_len // bs)), SCRATCH_BLOCK, dtype=np.int64)
+        blocks[:B] = self.kv.covering_blocks(seq_ids, kv_len)
+        write = np.take_along_axis(blocks, write_pos // bs, axis=1) * bs + write_pos % bs
+        nodes = visible if visible is not None else np.zeros((0, 1, Qp, 1), dtype=bool)
+        t_ids, t_pos, t_blocks, t_write, t_nodes, t_starts, t_real, *t_keys = to_device(
+            ids, positions, blocks, write, nodes, np.asarray(starts, dtype=np.int64), real,
+            *([key_positions] if key_positions is not None else []), device=self.device)
+        add_tree_depths(t_pos, trees)  # (a tree whose depths the device completes: deferred drafts)
+        t_read = _rows_of_blocks(t_blocks, bs, kv_len)  # [Bp, kv_len]
+        # every row sees the keys up to its position (padding rows: their own scratch rows), a tree's
+        # rows their prefix and the nodes tree_layout_nodes marked
+        t_visible = torch.arange(kv_len, device=self.device)[None, None, None, :] <= t_pos[:, None, :, None]
+        if trees is not None:
+            t_visible[:B] = spread_tree_visible(t_nodes, t_starts, kv_len)
         for b, (tree, start) in enumerate(zip(trees or [], starts)):
             if tree.sees is not None:
                 t_visible[b, 0, : tree.sees.shape[0], start: start + tree.sees.shape[1]] = tree.sees
@@ -376,3 +390,11 @@ class ModelRunner:
         for b, tree in enumerate(trees or []):
             tail[b] = tree_tail(tree.parents, Qp)
         return table, context, tail
+
+
+def _rows_of_blocks(blocks: torch.Tensor, block_size: int, kv_len: int) -> torch.Tensor:
+    """[B, kv_len] the pool row of each position 0..kv_len-1, from the blocks [B, nb] holding them
+    (KVSpace.covering_blocks), on their device."""
+    B, nb = blocks.shape
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks[:, :, None] * block_size + offsets).reshape(B, nb * block_size)[:, :kv_len]

@@ -42,6 +42,9 @@ class ProposeRequest:
     # a probe (rayspec.engine.drafting) of a proposer with a probe_window: catch up on at most this many
     # tokens, the context's last ones, before drafting (None: the whole context it has not seen)
     max_catch_up: int | None = None
+    # the engine verifies this draft on the device and reads it with its verdict (one read a cycle):
+    # answer with Draft.deferred where the proposer can (rayspec.proposers.deferred), else as usual
+    defer_read: bool = False
 
 
 @dataclass
@@ -59,6 +62,9 @@ class Draft:
     # asynchronous drafting (rayspec.proposers.pre_draft): True when the draft came from the
     # speculation cache (pre-drafted while the target verified), False when drafted on the call
     pre_drafted: bool | None = None
+    # still on the device (ProposeRequest.defer_read): tokens/probs/parents come after the engine's read
+    # (rayspec.proposers.deferred.DeferredRow; never sent between processes)
+    deferred: object | None = None
 
     @property
     def is_chain(self) -> bool:

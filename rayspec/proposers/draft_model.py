@@ -10,6 +10,7 @@ from rayspec.model.batch_layout import catch_up_pieces
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
 from rayspec.model.native import CausalLM
 from rayspec.model.runner import ModelRunner
+from rayspec.proposers.deferred import defer_chains
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
 
@@ -197,14 +198,20 @@ class DraftModelProposer(PreDraftable):
                 break  # drafts come back shorter; the cache holds exactly what _fed says
             if step + 1 < k:
                 logits = self.runner.forward(seq_ids, choice[:, None], last_only=True, static=True)
-        (drafted,) = to_host(torch.stack(toks, 1))  # [B, k]
-        tokens = drafted.tolist()
-        for i, req in enumerate(active):
-            self._fed[req.seq_id] += tokens[i][: len(toks) - 1]  # the draft cache holds all but the last
-        by_id = {}
-        for i, req in enumerate(active):
-            n = req.num_tokens
-            by_id[req.seq_id] = Draft(tokens[i][:n], torch.stack(probs[i][:n]) if probs[i] else None)
+        drafted = torch.stack(toks, 1)  # [B, k]
+
+        def finish(arrays) -> list[Draft]:
+            tokens = arrays[0].tolist()
+            for i, req in enumerate(active):
+                self._fed[req.seq_id] += tokens[i][: len(toks) - 1]  # the draft cache holds all but the last
+            return [Draft(tokens[i][: r.num_tokens], torch.stack(probs[i][: r.num_tokens]) if probs[i] else None)
+                    for i, r in enumerate(active)]
+
+        if self.num_candidates == 0 and self.should_stop is None and all(r.defer_read for r in requests):
+            # read with the verdict (rayspec.proposers.deferred): _fed grows then, before the next call
+            by_id = dict(zip(seq_ids, defer_chains(drafted, [r.num_tokens for r in active], [drafted], finish)))
+        else:
+            by_id = dict(zip(seq_ids, finish(to_host(drafted))))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
 
     def _keep_candidates(self, active: list[ProposeRequest], logits: torch.Tensor,

@@ -39,10 +39,29 @@ from rayspec.model.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
-from rayspec.proposers.ngram import find_ngram_continuation
+from rayspec.proposers.deferred import defer_chains, defer_trees
+from rayspec.proposers.ngram import NgramIndex
 from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
+
+
+class _Pairs:
+    """The head's pair tokens (_pair_tokens) of token_ids[:num_pairs + 1] as a read-only sequence
+    whose slices are computed when read: the prefix cache reads only the blocks it has not hashed."""
+
+    __slots__ = ("token_ids", "num_pairs")
+
+    def __init__(self, token_ids: list[int], num_pairs: int):
+        self.token_ids, self.num_pairs = token_ids, max(0, min(num_pairs, len(token_ids) - 1))
+
+    def __len__(self) -> int:
+        return self.num_pairs
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, _ = index.indices(self.num_pairs)
+        t = self.token_ids
+        return [(a << 32) | b for a, b in zip(t[start:stop], t[start + 1: stop + 1])]
 
 
 class _Node:
@@ -131,6 +150,7 @@ class EagleProposer(PreDraftable):
         # asynchronous drafting: > 0 records each draft's best path and its top candidates
         super().__init__()  # (PreDraftable: candidates, path position -> top tokens, probs)
         self.paths: dict[str, tuple[list[int], torch.Tensor]] = {}  # path tokens, [len, H] states predicting them
+        self._ngrams: dict[str, NgramIndex] = {}  # seq id -> its n-gram index (the prompt-lookup branch)
 
     # what the engine must hand over: inputs of these target layers, or () for the final hidden state
     @property
@@ -155,6 +175,7 @@ class EagleProposer(PreDraftable):
         self._last_used.pop(seq_id, None)
         self.candidates.pop(seq_id, None)
         self.paths.pop(seq_id, None)
+        self._ngrams.pop(seq_id, None)
 
     def _draft_to_target(self, draft_vocab: int, device) -> torch.Tensor:
         """[draft_vocab] the target id of each draft id (made once per device)."""
@@ -171,6 +192,11 @@ class EagleProposer(PreDraftable):
     @staticmethod
     def _pair_tokens(token_ids: list[int]) -> list[int]:
         return [(a << 32) | b for a, b in zip(token_ids, token_ids[1:])]
+
+    def _commit_pairs(self, seq_id: str, token_ids: list[int], num_tokens: int) -> None:
+        """Register the verified pairs of token_ids[:num_tokens + 1] in the head's prefix cache; only
+        the blocks not registered yet are read (_Pairs), so a step costs what it adds."""
+        self.kv.commit(seq_id, _Pairs(token_ids, num_tokens))
 
     # Salted like the target's (cache_salt, one hash-chain root per salt): a tenant finds only its
     # salt's pairs in the head's cache too. A sequence the head starts without being told its salt
@@ -223,7 +249,7 @@ class EagleProposer(PreDraftable):
         if ids:
             self._catch_up(ids, toks, feats, outputs=False)
             for s, req in zip(ids, reqs):
-                self.kv.commit(s, self._pair_tokens(req.token_ids[: self.kv.cached_len(s) + 1]))
+                self._commit_pairs(s, req.token_ids, self.kv.cached_len(s))
 
     # ---- catch-up --------------------------------------------------------------------
     def _allocate(self, seq_id: str) -> None:
@@ -319,7 +345,7 @@ class EagleProposer(PreDraftable):
             drafts = self._draft(active, torch.stack(last)) if not self._stop() else [Draft([])] * len(active)
             for s, n, req in zip(ids, committed, active):
                 self.kv.set_cached_len(s, n)
-                self.kv.commit(s, self._pair_tokens(req.token_ids[: n + 1]))  # positions < n: verified pairs
+                self._commit_pairs(s, req.token_ids, n)  # positions < n: verified pairs
             by_id.update(zip(ids, drafts))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]
 
@@ -408,6 +434,7 @@ class EagleProposer(PreDraftable):
         """EAGLE-2 trees: each depth expands the `topk` best frontier nodes by path score into their
         `topk` best children; the num_tokens best nodes overall are sent."""
         B, w, dev = len(reqs), self.topk, last.device
+        defer = self._defers(reqs)
         depth = [min(self.depth, r.num_tokens) for r in reqs]
         D = max(depth)
         ids = [r.seq_id for r in reqs]
@@ -432,7 +459,7 @@ class EagleProposer(PreDraftable):
             ctop = torch.topk(logp, min(c, logp.shape[-1]))
             cand_tok, cand_logp = [self.head.to_target(ctop.indices)[:, None]], [ctop.values[:, None]]
         for d in range(2, D + 1):
-            if self.early_exit_reads and bool(to_host(stopped | (row_depth < d))[0].all()):
+            if self.early_exit_reads and not defer and bool(to_host(stopped | (row_depth < d))[0].all()):
                 break
             if self._stop():
                 return [Draft([]) for _ in reqs]
@@ -469,6 +496,11 @@ class EagleProposer(PreDraftable):
                 stopped = stopped | self._stopped(f_score)
             num_nodes += w * w
         record = self.num_candidates > 0
+        if defer:  # chosen on the device and read with the verdict (rayspec.proposers.deferred)
+            chains = [self._lookup_chain(r) for r in reqs]
+            node_depth = [1] * w + [d for d in range(2, D + 1) for _ in range(w * w)]
+            return defer_trees(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                               node_depth[: num_nodes], [r.num_tokens for r in reqs], chains)
         fed_h = torch.cat(fed_nodes, 1) if record and fed_nodes else torch.zeros(B, 0, dtype=torch.long, device=dev)
         ctok_h, clogp_h = (torch.cat(cand_tok, 1), torch.cat(cand_logp, 1)) if record else (fed_h, fed_h)
         tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = to_host(
@@ -535,6 +567,7 @@ class EagleProposer(PreDraftable):
         """A chain per request: the head's top token per depth, or for a sampled request a token
         sampled from the head's distribution (its probabilities kept for the rejection rule)."""
         B, dev = len(reqs), last.device
+        defer = self._defers(reqs)
         K = max(r.num_tokens for r in reqs)
         ids = [r.seq_id for r in reqs]
         sampled = [i for i, r in enumerate(reqs) if r.temperature > 0]
@@ -551,7 +584,7 @@ class EagleProposer(PreDraftable):
         states, cand_tok, cand_logp = [], [], []  # per depth, pre-drafting only: [B, H], [B, c], [B, c]
         for d in range(1, K + 1):
             if d > 1:
-                if (self.early_exit_reads and greedy_rows and not sampled
+                if (self.early_exit_reads and greedy_rows and not sampled and not defer
                         and bool(to_host(score.exp() < self.stop_prob)[0].all())):
                     break
                 if self._stop():
@@ -580,9 +613,18 @@ class EagleProposer(PreDraftable):
             toks.append(self.head.to_target(choice))
             scores.append(score)
         record = self.num_candidates > 0
-        tok_h, score_h, ctok_h, clogp_h = to_host(torch.stack(toks, 1), torch.stack(scores, 1),
-                                                  torch.stack(cand_tok, 1) if record else score,
-                                                  torch.stack(cand_logp, 1) if record else score)
+        read = [torch.stack(toks, 1), torch.stack(scores, 1)]
+        if defer:  # read with the verdict (rayspec.proposers.deferred)
+            return defer_chains(read[0], [r.num_tokens for r in reqs], read,
+                                lambda arrays: self._chains_read(reqs, arrays, probs, sampled, [], False))
+        return self._chains_read(reqs, to_host(*read, torch.stack(cand_tok, 1) if record else score,
+                                               torch.stack(cand_logp, 1) if record else score), probs, sampled,
+                                 states, record)
+
+    def _chains_read(self, reqs, arrays, probs, sampled, states, record: bool) -> list[Draft]:
+        """The host drafts of _draft_chains from its read arrays (tokens, path scores[, candidates])."""
+        tok_h, score_h, *cands = arrays
+        ctok_h, clogp_h = cands if record else (None, None)
         drafts = []
         for i, r in enumerate(reqs):
             n = min(r.num_tokens, tok_h.shape[1])
@@ -603,8 +645,7 @@ class EagleProposer(PreDraftable):
         """Graft the n-gram prompt-lookup continuation onto the tree as a sure branch: its nodes
         (shared with the head's where the tokens agree) get path score 0, so _select keeps them
         first and their head-drafted children stay below them."""
-        chain = find_ngram_continuation(np.asarray(req.token_ids, dtype=np.int64), self.lookup_min,
-                                        self.lookup_max, min(self.lookup_tokens, req.num_tokens))
+        chain = self._lookup_chain(req)
         parent = -1
         for depth, token in enumerate(chain, start=1):
             match = next((n for n, nd in enumerate(nodes) if nd.parent == parent and nd.token == token), None)
@@ -613,6 +654,21 @@ class EagleProposer(PreDraftable):
                 match = len(nodes) - 1
             nodes[match].score = 0.0
             parent = match
+
+    def _lookup_chain(self, req: ProposeRequest) -> list[int]:
+        """The n-gram prompt-lookup continuation a tree grafts on (none without eagle_prompt_lookup)."""
+        if not self.lookup_tokens:
+            return []
+        index = self._ngrams.get(req.seq_id)  # (kept per sequence: a step's lookup costs what it adds)
+        if index is None:
+            index = self._ngrams[req.seq_id] = NgramIndex(self.lookup_min, self.lookup_max)
+        index.sync(req.token_ids)
+        return [int(t) for t in index.lookup(min(self.lookup_tokens, req.num_tokens))]
+
+    def _defers(self, reqs: list[ProposeRequest]) -> bool:
+        """Leave these drafts on the device for the engine's one read (ProposeRequest.defer_read): not
+        while a pre-drafter records paths (it reads them at once)."""
+        return self.num_candidates == 0 and all(r.defer_read for r in reqs)
 
     @staticmethod
     def _select(nodes: list[_Node], probs: list[torch.Tensor], budget: int, sampled: bool) -> Draft:

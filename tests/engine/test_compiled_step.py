@@ -197,3 +197,18 @@ def test_time_decode_measures_both_paths(tiny_model_dir, monkeypatch):
     assert calls[5:] == [True] * 5 and len(graph_calls) == 5  # compiled: every forward through it
     assert eager == pytest.approx(0.002) and compiled == pytest.approx(0.003)
     assert engine.kv.num_free_blocks == engine.num_blocks and engine.kv.num_free_slots == engine.num_slots
+
+
+def test_every_verification_bucket_up_to_max_num_seqs_is_compiled(tiny_model_dir):
+    """Issue #50 (e): the compiled step takes a verification of max_num_seqs sequences x (1 + k) rows
+    (bucketed), not only 64 padded rows: at max_num_seqs 32 and k 8, a batch of 32 verifying 9 rows fits
+    (512 padded rows; before: anything past 64 rows ran eager), a batch of 33 does not; never below 64."""
+    from rayspec.engine.warm_up import verification_rows
+    from rayspec.model.compiled import MAX_ROWS, CompiledForward
+
+    model = cached_model(str(tiny_model_dir))[0]
+    assert verification_rows(32, 8) == 512 and verification_rows(2, 4) == MAX_ROWS
+    step = CompiledForward(model, next(model.parameters()).device, verification_rows(32, 8))
+    assert step.fits(32, 9) and step.fits(5, 9) and not step.fits(33, 9) and not step.fits(32, 17)
+    engine = _engine(tiny_model_dir, "none", False)  # (eager here: the engine sizes its runner alike)
+    assert engine.runner.max_compiled_rows == verification_rows(engine.config.max_num_seqs, engine.max_k)

@@ -3,7 +3,8 @@ and those of the roofline issue:
 benchmarks/gpu_roofline.py (bandwidth, our decode eager and compiled, tree and chain verification,
 an EAGLE-3 head step, transformers' static-cache compiled decode, the compiled step with paged attention
 against the gather, FlexAttention over the paged pool against gather + SDPA; JSON, table, plot) and
-benchmarks/compiled_pool.py (the compiled step's time against the pool's size), and benchmarks/fp4_gpu.py (issue #52: 4-bit linears and a 4-bit model's decode)."""
+benchmarks/compiled_pool.py (the compiled step's time against the pool's size), and benchmarks/fp4_gpu.py (issue #52: 4-bit linears and a 4-bit model's decode), and benchmarks/gpu_engine.py
+(issue #50: LLMEngine end to end, target alone and EAGLE-3 with an oracle head, against the forward-only step)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,34 @@ def test_fp4_gpu_dry_run(tmp_path):
     assert decode["held_bytes"] > 0 and decode["read_ms"] > 0
     assert results["nvfp4_load"]["bit_mismatches"] == 0 and results["nvfp4_load"]["quantized_weights_checked"] > 0
     assert results["mxfp4_expert_layer"]["tokens_1"]["same_output"]
+
+
+def test_gpu_engine_dry_run(tmp_path):
+    """benchmarks/gpu_engine.py on CPU: the target alone eager and compiled, the forward-only step on the
+    compiled engine's runner, EAGLE-3 with the oracle head swept over acceptance lengths (compiled) and at
+    one (eager); every run's outputs equal the target's, acceptance grows with the oracle's p, and each
+    row splits its cycle into draft, verify and host with the host reads counted."""
+    out = tmp_path / "engine.json"
+    proc = _run("gpu_engine.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert not results.get("errors"), results.get("errors")
+    assert all(p.get("seconds", -1) >= 0 and "skipped" not in p for p in results["phases"]), results["phases"]
+    runs = results["runs"]
+    cells = {(r["config"], r.get("acceptance_target"), r["batch"]) for r in runs}
+    assert cells == ({("target eager", None, b) for b in (1, 2)} | {("target compiled", None, b) for b in (1, 2)}
+                     | {("eagle3 oracle compiled", x, b) for x in (2.0, 3.5, 5.4, 6.5) for b in (1, 2)}
+                     | {("eagle3 oracle eager", 5.4, b) for b in (1, 2)}), cells
+    for r in runs:
+        n = f"{r['batch']}/{r['batch']}"
+        assert r.get("outputs_equal_vs_eager", n) == n and r.get("outputs_equal_vs_compiled", n) == n, r
+        assert r["tok_s"] > 0 and r["ms_per_cycle"] > 0 and r["verify_ms"] > 0 and r["host_reads_per_cycle"] >= 1, r
+        assert "gpu_idle_share" in r  # None on CPU (no device events), measured on CUDA
+        if r["config"].startswith("eagle3"):
+            assert r["draft_ms"] > 0 and 0 < r["p_per_node"] <= 1, r  # (5.4 and 6.5 are past a dry run's depth 4: p 1)
+    oracle = sorted((r["acceptance_target"], r["acceptance_length"]) for r in runs
+                    if r["config"] == "eagle3 oracle compiled" and r["batch"] == 1)
+    assert oracle[0][1] < oracle[1][1] < oracle[-1][1], oracle  # the oracle's p sets the acceptance
+    assert {r["batch"] for r in results["forward_only"]} == {1, 2}
+    assert results["summary"]["target_b1_ms_over_forward_only"] > 0
+    assert "eagle3 oracle compiled" in proc.stdout  # the table
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)

@@ -19,14 +19,14 @@ verification's outcome, each sampled draft token; 500-1,000 outcomes a cell) and
 
 The grid (proposers x topologies; x: a cell of test_cell; EAGLE-3 trees in every column):
 
-| proposer      | TP 2 | preempt | chunked | prefix hit | compiled | bf16 | remote | async | failover | structured | penalties | stop |
-|---------------|------|---------|---------|------------|----------|------|--------|-------|----------|------------|-----------|------|
-| n-gram        |  x   |         |         |     x      |    x     |      |        |       |          |     x      |           |      |
-| draft model   |      |    x    |         |            |          |  x   |   x    |   x   |          |            |           |  x   |
-| EAGLE-1 chain |      |         |    x    |            |          |      |        |       |          |            |           |      |
-| EAGLE-1 tree  |      |         |         |            |          |      |        |       |    x     |            |           |      |
-| EAGLE-3 chain |      |         |         |            |          |      |        |       |          |            |     x     |      |
-| EAGLE-3 tree  |  x   |    x    |    x    |     x      |    x     |  x   |   x    |   x   |    x     |     x      |     x     |  x   |
+| proposer      | TP 2 | preempt | chunked | prefix hit | compiled | bf16 | remote | async | failover | structured | penalties | stop | deferred | deep |
+|---------------|------|---------|---------|------------|----------|------|--------|-------|----------|------------|-----------|------|----------|------|
+| n-gram        |  x   |         |         |     x      |    x     |      |        |       |          |     x      |           |      |          |      |
+| draft model   |      |    x    |         |            |          |  x   |   x    |   x   |          |            |           |  x   |          |      |
+| EAGLE-1 chain |      |         |    x    |            |          |      |        |       |          |            |           |      |          |      |
+| EAGLE-1 tree  |      |         |         |            |          |      |        |       |    x     |            |           |      |    x     |  x   |
+| EAGLE-3 chain |      |         |         |            |          |      |        |       |          |            |     x     |      |          |      |
+| EAGLE-3 tree  |  x   |    x    |    x    |     x      |    x     |  x   |   x    |   x   |    x     |     x      |     x     |  x   |    x     |  x   |
 
 EAGLE-3 trees: up to 5 nodes, 3 siblings at a node, 3 levels (3 live siblings asserted per cell).
 The draft model is the target's first layer; the heads are oracle heads (tests/eagle_utils.py).
@@ -54,7 +54,11 @@ asserted in column_ran):
 - penalties: frequency, presence and repetition penalties and a logit bias, each row processed
   by the reference in its own path's context;
 - stop: stop strings; each output's text ends before the first occurrence of one, and no token
-  after the one completing it is kept (check_stops).
+  after the one completing it is kept (check_stops);
+- deferred: defer_draft_reads on (issue #50: the drafts stay on the device until the verdict's one
+  read, their tokens and tree layout placed there; rayspec.engine.deferred_verify), counted;
+- deep: trees 6 levels deep (12 nodes, topk as elsewhere; issue #50), half the requests at T = 0.2, top-k 3, so the oracle
+  heads' paths are accepted deep (asserted: a tree of depth 6, an accepted path of 5 or more).
 
 Tolerance (check 1): on the common support, the log-probabilities may differ by 8 tau / T after
 renormalising, tau the largest gap between transformers' own forward in the engine's dtype and its
@@ -88,6 +92,8 @@ fails; tests/grid_topologies.FAULTS):
 | structured | the grammar's mask left out of the draft rows                                | rows      |
 | penalties  | each row penalised for the committed output only, not the drafts before it   | rows      |
 | stop       | a step's emitted tokens all kept, past the stop string's                     | stops     |
+| deferred   | deferred drafts verified with their tokens rotated by one                    | rows      |
+| deep       | tree nodes past depth 3 at depth 3's rope position                           | rows      |
 The remote and async faults need a q, which only sampled drafts carry: a token tree of point masses
 is verified losslessly whatever the proposer drafts, so no proposer-side fault of those columns can
 break the EAGLE-3 tree cells there, and they have none.
@@ -106,7 +112,7 @@ import torch
 import audit
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, make_engine
-from grid_topologies import (CUT, FAULTS, MAX_TOKENS, PLAIN, VOCAB, build_engine, check_stops, grammar_mask,
+from grid_topologies import (CUT, DEEP, FAULTS, MAX_TOKENS, PLAIN, VOCAB, build_engine, check_stops, grammar_mask,
                              request_params, run_failover, run_requests)
 from reference import HFLogits
 from rayspec.sampling.sampler import SamplingParams
@@ -115,10 +121,11 @@ TEXTS = ["one two three four one two three four one two", "The cat sat on the ma
          "a b c a b c a b c", "Hello world, hello world, hello"]
 NUM_REQUESTS = 64
 COLUMNS = ["tp2", "preempt", "chunked", "prefix", "compiled", "bf16", "remote", "async", "failover", "structured",
-           "penalties", "stop"]
+           "penalties", "stop", "deferred", "deep"]
 SECOND = {"tp2": "ngram", "preempt": "draft", "chunked": "eagle1-chain", "prefix": "ngram", "compiled": "ngram",
           "bf16": "draft", "remote": "draft", "async": "draft", "failover": "eagle1-tree", "structured": "ngram",
-          "penalties": "eagle3-chain", "stop": "draft"}
+          "penalties": "eagle3-chain", "stop": "draft", "deferred": "eagle1-tree",
+          "deep": "eagle1-tree"}
 CELLS = [(c, p) for c in COLUMNS for p in ("eagle3-tree", SECOND[c])]
 ALPHA = 1e-3 / (2 * len(CELLS))  # Bonferroni over every law test of the module
 MAX_TV_099 = 0.5  # each cell's check 3 detects both shapes with power 0.99 below this per-outcome TV
@@ -310,6 +317,13 @@ def test_cell(model_dir, loaded, heads, hf, tolerance, prompts, shared_engines, 
     print(f"{column}/{proposer}: ran {ran:.1f} s, {len(draws)} draws, {len(verified)} verifications")
 
 
+def _depths(parents: list[int]) -> list[int]:
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
 def column_ran(column, engine, draws, done, resumed, tokenizer) -> None:
     """The column's topology really ran."""
     if column == "tp2":
@@ -336,6 +350,14 @@ def column_ran(column, engine, draws, done, resumed, tokenizer) -> None:
     elif column == "structured":
         for out in done.values():
             assert re.fullmatch(r"[a-z ]{1,24}", out.text), out.text
+    elif column == "deep":
+        trees = [d for d in draws if d.kind == "tree"]
+        depth = max(max(_depths(d.parents), default=0) for d in trees)
+        longest = max(len(d.path) for d in trees)
+        print(f"deep: trees up to depth {depth}, accepted paths up to {longest}")
+        assert depth >= DEEP and longest >= DEEP - 1, (depth, longest)
+    elif column == "deferred":
+        assert engine.config.defer_draft_reads and engine.num_deferred > NUM_REQUESTS, engine.num_deferred
     elif column == "stop":
         check_stops(done, tokenizer)
         reasons = [o.finish_reason for o in done.values()]

@@ -169,11 +169,13 @@ def test_paged_attention_needs_the_compiled_step(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), compile=False, paged_attention=True)
 
 
-@pytest.mark.parametrize("faulty", [False, True])
+@pytest.mark.parametrize("faulty", [False, "all rows", "rows past the first"])
 def test_warm_up_self_check_turns_a_faulty_kernel_off(tiny_model_dir, traced_step, monkeypatch, faulty):
     """The engine's warm-up compares one decode forward both ways: a paged attention that computes
     something else (here: every key of the row's first block only) is turned off, and the engine's
-    greedy output stays the eager engine's."""
+    greedy output stays the eager engine's. A fault only a batch shows (every row attending with the
+    first row's context: a decode of one sequence is right) is caught too, by the batch and tree
+    forwards of the check (issue #50 (f); the check of one decode let it through)."""
     from rayspec.engine.llm_engine import LLMEngine
     from rayspec.sampling.sampler import SamplingParams
 
@@ -181,8 +183,10 @@ def test_warm_up_self_check_turns_a_faulty_kernel_off(tiny_model_dir, traced_ste
         original = PagedLayout.attend
 
         def wrong(self, q, cache_k, cache_v):
-            return original(PagedLayout(self.table, torch.zeros_like(self.context), self.tail, self.block_size,
-                                        self.logical), q, cache_k, cache_v)
+            context = (torch.zeros_like(self.context) if faulty == "all rows"
+                       else self.context[:1].expand_as(self.context).contiguous())
+            return original(PagedLayout(self.table, context, self.tail, self.block_size, self.logical), q,
+                            cache_k, cache_v)
 
         monkeypatch.setattr(PagedLayout, "attend", wrong)
     loaded = cached_model(str(tiny_model_dir))

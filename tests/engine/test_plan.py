@@ -643,6 +643,20 @@ def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
     b1 = next(r for r in recorded["decode"] if r["batch"] == 1 and r["compiled"])
     text = "\n".join(lines)
     assert "NVIDIA H100" in text and f"batch 1 {b1['ms_per_step']:.2f} ms" in text and "gpu_roofline_h100.json" in text
+    assert "forward only" in text and "not an end-to-end figure" in text  # a forward-only tok/s says so
+    # an end-to-end run (benchmarks/gpu_engine.py) is quoted as such, before the forward-only step
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    (measured / "gpu_engine_x.json").write_text(_json.dumps({
+        "args": {"shape": "llama3.1-8b"}, "summary": {"gpu": "GPU X"},
+        "runs": [{"config": "target compiled", "batch": 1, "tok_s": 140.0},
+                 {"config": "eagle3 oracle compiled", "acceptance_target": 5.4, "acceptance_length": 5.3, "batch": 1,
+                  "tok_s": 510.0}, {"config": "target eager", "batch": 1, "tok_s": 60.0}]}))
+    (measured / "gpu_roofline_x.json").write_text((RESULTS_DIR / "gpu_roofline_h100.json").read_text())
+    both = measured_step_lines(llama8b, results_dir=measured)
+    assert "measured end to end on GPU X" in both[1] and "target compiled batch 1 140 tok/s" in both[1], both
+    assert "(acceptance length 5.3) batch 1 510 tok/s" in both[1] and "eager" not in both[1]
+    assert "forward only" in both[2]
     other = ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True)
     assert measured_step_lines(other) == []
