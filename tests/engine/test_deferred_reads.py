@@ -108,6 +108,9 @@ def loaded(smollm2):
 
 def _engine(smollm2, loaded, defer: bool, topk: int, **extra):
     """EAGLE-3 trees (topk 2) or chains (topk 1) with the shipped head; topk 0: a 2-layer draft model."""
+    # adaptive off: accepted drafts are asserted in every run, and with the planner on (make_engine's
+    # default) the chain and draft-model runs stopped drafting after their first rejections
+    extra.setdefault("adaptive", False)
     if topk == 0:
         engine = make_engine(smollm2, "draft_model", k=4, loaded=loaded, draft_model=smollm2, draft_num_layers=2,
                              **extra)
