@@ -286,7 +286,7 @@ def _fault_preempt(engine, monkeypatch):
     """A recompute after preemption writes the KV of a wrong token at the first output position."""
     forward = engine._target_forward
 
-    def wrong_token(ids, inputs, trees=None, packed=False, static=False, advance=True):
+    def wrong_token(ids, inputs, trees=None, packed=False, static=False, advance=True, lengths=None):
         if trees is None and not static:
             inputs = [list(x) for x in inputs]
             for rid, x in zip(ids, inputs):
@@ -294,7 +294,7 @@ def _fault_preempt(engine, monkeypatch):
                 at = seq.num_prompt_tokens - start
                 if seq.num_preemptions and 0 <= at < len(x):
                     x[at] = (x[at] + 1) % VOCAB
-        return forward(ids, inputs, trees=trees, packed=packed, static=static, advance=advance)
+        return forward(ids, inputs, trees=trees, packed=packed, static=static, advance=advance, lengths=lengths)
 
     monkeypatch.setattr(engine, "_target_forward", wrong_token)
 
@@ -312,12 +312,11 @@ def _fault_chunked(engine, monkeypatch):
             inside.pop()
 
     def shifted(seq_ids, token_lists, lengths, starts, trees, kv_len):
-        names, tensors = host(seq_ids, token_lists, lengths, starts, trees, kv_len)
+        t = host(seq_ids, token_lists, lengths, starts, trees, kv_len)
         if inside and trees is None:
-            i = names.index("positions")
-            tensors = list(tensors)
-            tensors[i] = tensors[i] + torch.tensor([[int(s > 0)] for s in starts], device=tensors[i].device)
-        return names, tensors
+            t = dict(t, positions=t["positions"] + torch.tensor([[int(s > 0)] for s in starts],
+                                                                device=t["positions"].device))
+        return t
 
     monkeypatch.setattr(engine, "_prefill_forward", flagged)
     monkeypatch.setattr(engine.runner, "_eager_host", shifted)
