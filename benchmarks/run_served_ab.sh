@@ -14,19 +14,23 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}; TAG=${TAG:-served_ab}
 PROMPTS=${PROMPTS:-mt_bench}; N=${N:-8}; MAX_TOKENS=${MAX_TOKENS:-96}; CONC=${CONC:-1,8}; WAVES=${WAVES:-2}
 mkdir -p "$OUT"
-one() {  # $1: side label, $2: checkout, $3: round
-  serve shutdown -y > /dev/null 2>&1 || true
+start() {  # $1: side label, $2: checkout; returns once it answers (1: its serve run exited first)
   ray stop --force > /dev/null 2>&1 || true
+  while curl -s -o /dev/null http://127.0.0.1:8000/; do sleep 1; done  # the last side's proxy gone
+  sleep 3
   (cd "$2" && env -u RAY_ADDRESS PYTHONPATH="$2" serve run configs/default.yaml > "${TMPDIR:-/tmp}/served_ab_$1.log" 2>&1) &
-  local pid=$!
+  pid=$!
   until curl -sf http://127.0.0.1:8000/v1/models > /dev/null; do
-    kill -0 $pid 2> /dev/null || { echo "side $1 did not start: ${TMPDIR:-/tmp}/served_ab_$1.log"; exit 1; }
+    kill -0 $pid 2> /dev/null || return 1
     sleep 3
   done
+}
+one() {  # $1: side label, $2: checkout, $3: round
+  # (a start can fail when Ray's previous processes are still going away: tried once more)
+  start "$1" "$2" || start "$1" "$2" || { echo "side $1 did not start: ${TMPDIR:-/tmp}/served_ab_$1.log"; exit 1; }
   rayspec bench serve --endpoint http://127.0.0.1:8000 --label "$1" --prompts "$PROMPTS" --num-prompts "$N" \
     --max-tokens "$MAX_TOKENS" --concurrency "$CONC" --waves "$WAVES" --warmup 2 \
     --output-json "$OUT/${TAG}_$1_round$3.json" > /dev/null
-  serve shutdown -y > /dev/null 2>&1 || true
   kill $pid 2> /dev/null || true
   wait $pid 2> /dev/null || true
   ray stop --force > /dev/null 2>&1 || true
