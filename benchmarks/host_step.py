@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from rayspec.bench.environment import cpu_model  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
 from rayspec.sampling.sampler import SamplingParams  # noqa: E402
@@ -44,14 +44,6 @@ CELLS = [("eagle3-tree", 1), ("eagle3-tree", 32), ("target-only", 32)]
 CONTEXTS = [256, 8192]
 MAX_BATCHED = 4096  # prefill tokens per step
 TIMED = ("forward", "write_kv", "logits", "draft_logits")  # the modules' compute entry points
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def git_commit() -> str:
@@ -209,7 +201,7 @@ def main(argv=None) -> dict:
         model_dir = make_model_dir(Path(tmp), max(contexts) + 4096)
         rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm)
     report = {"what": "engine host time per decode step (step wall - forwards), tiny model, issue #50 (d)",
-              "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "cpu_model": cpu_model()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "torch_threads": torch.get_num_threads(), "commit": git_commit(),
               "command": "python benchmarks/host_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "load_average_at_start": [round(v, 1) for v in os.getloadavg()],

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_utils import cached_model, make_engine, run_alone, run_joining  # noqa: E402
 from rayspec.assets import assets_root  # noqa: E402
+from rayspec.model.batch_layout import tree_depths  # noqa: E402
 from rayspec.proposers.deferred import ancestry, defer_trees  # noqa: E402
 from rayspec.proposers.eagle import EagleProposer, _Node  # noqa: E402
 from rayspec.sampling.sampler import SamplingParams  # noqa: E402
@@ -92,9 +93,7 @@ def test_tree_choice_on_the_device_is_the_hosts(seed):
         row = d.deferred
         assert row.num_nodes == min(budgets[b], batch.tensors[0].shape[1]) >= len(want.tokens)
         n = len(want.tokens)
-        host_depth = []
-        for p in want.parents:
-            host_depth.append(1 if p < 0 else host_depth[p] + 1)
+        host_depth = [d + 1 for d in tree_depths(want.parents)]
         assert row.depth[:n].tolist() == host_depth
         assert row.tokens[:n].tolist() == want.tokens
         sees = ancestry(torch.tensor([want.parents]), max(host_depth, default=0))[0]

@@ -115,6 +115,7 @@ from engine_utils import cached_model, make_engine
 from grid_topologies import (CUT, DEEP, FAULTS, MAX_TOKENS, PLAIN, VOCAB, build_engine, check_stops, grammar_mask,
                              request_params, run_failover, run_requests)
 from reference import HFLogits
+from rayspec.model.batch_layout import tree_depths
 from rayspec.sampling.sampler import SamplingParams
 
 TEXTS = ["one two three four one two three four one two", "The cat sat on the mat. The cat sat",
@@ -317,13 +318,6 @@ def test_cell(model_dir, loaded, heads, hf, tolerance, prompts, shared_engines, 
     print(f"{column}/{proposer}: ran {ran:.1f} s, {len(draws)} draws, {len(verified)} verifications")
 
 
-def _depths(parents: list[int]) -> list[int]:
-    out: list[int] = []
-    for p in parents:
-        out.append(1 if p < 0 else out[p] + 1)
-    return out
-
-
 def column_ran(column, engine, draws, done, resumed, tokenizer) -> None:
     """The column's topology really ran."""
     if column == "tp2":
@@ -352,7 +346,7 @@ def column_ran(column, engine, draws, done, resumed, tokenizer) -> None:
             assert re.fullmatch(r"[a-z ]{1,24}", out.text), out.text
     elif column == "deep":
         trees = [d for d in draws if d.kind == "tree"]
-        depth = max(max(_depths(d.parents), default=0) for d in trees)
+        depth = max(max(tree_depths(d.parents), default=-1) + 1 for d in trees)  # (tree_depths: 0 at the root's children)
         longest = max(len(d.path) for d in trees)
         print(f"deep: trees up to depth {depth}, accepted paths up to {longest}")
         assert depth >= DEEP and longest >= DEEP - 1, (depth, longest)
