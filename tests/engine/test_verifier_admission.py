@@ -173,3 +173,63 @@ def test_a_request_not_started_by_its_start_by_is_refused_and_freed(verifier):
     in_time = GenerateRequest(prompt=[5, 6, 7], max_tokens=4, temperature=0, start_by=time.time() + 30)
     assert asyncio.run(verifier.generate(in_time)).num_output_tokens == 4
     assert _idle(verifier)
+
+
+def test_a_request_refused_for_a_full_queue_is_offered_again_while_aborts_land(verifier):
+    """Serve frees a cancelled call's place before the call's task has told the engine (it cancels the
+    user code's future without waiting), so a new request can find the engine's waiting queue full
+    for a moment. The verifier offers such a request again for OVERLOADED_RETRY_S: when an abort lands
+    meanwhile, the request is taken and runs; when nothing frees a place, it is refused (the 429) at
+    the end of that time, not held."""
+    from deployments.replicas import verifier as verifier_module
+    from rayspec.engine.outputs import EngineOverloadedError
+
+    engine = verifier.loop.engine
+    bound = engine.config.max_num_waiting
+    step = engine.step
+
+    def slow_step():  # long requests stay long whatever the drafts' acceptance
+        time.sleep(0.01)
+        return step()
+
+    verifier.loop.call(lambda e: (setattr(e.config, "max_num_waiting", 0), setattr(e, "step", slow_step)))
+    long = GenerateRequest(prompt=[5, 6, 7], max_tokens=1000, temperature=0, ignore_eos=True)
+    short = GenerateRequest(prompt=[8, 9, 10], max_tokens=4, temperature=0)
+    before = verifier.num_overloaded_retries
+
+    async def main():
+        started = [asyncio.Event() for _ in range(4)]
+
+        async def read(i):
+            async for _ in verifier.generate_stream(long):
+                started[i].set()
+
+        readers = [asyncio.create_task(read(i)) for i in range(4)]  # every one of the 4 slots taken
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        t0 = time.monotonic()
+        with pytest.raises(EngineOverloadedError, match="max_num_waiting 0"):
+            await verifier.generate(short)
+        waited = time.monotonic() - t0
+        assert verifier_module.OVERLOADED_RETRY_S <= waited < verifier_module.OVERLOADED_RETRY_S + 2
+        assert not any(r.done() for r in readers)  # (the slots stayed taken all along)
+        refused_retries = verifier.num_overloaded_retries - before
+
+        late = asyncio.create_task(verifier.generate(short))
+        await asyncio.sleep(0.2)  # refused and offered again meanwhile
+        assert not late.done() and verifier.num_overloaded_retries - before > refused_retries
+        readers[0].cancel()  # a client goes away: its abort lands, and the waiting request takes its slot
+        out = await asyncio.wait_for(late, 30)
+        assert out.num_output_tokens == 4
+        assert not any(r.done() for r in readers[1:])
+        for r in readers:
+            r.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        verifier.loop.call(lambda e: (setattr(e.config, "max_num_waiting", bound), delattr(e, "step")))
+    deadline = time.monotonic() + 30
+    while not _idle(verifier) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _idle(verifier)
