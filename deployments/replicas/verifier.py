@@ -28,7 +28,7 @@ from deployments.replicas.engine_loop import EngineLoop
 from deployments.replicas.work_budget import WorkBudget, choice_work, default_work_budget
 from deployments.transport.protocol import (GenerateChunk, GenerateRequest, GenerateResponse, NotStartedInTime,
                                             RequestTimeoutError)
-from rayspec.engine.llm_engine import EngineOverloadedError, InvalidRequestError, LLMEngine, RequestOutput
+from rayspec.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
 
 
 CALLER_CHECK_S = 1.0  # how often a request's caller (its ingress replica) is checked to be alive
@@ -41,13 +41,6 @@ MAX_BUFFERED_OUTPUTS = 1024  # outputs of one request waiting for its reader (ea
 # the engine loop ends a request at its deadline; this much later the replica's event loop ends it
 # itself, in case the loop's thread hangs in a step (it is aborted there when the thread is back)
 TIMEOUT_GRACE_S = 5.0
-# Serve frees a cancelled call's place (its replica semaphore) before the call's task has run its
-# `finally` (Serve cancels the user code's future without waiting), so a new call can reach the engine
-# before the old one's abort and find the waiting queue (sized to Serve's max_ongoing_requests) full.
-# A request the engine refuses as overloaded, before any output, is offered again for this long
-# (aborts in flight land meanwhile); past it the refusal is the caller's 429.
-OVERLOADED_RETRY_S = 1.0
-OVERLOADED_RETRY_EVERY_S = 0.02
 
 
 class CallerLostError(RuntimeError):
@@ -167,7 +160,6 @@ class Verifier:
         self.request_timeout_s = cfg.request_timeout_s  # a request's deadline unless it brings its own
         self.num_backlogged = 0  # requests aborted because their reader fell too far behind
         self.num_not_started = 0  # requests refused (429) because they had not started by their start_by
-        self.num_overloaded_retries = 0  # adds the engine refused as overloaded and were offered again
         self._watched: dict[str, tuple[str, asyncio.Queue]] = {}  # request id -> (its caller, its queue)
         self._watcher: asyncio.Task | None = None
 
@@ -259,15 +251,10 @@ class Verifier:
 
             # (the prompt's encoding and the grammar took some of the time)
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
-
-            def submit() -> None:
-                self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(put, item),
-                                 resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar,
-                                 timeout_s=left if deadline is None else max(0.0, deadline - time.perf_counter()))
-
-            submit()
+            self.loop.submit(rid, prompt, params, lambda item: loop.call_soon_threadsafe(put, item),
+                             resume=(request.resume_output_ids, request.resume_sent_chars), grammar=grammar,
+                             timeout_s=left)
             submitted = True
-            retry_until = time.monotonic() + OVERLOADED_RETRY_S
             timer = None if left is None else loop.call_later(left + TIMEOUT_GRACE_S, queue.put_nowait, _TIMED_OUT)
             if start_by is not None:
                 start_timer = loop.call_later(max(0.0, start_by - time.time()), queue.put_nowait, _NOT_STARTED)
@@ -294,12 +281,6 @@ class Verifier:
                     logger.warning("request %s: past its deadline (%g s), the engine not answering", rid, timeout_s)
                     raise RequestTimeoutError(f"the request passed its deadline ({timeout_s:.3g} s) and was aborted")
                 if isinstance(item, BaseException):
-                    if (isinstance(item, EngineOverloadedError) and not started and queue.empty()
-                            and time.monotonic() < retry_until):  # not taken: see OVERLOADED_RETRY_S
-                        self.num_overloaded_retries += 1
-                        await asyncio.sleep(OVERLOADED_RETRY_EVERY_S)
-                        submit()
-                        continue
                     done = True
                     raise item
                 if item.finished:
@@ -407,8 +388,7 @@ class Verifier:
         paired = {"paired_proposer_restarts": self.paired.num_restarts} if self.paired is not None else {}
         return dict(self.loop.snapshot, replica=self._prefix.rstrip("-"), metrics=self.loop.metrics is not None,
                     num_caller_lost=self.num_caller_lost, num_backlogged=self.num_backlogged,
-                    num_not_started_in_time=self.num_not_started,
-                    num_overloaded_retries=self.num_overloaded_retries, **self.work.as_dict(),
+                    num_not_started_in_time=self.num_not_started, **self.work.as_dict(),
                     **paired)
 
     def record_routing_stats(self) -> dict:
