@@ -38,8 +38,8 @@ from rayspec.engine.deferred_verify import may_defer, read_verdict, row_lengths,
 from rayspec.engine.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
 from rayspec.engine.intake import check_request, encode_chat, resume
 from rayspec.engine.metrics import SpecDecodeStats
-from rayspec.engine.outputs import (EngineOverloadedError, InvalidGrammarError, InvalidRequestError,  # noqa: F401 (re-exported)
-                                    RequestOutput, request_output)
+from rayspec.engine.outputs import (EngineOverloadedError, GrammarCompilerBusyError,  # noqa: F401 (re-exported)
+                                    InvalidGrammarError, InvalidRequestError, RequestOutput, request_output)
 from rayspec.engine.scheduler import ScheduledStep, Scheduler
 from rayspec.engine.sequence import IncrementalDetokenizer, Sequence
 from rayspec.engine.warm_up import (calibrate_costs, compile_buckets, keep_compiled_step, paged_attention_agrees,
@@ -244,7 +244,7 @@ class LLMEngine:
         except ValueError as err:
             raise InvalidGrammarError(str(err)) from None
         except GrammarCompilerBusy as err:  # (a 429: try again once the running compiles are done)
-            raise EngineOverloadedError(str(err)) from None
+            raise GrammarCompilerBusyError(str(err)) from None
 
     def abort_request(self, request_id: str) -> bool:
         seq = self._requests.get(request_id)

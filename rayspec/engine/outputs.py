@@ -16,6 +16,15 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (EngineConfig.max_num_waiting): the request was not taken; try later."""
 
 
+class GrammarCompilerBusyError(EngineOverloadedError):
+    """Every place to compile an output constraint is taken (rayspec.sampling.structured.MAX_COMPILES):
+    the request was not taken; try later."""
+
+    @property
+    def reason(self) -> str:  # what the server's 429 says
+        return "every place to compile an output constraint is taken"
+
+
 class InvalidGrammarError(InvalidRequestError):
     """The request's output constraint cannot be compiled (malformed, past llguidance's limits, or
     slower to compile than rayspec.sampling.structured.COMPILE_TIMEOUT_S)."""

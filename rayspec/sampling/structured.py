@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ PARSER_LIMITS = dict(max_items_in_row=2_000, initial_lexer_fuel=1_000_000, step_
 COMPILE_TIMEOUT_S = 5.0  # measured here: ~0.2 s for 5,000 choices; up to ~1 s for a schema with many patterns
 COMPILE_STACK_BYTES = 256 << 20
 MAX_COMPILES = 4  # per compiler (a verifier replica), running or abandoned
+CACHE_SIZE = 64  # compiled grammars kept per compiler (GrammarCompiler), least recently used dropped first
 
 
 class GrammarCompilerBusy(RuntimeError):
@@ -101,15 +103,25 @@ class StructuredOutput:
 class GrammarCompiler:
     """Per engine: the tokenizer in llguidance's form (built once, on first use: ~0.25 s here).
     Thread-safe, so a server can build grammars off the engine's thread. Each grammar is compiled on
-    a thread of its own (a large stack) with a deadline: `compile_timeout_s` (None: no deadline)."""
+    a thread of its own (a large stack) with a deadline: `compile_timeout_s` (None: no deadline).
+
+    Compiled grammars are kept (the last `cache_size`, by their grammar text) and every request gets
+    a copy of its own: a request with n=8 choices, or eight clients sending one schema, compile it
+    once. A grammar asked for while it compiles waits for that compile (within its own deadline)
+    rather than starting another: identical requests arriving together (an n>1 request fans out
+    one per choice) take one of the MAX_COMPILES places, not one each."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int],
-                 compile_timeout_s: float | None = COMPILE_TIMEOUT_S):
+                 compile_timeout_s: float | None = COMPILE_TIMEOUT_S, cache_size: int = CACHE_SIZE):
         self._hf_tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_token_ids)
         self.compile_timeout_s = compile_timeout_s
+        self.cache_size = cache_size
         self._tokenizer = None
         self._lock = threading.Lock()
         self._running = threading.BoundedSemaphore(MAX_COMPILES)  # compile threads alive
+        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, grammar) -> matcher
+        self._compiling: dict[tuple[str, str], tuple[threading.Event, dict]] = {}
+        self.num_compiled = self.num_reused = 0  # compiles ended; grammars served from the kept ones
 
     def state(self, spec: StructuredOutput) -> "GrammarState":
         try:
@@ -124,30 +136,50 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                                eos_token=self._eos or None)
         grammar = spec.grammar_text()  # cheap (no compiling); ValueError for a malformed value
-        done, box = threading.Event(), {}
-        if not self._running.acquire(blocking=False):
-            raise GrammarCompilerBusy(f"{MAX_COMPILES} output constraints are compiling on this replica")
-
-        def compile_() -> None:
-            try:
-                box["matcher"] = _compile(self._tokenizer, grammar, spec.kind)
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                box["error"] = err
-            finally:
-                self._running.release()
-                done.set()
-
-        try:
-            _start_compile_thread(compile_)
-        except BaseException:
-            self._running.release()
-            raise
+        key = (spec.kind, grammar)
+        with self._lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
+                self.num_reused += 1
+                return GrammarState(template.deep_copy(), self.vocab_size)
+            flight = self._compiling.get(key)
+            if flight is None:
+                if not self._running.acquire(blocking=False):
+                    raise GrammarCompilerBusy(f"{MAX_COMPILES} output constraints are compiling on this replica")
+                flight = self._compiling[key] = (threading.Event(), {})
+                try:
+                    _start_compile_thread(lambda: self._compile_into(key, flight))
+                except BaseException:
+                    del self._compiling[key]
+                    self._running.release()
+                    raise
+        done, box = flight
         if not done.wait(self.compile_timeout_s):
             raise ValueError(f"the {spec.kind} output constraint took longer than {self.compile_timeout_s:g} s "
                              "to compile; simplify it")
         if "error" in box:
             raise box["error"]
-        return GrammarState(box["matcher"], self.vocab_size)
+        with self._lock:  # (the compiled matcher is only ever copied, never advanced)
+            return GrammarState(box["matcher"].deep_copy(), self.vocab_size)
+
+    def _compile_into(self, key: tuple[str, str], flight: tuple[threading.Event, dict]) -> None:
+        """On the compile thread: the grammar compiled into the flight's box (and kept), or its error."""
+        done, box = flight
+        try:
+            box["matcher"] = _compile(self._tokenizer, key[1], key[0])
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting callers
+            box["error"] = err
+        finally:
+            with self._lock:
+                del self._compiling[key]
+                if "matcher" in box and self.cache_size > 0:
+                    self._compiled[key] = box["matcher"]
+                    while len(self._compiled) > self.cache_size:
+                        self._compiled.popitem(last=False)
+                self.num_compiled += 1
+            self._running.release()
+            done.set()
 
 
 def _compile(tokenizer, grammar: str, kind: str):
