@@ -66,6 +66,7 @@ class BlockManager:
         self._parent_of: dict[int, bytes] = {}  # registered block -> the prefix hash it follows (b"": first)
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, oldest first
         self.tables: dict[str, list[int]] = {}
+        self._own: set[str] = set()  # sequences that took blocks of their own since they were allocated
         self._roots: dict[str, bytes] = {}  # per salted sequence: its chain's root (chain_root)
         self._hashes: dict[str, list[bytes]] = {}  # per sequence: the hash chain of its first full blocks
         self.relocate_max_tokens = relocate_max_tokens
@@ -114,6 +115,7 @@ class BlockManager:
                 hashes.append(h)
                 prev = h
         self.tables[seq_id], self._hashes[seq_id] = table, hashes
+        self._own.discard(seq_id)
         return len(table) * self.block_size
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
@@ -126,7 +128,12 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         after = None  # a cached tail after the table's prefix that the first block may evict
-        if need > 0 and table and self.enable_prefix_caching and not self._open(table[-1] + 1):
+        # only a table that is a cached prefix alone is moved or evicted for: once the sequence has
+        # taken blocks of its own (its prompt's rest, its output), its full blocks are registered as
+        # they fill, and a batch growing in lockstep (each next block taken by a neighbour) copied every
+        # sequence's whole context at every block boundary
+        if (need > 0 and table and self.enable_prefix_caching and seq_id not in self._own
+                and not self._open(table[-1] + 1)):
             end = self._chain_end(seq_id)
             tail = self._tail(table[-1] + 1, end, len(table) // EVICT_TAIL_RATIO + 1)
             if tail is not None and tail * EVICT_TAIL_RATIO <= len(table):
@@ -135,6 +142,8 @@ class BlockManager:
                 self._relocate(seq_id, need)
         for i in range(need):
             table.append(self._take(prefer=table[-1] + 1 if table else None, after=after if i == 0 else None))
+        if need > 0:
+            self._own.add(seq_id)
         return True
 
     def pop_copies(self) -> list[tuple[int, int]]:
@@ -183,6 +192,7 @@ class BlockManager:
         """Give back seq_id's blocks (the last first: the tail of a prefix is evicted before its head)."""
         table = self.tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        self._own.discard(seq_id)
         self._roots.pop(seq_id, None)
         for block in reversed(table or []):
             self._release(block)

@@ -339,3 +339,32 @@ def test_a_relocated_prefix_keeps_its_keys_and_values(target):
     fresh.kv.allocate("f")
     torch.testing.assert_close(got, fresh.forward(["f"], [second], last_only=True)[0], rtol=1e-4, atol=1e-4)
     assert runner.kv.allocate("a2", first) == 2 * BS  # a's chain (its own text included) found whole
+
+
+
+def test_sequences_growing_in_lockstep_copy_nothing():
+    """Two requests decoding side by side take blocks in turn, so the block after each one's last is
+    its neighbour's. Their full blocks are registered as they fill (prefix caching), which made each
+    table look like a bare cached prefix: every block boundary relocated the whole context (its
+    rows copied), for both. Only a table that is a cached prefix alone, before the sequence takes a
+    block of its own, is moved."""
+    bm = BlockManager(num_blocks=64, block_size=2, enable_prefix_caching=True)
+    seqs = {"a": [3, 4, 5], "b": [6, 7, 8]}
+    for seq_id, tokens in seqs.items():
+        assert bm.allocate(seq_id, tokens) == 0
+        bm.grow(seq_id, len(tokens))
+    for step in range(12):  # one token each per step, verified and committed
+        for seq_id, tokens in seqs.items():
+            tokens.append(10 + step)
+            assert bm.grow(seq_id, len(tokens))
+            bm.commit(seq_id, tokens, len(tokens))
+        assert bm.pop_copies() == [], step
+    assert len(bm.tables["a"]) == len(bm.tables["b"]) == 8
+    # a request that starts from a's cached prefix still gets it moved where it can grow on consecutively
+    bm.free("a")
+    c = seqs["a"][:8] + [99]
+    assert bm.allocate("c", c) == 8
+    bm.grow("c", len(c) + 2)
+    table_c = bm.tables["c"]
+    assert table_c == list(range(table_c[0], table_c[0] + len(table_c)))
+    assert len(bm.pop_copies()) == 4
