@@ -41,7 +41,7 @@ from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.proposers.deferred import defer_chains, defer_trees
 from rayspec.proposers.ngram import NgramIndex
-from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
+from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows, top_logprobs
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -439,10 +439,12 @@ class EagleProposer(PreDraftable):
         D = max(depth)
         ids = [r.seq_id for r in reqs]
         (row_depth,) = to_device(np.asarray(depth, dtype=np.int64), device=dev)
-        logp = torch.log_softmax(self.head.draft_logits(last), dim=-1)  # [B, Vd]
-        top = torch.topk(logp, w)
-        f_tok = self.head.to_target(top.indices)  # the frontier: [B, w] tokens (target ids)
-        f_score = top.values  # [B, w] path log-probabilities
+        # per state (root, then each fed node): its top tokens [B, 1, c]; w more than asked, as the
+        # node's children in the tree are no bonus candidates (the verifier would accept them)
+        c = w + max(self.num_candidates, 0)
+        logp, top = top_logprobs(self.head.draft_logits(last), c)  # [B, c]: the best w first
+        f_tok = self.head.to_target(top[:, :w])  # the frontier: [B, w] tokens (target ids)
+        f_score = logp[:, :w]  # [B, w] path log-probabilities
         f_node = torch.arange(w, device=dev).expand(B, w)  # their node numbers
         f_hidden = last[:, None].expand(B, w, last.shape[-1])  # the head output that predicted each
         toks, scores, parents = [f_tok], [f_score], [torch.full((B, w), -1, dtype=torch.long, device=dev)]
@@ -452,12 +454,8 @@ class EagleProposer(PreDraftable):
         eye = torch.eye(w, dtype=torch.bool, device=dev)
         num_nodes = w
         fed_nodes, fed_hidden = [], []  # per depth: the frontier fed [B, w] and its head outputs [B, w, H]
-        # per state (root, then each fed node): its top tokens [B, 1, c]; w more than asked, as the
-        # node's children in the tree are no bonus candidates (the verifier would accept them)
-        c = max(self.num_candidates, 1) + w
         if self.num_candidates > 0:
-            ctop = torch.topk(logp, min(c, logp.shape[-1]))
-            cand_tok, cand_logp = [self.head.to_target(ctop.indices)[:, None]], [ctop.values[:, None]]
+            cand_tok, cand_logp = [self.head.to_target(top)[:, None]], [logp[:, None]]
         for d in range(2, D + 1):
             if self.early_exit_reads and not defer and bool(to_host(stopped | (row_depth < d))[0].all()):
                 break
@@ -473,16 +471,14 @@ class EagleProposer(PreDraftable):
                                                    static=True)  # [B, w, H]
             fed_nodes.append(f_node)
             fed_hidden.append(hidden)
-            logp = torch.log_softmax(self.head.draft_logits(hidden), dim=-1)  # [B, w, Vd]
-            top = torch.topk(logp, w)  # children: [B, w, w]
+            logp, top = top_logprobs(self.head.draft_logits(hidden), c)  # [B, w, c]: children first
             if self.num_candidates > 0:
-                ctop = torch.topk(logp, min(c, logp.shape[-1]))  # [B, w, c]
-                cand_tok.append(self.head.to_target(ctop.indices))
-                cand_logp.append(ctop.values)
-            c_score = f_score[..., None] + top.values
+                cand_tok.append(self.head.to_target(top))
+                cand_logp.append(logp)
+            c_score = f_score[..., None] + logp[..., :w]
             dead = stopped | (row_depth < d)
             c_score = c_score.masked_fill(dead[:, None, None], float("-inf")).reshape(B, w * w)
-            c_tok = self.head.to_target(top.indices).reshape(B, w * w)
+            c_tok = self.head.to_target(top[..., :w]).reshape(B, w * w)
             toks.append(c_tok)
             scores.append(c_score)
             parents.append(f_node[..., None].expand(B, w, w).reshape(B, w * w))

@@ -142,6 +142,14 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     return kept.softmax(-1)
 
 
+def top_logprobs(logits: torch.Tensor, k: int, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k (at most the vocabulary) largest log-probabilities of each row of logits [..., V], sorted, and
+    their token ids, without the rows' whole log_softmax (a [..., V] tensor written and read again): the
+    top logits less each row's logsumexp (`norm` [..., 1], when the caller has it)."""
+    top = torch.topk(logits, min(k, logits.shape[-1]))
+    return top.values - (logits.logsumexp(-1, keepdim=True) if norm is None else norm), top.indices
+
+
 def probs_of_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]]) -> torch.Tensor:
     """logits: [N, vocab] -> probs [N, vocab], row i under settings[i] = (temperature, top_k, top_p):
     the rows that share settings (in a batch, nearly always all of them) go through logits_to_probs
