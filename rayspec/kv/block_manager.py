@@ -15,6 +15,10 @@ view of the pool (`_take`). Where that block starts another request's cached tex
 prefix, that text is evicted only when it is short beside the prefix (EVICT_TAIL_RATIO: a prompt
 asked again, whose earlier answer follows it); otherwise the sequence's prefix blocks are copied to
 the start of a free run (`_relocate`; the runner copies their rows) and the other chain stays whole.
+Both only for a table that is still a cached prefix alone: once a sequence has taken blocks of its
+own it grows wherever blocks are free (its full blocks are registered as they fill, and sequences
+decoding side by side, each next block taken by a neighbour, were copying their whole context at
+every block boundary).
 Evicting it always, each new conversation after a shared system prompt took the previous
 conversation's blocks, and its whole cached prefix with them (8 documents of 1,600 tokens served
 twice: 6 of 8 recomputed the second time behind an EAGLE head, 0.68x the base's tok/s).
