@@ -53,8 +53,11 @@ tests/test_lossless_grid.py.
 Injected fault (test_unverified_drafts_are_caught): the replica's tree rule replaced (in the replica,
 as the spy is) by one that accepts the first child of every node without the rejection rule; the same
 statistic on FAULT_REQUESTS requests per prompt must reject it (either test at p < ALPHA / 2).
-Measured at 242-256 tokens: surprisal p = 1.3e-7, the transform's p = 2e-4 and, in another run,
-0.08 (which is why the surprisal test is there). A subtler fault, the
+At 2 requests per prompt (256 tokens) this was too weak to assert at ALPHA / 2: four 256-token
+samples of one run (2026-12-03, AMD EPYC) gave the transform's p = 0.13, 2e-4, 8e-4, 9e-5 and
+surprisal p = 2e-5, 1e-4, 5e-6, 6e-7, and a CI run got 0.006 and 0.27 (failed). At 4 requests per
+prompt (512 tokens) the noncentrality doubles; the 1,024 tokens of that run gave p = 4e-17 and 8e-19.
+A subtler fault, the
 token after every rejected child drawn from the whole row (the rejected siblings left in the
 residual), gave p = 0.01 at 256 tokens: not caught at this size. At T = 1 the head's children carry
 little of the target's mass (6% of draft tokens accepted), so putting them back moves little.
@@ -89,7 +92,7 @@ MAX_TOKENS = 16
 # (temperature, top_k, top_p, requests of n = 2 per prompt): as clients send it, then the settings
 # the engine-level tests run (a cut vocabulary), cheaper here
 SETTINGS = [(1.0, None, None, 5), (0.7, 40, 0.9, 1)]
-FAULT_REQUESTS = 2  # per prompt, T = 1
+FAULT_REQUESTS = 4  # per prompt, T = 1 (n = 2: 8 completions of 16 tokens per prompt)
 ALPHA = 1e-3
 TV = 0.02
 TV_099_MAX = 0.3  # each shape is caught with power 0.99 from a per-token TV below this (the sample did not collapse)
