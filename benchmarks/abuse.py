@@ -287,7 +287,7 @@ async def idle_stream(url: str, model: str, max_tokens: int, stop: asyncio.Event
                     outcomes[f"200 then cut ({type(err).__name__})"] += 1
                     return
                 if b"data: [DONE]" in text:
-                    outcomes["200 complete" + (" with error event" if b'"error"' in text else "")] += 1
+                    outcomes["200 complete" + (" with error event" if _error_events(text) else "")] += 1
                 else:
                     outcomes["200 then cut (ended early)"] += 1
     except httpx.HTTPError as err:
@@ -417,7 +417,7 @@ async def answered(client: httpx.AsyncClient, url: str, body: dict, stop: asynci
                 await asyncio.gather(reading, return_exceptions=True)
                 return "200 left at phase end", answer, time.monotonic() - started
             text = reading.result()
-            if b"data: [DONE]" in text and b'"error"' not in text:
+            if b"data: [DONE]" in text and not _error_events(text):
                 return "200 complete", answer, time.monotonic() - started
             return f"200 with error ({_in_band_error(text)})", answer, time.monotonic() - started
     except httpx.HTTPError as err:
@@ -425,15 +425,26 @@ async def answered(client: httpx.AsyncClient, url: str, body: dict, stop: asynci
         return f"cut ({type(err).__name__})", took if answer is None else answer, took
 
 
-def _in_band_error(text: bytes) -> str:
-    """The code (else type) of a stream's first error event, or "no [DONE]"."""
+def _error_events(text: bytes) -> list[dict]:
+    """A stream's error events: its `data:` lines whose JSON has a top-level "error" (not the bytes
+    '"error"' anywhere: a choice whose text is the token "error" has them)."""
+    events = []
     for line in text.decode(errors="replace").splitlines():
         if line.startswith("data: ") and '"error"' in line:
             try:
-                error = json.loads(line[len("data: "):]).get("error") or {}
+                data = json.loads(line[len("data: "):])
             except ValueError:
-                return "unparsed error event"
-            return str(error.get("code") or error.get("type"))
+                events.append({"type": "unparsed error event"})
+                continue
+            if isinstance(data, dict) and "error" in data:
+                events.append(data["error"] if isinstance(data["error"], dict) else {"type": str(data["error"])})
+    return events
+
+
+def _in_band_error(text: bytes) -> str:
+    """The code (else type) of a stream's first error event, or "no [DONE]"."""
+    for error in _error_events(text):
+        return str(error.get("code") or error.get("type"))
     return "no [DONE]"
 
 
