@@ -339,6 +339,32 @@ def paged_step(a, device, dtype, clock: Clock, out) -> None:
     del model
 
 
+def _top_p_by_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The GPU's top-p before the bisection (issue #50, 2g): the whole row sorted, float64 masses."""
+    values, index = logits.topk(logits.shape[-1], dim=-1)
+    probs = (values.double() - logits.double().logsumexp(-1, keepdim=True)).exp()
+    keep = probs.cumsum(-1) - probs < top_p
+    keep[:, 0] = True
+    return torch.full_like(logits, float("-inf")).scatter_(-1, index, values.masked_fill(~keep, float("-inf"))).softmax(-1)
+
+
+def top_p_step(a, device, clock: Clock, out) -> None:
+    """Top-p (0.9, T = 1, no top-k) over the shape's vocabulary: the whole row sorted (as before) against
+    rayspec.sampling.sampler's bisection (33 masked sums, no sort, no host read), eager; rows whose
+    kept sets differ (float32 rounding at the cut) counted."""
+    from rayspec.sampling import sampler
+
+    vocab = SHAPES[a.shape][0]
+    for batch in a.batches:
+        logits = torch.randn(batch, vocab, device=device, generator=torch.Generator(device).manual_seed(batch)) * 3
+        sort_s = clock.time(lambda: _top_p_by_sort(logits, 0.9), iters=a.iters)
+        keep = lambda: sampler._top_p_keep(logits, 0.9)  # noqa: E731
+        bisect_s = clock.time(keep, iters=a.iters)
+        differ = int(((_top_p_by_sort(logits, 0.9) > 0) != keep()).any(-1).sum())
+        record(out, "top_p", {"batch": batch, "vocab": vocab, "sort_ms": round(sort_s * 1e3, 4),
+                              "bisection_ms": round(bisect_s * 1e3, 4), "rows_differing": differ})
+
+
 def summary(a, bw: dict, times: dict, wbytes: int, head_s, peer_s) -> dict:
     gbs = max(bw["copy_gb_s"], bw["read_gb_s"]) * 1e9
     roof = wbytes / gbs
@@ -412,8 +438,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, few iterations (CI)")
-    parser.add_argument("--sections", default="bandwidth,ours,head,peer,paged,attention",
-                        help="which to run, of bandwidth,ours,head,peer,paged,attention")
+    parser.add_argument("--sections", default="bandwidth,ours,head,peer,paged,attention,top_p",
+                        help="which to run, of bandwidth,ours,head,peer,paged,attention,top_p")
     parser.add_argument("--paged-batches", default="8,32", help="batches of the paged-attention step comparison")
     parser.add_argument("--no-paged-tree", dest="paged_tree", action="store_false")
     a = parser.parse_args()
@@ -451,6 +477,8 @@ def main() -> None:
             paged_step(a, device, dtype, clock, out)
         if "attention" in sections:
             attention_candidates(a, device, dtype, clock, out)
+        if "top_p" in sections:
+            top_p_step(a, device, clock, out)
     RESULTS["summary"] = summary(a, bw, times, wbytes, head_s, peer_s)
     RESULTS["summary"]["wall_s"] = round(time.perf_counter() - started, 1)
     if out is not None:
@@ -474,6 +502,10 @@ def main() -> None:
         for way in ("gather", "flex"):
             name = f"attention b={row['batch']} {way} (x layers)"
             print(f"{name:<34} {row[f'per_step_ms_{way}']:>10} {row[f'per_step_ms_{way}'] / roof_ms:>15.2f}")
+    for row in RESULTS.get("top_p", []):
+        for way in ("sort", "bisection"):
+            name = f"top-p b={row['batch']} {way}"
+            print(f"{name:<34} {row[f'{way}_ms']:>10} {row[f'{way}_ms'] / roof_ms:>15.2f}")
     print(json.dumps(RESULTS["summary"], indent=1))
     if RESULTS.get("errors"):
         print(f"{len(RESULTS['errors'])} case(s) failed: see 'errors' in the JSON")

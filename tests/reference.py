@@ -46,7 +46,8 @@ def _softmax(values: np.ndarray) -> np.ndarray:
 def processed_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """logits [V] or [N, V] (numpy or torch; -inf: masked) -> float64 probabilities [N, V]: divided
     by the temperature, then the top_k likeliest tokens kept (0 or >= V: all), then of those the
-    likeliest until the mass before the next one reaches top_p (the first always), renormalised."""
+    likeliest until the mass before the next one reaches top_p (the first always; tokens tied with
+    the last kept one too), renormalised."""
     rows = _as_rows(logits) / temperature
     if not 0 < top_k < rows.shape[-1] and top_p >= 1.0:  # nothing cut: a softmax
         return _softmax(rows)
@@ -56,6 +57,9 @@ def processed_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1
     if top_p < 1.0:
         keep &= np.cumsum(probs, -1) - probs < top_p  # the mass before each token
         keep[:, 0] = True
+        # every token tied with the last kept one stays (the kept set is a threshold on the logit)
+        last = np.min(np.where(keep, values[:, :kept], np.inf), axis=-1, keepdims=True)
+        keep = (values[:, :kept] >= last) & (probs > 0)
     out = np.zeros_like(rows)
     np.put_along_axis(out, order[:, :kept], np.where(keep, probs, 0.0), -1)
     return out / out.sum(-1, keepdims=True)

@@ -42,6 +42,8 @@ def test_gpu_roofline_dry_run(tmp_path):
     assert all(r["max_abs_diff_hidden"] < 1e-4 and r["paged_ms"] > 0 for r in paged.values()), paged
     (attention,) = results["attention"]  # batch 2: FlexAttention over the paged pool == gather + SDPA
     assert attention["max_abs_diff"] < 1e-4 and attention["flex_paged_ms_per_layer"] > 0
+    top_p = {r["batch"]: r for r in results["top_p"]}  # the row sorted vs the bisection: the same tokens kept
+    assert set(top_p) == {1, 2} and all(r["rows_differing"] == 0 and r["bisection_ms"] > 0 for r in top_p.values())
     summary = results["summary"]
     for key in ("weights_read_ms", "decode_b1_compiled_vs_roofline", "tree_vs_decode", "chain_vs_decode",
                 "ours_vs_transformers_b1", "eagle3_implied_tok_s"):

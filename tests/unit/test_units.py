@@ -706,11 +706,12 @@ def _sorted_reference(logits: torch.Tensor, temperature: float, top_k: int, top_
 
 @pytest.mark.parametrize("scale", [0.5, 12.0])  # flat (most tokens can stay) to sharp; rows 1 and 2 below vary it
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.95), (0, 0.999), (40, 1.0), (40, 0.9), (3000, 0.5)])
-@pytest.mark.parametrize("counted", [True, False])  # False: a GPU's path (the whole row sorted)
+@pytest.mark.parametrize("counted", [True, False])  # False: a GPU's path (top-p by bisection, no sort)
 def test_logits_to_probs_equals_a_full_sort(scale, top_k, top_p, counted, monkeypatch):
-    """Top-k / top-p over the tokens that can stay (torch.topk of those above the floor) keeps the same
-    tokens as sorting the whole (16,384-token) vocabulary, and the same probabilities to float32
-    rounding; rows of one call whose nuclei differ in size each keep their own."""
+    """Top-k / top-p over the tokens that can stay (torch.topk of those above the floor; on a GPU's
+    path a top-p alone by bisection over the logits' order keys) keeps the same tokens as sorting the
+    whole (16,384-token) vocabulary, and the same probabilities to float32 rounding; rows of one call
+    whose nuclei differ in size each keep their own."""
     from rayspec.sampling import sampler as sampling
 
     monkeypatch.setattr(sampling, "_count_on_host", lambda device: counted)
@@ -724,6 +725,37 @@ def test_logits_to_probs_equals_a_full_sort(scale, top_k, top_p, counted, monkey
         assert torch.equal(got > 0, want > 0), (top_k, top_p, (got > 0).sum(-1), (want > 0).sum(-1))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
         assert torch.allclose(got.sum(-1), torch.ones(6), atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["counted", "bisection", "with top-k"])
+def test_top_p_keeps_every_token_tied_at_its_cut(path, monkeypatch):
+    """Tokens whose logits equal the last kept one's all stay, on every path (the kept set is a
+    threshold on the logit, not an order among equals), as tests/reference.py's processed_probs
+    keeps them; a cut between two distinct logits is unchanged. Also rows with -inf (masked) tokens,
+    -0.0 beside 0.0, and a top_p so small that only the first token stays."""
+    from reference import processed_probs
+    from rayspec.sampling import sampler as sampling
+
+    monkeypatch.setattr(sampling, "_count_on_host", lambda device: path != "bisection")
+    top_k = 4000 if path == "with top-k" else 0
+    logits = torch.full((4, 5000), -9.0)
+    logits[:, :4] = torch.tensor([6.0, 3.0, 3.0, 3.0])  # three tied at the cut of rows 0 and 2
+    logits[1, :4] = torch.tensor([6.0, 3.0, 2.5, 2.0])  # distinct: the cut falls between 1 and 2
+    logits[2, 10:20] = float("-inf")
+    logits[3, :4] = torch.tensor([0.0, -0.0, -1.0, -1.0])
+    p = torch.softmax(logits.double(), -1)
+    # per row: a top_p inside the tied group (rows 0, 2), between tokens 1 and 2 (row 1), between the
+    # first token and its -0.0 twin (row 3)
+    cuts = [float(p[0, 0] + 0.5 * p[0, 1]), float(p[1, 0] + 0.5 * p[1, 1]), float(p[2, 0] + 0.5 * p[2, 1]),
+            float(0.5 * p[3, 0])]
+    want_kept = [{0, 1, 2, 3}, {0, 1}, {0, 1, 2, 3}, {0, 1}]
+    for r, (top_p, want) in enumerate(zip(cuts, want_kept)):
+        got = logits_to_probs(logits[r:r + 1], 1.0, top_k, top_p)
+        assert set((got[0] > 0).nonzero().flatten().tolist()) == want, (r, got[0, :5])
+        ref = torch.from_numpy(processed_probs(logits[r:r + 1], 1.0, top_k, top_p))
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-9)
+    only_first = logits_to_probs(logits[1:2], 1.0, top_k, 1e-12)
+    assert int((only_first > 0).sum()) == 1
 
 
 def test_sample_draws_in_proportion_and_never_a_zero():
