@@ -27,6 +27,22 @@ Positive = Annotated[int, Field(ge=1)]
 NonNegative = Annotated[int, Field(ge=0)]
 
 
+def set_torch_threads(num_threads: int | None) -> None:
+    """torch's intra-op threads for an engine or a proposer replica: `engine.num_threads`, unless the
+    environment's RAYSPEC_NUM_THREADS (a positive integer) overrides it, for a machine whose cores
+    other processes keep busy (the test suite sets 1: there a config's 2 threads stall at OpenMP's
+    barriers whenever the other test worker runs). Neither given: torch's (Ray's OMP_NUM_THREADS)."""
+    import os
+
+    override = os.environ.get("RAYSPEC_NUM_THREADS", "").strip()
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"RAYSPEC_NUM_THREADS must be a positive integer, not {override!r}")
+        num_threads = int(override)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+
 def field_names(cls) -> set[str]:
     """The settings a config class takes (deployments' dialects check keys against these)."""
     return {f.name for f in dataclasses.fields(cls)}

@@ -40,7 +40,7 @@ from deployments.operations.autoscaling import BUSY_METRIC, BusyMeter
 from deployments.config import load_app_args, replica_device
 from deployments.transport.direct_channel import ChannelServer
 from deployments.transport.wire import CallLimits
-from rayspec.config import ProposerContext
+from rayspec.config import ProposerContext, set_torch_threads
 from rayspec.memory.malloc import keep_freed_memory
 from rayspec.model.loader import parse_dtype
 from rayspec.proposers import Draft, ProposeRequest, build_proposer
@@ -51,8 +51,7 @@ logger = logging.getLogger("ray.serve")
 
 def make_proposer(args):
     cfg = load_app_args(args)
-    if cfg.engine.num_threads:
-        torch.set_num_threads(cfg.engine.num_threads)
+    set_torch_threads(cfg.engine.num_threads)
     device = torch.device(replica_device(cfg.engine.device))
     if device.type == "cpu":
         keep_freed_memory()

@@ -31,7 +31,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from rayspec.config import EngineConfig, ProposerContext
+from rayspec.config import EngineConfig, ProposerContext, set_torch_threads
 from rayspec.device_io import to_device, to_host
 from rayspec.engine.decode_step import Prefilled, Proposal, Verdict, cut_draft, draft_depth, features_of
 from rayspec.engine.deferred_verify import may_defer, read_verdict, row_lengths, verification_inputs
@@ -71,8 +71,7 @@ class LLMEngine:
         from rayspec.model.weights import hub
 
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        set_torch_threads(config.num_threads)
         eos_ids: set[int] = set()
         self.ranks = None  # the other tensor-parallel ranks (a launcher's handle)
         if model is None:

@@ -252,3 +252,28 @@ def test_app_args_embed_the_engine_config():
     assert AppArgs().speculative == SpeculativeConfig() and AppArgs().engine == EngineSettings()
     with pytest.raises(ValidationError, match="engine.block_size"):
         AppArgs.model_validate({"engine": {"block_size": 0}})
+
+
+def test_rayspec_num_threads_overrides_the_configs_threads(monkeypatch):
+    """RAYSPEC_NUM_THREADS (scripts/test sets 1) overrides engine.num_threads where an engine sets its
+    threads; unset, the config's; a value that is not a positive integer is an error, not ignored."""
+    import torch
+
+    from rayspec.config import set_torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("RAYSPEC_NUM_THREADS", "1")
+        set_torch_threads(2)
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("RAYSPEC_NUM_THREADS")
+        set_torch_threads(2)
+        assert torch.get_num_threads() == 2
+        set_torch_threads(None)
+        assert torch.get_num_threads() == 2  # nothing asked: left alone
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setenv("RAYSPEC_NUM_THREADS", bad)
+            with pytest.raises(ValueError, match="RAYSPEC_NUM_THREADS"):
+                set_torch_threads(2)
+    finally:
+        torch.set_num_threads(before)
