@@ -182,10 +182,16 @@ def _top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def top_logprobs(logits: torch.Tensor, k: int, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The k (at most the vocabulary) largest log-probabilities of each row of logits [..., V], sorted, and
-    their token ids, without the rows' whole log_softmax (a [..., V] tensor written and read again): the
-    top logits less each row's logsumexp (`norm` [..., 1], when the caller has it)."""
-    top = torch.topk(logits, min(k, logits.shape[-1]))
-    return top.values - (logits.logsumexp(-1, keepdim=True) if norm is None else norm), top.indices
+    their token ids, from one topk: of the rows' log_softmax, or, given `norm` [..., 1] (the rows'
+    logsumexp, when the caller has it), of the logits less it. (Not topk of the logits less a
+    logsumexp computed here: on CPU torch's logsumexp is unfused, 1.5-4.5x the time of the fused
+    log_softmax over the same rows (benchmarks/norm_cost.py); the tree drafting's host time at batch
+    1 rose by ~0.3 ms a step with it.)"""
+    if norm is not None:
+        top = torch.topk(logits, min(k, logits.shape[-1]))
+        return top.values - norm, top.indices
+    top = torch.topk(logits.log_softmax(-1), min(k, logits.shape[-1]))
+    return top.values, top.indices
 
 
 def probs_of_rows(logits: torch.Tensor, settings: list[tuple[float, int, float]]) -> torch.Tensor:
