@@ -180,16 +180,11 @@ def _top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return keys >= hi
 
 
-def top_logprobs(logits: torch.Tensor, k: int, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k (at most the vocabulary) largest log-probabilities of each row of logits [..., V], sorted, and
-    their token ids, from one topk: of the rows' log_softmax, or, given `norm` [..., 1] (the rows'
-    logsumexp, when the caller has it), of the logits less it. (Not topk of the logits less a
-    logsumexp computed here: on CPU torch's logsumexp is unfused, 1.5-4.5x the time of the fused
-    log_softmax over the same rows (benchmarks/norm_cost.py); the tree drafting's host time at batch
-    1 rose by ~0.3 ms a step with it.)"""
-    if norm is not None:
-        top = torch.topk(logits, min(k, logits.shape[-1]))
-        return top.values - norm, top.indices
+    their token ids: one topk of the rows' log_softmax. (Not topk of the logits less a logsumexp: on
+    CPU torch's logsumexp is unfused, 1.5-4.5x the time of the fused log_softmax over the same rows
+    (benchmarks/norm_cost.py); the tree drafting's host time at batch 1 rose by ~0.3 ms a step with it.)"""
     top = torch.topk(logits.log_softmax(-1), min(k, logits.shape[-1]))
     return top.values, top.indices
 
