@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from itertools import filterfalse
 
 import numpy as np
 
@@ -242,7 +243,7 @@ class BlockManager:
             return
         run = list(range(start, start + k))
         taken = set(run)
-        self._free = [b for b in self._free if b not in taken]
+        self._free = list(filterfalse(taken.__contains__, self._free))  # (C speed: a pool of many blocks)
         for b in run:
             self._ref[b] = 1
         for b in reversed(table):

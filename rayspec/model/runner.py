@@ -99,7 +99,10 @@ class ModelRunner:
             fits = [i for i in rest if self.kv.cached_len(seq_ids[i]) + q <= self.kv.capacity]
             fits = fits or [max(rest, key=lambda i: lengths[i])]
             groups.append(fits)
-            rest = [i for i in rest if i not in fits]
+            if len(fits) == len(rest):
+                break
+            taken = set(fits)
+            rest = [i for i in rest if i not in taken]
         return groups
 
     def forward(self, seq_ids: list[str], token_lists: list[list[int]], last_only: bool,

@@ -195,6 +195,18 @@ def test_catch_up_pieces():
     assert catch_up_pieces([3, 5], None) == [[(0, 0, 3), (1, 0, 5)]]
     assert catch_up_pieces([3, 5], 10) == [[(0, 0, 3), (1, 0, 5)]]
     assert catch_up_pieces([3, 9], 4) == [[(0, 0, 3)], [(1, 0, 4)], [(1, 4, 8)], [(1, 8, 9)]]
+    # a wave of short catch-ups shares forwards (each row was once a forward of its own: 256 of them)
+    wave = catch_up_pieces([9] * 256, 2048)
+    assert len(wave) == 2 and sorted(i for p in wave for i, _, _ in p) == list(range(256))
+    # mixed: every row's tokens exactly once and in order, no forward over the budget
+    lengths = [5, 40, 0, 17, 3, 64, 11, 2, 33]
+    pieces = catch_up_pieces(lengths, 32)
+    for p in pieces:
+        assert len({i for i, _, _ in p}) == len(p) and len(p) * max(hi - lo for _, lo, hi in p) <= 32
+    for i, n in enumerate(lengths):
+        spans = [(lo, hi) for p in pieces for j, lo, hi in p if j == i]
+        assert spans[0][0] == 0 and spans[-1][1] == n and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len(pieces) < sum(max(1, -(-n // 32)) for n in lengths)
 
 
 def test_prefill_groups_respect_the_padded_cap():
