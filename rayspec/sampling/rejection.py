@@ -229,13 +229,16 @@ def verify(logits: torch.Tensor, target_choice: list[int] | None, starts: list[i
     Returns per sequence (emitted tokens: the accepted drafts + the recovered/bonus token; kept rows:
     the rows whose KV stays, the pending tokens' and then the accepted drafts' in path order).
     """
+    chain_probs = _sampled_chain_probs(logits, starts, num_pending, drafts, params)
     emitted, kept = [], []
-    for start, pending, draft, p, generator in zip(starts, num_pending, drafts, params, generators):
+    for i, (start, pending, draft, p, generator) in enumerate(zip(starts, num_pending, drafts, params, generators)):
         rows = slice(start, start + pending + len(draft.tokens))
         by_choice = p.greedy or coupled(p)  # the greedy rule over the target's choices
         if draft.is_chain:
-            tokens = _verify_chain(logits[rows], target_choice[rows] if by_choice else None, pending, draft, p,
-                                   generator)
+            if by_choice:
+                tokens = verify_greedy([target_choice[rows][pending - 1:]], [draft.tokens])[0]
+            else:
+                tokens = verify_sampled(chain_probs[i], draft.tokens, draft.probs, generator)
             kept.append(list(range(pending + len(tokens) - 1)))
         else:
             tokens, path = (verify_tree_greedy(target_choice[rows], pending, draft) if by_choice else
@@ -245,15 +248,24 @@ def verify(logits: torch.Tensor, target_choice: list[int] | None, starts: list[i
     return emitted, kept
 
 
-def _verify_chain(logits: torch.Tensor, target_choice: list[int] | None, pending: int, draft, params,
-                  generator) -> list[int]:
-    """logits: [pending + k, vocab], one sequence's rows; target_choice: the target's choices
-    there (greedy and coupled; None: rejection sampling with `generator`)."""
-    rows = slice(pending - 1, pending + len(draft.tokens))  # the last pending token's row, then the drafts'
-    if target_choice is not None:
-        return verify_greedy([target_choice[rows]], [draft.tokens])[0]
-    probs = logits_to_probs(logits[rows], params.temperature, params.top_k, params.top_p)
-    return verify_sampled(probs, draft.tokens, draft.probs, generator)
+def _sampled_chain_probs(logits: torch.Tensor, starts: list[int], num_pending: list[int], drafts: list,
+                         params: list) -> dict[int, torch.Tensor]:
+    """Sequence i -> its chain's processed target rows [k + 1, vocab] (the last pending token's, then the
+    drafts'), for the sequences verified by rejection sampling: every row in one probs_of_rows call
+    (one set of kernels for the batch, not one per sequence; each row as logits_to_probs gives it)."""
+    which, index, settings, counts = [], [], [], []
+    for i, (start, pending, draft, p) in enumerate(zip(starts, num_pending, drafts, params)):
+        if draft.is_chain and not (p.greedy or coupled(p)):
+            n = len(draft.tokens) + 1
+            which.append(i)
+            index.append(np.arange(start + pending - 1, start + pending - 1 + n))
+            settings += [(p.temperature, p.top_k, p.top_p)] * n
+            counts.append(n)
+    if not which:
+        return {}
+    (rows,) = to_device(np.concatenate(index), device=logits.device)
+    probs = probs_of_rows(logits.index_select(0, rows), settings)
+    return dict(zip(which, probs.split(counts)))
 
 
 def _probs_at(logits: torch.Tensor, params):
