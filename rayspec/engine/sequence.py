@@ -66,14 +66,20 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            return full[len(prefix):]
+            return self._advance(prefix, full)
         if not full.endswith("\ufffd") and full == self._decode(self.tokens[self.prefix_offset:-1]):
             self.tokens.pop()  # this token added nothing (not even bytes of a character to come)
         elif len(self.tokens) - self.read_offset > self.MAX_PENDING:  # not a character to wait for
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            return full[len(prefix):]
+            return self._advance(prefix, full)
         return ""
+
+    def _advance(self, prefix: str | None = None, full: str | None = None) -> str:
+        """The text of the tokens past read_offset (their window decoded, less its prefix), now out."""
+        if prefix is None:
+            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+            full = self._decode(self.tokens[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return full[len(prefix):]
 
     def _add_streamed(self, token_id: int) -> str:
         self.tokens.append(token_id)
@@ -86,20 +92,16 @@ class IncrementalDetokenizer:
             # windowed path's text, and that path from now on (the stream's buffer would grow on,
             # and a fresh stream seeded with stray bytes counts U+FFFD otherwise than one decode)
             self._stream = None
-            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-            full = self._decode(self.tokens[self.prefix_offset:])
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            return full[len(prefix):]
+            return self._advance()
         return ""
 
     def flush(self) -> str:
         """At the end, whatever is still held back (an incomplete character shows as U+FFFD)."""
         if self.read_offset == len(self.tokens):
             return ""
-        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full = self._decode(self.tokens[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.tokens)
-        return full[len(prefix):]
+        text = self._advance()
+        self.prefix_offset = self.read_offset
+        return text
 
 
 def _stream_backend(tokenizer):
