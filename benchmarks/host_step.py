@@ -12,7 +12,8 @@ wall time and the time inside the target's and the head's forwards (their module
 and read-out calls, timed with perf_counter: on the CPU every op is synchronous) are recorded; the
 host time is the difference. Medians over the steps, in ms; the host time per emitted token too.
 The cells take turns round by round (--rounds), so that the VM's drift falls on all alike; the
-median is over every round's steps.
+median is over every round's steps. --temperature 1: the requests sampled without a seed (verified by
+rejection sampling), greedy by default.
 """
 
 from __future__ import annotations
@@ -120,12 +121,13 @@ def build_engine(model_dir: Path, loaded, config: str, batch: int, context: int,
     return engine
 
 
-def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0) -> None:
+def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0,
+                   temperature: float = 0.0) -> None:
     """Add `batch` prompts of `context` random tokens and step until every one decodes (and can
     decode `steps` steps more)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model.args.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens(batch, context, steps, engine.max_k),
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens(batch, context, steps, engine.max_k),
                             ignore_eos=True)
     for _ in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
@@ -148,7 +150,7 @@ def timed_steps(engine: LLMEngine, timer: ForwardTimer, steps: int) -> list[tupl
     return out
 
 
-def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int) -> list[dict]:
+def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int, temperature: float = 0.0) -> list[dict]:
     from rayspec.model import loader
 
     loaded = loader.load_model(str(model_dir))
@@ -159,7 +161,7 @@ def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int) ->
         for context in contexts:
             engine = build_engine(model_dir, loaded, config, batch, context, total)
             timer = ForwardTimer([engine.model] + engine.proposer.models())
-            start_decoding(engine, batch, context, total)
+            start_decoding(engine, batch, context, total, temperature=temperature)
             timed_steps(engine, timer, warm)
             engines[(config, batch, context)] = (engine, timer)
             results[(config, batch, context)] = []
@@ -188,6 +190,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warm", type=int, default=3, help="untimed decode steps first")
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the requests' temperature (> 0: unseeded, verified by rejection sampling)")
     parser.add_argument("--dry-run", action="store_true", help="tiny cells (batch <= 2, contexts 32, 64), 2 steps")
     parser.add_argument("--output-json", help="write the result here")
     args = parser.parse_args(argv)
@@ -199,13 +203,13 @@ def main(argv=None) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp), max(contexts) + 4096)
-        rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm)
+        rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm, args.temperature)
     report = {"what": "engine host time per decode step (step wall - forwards), tiny model, issue #50 (d)",
               "cpu_model": cpu_model()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "torch_threads": torch.get_num_threads(), "commit": git_commit(),
               "command": "python benchmarks/host_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "load_average_at_start": [round(v, 1) for v in os.getloadavg()],
-              "rounds": args.rounds, "steps": args.steps, "seconds": round(time.time() - started, 1), "rows": rows}
+              "temperature": args.temperature, "rounds": args.rounds, "steps": args.steps, "seconds": round(time.time() - started, 1), "rows": rows}
     for r in rows:
         print(f"{r['config']:12s} batch {r['batch']:3d} context {r['context']:5d}: wall {r['wall_ms']:8.2f} ms  "
               f"forwards {r['forwards_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms/step  "

@@ -2,9 +2,10 @@
 for an unseeded sampled request, recorded as it is made and held to its exact law (not a test
 module; tests/engine/test_lossless_grid.py runs it over the topologies).
 
-Recording (`Audit.attach`). rayspec.sampling.rejection.verify calls its rules by module name
-(`verify_sampled`: a chain, `verify_tree_sampled`: a token tree) and the engine samples a finished
-prefill's token with rayspec.engine.llm_engine's `sample`; wrapping the three records, per draw, the
+Recording (`Audit.attach`). rayspec.sampling.rejection.verify calls its batched rule by module
+name (`sample_verdicts`: every sampled sequence of a verification, chains and token trees) and the
+engine samples a finished prefill's token with rayspec.engine.llm_engine's `sample`; wrapping the two
+records, per draw, the
 target rows the rule read (p: the context's row, then one per draft node), the drafts, their
 probabilities q as the rule got them, and what was emitted, at the context of the sequence whose
 random stream the call consumed. A seeded request draws coupled and never reaches these
@@ -64,7 +65,7 @@ class Draw:
     context: tuple[int, ...]  # prompt + output when it was drawn (the pending tokens included)
     prompt_len: int
     params: object  # the request's SamplingParams
-    kind: str  # "prefill" (one token ~ p[0]), "chain" (verify_sampled), "tree" (verify_tree_sampled)
+    kind: str  # "prefill" (one token ~ p[0]), "chain" (a chain's verification), "tree" (a token tree's)
     p: np.ndarray  # [1 + nodes, V] float64: the target rows the rule read: the context's, then each node's
     tokens: list[int] = field(default_factory=list)  # the drafts (tree nodes)
     parents: list[int] = field(default_factory=list)  # each node's parent (-1: the context)
@@ -119,32 +120,71 @@ class Audit:
         import rayspec.engine.llm_engine as llm_engine
         import rayspec.sampling.rejection as rejection
 
-        chain_rule, tree_rule, sample = rejection.verify_sampled, rejection.verify_tree_sampled, llm_engine.sample
+        rule, sample = rejection.sample_verdicts, llm_engine.sample
 
-        def verify_sampled(target_probs, draft_tokens, draft_probs, generator):
-            emitted = chain_rule(target_probs, draft_tokens, draft_probs, generator)
-            k = len(draft_tokens)
-            self._draw(generator, kind="chain", p=_numpy(target_probs), tokens=list(draft_tokens),
-                       parents=list(range(-1, k - 1)), q=None if draft_probs is None else _numpy(draft_probs),
-                       emitted=list(emitted), path=list(range(len(emitted) - 1)))
-            return emitted
+        def sample_verdicts(logits, index, settings, drafts, draft_probs, generators):
+            batch = rule(logits, index, settings, drafts, draft_probs, generators)
+            finish = batch.finish
 
-        def verify_tree_sampled(probs_at, num_pending, draft, generator):
-            emitted, path = tree_rule(probs_at, num_pending, draft, generator)
-            rows = [probs_at(num_pending - 1)] + [probs_at(num_pending + j) for j in range(len(draft.tokens))]
-            self._draw(generator, kind="tree", p=_numpy(torch.stack(rows)), tokens=list(draft.tokens),
-                       parents=list(draft.parents), emitted=list(emitted), path=list(path))
-            return emitted, path
+            def recorded(arrays):
+                results = finish(arrays)
+                rows, start = _numpy(rejection.rows_probs(logits, index, settings)), 0
+                for d, q, gen, (emitted, path) in zip(drafts, draft_probs, generators, results):
+                    k = len(d.tokens)
+                    chain = d.parents is None or list(d.parents) == list(range(-1, k - 1))
+                    self._draw(gen, kind="chain" if chain else "tree", p=rows[start: start + k + 1],
+                               tokens=list(d.tokens), parents=list(range(-1, k - 1)) if chain else list(d.parents),
+                               q=None if q is None else _numpy(q), emitted=list(emitted), path=list(path))
+                    start += k + 1
+                return results
+
+            batch.finish = recorded
+            return batch
 
         def first_token(probs, generator):
             token = sample(probs, generator)
             self._draw(generator, kind="prefill", p=_numpy(probs)[None], emitted=[token])
             return token
 
-        monkeypatch.setattr(rejection, "verify_sampled", verify_sampled)
-        monkeypatch.setattr(rejection, "verify_tree_sampled", verify_tree_sampled)
+        monkeypatch.setattr(rejection, "sample_verdicts", sample_verdicts)
         monkeypatch.setattr(llm_engine, "sample", first_token)
         return self
+
+
+class PerSequence:
+    """A batch rule (`rayspec.sampling.rejection.sample_verdicts`'s signature) that verifies each
+    sequence with per-sequence rules on the host: chain_rule(target_probs [k + 1, V], tokens, q,
+    generator) -> emitted; tree_rule(probs_at, num_pending, draft, generator) -> (emitted, path).
+    A test injects a biased rule with it (`per_sequence`)."""
+
+    def __init__(self, chain_rule, tree_rule, logits, index, settings, drafts, draft_probs, generators):
+        from rayspec.sampling.rejection import rows_probs
+
+        self.tensors = []  # nothing to read: the rules read what they need
+        self._args = (chain_rule, tree_rule, rows_probs(logits, index, settings), drafts, draft_probs, generators)
+
+    def finish(self, arrays):
+        chain_rule, tree_rule, probs, drafts, draft_probs, generators = self._args
+        out, start = [], 0
+        for d, q, gen in zip(drafts, draft_probs, generators):
+            k = len(d.tokens)
+            rows = probs[start: start + k + 1]
+            if d.parents is None or list(d.parents) == list(range(-1, k - 1)):
+                emitted = chain_rule(rows, list(d.tokens), q, gen)
+                out.append((emitted, list(range(len(emitted) - 1))))
+            else:
+                out.append(tree_rule(lambda r, rows=rows: rows[r], 1, d, gen))
+            start += k + 1
+        return out
+
+
+def per_sequence(chain_rule=None, tree_rule=None):
+    """sample_verdicts with these rules (None: the engine's own rule for one sequence)."""
+    from rayspec.sampling import rejection
+
+    chain_rule = chain_rule or rejection.verify_sampled
+    tree_rule = tree_rule or rejection.verify_tree_sampled
+    return lambda *args: PerSequence(chain_rule, tree_rule, *args)
 
 
 # ---- 1. the rows ---------------------------------------------------------------------------------
@@ -240,7 +280,7 @@ def check_bookkeeping(draws: list[Draw], outputs: dict[str, list[int]], resumed:
 # ---- 3. the law of each draw ---------------------------------------------------------------------
 
 def usable(q: np.ndarray | None, tokens: list[int], vocab: int) -> bool:
-    """A q the rule uses (rayspec.sampling.rejection.usable_draft_probs, written from its docstring):
+    """A q the rule uses (rayspec.sampling.rejection's module docstring, written from it):
     shape [k, V], finite, >= 0, each row summing to 1 (within float32 softmax's 1e-3), q(x) > 0."""
     if q is None or q.shape != (len(tokens), vocab):
         return False

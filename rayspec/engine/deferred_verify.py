@@ -10,8 +10,9 @@ together (`read_verdict`), after which every later phase sees host drafts as bef
 Deferring applies to the requests whose verification needs no host draft before the read: no
 logits processing along the draft (penalties, logit_bias, a grammar), no coupled (seeded sampled)
 draws, on one device, without batch-invariant rows (their CPU attention takes spans from the host)
-or sliding windows. Greedy verification then makes that one read; a sampled tree walk still reads
-as it walks (rayspec.sampling.rejection.verify_tree_sampled).
+or sliding windows. Greedy verification then makes that one read; a sampled (unseeded) sequence's
+verdict needs its host draft (rayspec.sampling.rejection.SampledBatch lays the rule out from the
+tree's parents), so a cycle with one makes a second read: the batch's verdicts, all together.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rayspec.config import EngineConfig, ProposerContext, set_torch_threads
-from rayspec.device_io import to_device, to_host
+from rayspec.device_io import to_device
 from rayspec.engine.decode_step import Prefilled, Proposal, Verdict, cut_draft, draft_depth, features_of
 from rayspec.engine.deferred_verify import may_defer, read_verdict, row_lengths, verification_inputs
 from rayspec.engine.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
@@ -605,10 +605,9 @@ class LLMEngine:
         else:
             logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
             target_choice = None
-            if any(p.greedy or coupled(p) for p in params):  # one read: the target's choice at every row
-                choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
-                                         [len(s.token_ids) for s in seqs])
-                target_choice = to_host(choice)[0].tolist()
+            if any(p.greedy or coupled(p) for p in params):  # the target's choice at every row
+                target_choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
+                                                [len(s.token_ids) for s in seqs])  # (read in verify)
         emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params,
                                     [s.generator for s in seqs])
         return Verdict(emitted, kept_rows, raw, features, starts, row_context)

@@ -11,7 +11,7 @@ forward, then drafts:
   `eagle_topk` best children, and the `num_tokens` best nodes overall are sent for
   verification. The nodes are chosen, not sampled, also for sampled requests: the engine
   verifies those with multi-round rejection over siblings, each node a point-mass draft
-  (rayspec.sampling.rejection.verify_tree_sampled), so temperature > 0 stays exact;
+  (rayspec.sampling.rejection.SampledBatch), so temperature > 0 stays exact;
 - otherwise a chain: the top token per depth (greedy), or for sampled requests a chain
   sampled from the head's distribution, with the probabilities, for the rejection rule.
 Drafted positions are dropped from the head cache afterwards (only committed pairs stay).

@@ -11,13 +11,16 @@ the recovered token is drawn from normalise(max(0, p - q)). p and q are the proc
 probabilities (n-gram) is a point mass q = one_hot(x), so acceptance is p(x) and the
 residual is p with x removed. The emitted tokens are then distributed exactly as p.
 q may come from another process (deployments.transport.remote_proposer), so it is checked before use
-(`usable_draft_probs`): finite, non-negative, each row summing to 1, q(x) > 0 for the drafted
+(`SampledBatch`): finite, non-negative, each row summing to 1, q(x) > 0 for the drafted
 token. A q that fails is ignored and the draft is verified as a point mass, which is lossless
 whatever tokens were drafted (acceptance p(x), residual p without x): a broken or forged q can
 cost acceptance, never put a token outside the target's distribution.
 Token trees are verified greedily (`verify_tree_greedy`) or, when sampled, by applying the
-point-mass rule to siblings in turn (`verify_tree_sampled`). `verify` takes a whole batch's
-verification rows and picks the rule per sequence (chain or tree, greedy or sampled).
+point-mass rule to siblings in turn. `verify` takes a whole batch's verification rows and picks the
+rule per sequence (chain or tree, greedy or sampled); its sampled sequences go through one batched
+rule on the device (`SampledBatch`, called as `sample_verdicts`), read with the greedy choices in
+one host read per verification. `verify_sampled` and `verify_tree_sampled` are that rule for one
+sequence.
 
 Seeded sampled requests are verified *coupled* (rayspec.sampling.sampler, "Two kinds of draw"): at each row
 the target's choice is its coupled draw at the position the row predicts (`coupled_choices`), and
@@ -28,12 +31,13 @@ acceptance), and the same tokens as target-only decoding with that seed.
 
 from __future__ import annotations
 
-import torch
+from typing import NamedTuple
 
 import numpy as np
+import torch
 
-from rayspec.device_io import to_device
-from rayspec.sampling.sampler import coupled_key, coupled_sample, logits_to_probs, probs_of_rows, sample
+from rayspec.device_io import to_device, to_host
+from rayspec.sampling.sampler import coupled_key, coupled_sample, probs_of_rows
 
 
 def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int]]:
@@ -57,14 +61,192 @@ def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int
 _SUM_ATOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
-def usable_draft_probs(draft_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
-    """draft_probs: [k, vocab]; draft_tokens: [k]. A 0-d bool tensor (on the probs' device, not
-    read here): is every entry finite and >= 0, every row's sum 1, and q(x) > 0 at each drafted x?"""
-    q = draft_probs.float()
-    atol = _SUM_ATOL.get(draft_probs.dtype, 1e-3)
-    return (torch.isfinite(q).all() & (q >= 0).all()
-            & (q[torch.arange(len(draft_tokens), device=q.device), draft_tokens] > 0).all()
-            & ((q.sum(-1) - 1).abs() <= atol).all())
+class _Nodes(NamedTuple):
+    """A draft's shape as the batch rule reads it: tokens, and parents (None: a chain)."""
+
+    tokens: list[int]
+    parents: list[int] | None
+
+
+class SampledBatch:
+    """Rejection sampling of a batch's sampled (unseeded) sequences on the device, finished by the
+    host after one read (`tensors`, then `finish`): one set of kernels for the batch, no read per
+    sequence or per tree node.
+
+    Every row's verdict is drawn at once, visited or not: at a row with children (tree nodes, or a
+    chain's next draft), the first child accepted by the rule, or none. Point-mass children (trees,
+    chains without a usable q) are tried in node order against what is left of the row R: child x
+    is accepted with probability R(x) / R's mass and removed when rejected (a sibling repeating an
+    earlier token has mass 0 by then). A chain with a usable q accepts its draft x with min(1, p(x) /
+    q(x)). Following the accepted children from the context's row (a pointer chase, depth steps on
+    the device) reaches the row where the walk ends; its final token is drawn from the residual:
+    p less the rejected children (point masses) or max(0, p - q) (a sampled chain), p itself at a
+    leaf or when the residual has no mass. Only the visited rows' draws decide the outcome and each
+    row's are independent of the others', so the outcome's law is the sequential walk's:
+    the target's distribution (module docstring)."""
+
+    def __init__(self, logits: torch.Tensor, index: torch.Tensor | None, settings: list | None, drafts: list,
+                 draft_probs: list, generators: list):
+        """The sequences' rows, in order, are logits[index] (index None: every row of logits), each
+        sequence's 1 + nodes rows (the row of its last pending token, then one per draft node):
+        logits, made probabilities under settings[r] = (temperature, top_k, top_p) (probs_of_rows)
+        only where the rule reads them (the rows with children, and the row each walk ends at), or
+        probabilities already (settings None). drafts[i]: its tokens and parents (None or a chain's:
+        a chain); draft_probs[i]: a chain's q [k, vocab] or None; generators[i]: its random stream."""
+        device, vocab = logits.device, logits.shape[-1]
+        self._rows = (logits, index, settings)
+        self.drafts = [(list(d.tokens), list(d.parents) if d.parents is not None else None) for d in drafts]
+        self.num_seqs = len(drafts)
+        self.offsets, self.node_base = [], []  # per sequence: its context row, its first node's index
+        node_row, parent_row, node_token, node_seq, dup = [], [], [], [], []
+        groups: dict[int, list[int]] = {}  # parent row -> its children (node indices, in node order)
+        q_rows, q_seq, q_atol, node_q, child_q = [], [], [], [], {}  # q_rows: [k, vocab] per sampled chain
+        depth, row, nq = 0, 0, 0
+        for s, ((tokens, parents), q) in enumerate(zip(self.drafts, draft_probs)):
+            n = len(tokens)
+            chain = parents is None or parents == list(range(-1, n - 1))
+            parents = list(range(-1, n - 1)) if parents is None else parents
+            self.offsets.append(row)
+            self.node_base.append(len(node_row))
+            usable_shape = chain and n and q is not None and tuple(q.shape) == (n, vocab)
+            if usable_shape:
+                q_rows.append(q.float())
+                q_seq += [s] * n
+                q_atol += [_SUM_ATOL.get(q.dtype, 1e-3)] * n
+            levels: list[int] = []
+            for j, (x, par) in enumerate(zip(tokens, parents)):
+                prow = row if par < 0 else row + 1 + par
+                levels.append(1 if par < 0 else levels[par] + 1)
+                siblings = groups.setdefault(prow, [])
+                dup.append(any(node_token[g] == x for g in siblings))
+                siblings.append(len(node_row))
+                node_row.append(row + 1 + j)
+                parent_row.append(prow)
+                node_token.append(x)
+                node_seq.append(s)
+                node_q.append(nq + j if usable_shape else -1)
+                if usable_shape:
+                    child_q[prow] = nq + j
+            nq += n if usable_shape else 0
+            depth = max(depth, max(levels, default=0))
+            row += 1 + n
+        N, S, G = len(node_row), self.num_seqs, len(groups)
+        self.groups = list(groups)  # parent rows, in the order of the read's verdicts
+        group_of = {r: g for g, r in enumerate(self.groups)}
+        node_group = [group_of[r] for r in parent_row]
+        self.node_row = node_row
+        width = max((len(c) for c in groups.values()), default=0)
+        sib = np.full((G, max(width, 1)), N, dtype=np.int64)  # N: padding (no child)
+        for g, children in enumerate(groups.values()):
+            sib[g, : len(children)] = children
+        counts = [len(t) + 1 for t, _ in self.drafts]
+        u_base = np.cumsum([0] + counts)[:-1]
+        node_u = np.asarray([u_base[s] + j for s, (t, _) in enumerate(self.drafts) for j in range(len(t))], dtype=np.int64)
+        final_u = u_base + np.asarray(counts) - 1
+        row_child_q = np.full(row, nq, dtype=np.int64)  # nq: the zero row (no sampled child)
+        for r, qi in child_q.items():
+            row_child_q[r] = qi
+        (t_parent, t_node_group, t_token, t_seq, t_dup, t_sib, t_group, t_node_u, t_final_u, t_node_q, t_row_q,
+         t_node_row, t_ctx, t_q_seq, t_q_atol) = to_device(
+            np.asarray(parent_row, dtype=np.int64), np.asarray(node_group, dtype=np.int64),
+            np.asarray(node_token, dtype=np.int64),
+            np.asarray(node_seq, dtype=np.int64), np.asarray(dup, dtype=bool), sib,
+            np.asarray(self.groups, dtype=np.int64), node_u, final_u.astype(np.int64),
+            np.asarray(node_q, dtype=np.int64), row_child_q, np.asarray(node_row + [0], dtype=np.int64),
+            np.asarray(self.offsets, dtype=np.int64), np.asarray(q_seq, dtype=np.int64),
+            np.asarray(q_atol, dtype=np.float32), device=device)
+        # every uniform of the batch: per sequence one per node, then one for its final token
+        u = torch.cat([torch.rand(c, generator=gen, device=device) for c, gen in zip(counts, generators)])
+        # a sampled chain's q: used where all of it is usable (finite, >= 0, rows summing to 1, q(x) > 0)
+        q_all = torch.cat(q_rows + [torch.zeros((1, vocab), device=device)])  # [nq + 1, vocab]
+        usable = torch.zeros(S, dtype=torch.bool, device=device)
+        if nq:
+            q = q_all[:nq]
+            bad = (~torch.isfinite(q)).any(-1) | (q < 0).any(-1) | ((q.sum(-1) - 1).abs() > t_q_atol)
+            usable[t_q_seq] = True
+            usable &= _none_of(S, t_q_seq, bad)
+        chase = torch.arange(row, device=device)  # row -> the row the walk moves to from it (itself: it ends)
+        self.tensors: list[torch.Tensor] = []
+        if N:
+            probs_g = self._probs(t_group, self.groups)  # [G, vocab]: the rows with children
+            p_node = probs_g[t_node_group, t_token]  # [N] p(x) at each node's parent row
+            has_q = t_node_q >= 0
+            q_node = q_all[t_node_q.clamp(min=0), t_token]
+            if nq:  # a drafted token of q = 0 makes its sequence's q unusable
+                usable &= _none_of(S, t_seq, has_q & (q_node <= 0))
+            sampled_chain = has_q & usable[t_seq]
+            # point masses: siblings tried in turn, each against the mass its earlier siblings left
+            mass = torch.where(t_dup, 0.0, p_node)
+            pad = torch.cat([mass, mass.new_zeros(1)])[t_sib]  # [G, W]
+            before = pad.cumsum(1) - pad  # (a row's mass is 1: processed rows are normalised)
+            u_sib = torch.cat([u[t_node_u], u.new_ones(1)])[t_sib]
+            valid = t_sib < N
+            point = (u_sib * (1 - before) < pad) & valid  # [G, W]
+            accept = torch.zeros(N + 1, dtype=torch.bool, device=device)
+            accept[t_sib.flatten()] = point.flatten()  # (padding writes go to slot N)
+            accept = torch.where(sampled_chain, u[t_node_u] * q_node < p_node, accept[:N])
+            taken = torch.cat([accept, accept.new_zeros(1)])[t_sib] & valid  # [G, W]
+            any_taken = taken.any(1)
+            child = t_sib.gather(1, taken.to(torch.uint8).argmax(1, keepdim=True))[:, 0]
+            chosen = torch.where(any_taken, child, -1)  # per parent row: the accepted child, or -1
+            chase[t_group] = torch.where(any_taken, t_node_row[child.clamp(max=N - 1)], t_group)
+            self.tensors.append(chosen)
+        end = t_ctx
+        for _ in range(depth):
+            end = chase[end]
+        p_end = self._probs(end, self.offsets)  # [S, vocab]
+        q_end = q_all.index_select(0, t_row_q[end]) * usable[:, None]
+        residual = p_end - q_end
+        if N:  # a point-mass walk's rejected children leave the residual (repeats: clamped at 0)
+            rejected = (end[t_seq] == t_parent) & ~sampled_chain
+            at = p_end[t_seq, t_token]
+            residual.index_put_((t_seq, t_token), torch.where(rejected, -at, 0.0), accumulate=True)
+        residual = residual.clamp_min_(0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_end)
+        cumulative = residual.cumsum(-1)
+        draw = u[t_final_u] * cumulative[:, -1]
+        self.tensors.append(torch.searchsorted(cumulative, draw[:, None], right=True)[:, 0].clamp_(max=vocab - 1))
+
+    def _probs(self, which: torch.Tensor, like: list[int]) -> torch.Tensor:
+        """The probabilities of the sequences' rows `which`, each under the settings of the host row at
+        the same place in `like` (its sequence's: one setting a sequence)."""
+        logits, index, settings = self._rows
+        picked = logits.index_select(0, which if index is None else index[which])
+        return picked.float() if settings is None else probs_of_rows(picked, [settings[r] for r in like]).float()
+
+    def finish(self, arrays: list) -> list[tuple[list[int], list[int]]]:
+        """arrays: `tensors` read to the host. Per sequence: (emitted tokens, accepted node indices in
+        path order)."""
+        final = arrays[-1].tolist()
+        chosen = dict(zip(self.groups, arrays[0].tolist())) if len(arrays) > 1 else {}
+        out = []
+        for s, (tokens, _) in enumerate(self.drafts):
+            row, path = self.offsets[s], []
+            while chosen.get(row, -1) >= 0:
+                g = chosen[row]
+                path.append(g - self.node_base[s])
+                row = self.node_row[g]
+            out.append(([tokens[j] for j in path] + [final[s]], path))
+        return out
+
+
+def sample_verdicts(logits: torch.Tensor, index: torch.Tensor | None, settings: list | None, drafts: list,
+                    draft_probs: list, generators: list) -> SampledBatch:
+    """The rule `verify` applies to its sampled sequences (by this module's name: a test wraps it to
+    record draws, or replaces it to inject a fault; `rows_probs` gives every row it may read)."""
+    return SampledBatch(logits, index, settings, drafts, draft_probs, generators)
+
+
+def rows_probs(logits: torch.Tensor, index: torch.Tensor | None, settings: list | None) -> torch.Tensor:
+    """[R, vocab]: every row of a SampledBatch's sequences as probabilities (what its rule reads)."""
+    rows = logits if index is None else logits.index_select(0, index)
+    return rows.float() if settings is None else probs_of_rows(rows, settings).float()
+
+
+def _none_of(size: int, index: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """[size] bool: True where no flag scattered to it (index[i] -> flags[i]) is set."""
+    hits = torch.zeros(size, dtype=torch.int32, device=flags.device).index_add_(0, index, flags.to(torch.int32))
+    return hits == 0
 
 
 def verify_sampled(
@@ -73,43 +255,11 @@ def verify_sampled(
     draft_probs: torch.Tensor | None,
     generator: torch.Generator,
 ) -> list[int]:
-    """One sequence. target_probs: [k + 1, vocab]; draft_probs: [k, vocab] or None (point mass).
-    A draft_probs of another shape, or one that fails `usable_draft_probs`, counts as None."""
-    k = len(draft_tokens)
-    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[-1]):
-        draft_probs = None
-    if k:
-        idx = torch.arange(k, device=target_probs.device)
-        drafts = torch.tensor(draft_tokens, device=target_probs.device)
-        p = target_probs[idx, drafts]  # [k]
-        u = torch.rand(k, generator=generator, device=target_probs.device)
-        rejected_point_mass = u >= p  # [k]: q = one_hot(x)
-        if draft_probs is None:
-            rejected = rejected_point_mass.tolist()
-        else:
-            # accept iff u < p/q, written without dividing (q > 0 once usable); one host read for
-            # both verdicts and q's check, the same random numbers whichever is used
-            q = draft_probs[idx, drafts].to(p.dtype)
-            flags = torch.cat([u * q >= p, rejected_point_mass, usable_draft_probs(draft_probs, drafts)[None]]).tolist()
-            rejected = flags[:k] if flags[-1] else flags[k:2 * k]
-            if not flags[-1]:
-                draft_probs = None
-    else:
-        rejected = []
-    for j in range(k):
-        if rejected[j]:
-            if draft_probs is not None:
-                residual = (target_probs[j] - draft_probs[j]).clamp_min(0)
-            else:
-                residual = target_probs[j].clone()
-                residual[draft_tokens[j]] = 0
-            total = residual.sum()
-            if total <= 0:  # p == q exactly: rejection had probability 0; fall back to p
-                residual = target_probs[j]
-            recovered = sample(residual, generator)
-            return draft_tokens[:j] + [recovered]
-    bonus = sample(target_probs[k], generator)
-    return list(draft_tokens) + [bonus]
+    """One sequence's chain (the batch rule, `SampledBatch`, for one sequence; reads the device).
+    target_probs: [k + 1, vocab]; draft_probs: [k, vocab] or None (point mass). A draft_probs of
+    another shape, or one that is not usable (module docstring), counts as None."""
+    batch = SampledBatch(target_probs, None, None, [_Nodes(list(draft_tokens), None)], [draft_probs], [generator])
+    return batch.finish(to_host(*batch.tensors))[0][0]
 
 
 def verify_tree_parents(num_pending: int, draft) -> list[int]:
@@ -141,41 +291,13 @@ def verify_tree_greedy(target_argmax: list[int], num_pending: int, draft) -> tup
 
 
 def verify_tree_sampled(probs_at, num_pending: int, draft, generator: torch.Generator) -> tuple[list[int], list[int]]:
-    """Lossless acceptance over a token tree at temperature > 0 (multi-round, over siblings).
-
-    The tree's tokens were chosen deterministically (the head's top candidates), so each
-    child is a point-mass draft: at a node with target distribution p, the first child x is
-    accepted with probability p(x); on rejection p loses x (renormalised) and the next
-    sibling is tried against that residual, and so on. When every child is rejected, the
-    emitted token is sampled from what is left of p. By induction each round emits exactly
-    the distribution it was handed, so the whole walk emits tokens distributed as the target.
-
-    probs_at(row) -> [vocab] processed target probabilities after row `row` of the
-    verification row (pending tokens, then the tree nodes). Returns (emitted tokens, accepted
-    node indices in path order), like verify_tree_greedy.
-    """
-    children: dict[int, list[int]] = {}
-    for j, p in enumerate(draft.parents):
-        children.setdefault(p, []).append(j)
-    node, row, path = -1, num_pending - 1, []
-    while True:
-        p = probs_at(row).clone()  # [vocab]
-        accepted = None
-        for c in children.get(node, ()):
-            token = draft.tokens[c]
-            total = p.sum()
-            u = torch.rand((), generator=generator, device=p.device)
-            if u * total < p[token]:  # accept with probability p(token) / total
-                accepted = c
-                break
-            p[token] = 0
-        if accepted is None:
-            if p.sum() <= 0:  # every token with mass was a rejected sibling: cannot happen
-                p = probs_at(row)  # unless rounding left none; fall back to the target row
-            token = sample(p, generator)
-            return [draft.tokens[j] for j in path] + [token], path
-        path.append(accepted)
-        node, row = accepted, num_pending + accepted
+    """One sequence's token tree (the batch rule, `SampledBatch`, for one sequence; reads the device).
+    probs_at(row) -> [vocab] processed target probabilities after row `row` of the verification row
+    (pending tokens, then the tree nodes). Returns (emitted tokens, accepted node indices in path
+    order), like verify_tree_greedy."""
+    rows = torch.stack([probs_at(num_pending - 1)] + [probs_at(num_pending + j) for j in range(len(draft.tokens))])
+    batch = SampledBatch(rows, None, None, [_Nodes(list(draft.tokens), list(draft.parents))], [None], [generator])
+    return batch.finish(to_host(*batch.tensors))[0]
 
 
 def coupled(params) -> bool:
@@ -215,59 +337,51 @@ def coupled_choices(logits: torch.Tensor, choice: torch.Tensor, starts: list[int
     return choice
 
 
-def verify(logits: torch.Tensor, target_choice: list[int] | None, starts: list[int], num_pending: list[int],
+def verify(logits: torch.Tensor, target_choice, starts: list[int], num_pending: list[int],
            drafts: list, params: list, generators: list) -> tuple[list[list[int]], list[list[int]]]:
     """The verdicts of one verification forward over a batch: chains and trees, greedy and sampled.
 
     logits: [N, vocab] processed target logits of the packed verification rows. Sequence i's rows
     start at starts[i]: its num_pending[i] tokens without KV yet (the last of them predicts the
     first draft token), then its draft's tokens (drafts[i]: a chain, or a tree with parents).
-    target_choice: [N] read to the host: logits.argmax(-1), and at a coupled sequence's rows its
-    coupled draws (`coupled_choices`); None when no sequence is greedy or coupled.
+    target_choice: [N] logits.argmax(-1), and at a coupled sequence's rows its coupled draws
+    (`coupled_choices`): a device tensor (read here, in one read with the sampled sequences'
+    verdicts) or a host list; None when no sequence is greedy or coupled.
     params[i]: sequence i's SamplingParams (greedy, or its temperature / top-k / top-p, and seed);
     generators[i]: its random stream (sampled without a seed only).
     Returns per sequence (emitted tokens: the accepted drafts + the recovered/bonus token; kept rows:
     the rows whose KV stays, the pending tokens' and then the accepted drafts' in path order).
     """
-    chain_probs = _sampled_chain_probs(logits, starts, num_pending, drafts, params)
+    sampled = [i for i, p in enumerate(params) if not (p.greedy or coupled(p))]
+    batch = None
+    if sampled:  # rejection sampling: one rule for every sampled sequence, its rows processed where read
+        index, settings = [], []
+        for i in sampled:
+            n = len(drafts[i].tokens) + 1
+            first = starts[i] + num_pending[i] - 1
+            index.append(np.arange(first, first + n))
+            p = params[i]
+            settings += [(p.temperature, p.top_k, p.top_p)] * n
+        (rows,) = to_device(np.concatenate(index), device=logits.device)
+        batch = sample_verdicts(logits, rows, settings, [drafts[i] for i in sampled],
+                                [drafts[i].probs if drafts[i].is_chain else None for i in sampled],
+                                [generators[i] for i in sampled])
+    on_device = isinstance(target_choice, torch.Tensor)
+    tensors = ([target_choice] if on_device else []) + (batch.tensors if batch is not None else [])
+    arrays = to_host(*tensors) if tensors else []  # the verdicts' one read
+    if on_device:
+        target_choice = arrays.pop(0).tolist()
+    verdicts = dict(zip(sampled, batch.finish(arrays))) if batch is not None else {}
     emitted, kept = [], []
-    for i, (start, pending, draft, p, generator) in enumerate(zip(starts, num_pending, drafts, params, generators)):
+    for i, (start, pending, draft) in enumerate(zip(starts, num_pending, drafts)):
         rows = slice(start, start + pending + len(draft.tokens))
-        by_choice = p.greedy or coupled(p)  # the greedy rule over the target's choices
-        if draft.is_chain:
-            if by_choice:
-                tokens = verify_greedy([target_choice[rows][pending - 1:]], [draft.tokens])[0]
-            else:
-                tokens = verify_sampled(chain_probs[i], draft.tokens, draft.probs, generator)
-            kept.append(list(range(pending + len(tokens) - 1)))
+        if i in verdicts:
+            tokens, path = verdicts[i]
+        elif draft.is_chain:  # the greedy rule over the target's choices (greedy, or coupled draws)
+            tokens = verify_greedy([target_choice[rows][pending - 1:]], [draft.tokens])[0]
+            path = list(range(len(tokens) - 1))
         else:
-            tokens, path = (verify_tree_greedy(target_choice[rows], pending, draft) if by_choice else
-                            verify_tree_sampled(_probs_at(logits[rows], p), pending, draft, generator))
-            kept.append(list(range(pending)) + [pending + j for j in path])
+            tokens, path = verify_tree_greedy(target_choice[rows], pending, draft)
+        kept.append(list(range(pending)) + [pending + j for j in path])
         emitted.append(tokens)
     return emitted, kept
-
-
-def _sampled_chain_probs(logits: torch.Tensor, starts: list[int], num_pending: list[int], drafts: list,
-                         params: list) -> dict[int, torch.Tensor]:
-    """Sequence i -> its chain's processed target rows [k + 1, vocab] (the last pending token's, then the
-    drafts'), for the sequences verified by rejection sampling: every row in one probs_of_rows call
-    (one set of kernels for the batch, not one per sequence; each row as logits_to_probs gives it)."""
-    which, index, settings, counts = [], [], [], []
-    for i, (start, pending, draft, p) in enumerate(zip(starts, num_pending, drafts, params)):
-        if draft.is_chain and not (p.greedy or coupled(p)):
-            n = len(draft.tokens) + 1
-            which.append(i)
-            index.append(np.arange(start + pending - 1, start + pending - 1 + n))
-            settings += [(p.temperature, p.top_k, p.top_p)] * n
-            counts.append(n)
-    if not which:
-        return {}
-    (rows,) = to_device(np.concatenate(index), device=logits.device)
-    probs = probs_of_rows(logits.index_select(0, rows), settings)
-    return dict(zip(which, probs.split(counts)))
-
-
-def _probs_at(logits: torch.Tensor, params):
-    """row -> the processed target distribution there (computed only for rows a tree walk visits)."""
-    return lambda r: logits_to_probs(logits[r][None], params.temperature, params.top_k, params.top_p)[0]

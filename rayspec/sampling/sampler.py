@@ -118,7 +118,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     tokens). Tokens whose logits equal the last kept one's all stay (the kept set is every token
     whose logit is at least a threshold: it does not depend on an order among equals). Among tokens
     with equal logits at a top-k cut, which ones stay is the order torch.topk gives them."""
-    logits = logits / temperature
+    if temperature != 1.0:  # (x / 1.0 is x: no copy of the rows)
+        logits = logits / temperature
     vocab = logits.shape[-1]
     top_k = top_k if 0 < top_k < vocab else 0
     if not top_k and top_p >= 1.0:

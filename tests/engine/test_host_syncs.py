@@ -183,6 +183,31 @@ def test_one_read_per_cycle_with_deferred_drafts(smollm2, smollm2_loaded, method
     assert engine.stats.num_accepted_tokens > 0
 
 
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=24)  # unseeded: verified by rejection sampling
+
+
+@pytest.mark.parametrize("method,topk,batch", [("eagle3", 2, 1), ("eagle3", 2, 2), ("eagle3", 1, 8),
+                                               ("draft_model", 1, 8), ("ngram", 1, 8)],
+                         ids=["tree", "tree-batch2", "chains-batch8", "draft-model-batch8", "ngram-batch8"])
+def test_sampled_step_reads_as_a_greedy_one(smollm2, smollm2_loaded, method, topk, batch):
+    """At temperature 1 without a seed (what an OpenAI client sends by default) a decode step reads the
+    device as often as a greedy one: the draft, then the verdicts of every sequence together
+    (rayspec.sampling.rejection.SampledBatch: the rejection rule of sampled chains, with or without
+    q, and of token trees runs on the device for the whole batch). Failed before it: one read per
+    sampled sequence for its verdict, and a tree walk one per node it visited."""
+    spec = {"eagle3": dict(draft_model=HEAD, eagle_topk=topk, num_steps=4, eagle_stop_prob=0.2,
+                           eagle_prompt_lookup=5 if topk > 1 else 0),
+            "draft_model": dict(draft_model=smollm2, draft_num_layers=2),
+            "ngram": dict()}[method]
+    engine = make_engine(smollm2, method, k=8, loaded=smollm2_loaded, max_num_seqs=batch, tree_max_batch=2,
+                         adaptive=False, **spec)
+    if method == "eagle3":
+        engine.proposer.early_exit_reads = False
+    reads = _check(audit_decode_steps(engine, PROMPTS[:max(batch, 2)], SAMPLED), batch)
+    assert max(reads) == (1 if method == "ngram" else 2)
+    assert engine.stats.num_draft_tokens > 0
+
+
 def test_audit_catches_a_stray_read(smollm2, smollm2_loaded):
     """The audit is not blind: a .tolist() slipped into the verification is reported."""
     engine = make_engine(smollm2, "ngram", k=4, loaded=smollm2_loaded, max_num_seqs=2)

@@ -27,8 +27,8 @@ so with LENGTH = 4 a first-step tree has 2 nodes: two siblings, or a chain of tw
 Bias injection
 --------------
 To show the check has teeth, the rejection step is monkeypatched (rayspec.sampling.rejection.verify calls
-the per-rule functions by their module names) with versions off by a total variation (TV) of
-about 0.02 on the 4-token continuation:
+its batched rule by module name, `sample_verdicts`; tests/audit.py's `per_sequence` puts per-sequence
+rules in its place) with versions off by a total variation (TV) of about 0.02 on the 4-token continuation:
 - chain (verify_sampled, n-gram drafts): a draft is accepted with min(1, BOOST p / q), BOOST = 1.0856;
 - tree (verify_tree_sampled, drafts = the target's own two likeliest tokens at every node): the
   token drawn when every sibling is rejected, or the bonus at a leaf, comes from
@@ -85,6 +85,7 @@ import torch
 
 import rayspec.sampling.rejection
 import stat_utils
+from audit import per_sequence
 from conftest import make_tiny_model_dir
 from engine_utils import cached_model, make_engine
 from reference import processed_probs
@@ -457,18 +458,28 @@ def _record_shapes(engine) -> Counter:
 
 
 def _record_sibling_outcomes(monkeypatch) -> Counter:
-    """Count how the engine's verify_tree_sampled ends on two-sibling trees."""
-    outcomes, verify = Counter(), rayspec.sampling.rejection.verify_tree_sampled
+    """Count how the engine's sampled rule ends on two-sibling trees."""
+    outcomes, rule = Counter(), rayspec.sampling.rejection.sample_verdicts
 
-    def recording(probs_at, num_pending, draft, generator):
-        emitted, path = verify(probs_at, num_pending, draft, generator)
-        if draft.parents == [-1, -1]:
-            outcomes[("first", "second")[path[0]] if path else "neither"] += 1
-            if path == [1] and probs_at(num_pending - 1)[draft.tokens[0]] > 0:
-                outcomes["second, renormalised"] += 1
-        return emitted, path
+    def recording(logits, index, settings, drafts, draft_probs, generators):
+        batch = rule(logits, index, settings, drafts, draft_probs, generators)
+        finish = batch.finish
+        probs = rayspec.sampling.rejection.rows_probs(logits, index, settings)
 
-    monkeypatch.setattr(rayspec.sampling.rejection, "verify_tree_sampled", recording)
+        def counted(arrays):
+            results, start = finish(arrays), 0
+            for draft, (_, path) in zip(drafts, results):
+                if draft.parents == [-1, -1]:
+                    outcomes[("first", "second")[path[0]] if path else "neither"] += 1
+                    if path == [1] and probs[start][draft.tokens[0]] > 0:
+                        outcomes["second, renormalised"] += 1
+                start += len(draft.tokens) + 1
+            return results
+
+        batch.finish = counted
+        return batch
+
+    monkeypatch.setattr(rayspec.sampling.rejection, "sample_verdicts", recording)
     return outcomes
 
 
@@ -628,7 +639,7 @@ def test_continuations_follow_the_target(target_dir, loaded, target, exact, draf
 def test_biased_chain_verification_is_detected(target_dir, loaded, target, exact, biased, monkeypatch):
     """verify_sampled accepting n-gram drafts with min(1, 1.083 p): rejected by the same test, and
     the samples fit the biased distribution the engine model predicts."""
-    monkeypatch.setattr("rayspec.sampling.rejection.verify_sampled", boosted_verify_sampled)
+    monkeypatch.setattr("rayspec.sampling.rejection.sample_verdicts", per_sequence(chain_rule=boosted_verify_sampled))
     engine = _engine(target_dir, loaded, method="ngram", engine_seed=50_000_000, **NGRAM)
     samples = sample_continuations(engine, target, N_BIAS["chain"])
     against_target = stat_utils.chi_square_test(samples, exact)
@@ -641,7 +652,7 @@ def test_biased_chain_verification_is_detected(target_dir, loaded, target, exact
 def test_biased_tree_verification_is_detected(target_dir, loaded, target, exact, biased, monkeypatch):
     """verify_tree_sampled with a skewed final draw, on trees of the target's top-2 tokens:
     rejected by the same test, and the samples fit the biased distribution the model predicts."""
-    monkeypatch.setattr("rayspec.sampling.rejection.verify_tree_sampled", skewed_verify_tree_sampled)
+    monkeypatch.setattr("rayspec.sampling.rejection.sample_verdicts", per_sequence(tree_rule=skewed_verify_tree_sampled))
     engine = _engine(target_dir, loaded, proposer=TargetTreeProposer(target), engine_seed=60_000_000)
     seen = _record_shapes(engine)
     samples = sample_continuations(engine, target, N_BIAS["tree"])

@@ -1,7 +1,8 @@
 """Speculative sampling at temperature > 0 is lossless: emitted tokens follow the target's
 processed (temperature / top-k / top-p) distribution, whatever the proposer drafts.
 
-(a) the rejection rule alone (rayspec.sampling.rejection.verify_sampled) on hand-made distributions:
+(a) the rejection rule alone (rayspec.sampling.rejection's SampledBatch: each check's trials are one
+    batch of sequences) on hand-made distributions:
     each emitted token's frequencies against the row it must follow, by Pearson's chi-square test
     at ALPHA_RULE (`assert_follows`). Power, stated per check (`detected_tv`, printed): a bias of
     the proportional shape (every probability moved in proportion: the least chi-square for its
@@ -22,7 +23,8 @@ import torch
 import stat_utils
 from engine_utils import binomial_interval, make_engine
 from rayspec.proposers.base import Draft
-from rayspec.sampling.rejection import verify, verify_greedy, verify_sampled, verify_tree_sampled
+from rayspec.device_io import to_host
+from rayspec.sampling.rejection import SampledBatch, verify, verify_greedy, verify_sampled, verify_tree_sampled
 from rayspec.sampling.sampler import SamplingParams
 
 V = 7
@@ -53,6 +55,14 @@ def assert_follows(samples: list[int], row, label) -> None:
     print(f"{label}: {result}; a proportional bias detected with power 0.99 from TV "
           f"{detected_tv(row, len(samples)):.3f}")
     assert result.impossible == 0 and result.p_value > ALPHA_RULE, (label, result)
+
+
+def run_chains(target: torch.Tensor, drafts: list[list[int]], draft_probs, gen) -> list[list[int]]:
+    """The emitted tokens of one chain per entry of `drafts` (each over the rows `target` [k + 1, V],
+    with q `draft_probs`), all verified in one batch by the engine's rule (`SampledBatch`)."""
+    rows = target.repeat(len(drafts), 1)
+    batch = SampledBatch(rows, None, None, [Draft(list(d)) for d in drafts], [draft_probs] * len(drafts), [gen] * len(drafts))
+    return [emitted for emitted, _ in batch.finish(to_host(*batch.tensors))]
 
 
 def _dist(*weights) -> torch.Tensor:
@@ -87,9 +97,10 @@ def test_verify_sampled_first_token_follows_target(name, target, draft_probs, fi
         all_drafts = torch.stack([torch.multinomial(draft_probs[j], trials, replacement=True, generator=gen)
                                   for j in range(k)], dim=1).tolist()
     firsts, seconds, accepted, lengths = [], [], 0, []
-    for t in range(trials):
-        drafts = all_drafts[t] if draft_probs is not None else fixed
-        out = verify_sampled(target, drafts, draft_probs, gen)
+    every = [all_drafts[t] if draft_probs is not None else fixed for t in range(trials)]
+    one = verify_sampled(target, every[0], draft_probs, gen)  # (the one-sequence form: the same rule)
+    assert one[:-1] == list(every[0][:len(one) - 1])
+    for drafts, out in zip(every, run_chains(target, every, draft_probs, gen)):
         assert 1 <= len(out) <= k + 1 and out[:-1] == list(drafts[:len(out) - 1])
         lengths.append(len(out))
         firsts.append(out[0])
@@ -116,7 +127,7 @@ def test_verify_sampled_acceptance_rate_is_min_p_over_q():
     gen = torch.Generator().manual_seed(7)
     target, draft = torch.stack([P0, P1]), Q0[None]
     drafts = torch.multinomial(Q0, trials, replacement=True, generator=gen).tolist()
-    accepted = sum(len(verify_sampled(target, [d], draft, gen)) == 2 for d in drafts)
+    accepted = sum(len(out) == 2 for out in run_chains(target, [[d] for d in drafts], draft, gen))
     expected = float(torch.minimum(P0, Q0).sum())
     low, high = binomial_interval(expected, trials)
     assert low <= accepted / trials <= high, (accepted / trials, expected, (low, high))
@@ -148,7 +159,7 @@ def test_forged_draft_probs_cannot_steer_sampling(name, token, q):
     trials = 10_000
     gen = torch.Generator().manual_seed(5)
     target = torch.stack([P0, P1])
-    firsts = [verify_sampled(target, [token], q, gen)[0] for _ in range(trials)]
+    firsts = [out[0] for out in run_chains(target, [[token]] * trials, q, gen)]
     assert firsts.count(3) == 0, name  # outside the target's support: never emitted
     assert_follows(firsts, P0, name)
 
@@ -166,8 +177,10 @@ def test_verify_tree_sampled_follows_target():
     trials = 30_000
     gen = torch.Generator().manual_seed(99)
     firsts, after = [], {0: [], 2: []}
-    for _ in range(trials):
-        out, path = verify_tree_sampled(lambda r: TREE_ROWS[r], 2, TREE, gen)
+    rows = TREE_ROWS[1:]  # the last pending token's row, then the nodes'
+    batch = SampledBatch(rows.repeat(trials, 1), None, None, [TREE] * trials, [None] * trials, [gen] * trials)
+    assert len(verify_tree_sampled(lambda r: TREE_ROWS[r], 2, TREE, gen)[0]) >= 1  # (the one-sequence form)
+    for out, path in batch.finish(to_host(*batch.tensors)):
         assert len(out) == len(path) + 1 and [TREE.tokens[j] for j in path] == out[:-1]
         assert all(TREE.parents[b] == a for a, b in zip([-1] + path, path))  # a path down the tree
         firsts.append(out[0])

@@ -11,7 +11,7 @@ false` (the planner sizes sampled trees from timers, so on a busy machine it may
 levels, eagle_stop_prob 0.2, the prompt-lookup branch, trees at batch <= 2, nothing drafted from 3,
 prefix caching on. Requests go one at a time with n = 2 (batch 2: trees). A spy installed in the
 verifier replica (Ray's `__ray_call__` on its actor: it wraps rayspec.sampling.rejection's
-`verify_tree_sampled` there, changing nothing it returns) counts the trees verified by shape;
+`sample_verdicts` there, changing nothing it returns) counts the trees verified by shape;
 asserted: >= MIN_FULL_TREES trees of 8 nodes, 3 levels or more and a node with 3 children that the
 target gives mass, and >= 1,000 draft tokens in the app's /v1/stats.
 
@@ -130,47 +130,69 @@ def in_replica(fn, *args):
 # ---- run inside the replica ----------------------------------------------------------------------
 
 def _install(kind: str) -> None:
-    """Put a shape-counting spy ("spy") or the faulty rule ("fault") in place of the tree rule."""
+    """Put a shape-counting spy ("spy") or the faulty rule ("fault") around the sampled rule."""
     from collections import Counter as _Counter
 
     from rayspec.sampling import rejection
+    from rayspec.sampling.sampler import sample
 
-    original = getattr(rejection.verify_tree_sampled, "original", rejection.verify_tree_sampled)
+    original = getattr(rejection.sample_verdicts, "original", rejection.sample_verdicts)
 
-    def spy(probs_at, num_pending, draft, generator):
-        children: dict[int, list[int]] = {}
-        for j, p in enumerate(draft.parents):
-            children.setdefault(p, []).append(j)
-        live = 0
-        for node, kids in children.items():
-            if len(kids) >= 3:
-                row = probs_at(num_pending - 1 if node < 0 else num_pending + node)
-                live = max(live, sum(bool(row[draft.tokens[k]] > 0) for k in kids))
-        spy.shapes[(len(draft.tokens), max(rejection.draft_depths(draft)), live)] += 1
-        return original(probs_at, num_pending, draft, generator)
+    def trees(probs, drafts):
+        """(draft, its children by node, its context row) for the token trees of a batch."""
+        start = 0
+        for draft in drafts:
+            if draft.parents is not None and list(draft.parents) != list(range(-1, len(draft.tokens) - 1)):
+                children: dict[int, list[int]] = {}
+                for j, p in enumerate(draft.parents):
+                    children.setdefault(p, []).append(j)
+                yield draft, children, start
+            start += len(draft.tokens) + 1
 
-    def fault(probs_at, num_pending, draft, generator):
-        # no rejection rule: the first child of every node is accepted as drafted, and the token after
-        # the path drawn from the target's row there
-        children: dict[int, list[int]] = {}
-        for j, p in enumerate(draft.parents):
-            children.setdefault(p, []).append(j)
-        node, path = -1, []
-        while children.get(node):
-            node = children[node][0]
-            path.append(node)
-        token = rejection.sample(probs_at(num_pending - 1 if node < 0 else num_pending + node), generator)
-        return [draft.tokens[j] for j in path] + [token], path
+    def spy(logits, index, settings, drafts, draft_probs, generators):
+        probs = rejection.rows_probs(logits, index, settings)
+        for draft, children, start in trees(probs, drafts):
+            live = 0
+            for node, kids in children.items():
+                if len(kids) >= 3:
+                    row = probs[start + 1 + node]  # (node -1: the context's row)
+                    live = max(live, sum(bool(row[draft.tokens[k]] > 0) for k in kids))
+            spy.shapes[(len(draft.tokens), max(rejection.draft_depths(draft)), live)] += 1
+        return original(logits, index, settings, drafts, draft_probs, generators)
+
+    def fault(logits, index, settings, drafts, draft_probs, generators):
+        # no rejection rule on trees: the first child of every node is accepted as drafted, and the
+        # token after the path drawn from the target's row there
+        batch = original(logits, index, settings, drafts, draft_probs, generators)
+        finish = batch.finish
+        probs = rejection.rows_probs(logits, index, settings)
+
+        def faulty(arrays):
+            results = finish(arrays)
+            by_draft = {id(d): (children, start) for d, children, start in trees(probs, drafts)}
+            for i, (draft, gen) in enumerate(zip(drafts, generators)):
+                if id(draft) in by_draft:
+                    children, start = by_draft[id(draft)]
+                    node, path = -1, []
+                    while children.get(node):
+                        node = children[node][0]
+                        path.append(node)
+                    token = sample(probs[start + 1 + node], gen)
+                    results[i] = ([draft.tokens[j] for j in path] + [token], path)
+            return results
+
+        batch.finish = faulty
+        return batch
 
     chosen = spy if kind == "spy" else fault
     chosen.original, spy.shapes = original, _Counter()
-    rejection.verify_tree_sampled = chosen
+    rejection.sample_verdicts = chosen
 
 
 def _shapes() -> dict:
     from rayspec.sampling import rejection
 
-    return dict(getattr(rejection.verify_tree_sampled, "shapes", {}))
+    return dict(getattr(rejection.sample_verdicts, "shapes", {}))
 
 
 # ---- the reference: transformers' forward, float64 probabilities ---------------------------------

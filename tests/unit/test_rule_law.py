@@ -34,9 +34,10 @@ import pytest
 import torch
 
 import stat_utils
-from audit import Block, Draw, rule_blocks
+from audit import Block, Draw, rule_blocks, usable
 from rayspec.proposers.base import Draft
-from rayspec.sampling.rejection import verify_sampled, verify_tree_sampled
+from rayspec.device_io import to_host
+from rayspec.sampling.rejection import SampledBatch
 
 V = 5
 LAW_ALPHA = 1e-4  # per test: 3 cases + 2 injected biases
@@ -115,24 +116,29 @@ def sample_size(exact: dict, alternatives: list[dict], alpha: float) -> int:
     return 1000 * high
 
 
-def run_rule(case, n: int, seed: int, chain_rule=verify_sampled, tree_rule=verify_tree_sampled) -> list[tuple]:
+def run_rule(case, n: int, seed: int, chain_rule=None) -> list[tuple]:
     """n outcomes (path, token) of the rule on the case (fixed drafts; rows as torch float32, as the
-    engine hands them over)."""
-    _, kind, p, q, tokens, parents = case
-    rows = torch.tensor(p, dtype=torch.float32)
-    probs = None if q is None else torch.tensor(q, dtype=torch.float32)
+    engine hands them over): the engine's batched rule over n sequences of the case in one batch, or
+    a per-sequence chain rule in its place (an injected bias)."""
+    return run_batch([case] * n, seed, chain_rule)
+
+
+def run_batch(cases: list, seed: int, chain_rule=None) -> list[tuple]:
+    """The outcome (path, token) of each case, all verified in one batch (`SampledBatch`: a batch of
+    mixed shapes, one random stream); with chain_rule, chains by that rule one at a time instead."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    if kind == "chain":
-        for _ in range(n):
-            emitted = chain_rule(rows, list(tokens), probs, gen)
+    rows = torch.tensor(np.concatenate([c[2] for c in cases]), dtype=torch.float32)
+    drafts = [Draft(list(c[4]), parents=list(c[5])) for c in cases]
+    qs = [None if c[3] is None else torch.tensor(c[3], dtype=torch.float32) for c in cases]
+    if chain_rule is not None:
+        out, start = [], 0
+        for c, q in zip(cases, qs):
+            emitted = chain_rule(rows[start: start + len(c[4]) + 1], list(c[4]), q, gen)
             out.append((tuple(range(len(emitted) - 1)), emitted[-1]))
-    else:
-        draft = Draft(list(tokens), parents=list(parents))
-        for _ in range(n):
-            emitted, path = tree_rule(lambda r: rows[r], 1, draft, gen)
-            out.append((tuple(path), emitted[-1]))
-    return out
+            start += len(c[4]) + 1
+        return out
+    batch = SampledBatch(rows, None, None, drafts, qs, [gen] * len(cases))
+    return [(tuple(path), emitted[-1]) for emitted, path in batch.finish(to_host(*batch.tensors))]
 
 
 def boosted_rule(boost: float):
@@ -183,3 +189,31 @@ def test_injected_biases_at_tv_002_are_rejected():
     print(f"chain-shaped (boost {boost:.4f}): {biased}; proportional: {spread}")
     assert biased.p_value < LAW_ALPHA, biased
     assert spread.p_value < LAW_ALPHA, spread
+
+
+# cases the batch must also get right beside the others: a chain whose q is unusable (a row not summing
+# to 1: verified as point masses), an empty draft (the bonus alone), a tree whose root repeats a token
+MIXED_EXTRA = [
+    ("unusable-q", "chain", LAW_CASES[0][2], LAW_CASES[0][3] * np.array([[1.0], [0.5]]), [0, 2], [-1, 0]),
+    ("empty", "chain", LAW_CASES[0][2][:1], None, [], []),
+    ("repeat", "tree", LAW_CASES[2][2][:4], None, [1, 1, 3], [-1, -1, 0]),
+]
+
+
+def test_mixed_batch_each_sequence_follows_its_law():
+    """One batch of every case interleaved (sampled and point-mass chains, a 3-sibling tree, an
+    unusable q, an empty draft, a repeated sibling): each sequence's outcome follows its own case's
+    law (a layout error, one sequence's rows or verdicts read for another's, fails here). 6,000 of
+    each; Pearson's test per case at LAW_ALPHA."""
+    cases = LAW_CASES + MIXED_EXTRA
+    n = 6000
+    order = [i for _ in range(n) for i in range(len(cases))]
+    outcomes = run_batch([cases[i] for i in order], seed=4)
+    for i, case in enumerate(cases):
+        draw = _draw(case)
+        if case[0] == "unusable-q":  # the rule ignores a q that is not a distribution
+            assert not usable(draw.q, draw.tokens, V)
+        exact = law(rule_blocks(draw))
+        result = stat_utils.chi_square_test([o for o, c in zip(outcomes, order) if c == i], exact)
+        print(f"{case[0]}: {len(exact)} outcomes; {result}")
+        assert result.impossible == 0 and result.p_value > LAW_ALPHA, (case[0], result)
