@@ -158,51 +158,55 @@ class SampledBatch:
         # every uniform of the batch: per sequence one per node, then one for its final token
         u = torch.cat([torch.rand(c, generator=gen, device=device) for c, gen in zip(counts, generators)])
         # a sampled chain's q: used where all of it is usable (finite, >= 0, rows summing to 1, q(x) > 0)
-        q_all = torch.cat(q_rows + [torch.zeros((1, vocab), device=device)])  # [nq + 1, vocab]
-        usable = torch.zeros(S, dtype=torch.bool, device=device)
         if nq:
+            q_all = torch.cat(q_rows + [torch.zeros((1, vocab), device=device)])  # [nq + 1, vocab]
             q = q_all[:nq]
             bad = (~torch.isfinite(q)).any(-1) | (q < 0).any(-1) | ((q.sum(-1) - 1).abs() > t_q_atol)
+            usable = torch.zeros(S, dtype=torch.bool, device=device)
             usable[t_q_seq] = True
             usable &= _none_of(S, t_q_seq, bad)
-        chase = torch.arange(row, device=device)  # row -> the row the walk moves to from it (itself: it ends)
         self.tensors: list[torch.Tensor] = []
         if N:
             probs_g = self._probs(t_group, self.groups)  # [G, vocab]: the rows with children
             p_node = probs_g[t_node_group, t_token]  # [N] p(x) at each node's parent row
-            has_q = t_node_q >= 0
-            q_node = q_all[t_node_q.clamp(min=0), t_token]
-            if nq:  # a drafted token of q = 0 makes its sequence's q unusable
-                usable &= _none_of(S, t_seq, has_q & (q_node <= 0))
-            sampled_chain = has_q & usable[t_seq]
             # point masses: siblings tried in turn, each against the mass its earlier siblings left
             mass = torch.where(t_dup, 0.0, p_node)
             pad = torch.cat([mass, mass.new_zeros(1)])[t_sib]  # [G, W]
             before = pad.cumsum(1) - pad  # (a row's mass is 1: processed rows are normalised)
-            u_sib = torch.cat([u[t_node_u], u.new_ones(1)])[t_sib]
+            u_node = u[t_node_u]
+            u_sib = torch.cat([u_node, u.new_ones(1)])[t_sib]
             valid = t_sib < N
-            point = (u_sib * (1 - before) < pad) & valid  # [G, W]
-            accept = torch.zeros(N + 1, dtype=torch.bool, device=device)
-            accept[t_sib.flatten()] = point.flatten()  # (padding writes go to slot N)
-            accept = torch.where(sampled_chain, u[t_node_u] * q_node < p_node, accept[:N])
-            taken = torch.cat([accept, accept.new_zeros(1)])[t_sib] & valid  # [G, W]
+            taken = (u_sib * (1 - before) < pad) & valid  # [G, W]
+            if nq:  # a sampled chain's draft: accepted with min(1, p / q) (its row has no other child)
+                has_q = t_node_q >= 0
+                q_node = q_all[t_node_q.clamp(min=0), t_token]
+                usable &= _none_of(S, t_seq, has_q & (q_node <= 0))  # a drafted token of q = 0: unusable
+                sampled_chain = has_q & usable[t_seq]
+                accept = torch.zeros(N + 1, dtype=torch.bool, device=device)
+                accept[t_sib.flatten()] = taken.flatten()  # (padding writes go to slot N)
+                accept = torch.where(sampled_chain, u_node * q_node < p_node, accept[:N])
+                taken = torch.cat([accept, accept.new_zeros(1)])[t_sib] & valid
             any_taken = taken.any(1)
             child = t_sib.gather(1, taken.to(torch.uint8).argmax(1, keepdim=True))[:, 0]
             chosen = torch.where(any_taken, child, -1)  # per parent row: the accepted child, or -1
-            chase[t_group] = torch.where(any_taken, t_node_row[child.clamp(max=N - 1)], t_group)
+            chase = torch.arange(row, device=device)  # row -> the row the walk moves to (itself: it ends)
+            chase[t_group] = torch.where(any_taken, t_node_row[child], t_group)
             self.tensors.append(chosen)
         end = t_ctx
         for _ in range(depth):
             end = chase[end]
         p_end = self._probs(end, self.offsets)  # [S, vocab]
-        q_end = q_all.index_select(0, t_row_q[end]) * usable[:, None]
-        residual = p_end - q_end
-        if N:  # a point-mass walk's rejected children leave the residual (repeats: clamped at 0)
-            rejected = (end[t_seq] == t_parent) & ~sampled_chain
+        residual = p_end
+        if N:
+            residual = p_end - q_all.index_select(0, t_row_q[end]) * usable[:, None] if nq else p_end.clone()
+            # a point-mass walk's rejected children leave the residual (repeats: clamped at 0)
+            rejected = end[t_seq] == t_parent
+            if nq:
+                rejected &= ~sampled_chain
             at = p_end[t_seq, t_token]
             residual.index_put_((t_seq, t_token), torch.where(rejected, -at, 0.0), accumulate=True)
-        residual = residual.clamp_min_(0)
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_end)
+            residual = residual.clamp_min_(0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_end)
         cumulative = residual.cumsum(-1)
         draw = u[t_final_u] * cumulative[:, -1]
         self.tensors.append(torch.searchsorted(cumulative, draw[:, None], right=True)[:, 0].clamp_(max=vocab - 1))
