@@ -1,0 +1,52 @@
+"""`rayspec bench offline` with a candidate planner change patched in (an experiment, not the engine):
+the real-engine side of benchmarks/planner_sim.py's variants.
+
+    python benchmarks/planner_variants_offline.py VARIANT <bench offline arguments...>
+
+VARIANT: current (the planner as shipped), nocal (DraftPlanner.calibration 1), ucb-nocal (also each
+level's acceptance at its posterior mean + 1 standard deviation, as planner_sim.py's). The session note
+of 2026-12-03 ran, alternating, two rounds of each (and the same arguments with --no-adaptive):
+
+    for v in current nocal ucb-nocal; do python benchmarks/planner_variants_offline.py $v bench offline \\
+      --method eagle3 --draft-model heads/smollm2-135m-eagle3 --num-speculative-tokens 8 --eagle-topk 2 \\
+      --num-steps 4 --eagle-prompt-lookup 5 --prompts mt_bench --num-prompts 8 --concurrency 1 \\
+      --max-tokens 64 --no-hf --num-threads 2 --adaptive --output-json /tmp/$v.json; done
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import rayspec.engine.drafting as dr  # noqa: E402
+
+
+def optimistic_rates(self, own, shape, greedy, depth):
+    """Acceptance.rates at the posterior mean + 1 sd (the sequence's and the pool's draws as evidence)."""
+    pool, out = self.pool.get((shape, greedy)), []
+    for d in range(depth):
+        pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
+        prior = (pa + dr.PRIOR_MEAN * dr.PRIOR_WEIGHT) / (pt + dr.PRIOR_WEIGHT)
+        a, t = own.get(d) if own is not None else (0.0, 0.0)
+        m = (a + prior * dr.POOL_WEIGHT) / (t + dr.POOL_WEIGHT)
+        out.append(min(1.0, m + (m * (1 - m) / (t + pt + dr.PRIOR_WEIGHT + 1)) ** 0.5))
+    return out
+
+
+def main() -> int:
+    variant, args = sys.argv[1], sys.argv[2:]
+    if variant not in ("current", "nocal", "ucb-nocal"):
+        raise SystemExit(f"unknown variant {variant!r}")
+    if variant in ("nocal", "ucb-nocal"):
+        dr.DraftPlanner.calibration = lambda self, shape, greedy: 1.0
+    if variant == "ucb-nocal":
+        dr.Acceptance.rates = optimistic_rates
+    from rayspec_cli.main import main as cli
+
+    return cli(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
