@@ -45,23 +45,19 @@ PROFILES = [[0.70, 0.65, 0.60, 0.60], [0.55, 0.50, 0.45, 0.40], [0.45, 0.45, 0.4
 VARIANTS = ("current", "nocal", "ucb", "ucb-nocal", "ucb1-nocal")
 
 
-def _optimistic(planner: DraftPlanner, z: float, levels: int | None) -> None:
-    """Acceptance.rates at the posterior mean + z standard deviations (the first `levels`; None: all)."""
-    acc = planner.acceptance
-
-    def rates(own, shape, greedy, depth):
-        pool, out = acc.pool.get((shape, greedy)), []
-        for d in range(depth):
-            pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
-            prior = (pa + drafting.PRIOR_MEAN * drafting.PRIOR_WEIGHT) / (pt + drafting.PRIOR_WEIGHT)
-            a, t = own.get(d) if own is not None else (0.0, 0.0)
-            m = (a + prior * drafting.POOL_WEIGHT) / (t + drafting.POOL_WEIGHT)
-            if levels is None or d < levels:
-                m = min(1.0, m + z * (m * (1 - m) / (t + pt + drafting.PRIOR_WEIGHT + 1)) ** 0.5)
-            out.append(m)
-        return out
-
-    acc.rates = rates
+def optimistic_rates(acc, own, shape, greedy, depth, z: float = 1.0, levels: int | None = None) -> list[float]:
+    """Acceptance.rates (`acc` an Acceptance) at the posterior mean + z standard deviations, on the first
+    `levels` levels (None: all); the sequence's and the pool's draws as the evidence."""
+    pool, out = acc.pool.get((shape, greedy)), []
+    for d in range(depth):
+        pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
+        prior = (pa + drafting.PRIOR_MEAN * drafting.PRIOR_WEIGHT) / (pt + drafting.PRIOR_WEIGHT)
+        a, t = own.get(d) if own is not None else (0.0, 0.0)
+        m = (a + prior * drafting.POOL_WEIGHT) / (t + drafting.POOL_WEIGHT)
+        if levels is None or d < levels:
+            m = min(1.0, m + z * (m * (1 - m) / (t + pt + drafting.PRIOR_WEIGHT + 1)) ** 0.5)
+        out.append(m)
+    return out
 
 
 def make_planner(variant: str, optimism: float = 1.0) -> DraftPlanner:
@@ -69,7 +65,8 @@ def make_planner(variant: str, optimism: float = 1.0) -> DraftPlanner:
     if variant.endswith("nocal"):
         planner.calibration = lambda shape, greedy: 1.0
     if variant.startswith("ucb"):
-        _optimistic(planner, optimism, 1 if variant.startswith("ucb1") else None)
+        acc, levels = planner.acceptance, 1 if variant.startswith("ucb1") else None
+        acc.rates = lambda own, shape, greedy, depth: optimistic_rates(acc, own, shape, greedy, depth, optimism, levels)
     return planner
 
 

@@ -18,21 +18,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import rayspec.engine.drafting as dr  # noqa: E402
-
-
-def optimistic_rates(self, own, shape, greedy, depth):
-    """Acceptance.rates at the posterior mean + 1 sd (the sequence's and the pool's draws as evidence)."""
-    pool, out = self.pool.get((shape, greedy)), []
-    for d in range(depth):
-        pa, pt = pool.get(d) if pool is not None else (0.0, 0.0)
-        prior = (pa + dr.PRIOR_MEAN * dr.PRIOR_WEIGHT) / (pt + dr.PRIOR_WEIGHT)
-        a, t = own.get(d) if own is not None else (0.0, 0.0)
-        m = (a + prior * dr.POOL_WEIGHT) / (t + dr.POOL_WEIGHT)
-        out.append(min(1.0, m + (m * (1 - m) / (t + pt + dr.PRIOR_WEIGHT + 1)) ** 0.5))
-    return out
+from planner_sim import optimistic_rates  # noqa: E402  (benchmarks/planner_sim.py)
 
 
 def main() -> int:
@@ -42,7 +31,7 @@ def main() -> int:
     if variant in ("nocal", "ucb-nocal"):
         dr.DraftPlanner.calibration = lambda self, shape, greedy: 1.0
     if variant == "ucb-nocal":
-        dr.Acceptance.rates = optimistic_rates
+        dr.Acceptance.rates = lambda self, own, shape, greedy, depth: optimistic_rates(self, own, shape, greedy, depth)
     from rayspec_cli.main import main as cli
 
     return cli(args)
