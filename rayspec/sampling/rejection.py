@@ -96,7 +96,6 @@ class SampledBatch:
         device, vocab = logits.device, logits.shape[-1]
         self._rows = (logits, index, settings)
         self.drafts = [(list(d.tokens), list(d.parents) if d.parents is not None else None) for d in drafts]
-        self.num_seqs = len(drafts)
         self.offsets, self.node_base = [], []  # per sequence: its context row, its first node's index
         node_row, parent_row, node_token, node_seq, dup = [], [], [], [], []
         groups: dict[int, list[int]] = {}  # parent row -> its children (node indices, in node order)
@@ -130,7 +129,7 @@ class SampledBatch:
             nq += n if usable_shape else 0
             depth = max(depth, max(levels, default=0))
             row += 1 + n
-        N, S, G = len(node_row), self.num_seqs, len(groups)
+        N, S, G = len(node_row), len(drafts), len(groups)
         self.groups = list(groups)  # parent rows, in the order of the read's verdicts
         group_of = {r: g for g, r in enumerate(self.groups)}
         node_group = [group_of[r] for r in parent_row]
