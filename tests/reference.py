@@ -82,6 +82,15 @@ def cut_margin(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -
         before = (np.cumsum(probs, -1) - probs)[:, 1:]
         far = np.where(probs[:, 1:] > 0, np.abs(before - top_p), np.inf)
         margin = np.minimum(margin, far.min(-1))
+        # and the kept set is a threshold on the logit (tokens tied with the last one the mass keeps
+        # stay): the gap between that token and the next moves the cut too. A tie there in the
+        # reference's logits that the engine's rounding splits (seen on an AMD EPYC with AVX-512: two
+        # tokens of a tiny model at exactly one logit) keeps one token fewer, not a different law.
+        n = 1 + (before < top_p).sum(-1)  # the mass-before rule keeps a prefix of the sorted row
+        rows_cut = np.flatnonzero(n < kept)
+        if len(rows_cut):
+            gap = values[rows_cut, n[rows_cut] - 1] - values[rows_cut, n[rows_cut]]
+            margin[rows_cut] = np.minimum(margin[rows_cut], np.where(np.isfinite(gap), gap, np.inf))
     return margin
 
 

@@ -758,6 +758,25 @@ def test_top_p_keeps_every_token_tied_at_its_cut(path, monkeypatch):
     assert int((only_first > 0).sum()) == 1
 
 
+def test_cut_margin_sees_a_tie_at_the_top_p_cut():
+    """tests/reference.py's cut_margin: where the mass keeps a token tied (or nearly) with the next, a
+    change in the last bits of one logit keeps one token more or fewer, so the margin is that gap (a
+    grid cell failed on an exact tie the engine's rounding split, with a margin of 0.007); a cut
+    between distinct logits far from top_p keeps its margin."""
+    from reference import cut_margin, processed_probs
+
+    tied = np.array([[6.0, 3.0, 3.0, -9.0]])
+    p = processed_probs(tied, 1.0, 0, 1.0)[0]
+    top_p = float(p[0] + 0.5 * p[1])  # the mass keeps token 1; the tie keeps token 2 too
+    assert (processed_probs(tied, 1.0, 0, top_p)[0] > 0).tolist() == [True, True, True, False]
+    assert cut_margin(tied, 1.0, 0, top_p)[0] == 0.0
+    split = tied + np.array([[0.0, 0.0, -1e-6, 0.0]])  # the same row as another's rounding may give it
+    assert (processed_probs(split, 1.0, 0, top_p)[0] > 0).tolist() == [True, True, False, False]
+    assert cut_margin(split, 1.0, 0, top_p)[0] < 2e-6
+    distinct = np.array([[6.0, 3.0, 1.0, -9.0]])
+    assert cut_margin(distinct, 1.0, 0, top_p)[0] > 0.01
+
+
 def test_sample_draws_in_proportion_and_never_a_zero():
     """sample() over an unnormalized row with zeros (a rejection residual's shape): 20,000 draws fit
     the normalized row (chi-square, alpha 1e-4; a draw from the wrong neighbour of each cut, i.e. an
