@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rayspec.config import EngineConfig, ProposerContext, set_torch_threads
-from rayspec.device_io import to_device
+from rayspec.device_io import to_device, to_host
 from rayspec.engine.decode_step import Prefilled, Proposal, Verdict, cut_draft, draft_depth, features_of
 from rayspec.engine.deferred_verify import may_defer, read_verdict, row_lengths, verification_inputs
 from rayspec.engine.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
@@ -55,7 +55,7 @@ from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.sampling.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.sampling.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.sampling.rejection import coupled, coupled_choices, verify
-from rayspec.sampling.sampler import SamplingParams, coupled_key, coupled_sample, logits_to_probs, make_generator, sample
+from rayspec.sampling.sampler import SamplingParams, choose_rows, coupled_key, make_generator
 from rayspec.sampling.structured import GrammarCompiler, GrammarCompilerBusy
 
 
@@ -383,12 +383,12 @@ class LLMEngine:
         seqs = [item[0] if isinstance(item, tuple) else item for item in items]
         for seq in seqs:
             if not seq.finished:
-                logger.error("request %s failed: %r", seq.request_id, err, exc_info=err)
                 self._fail(seq, err)
         return seqs
 
     @staticmethod
-    def _fail(seq: Sequence, err: BaseException) -> None:
+    def _fail(seq: Sequence, err: BaseException, where: str = "") -> None:
+        logger.error("request %s failed%s: %r", seq.request_id, where, err, exc_info=err)
         seq.error = f"{type(err).__name__}: {err}"
         seq.finish("error", flush=False)
 
@@ -431,13 +431,14 @@ class LLMEngine:
         hidden, features = self._target_forward(ids, inputs, packed=True, advance=False)  # [N, H], [N, F]
         offsets = packed_offsets([len(x) for x in inputs])
         complete = [i for i, (s, x, c) in enumerate(zip(seqs, inputs, starts)) if c + len(x) == len(s.token_ids)]
-        last = self.model.logits(hidden[[offsets[i] + len(inputs[i]) - 1 for i in complete]]) if complete else None
+        ends = np.asarray([offsets[i] + len(inputs[i]) - 1 for i in complete], dtype=np.int64)  # prompts' last rows
+        last = self.model.logits(hidden.index_select(0, to_device(ends, device=hidden.device)[0])) if complete else None
         return Prefilled(starts, offsets, hidden, features, complete, last)
 
     def _prefill_commit(self, chunks: list[tuple[Sequence, int]], done: Prefilled) -> list[Sequence]:
         """The chunks' rows count as cached; a finished prompt samples its first token. Returns the
         sequences that finished their prefill or failed."""
-        touched: list[Sequence] = []
+        touched, finishing = [], []
         for i, (seq, n) in enumerate(chunks):
             self.kv.extend(seq.request_id, done.starts[i] + n)
             try:
@@ -450,34 +451,34 @@ class LLMEngine:
                     if c == seq.prefill_start:
                         seq.features, seq.features_start = [], c
                     seq.features.append(done.features[rows].clone())
-                if i in done.complete:
-                    self._first_token(seq, done.last[done.complete.index(i)][None])
-                    touched.append(seq)
+                if i in done.complete:  # its last row's processed logits; the token after the loop
+                    raw = done.last[done.complete.index(i)][None]
+                    finishing.append((seq, raw, process_rows(raw, seq.params, seq.prompt_token_ids,
+                                                             seq.output_token_ids, [[]], seq.grammar, seq.eos_token_ids)
+                                      if needs_processing(seq.params) else raw))
             except Exception as err:  # noqa: BLE001 - this request's processing failed; the others go on
-                logger.error("request %s failed in its prefill: %r", seq.request_id, err, exc_info=err)
-                self._fail(seq, err)
+                self._fail(seq, err, " in its prefill")
                 touched.append(seq)
-        return touched
+        return touched + self._first_tokens(finishing)
 
-    def _first_token(self, seq: Sequence, raw: torch.Tensor) -> None:
-        """The token after a finished prefill, from raw: [1, vocab] the last prompt row's logits."""
-        logits = raw
-        if needs_processing(seq.params):
-            logits = process_rows(raw, seq.params, seq.prompt_token_ids, seq.output_token_ids, [[]],
-                                  seq.grammar, seq.eos_token_ids)
-        tok = int(logits[0].argmax()) if seq.params.greedy else self._sample(seq, logits[0])
-        seq.prefilled = True
-        seq.append_tokens([tok])
-        self._record_logprobs(seq, raw, [tok])
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The next token of a sampled sequence: its coupled draw at this position when seeded, else
-        from its own stream (rayspec.sampling.sampler)."""
-        p = seq.params
-        probs = logits_to_probs(logits[None], p.temperature, p.top_k, p.top_p)
-        if coupled(p):
-            return int(coupled_sample(probs, [coupled_key(p.seed, len(seq.token_ids))])[0])
-        return sample(probs[0], seq.generator)
+    def _first_tokens(self, finishing: list[tuple[Sequence, torch.Tensor, torch.Tensor]]) -> list[Sequence]:
+        """The token after each finished prefill, (sequence, its raw [1, vocab] last-row logits, those
+        processed): greedy ones the argmax, sampled ones their coupled draw at this position when
+        seeded, else from their own streams; read in one read for the lot."""
+        if not finishing:
+            return []
+        params = [seq.params for seq, _, _ in finishing]
+        sources = [coupled_key(p.seed, len(seq.token_ids)) if coupled(p) else seq.generator
+                   for (seq, _, _), p in zip(finishing, params)]
+        (tokens,) = to_host(choose_rows(torch.cat([rows for _, _, rows in finishing]), params, sources))
+        for (seq, raw, _), tok in zip(finishing, tokens.tolist()):
+            try:
+                seq.prefilled = True
+                seq.append_tokens([tok])
+                self._record_logprobs(seq, raw, [tok])
+            except Exception as err:  # noqa: BLE001 - as in _prefill_commit
+                self._fail(seq, err, " in its prefill")
+        return [seq for seq, _, _ in finishing]
 
     # ---- the decode step: propose -> verify -> commit ---------------------------------------
     def _decode_prepare(self, seqs: list[Sequence]) -> tuple[Proposal, Verdict, float]:

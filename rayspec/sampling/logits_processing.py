@@ -15,10 +15,18 @@ distributions (rejection sampling only needs to know what they were sampled from
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from rayspec.device_io import to_device
 from rayspec.proposers.base import Draft
 from rayspec.sampling.sampler import SamplingParams
+
+
+def _ids(values, device=None):
+    """Token ids or row numbers from the host: an int64 array, or on `device` without a blocking copy."""
+    ids = np.asarray(list(values), dtype=np.int64)
+    return ids if device is None else to_device(ids, device=device)[0]
 
 
 def needs_processing(params: SamplingParams) -> bool:
@@ -36,18 +44,19 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[
     out = logits.float().clone()
     device = out.device
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=device)
-        out[:, ids] += torch.tensor(list(params.logit_bias.values()), device=device)
+        ids, bias = to_device(_ids(params.logit_bias), np.asarray(list(params.logit_bias.values()), np.float32),
+                              device=device)
+        out[:, ids] += bias
     # counts[r, t]: occurrences of t in the output before row r's prediction
     counts = torch.zeros(rows, vocab, device=device)
     if output_ids:
-        counts += torch.bincount(torch.tensor(output_ids, device=device), minlength=vocab).float()
+        counts += torch.bincount(_ids(output_ids, device), minlength=vocab).float()
     for r, extra in enumerate(row_extra):
         if extra:
-            counts[r].index_add_(0, torch.tensor(extra, device=device), torch.ones(len(extra), device=device))
+            counts[r].index_add_(0, _ids(extra, device), torch.ones(len(extra), device=device))
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[:, torch.tensor(prompt_ids, device=device)] = True
+        seen[:, _ids(prompt_ids, device)] = True
         penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
         out = torch.where(seen, penalized, out)
     if params.frequency_penalty:
@@ -58,7 +67,7 @@ def process_rows(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[
         enders = sorted(set(eos_token_ids) | set(params.stop_token_ids))
         early = [r for r, extra in enumerate(row_extra) if len(output_ids) + len(extra) < params.min_tokens]
         if enders and early:
-            out[torch.tensor(early, device=device)[:, None], torch.tensor(enders, device=device)] = float("-inf")
+            out[_ids(early, device)[:, None], _ids(enders, device)] = float("-inf")
     if grammar is not None:
         out.masked_fill_(~grammar.allowed_rows(row_extra, device), float("-inf"))
     return out

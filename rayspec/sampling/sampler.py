@@ -305,6 +305,20 @@ def draw_rows(probs: torch.Tensor, sources: list, token_ids: torch.Tensor | int 
     return out.index_copy_(0, index, sample_rows(probs.index_select(0, index), [sources[i] for i in streams]))
 
 
+def choose_rows(logits: torch.Tensor, params: list, sources: list) -> torch.Tensor:
+    """logits: [N, vocab] processed rows -> [N] token ids on the device (no host read): row i's argmax
+    where params[i] is greedy, else a draw from its probabilities under its own settings, from
+    sources[i] (`draw_rows`: a coupled key or the sequence's stream), as `sample` draws one row."""
+    choice = logits.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        (index,) = to_device(np.asarray(sampled, dtype=np.int64), device=logits.device)
+        probs = probs_of_rows(logits.index_select(0, index),
+                              [(params[i].temperature, params[i].top_k, params[i].top_p) for i in sampled])
+        choice.index_copy_(0, index, draw_rows(probs, [sources[i] for i in sampled]))
+    return choice
+
+
 class DraftSources:
     """What a proposer draws each sampled draft token from (`draw_rows`' sources): a seeded request's
     coupled key at the token's position (the target's draw uses the same noise), else the sequence's

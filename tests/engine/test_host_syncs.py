@@ -208,6 +208,38 @@ def test_sampled_step_reads_as_a_greedy_one(smollm2, smollm2_loaded, method, top
     assert engine.stats.num_draft_tokens > 0
 
 
+def test_prefill_reads_once_for_every_first_token(smollm2, smollm2_loaded):
+    """A prefill forward that finishes 8 prompts (greedy; sampled unseeded, seeded, with top-k/top-p
+    and with penalties) reads the device once for all their first tokens (rayspec.sampling.sampler
+    .choose_rows), with no read outside to_host; the greedy ones are the argmax of their last rows,
+    and each sampled one is the draw its own stream would make alone. Failed before: one read per
+    sequence (an int() of its argmax or of its draw)."""
+    engine = make_engine(smollm2, "none", k=0, loaded=smollm2_loaded, max_num_seqs=8)
+    kinds = [GREEDY, SamplingParams(temperature=1.0, max_tokens=4),
+             SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=3, max_tokens=4),
+             SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, max_tokens=4)]
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    shortest = min(len(p) for p in prompts)  # one length: one prefill forward for all 8
+    prompts = [p[:shortest - 3] + p[-3:] for p in prompts]
+    audits, prefill = [], engine._prefill
+
+    def audited(chunks):
+        with SyncAudit() as audit, count_host_reads() as reads:
+            touched = prefill(chunks)
+        audits.append((len(chunks), reads.count, audit.unrouted))
+        return touched
+
+    engine._prefill = audited
+    ids = [engine.add_request(p, kinds[i % 4]) for i, p in enumerate(prompts)]
+    engine.step()
+    assert audits == [(8, 1, [])], audits
+    firsts = [engine._requests[i].output_token_ids[0] for i in ids]
+    alone = make_engine(smollm2, "none", k=0, loaded=smollm2_loaded, max_num_seqs=1)
+    for i in (0, 4, 2, 6):  # greedy and seeded: the same token decoded alone
+        out = alone.generate([prompts[i]], SamplingParams(**{**vars(kinds[i % 4]), "max_tokens": 1}))
+        assert out[0].token_ids[0] == firsts[i], i
+
+
 def test_audit_catches_a_stray_read(smollm2, smollm2_loaded):
     """The audit is not blind: a .tolist() slipped into the verification is reported."""
     engine = make_engine(smollm2, "ngram", k=4, loaded=smollm2_loaded, max_num_seqs=2)
