@@ -120,7 +120,7 @@ class Audit:
         import rayspec.engine.llm_engine as llm_engine
         import rayspec.sampling.rejection as rejection
 
-        rule, sample = rejection.sample_verdicts, llm_engine.sample
+        rule, choose = rejection.sample_verdicts, llm_engine.choose_rows
 
         def sample_verdicts(logits, index, settings, drafts, draft_probs, generators):
             batch = rule(logits, index, settings, drafts, draft_probs, generators)
@@ -141,13 +141,19 @@ class Audit:
             batch.finish = recorded
             return batch
 
-        def first_token(probs, generator):
-            token = sample(probs, generator)
-            self._draw(generator, kind="prefill", p=_numpy(probs)[None], emitted=[token])
-            return token
+        def first_tokens(logits, params, sources):  # a prefill's first tokens (LLMEngine._first_tokens)
+            from rayspec.sampling.sampler import probs_of_rows
+
+            choice = choose(logits, params, sources)
+            tokens = choice.tolist()
+            for i, (p, source) in enumerate(zip(params, sources)):
+                if not p.greedy and not isinstance(source, int):  # an unseeded draw from its own stream
+                    probs = probs_of_rows(logits[i: i + 1], [(p.temperature, p.top_k, p.top_p)])
+                    self._draw(source, kind="prefill", p=_numpy(probs), emitted=[tokens[i]])
+            return choice
 
         monkeypatch.setattr(rejection, "sample_verdicts", sample_verdicts)
-        monkeypatch.setattr(llm_engine, "sample", first_token)
+        monkeypatch.setattr(llm_engine, "choose_rows", first_tokens)
         return self
 
 
