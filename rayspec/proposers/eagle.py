@@ -41,6 +41,7 @@ from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
 from rayspec.proposers.deferred import defer_chains, defer_trees
 from rayspec.proposers.ngram import NgramIndex
+from rayspec.proposers.recorded_paths import gather_states, tree_path
 from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows, top_logprobs
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
@@ -507,7 +508,7 @@ class EagleProposer(PreDraftable):
         tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = (
             a.tolist() for a in (tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h))
         node_depth = [1] * w + [d for d in range(2, D + 1) for _ in range(w * w)]
-        drafts = []
+        drafts, recorded = [], []
         for b, req in enumerate(reqs):
             nodes, number = [], {}
             for n, (t, s, p) in enumerate(zip(tok_h[b], score_h[b], parent_h[b])):
@@ -519,47 +520,14 @@ class EagleProposer(PreDraftable):
                 self._add_lookup_branch(req, nodes)
             keep = self._keep(nodes, req.num_tokens)
             drafts.append(self._tree_draft(nodes, keep))
-            if self.num_candidates > 0:
-                self._record_tree_path(req.seq_id, keep, number, tok_h[b], score_h[b], parent_h[b], fed_h[b],
-                                       ctok_h[b], clogp_h[b], last[b], None if fed_all is None else fed_all[b])
+            if self.num_candidates > 0:  # the best path and its candidates, for a pre-drafter
+                path, rows, self.candidates[req.seq_id] = tree_path(keep, number, tok_h[b], score_h[b], parent_h[b],
+                                                                   fed_h[b], ctok_h[b], clogp_h[b], self.num_candidates)
+                recorded.append((req.seq_id, b, path, rows))
+        if recorded:  # the head states along each path, in one gather
+            states = gather_states(last, fed_all, [(b, rows) for _, b, _, rows in recorded])
+            self.paths.update({seq_id: (path, s) for (seq_id, _, path, _), s in zip(recorded, states)})
         return drafts
-
-    def _record_tree_path(self, seq_id, keep: list[int], number: dict[int, int], tok_h, score_h, parent_h, fed_h,
-                          ctok_h, clogp_h, last: torch.Tensor, fed_hidden: torch.Tensor | None) -> None:
-        """The tree's best path for a pre-drafter (`paths`, `candidates`): from the root, the head's
-        likeliest child among the nodes sent, while there is one. Host data: the raw nodes (tok_h,
-        score_h, parent_h [N]), number (raw node -> index among the nodes _select chose from), keep
-        (those it chose), the fed frontier (fed_h [F] raw nodes), and each state's top tokens and
-        log-probabilities (ctok_h, clogp_h [1 + F, c]: the root's, then each fed node's); device:
-        the states, last [H] and fed_hidden [F, H]. State i predicted path token i (state 0 is
-        `last`); one state more, with the candidates after the path, where its last node was fed.
-        A state's candidates leave out its node's children in the tree: a bonus is never one of them
-        (the verifier would have accepted it; a verdict down another branch is not hypothesised)."""
-        kept = set(keep)
-        children: dict[int, list[int]] = {}
-        for n, j in number.items():
-            if j in kept:
-                children.setdefault(parent_h[n], []).append(n)
-        fed_at = {n: 1 + i for i, n in enumerate(fed_h)}  # raw node -> its state row
-        path, path_nodes, rows, node = [], [], [0], -1
-        while (nxt := max(children.get(node, []), key=score_h.__getitem__, default=None)) is not None:
-            path.append(tok_h[nxt])
-            path_nodes.append(nxt)
-            node = nxt
-            if node not in fed_at:  # never fed: no state after it
-                break
-            rows.append(fed_at[node])
-        states = last[None] if fed_hidden is None else torch.cat([last[None], fed_hidden])
-        (index,) = to_device(np.asarray(rows, dtype=np.int64), device=last.device)
-        self.paths[seq_id] = (path, states.index_select(0, index))
-        ends = [-1] + path_nodes  # the node each state predicts the children of
-        cands = []
-        for r, end in zip(rows, ends):
-            taken = {tok_h[n] for n in children.get(end, [])}
-            top = [(t, math.exp(x)) for t, x in zip(ctok_h[r], clogp_h[r]) if t not in taken]
-            top = top[: self.num_candidates]
-            cands.append(([t for t, _ in top], [q for _, q in top]))
-        self.candidates[seq_id] = cands
 
     def _draft_chains(self, reqs: list[ProposeRequest], last: torch.Tensor) -> list[Draft]:
         """A chain per request: the head's top token per depth, or for a sampled request a token
