@@ -172,6 +172,13 @@ class EngineSettings:
     # after verifying. None: on where a read waits for the device (CUDA), off on CPU (a read costs nothing
     # there, and the host builds the layout with fewer kernels)
     defer_draft_reads: bool | None = None
+    # overlap scheduling (SGLang's overlap scheduler, vLLM's async scheduling) for decode steps that draft
+    # nothing (a target-only engine, a batch at disable_by_batch_size, requests with
+    # num_speculative_tokens 0): the next step's forward is queued on the device, fed this step's tokens
+    # where they are, before the host reads them, so the host's work of a step hides behind the device's
+    # next one (rayspec.engine.overlap). None: on where a read waits for the device (CUDA), off on CPU
+    # (nothing to hide there: outputs would only come one step later)
+    overlap_scheduling: bool | None = None
     # the random streams of sampled requests without a seed of their own (vLLM's engine `seed`): None,
     # from the OS's entropy; an int, a fixed sequence (the i-th such request of the engine's life gets
     # the i-th stream), so a run is reproducible as a whole. Seeded requests draw coupled to their own

@@ -9,6 +9,10 @@
   plain `torch.tensor(list, device="cuda")` is a blocking copy, a sync of its own); on CPU the arrays
   are wrapped as they are.
 
+- `start_read(*tensors)`: a read started now and waited for later (`PendingRead.wait`), so the host can
+  queue the next step on the device before it waits for this one's tokens (overlap scheduling,
+  rayspec.engine.overlap); counted when waited for.
+
 Reads of data that only the device knows (drafted tokens, verification results) happen once per
 proposer call and once per verification; everything derived from them in between stays on the
 device.
@@ -70,6 +74,57 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
         return out
     finally:
         _inside.active = False
+
+
+class PendingRead:
+    """A device-to-host read started now and waited for later (`start_read`): on CUDA the tensors are
+    copied into pinned host memory behind the work already queued and an event marks the copy's end,
+    so the host may queue more device work (the next step's forward) before it waits, and waiting
+    waits for that copy only, not for what was queued after it. On CPU the tensors are at hand. Counted
+    as one read (`host_reads`) when waited for."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self._shapes = [t.shape for t in tensors]
+        self._dtypes = [t.dtype for t in tensors]
+        self._event = None
+        if tensors and tensors[0].device.type == "cuda":
+            flat = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in tensors])
+            self._host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._tensors = tensors
+
+    def wait(self) -> list[np.ndarray]:
+        global _reads
+        with _lock:
+            _reads += 1
+        _inside.active = True
+        try:
+            if self._event is None:
+                return [_numpy(t.detach().cpu()) for t in self._tensors]
+            self._event.synchronize()
+            out, pos, flat = [], 0, self._host.numpy()
+            for shape, dtype in zip(self._shapes, self._dtypes):
+                n = int(np.prod(shape)) if len(shape) else 1
+                out.append(flat[pos: pos + n].reshape(shape).astype(_NUMPY_INT[dtype], copy=False))
+                pos += n
+            return out
+        finally:
+            _inside.active = False
+
+
+_NUMPY_INT = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8}
+
+
+def start_read(*tensors: torch.Tensor) -> PendingRead:
+    """Start reading integer or bool tensors (one device) to the host without waiting; `.wait()` for
+    their numpy arrays. One counted read, as `to_host`, made when waited for."""
+    for t in tensors:
+        if t.dtype not in _NUMPY_INT:
+            raise TypeError(f"start_read takes integer or bool tensors, not {t.dtype}")
+    return PendingRead(tensors)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:

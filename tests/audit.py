@@ -4,8 +4,9 @@ module; tests/engine/test_lossless_grid.py runs it over the topologies).
 
 Recording (`Audit.attach`). rayspec.sampling.rejection.verify calls its batched rule by module
 name (`sample_verdicts`: every sampled sequence of a verification, chains and token trees) and the
-engine samples a finished prefill's token with rayspec.engine.llm_engine's `sample`; wrapping the two
-records, per draw, the
+engine samples a finished prefill's token with rayspec.engine.llm_engine's `choose_rows` (a queued
+decode step, rayspec.engine.overlap, with its own, recorded at the step's read: `Overlap._resolve`);
+wrapping these records, per draw, the
 target rows the rule read (p: the context's row, then one per draft node), the drafts, their
 probabilities q as the rule got them, and what was emitted, at the context of the sequence whose
 random stream the call consumed. A seeded request draws coupled and never reaches these
@@ -65,7 +66,7 @@ class Draw:
     context: tuple[int, ...]  # prompt + output when it was drawn (the pending tokens included)
     prompt_len: int
     params: object  # the request's SamplingParams
-    kind: str  # "prefill" (one token ~ p[0]), "chain" (a chain's verification), "tree" (a token tree's)
+    kind: str  # "prefill" (one token ~ p[0]: a prefill's, or a queued decode step's), "chain" (a chain's verification), "tree" (a token tree's)
     p: np.ndarray  # [1 + nodes, V] float64: the target rows the rule read: the context's, then each node's
     tokens: list[int] = field(default_factory=list)  # the drafts (tree nodes)
     parents: list[int] = field(default_factory=list)  # each node's parent (-1: the context)
@@ -152,8 +153,24 @@ class Audit:
                     self._draw(source, kind="prefill", p=_numpy(probs), emitted=[tokens[i]])
             return choice
 
+        from rayspec.engine.overlap import Overlap
+
+        resolve = Overlap._resolve
+
+        def queued_tokens(overlap, q):  # a queued decode step's draws (rayspec.engine.overlap), at their read
+            from rayspec.sampling.sampler import probs_of_rows
+
+            tokens = q.tokens.tolist()
+            for b, seq in enumerate(q.seqs):
+                p = seq.params
+                if not seq.finished and not p.greedy and p.seed is None:  # (before the token is appended)
+                    probs = probs_of_rows(q.raw[b: b + 1], [(p.temperature, p.top_k, p.top_p)])
+                    self._draw(seq.generator, kind="prefill", p=_numpy(probs), emitted=[tokens[b]])
+            return resolve(overlap, q)
+
         monkeypatch.setattr(rejection, "sample_verdicts", sample_verdicts)
         monkeypatch.setattr(llm_engine, "choose_rows", first_tokens)
+        monkeypatch.setattr(Overlap, "_resolve", queued_tokens)
         return self
 
 

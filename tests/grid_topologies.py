@@ -198,6 +198,8 @@ def build_engine(column: str, proposer: str, model_dir, loaded, heads, seed: int
             return drafts
 
         engine.proposer.propose = counted
+    if column == "overlap":  # batches of 17 or more queue their steps (rayspec.engine.overlap); smaller ones draft
+        engine.config.overlap_scheduling, engine.disable_by_batch_size = True, 17
     if column == "async":
         from rayspec.proposers.pre_draft import PreDraftingProposer
 
@@ -442,6 +444,17 @@ def _fault_stop(engine, monkeypatch):
 # column -> (the fault, the check that must fail). The remote and async faults hand over a q that
 # does not describe the drafted tokens: only sampled drafts carry a q (a token tree of point masses
 # is verified losslessly whatever the proposer drafts), so there the EAGLE-3 tree cells have none.
+def _fault_overlap(engine, monkeypatch):
+    launch = engine.overlap._launch
+
+    def rotated(seqs, inputs, ahead):  # each queued sequence fed its neighbour's last token
+        if isinstance(inputs, torch.Tensor) and inputs.shape[0] > 1:
+            inputs = inputs.roll(1, 0)
+        return launch(seqs, inputs, ahead)
+
+    monkeypatch.setattr(engine.overlap, "_launch", rotated)
+
+
 FAULTS = {
     "tp2": (_fault_tp2, "rows"),
     "preempt": (_fault_preempt, "rows"),
@@ -457,6 +470,7 @@ FAULTS = {
     "stop": (_fault_stop, "stops"),
     "deferred": (_fault_deferred, "rows"),
     "deep": (_fault_deep, "rows"),
+    "overlap": (_fault_overlap, "rows"),
 }
 
 def check_stops(outputs: dict, tokenizer) -> None:

@@ -38,6 +38,7 @@ from rayspec.engine.deferred_verify import may_defer, read_verdict, row_lengths,
 from rayspec.engine.drafting import DraftPlanner, MeasuredCosts, ModelledCosts, PlanInput
 from rayspec.engine.intake import check_request, encode_chat, resume
 from rayspec.engine.metrics import SpecDecodeStats
+from rayspec.engine.overlap import Overlap
 from rayspec.engine.outputs import (EngineOverloadedError, GrammarCompilerBusyError,  # noqa: F401 (re-exported)
                                     InvalidGrammarError, InvalidRequestError, RequestOutput, request_output)
 from rayspec.engine.scheduler import ScheduledStep, Scheduler
@@ -131,6 +132,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars = GrammarCompiler(tokenizer, model.args.vocab_size, eos_ids)
         self.num_steps = 0
+        self.overlap = Overlap(self)
         if self.runner.compiled is not None:
             self.warm_up()
         if self.adaptive and not costs.deterministic:
@@ -304,9 +306,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: schedule (scheduler.py), run its prefill chunks and decode, postprocess."""
         self.num_steps += 1
+        if self.overlap.in_flight is not None:  # a decode step queued ahead of its read (rayspec.engine.overlap)
+            return self._postprocess(self.overlap.advance())
         scheduled = self.scheduler.schedule()
-        touched = self._run(scheduled)
-        return self._postprocess(touched)
+        if self.overlap.launch_first(scheduled):
+            return []  # its tokens come with the next step's
+        return self._postprocess(self._run(scheduled))
 
     def _run(self, scheduled: ScheduledStep) -> list[Sequence]:
         """The step's forwards; returns the sequences that took tokens (or failed)."""
@@ -319,7 +324,7 @@ class LLMEngine:
 
     def _postprocess(self, touched: list[Sequence]) -> list[RequestOutput]:
         self.scheduler.commit_verified()
-        outputs = [self._output(s) for s in touched]
+        outputs = [request_output(s, whole=s.finished or not self.delta_outputs) for s in touched]
         self._commit_finished_features([s for s in touched if s.finished])
         for seq in touched:
             if seq.finished:
@@ -663,8 +668,7 @@ class LLMEngine:
         self.stats.observe(len(draft.tokens), num_accepted)
 
     def _observe_costs(self, proposal: Proposal, verdict: Verdict, seconds: float) -> None:
-        """The step's measured cost, for the planner's fit (MeasuredCosts; modelled costs ignore it).
-        Only an adaptive engine plans (a target alone, a fixed k: none): ~0.1 ms a step saved."""
+        """The step's measured cost, for an adaptive engine's planner fit (MeasuredCosts; modelled ignore it)."""
         if not self.adaptive:
             return
         costs = self.planner.costs
@@ -679,9 +683,6 @@ class LLMEngine:
         """logits: [len(tokens), vocab], the target rows that predicted `tokens`."""
         if seq.logprobs is not None and tokens:
             seq.logprobs += compute_logprobs(logits, tokens, seq.params.logprobs, self.tokenizer)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return request_output(seq, whole=seq.finished or not self.delta_outputs)
 
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None

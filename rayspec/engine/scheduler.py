@@ -78,6 +78,12 @@ class Scheduler:
         self._admit()
         return ScheduledStep(self._prefill_chunks([s for s in self.running if not s.prefilled]), decode)
 
+    def may_admit(self) -> bool:
+        """Whether the next schedule could admit a waiting sequence (False is sure: no slot free, or fewer
+        free blocks than the one to spare per running sequence that _admit keeps, which even a prompt
+        whose blocks are all cached needs)."""
+        return bool(self.waiting) and self.kv.num_free_slots > 0 and self.kv.num_free_blocks >= len(self.running)
+
     def _admit(self) -> None:
         """Running sequences take waiting ones while max_num_seqs allows and the KV blocks of the
         prompt (its cached prefix shared) are free, with one block to spare per running sequence:

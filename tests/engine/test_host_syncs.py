@@ -214,10 +214,12 @@ def test_prefill_reads_once_for_every_first_token(smollm2, smollm2_loaded):
     .choose_rows), with no read outside to_host; the greedy ones are the argmax of their last rows,
     and each sampled one is the draw its own stream would make alone. Failed before: one read per
     sequence (an int() of its argmax or of its draw)."""
-    engine = make_engine(smollm2, "none", k=0, loaded=smollm2_loaded, max_num_seqs=8)
-    kinds = [GREEDY, SamplingParams(temperature=1.0, max_tokens=4),
-             SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=3, max_tokens=4),
-             SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, max_tokens=4)]
+    # (ignore_eos: an unseeded first token that is EOS would finish its request at once; CI saw one)
+    engine = make_engine(smollm2, "none", k=0, loaded=smollm2_loaded, max_num_seqs=8, engine_seed=3)
+    kinds = [GREEDY, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=3, max_tokens=4, ignore_eos=True),
+             SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, max_tokens=4,
+                            ignore_eos=True)]
     prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     shortest = min(len(p) for p in prompts)  # one length: one prefill forward for all 8
     prompts = [p[:shortest - 3] + p[-3:] for p in prompts]
@@ -238,6 +240,44 @@ def test_prefill_reads_once_for_every_first_token(smollm2, smollm2_loaded):
     for i in (0, 4, 2, 6):  # greedy and seeded: the same token decoded alone
         out = alone.generate([prompts[i]], SamplingParams(**{**vars(kinds[i % 4]), "max_tokens": 1}))
         assert out[0].token_ids[0] == firsts[i], i
+
+
+def test_overlapped_step_reads_once_after_queueing_the_next(smollm2, smollm2_loaded, monkeypatch):
+    """overlap_scheduling (rayspec.engine.overlap), 8 requests greedy and T = 1: a step that resolves a
+    queued step makes one routed read and none outside to_host, and where it queues the next step, that
+    step's forward comes before the read (on CUDA: the host's work of a step runs while the device
+    computes the next, and the read waits for the step before only: device_io.PendingRead)."""
+    from rayspec.device_io import PendingRead
+
+    engine = make_engine(smollm2, "none", k=0, loaded=smollm2_loaded, max_num_seqs=8)
+    engine.config.overlap_scheduling = True
+    events, steps = [], []
+    forward, wait, advance = engine._target_forward, PendingRead.wait, engine.overlap.advance
+
+    def logged_forward(*args, **kwargs):
+        events.append("forward")
+        return forward(*args, **kwargs)
+
+    def logged_wait(self):
+        events.append("read")
+        return wait(self)
+
+    def audited():
+        events.clear()
+        with SyncAudit() as audit, count_host_reads() as reads:
+            touched = advance()
+        steps.append((reads.count, audit.unrouted, list(events), engine.overlap.in_flight is not None))
+        return touched
+
+    engine._target_forward = logged_forward
+    monkeypatch.setattr(PendingRead, "wait", logged_wait)
+    engine.overlap.advance = audited
+    params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=24)] * 4
+    engine.generate([engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS], params)
+    assert sum(queued for *_, queued in steps) >= 15, steps
+    for reads, unrouted, order, queued in steps:
+        assert reads == 1 and not unrouted, (reads, unrouted)
+        assert order == (["forward", "read"] if queued else ["read"]), order
 
 
 def test_audit_catches_a_stray_read(smollm2, smollm2_loaded):

@@ -15,18 +15,18 @@ verification's outcome, each sampled draft token; 500-1,000 outcomes a cell) and
 3. every draw follows its exact conditional law (the prefill token ~ p, a sampled draft ~ its q,
    a verification's outcome ~ the rule's law from p, q and the drafts): Pearson's chi-square over
    20 bins of the randomized probability-integral transforms, outcomes and drafts tested apart, at
-   ALPHA (Bonferroni over the module's 48 such tests).
+   ALPHA (Bonferroni over the module's such tests, two a cell).
 
 The grid (proposers x topologies; x: a cell of test_cell; EAGLE-3 trees in every column):
 
-| proposer      | TP 2 | preempt | chunked | prefix hit | compiled | bf16 | remote | async | failover | structured | penalties | stop | deferred | deep |
-|---------------|------|---------|---------|------------|----------|------|--------|-------|----------|------------|-----------|------|----------|------|
-| n-gram        |  x   |         |         |     x      |    x     |      |        |       |          |     x      |           |      |          |      |
-| draft model   |      |    x    |         |            |          |  x   |   x    |   x   |          |            |           |  x   |          |      |
-| EAGLE-1 chain |      |         |    x    |            |          |      |        |       |          |            |           |      |          |      |
-| EAGLE-1 tree  |      |         |         |            |          |      |        |       |    x     |            |           |      |    x     |  x   |
-| EAGLE-3 chain |      |         |         |            |          |      |        |       |          |            |     x     |      |          |      |
-| EAGLE-3 tree  |  x   |    x    |    x    |     x      |    x     |  x   |   x    |   x   |    x     |     x      |     x     |  x   |    x     |  x   |
+| proposer      | TP 2 | preempt | chunked | prefix hit | compiled | bf16 | remote | async | failover | structured | penalties | stop | deferred | deep | overlap |
+|---------------|------|---------|---------|------------|----------|------|--------|-------|----------|------------|-----------|------|----------|------|---------|
+| n-gram        |  x   |         |         |     x      |    x     |      |        |       |          |     x      |           |      |          |      |         |
+| draft model   |      |    x    |         |            |          |  x   |   x    |   x   |          |            |           |  x   |          |      |    x    |
+| EAGLE-1 chain |      |         |    x    |            |          |      |        |       |          |            |           |      |          |      |         |
+| EAGLE-1 tree  |      |         |         |            |          |      |        |       |    x     |            |           |      |    x     |  x   |         |
+| EAGLE-3 chain |      |         |         |            |          |      |        |       |          |            |     x     |      |          |      |         |
+| EAGLE-3 tree  |  x   |    x    |    x    |     x      |    x     |  x   |   x    |   x   |    x     |     x      |     x     |  x   |    x     |  x   |    x    |
 
 EAGLE-3 trees: up to 5 nodes, 3 siblings at a node, 3 levels (3 live siblings asserted per cell).
 The draft model is the target's first layer; the heads are oracle heads (tests/eagle_utils.py).
@@ -58,7 +58,12 @@ asserted in column_ran):
 - deferred: defer_draft_reads on (issue #50: the drafts stay on the device until the verdict's one
   read, their tokens and tree layout placed there; rayspec.engine.deferred_verify), counted;
 - deep: trees 6 levels deep (12 nodes, topk as elsewhere; issue #50), half the requests at T = 0.2, top-k 3, so the oracle
-  heads' paths are accepted deep (asserted: a tree of depth 6, an accepted path of 5 or more).
+  heads' paths are accepted deep (asserted: a tree of depth 6, an accepted path of 5 or more);
+- overlap: overlap_scheduling on with disable_by_batch_size 17 (issue #50: batches of 17 or more queue
+  their decode steps ahead of the read, each fed the last step's tokens on the device, and draw
+  their tokens there; smaller ones draft), the requests in a wave of 16 (drafting) and one of 48
+  (batches of 32 queued, then 16 drafting): the queued steps' draws are audited as a prefill's (one
+  token ~ p at its context, recorded at their read), counted, drafts verified too.
 
 Tolerance (check 1): on the common support, the log-probabilities may differ by 8 tau / T after
 renormalising, tau the largest gap between transformers' own forward in the engine's dtype and its
@@ -94,6 +99,7 @@ fails; tests/grid_topologies.FAULTS):
 | stop       | a step's emitted tokens all kept, past the stop string's                     | stops     |
 | deferred   | deferred drafts verified with their tokens rotated by one                    | rows      |
 | deep       | tree nodes past depth 3 at depth 3's rope position                           | rows      |
+| overlap    | a queued step fed its batch's tokens rotated by one sequence                 | rows      |
 The remote and async faults need a q, which only sampled drafts carry: a token tree of point masses
 is verified losslessly whatever the proposer drafts, so no proposer-side fault of those columns can
 break the EAGLE-3 tree cells there, and they have none.
@@ -122,11 +128,11 @@ TEXTS = ["one two three four one two three four one two", "The cat sat on the ma
          "a b c a b c a b c", "Hello world, hello world, hello"]
 NUM_REQUESTS = 64
 COLUMNS = ["tp2", "preempt", "chunked", "prefix", "compiled", "bf16", "remote", "async", "failover", "structured",
-           "penalties", "stop", "deferred", "deep"]
+           "penalties", "stop", "deferred", "deep", "overlap"]
 SECOND = {"tp2": "ngram", "preempt": "draft", "chunked": "eagle1-chain", "prefix": "ngram", "compiled": "ngram",
           "bf16": "draft", "remote": "draft", "async": "draft", "failover": "eagle1-tree", "structured": "ngram",
           "penalties": "eagle3-chain", "stop": "draft", "deferred": "eagle1-tree",
-          "deep": "eagle1-tree"}
+          "deep": "eagle1-tree", "overlap": "draft"}
 CELLS = [(c, p) for c in COLUMNS for p in ("eagle3-tree", SECOND[c])]
 ALPHA = 1e-3 / (2 * len(CELLS))  # Bonferroni over every law test of the module
 MAX_TV_099 = 0.5  # each cell's check 3 detects both shapes with power 0.99 below this per-outcome TV
@@ -259,8 +265,9 @@ def run_cell(column, proposer, model_dir, loaded, heads, shared_engines, prompts
         record.attach(engine, monkeypatch)
         ids = [f"r{i}" for i in range(n)]
         done = {}
-        # prefix hits: a first wave caches the prompts' blocks, the rest find them
-        for wave in ([slice(0, n // 4), slice(n // 4, n)] if column == "prefix" else [slice(0, n)]):
+        # prefix hits: a first wave caches the prompts' blocks, the rest find them; overlap: a first wave of
+        # 16 drafts, then batches of 32 queue their steps (and the last 16 of the second wave draft)
+        for wave in ([slice(0, n // 4), slice(n // 4, n)] if column in ("prefix", "overlap") else [slice(0, n)]):
             done.update(run_requests(engine, cell_prompts[wave], params[wave], ids[wave]))
     finally:
         if eagle is not None:
@@ -350,6 +357,10 @@ def column_ran(column, engine, draws, done, resumed, tokenizer) -> None:
         longest = max(len(d.path) for d in trees)
         print(f"deep: trees up to depth {depth}, accepted paths up to {longest}")
         assert depth >= DEEP and longest >= DEEP - 1, (depth, longest)
+    elif column == "overlap":
+        queued = sum(d.kind == "prefill" and len(d.context) > d.prompt_len for d in draws)
+        print(f"overlap: {engine.overlap.num_queued} steps queued, {queued} of their draws audited")
+        assert engine.overlap.num_queued > 4 and queued > NUM_REQUESTS, (engine.overlap.num_queued, queued)
     elif column == "deferred":
         assert engine.config.defer_draft_reads and engine.num_deferred > NUM_REQUESTS, engine.num_deferred
     elif column == "stop":
@@ -366,8 +377,9 @@ def test_fault_is_caught(model_dir, loaded, heads, hf, tolerance, prompts, share
                          proposer):
     fault, check = FAULTS[column]
     installed = fault if column == "failover" else (lambda engine: fault(engine, monkeypatch))
-    # (a stop inside a step's emitted tokens, what the stop fault needs, is rare with EAGLE-3 trees: more requests)
-    num_requests = NUM_REQUESTS if column == "stop" else 16
+    # (a stop inside a step's emitted tokens, what the stop fault needs, is rare with EAGLE-3 trees: more
+    # requests; overlap queues steps only in batches of 17 or more)
+    num_requests = NUM_REQUESTS if column in ("stop", "overlap") else 16
     record, done, resumed, engine = run_cell(column, proposer, model_dir, loaded, heads, shared_engines, prompts,
                                              monkeypatch, seed=7, num_requests=num_requests, fault=installed)
     monkeypatch.undo()  # (the audit's own wrappers too: nothing runs past here)
