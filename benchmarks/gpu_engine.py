@@ -11,7 +11,9 @@ it is measured; --budget-s stops starting new phases):
 2. target alone, compiled (CUDA graphs): warm-up, every batch (the compiled reference outputs, which the
    oracle drafts from), then the forward-only step of gpu_roofline.py (`decode_step`: the compiled target
    forward + LM head + argmax, no token read back) on this engine's own runner and graphs, at each batch
-   with a 1k context: the reference the end-to-end figures are divided by;
+   with a 1k context: the reference the end-to-end figures are divided by; with overlap scheduling on (the
+   default on CUDA, rayspec.engine.overlap) the compiled target runs every batch again with it off
+   (section no_overlap), so its effect on tok/s and GPU idle share is read in one run;
 3. EAGLE-3 with an oracle head, compiled: every acceptance length of the sweep at every batch;
 4. EAGLE-3 with the oracle head, eager, at one acceptance length (its outputs checked too).
 
@@ -26,7 +28,9 @@ target length and the achieved one is printed beside it (shorter near max_tokens
 
 Per run: output tok/s of steady decode (and end to end with prefill), ms per cycle (one engine step with
 every sequence) split into draft (the proposer's call), verify (the target's forward, logits and verdict:
-LLMEngine._verify) and host (the rest of the step), GPU idle share over a window of steps under
+LLMEngine._verify; in a step queued by overlap scheduling, the queueing of its forward and draws, which on
+CUDA returns before the device has run them) and host (the rest of the step, a queued step's wait for the
+step before it included), GPU idle share over a window of steps under
 torch.profiler (CUDA only: the union of kernel and copy intervals against the window's wall time), host
 reads per cycle (rayspec.device_io.count_host_reads), and whether the greedy outputs equal target-only's
 (compiled and eager). JSON + table + plot (matplotlib, else a note).
@@ -259,6 +263,16 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
             verify_s[0] += time.perf_counter() - t
 
     engine._verify = timed_verify
+    launch = engine.overlap._launch
+
+    def timed_launch(*args, **kwargs):  # a queued step's verify: its forward and draws queued (overlap scheduling)
+        t = time.perf_counter()
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            verify_s[0] += time.perf_counter() - t
+
+    engine.overlap._launch = timed_launch
     counts = {i: 0 for i in ids}
     outputs: dict[str, list[int]] = {}
     steps, window = [], ProfileWindow(cuda) if profile_steps else None
@@ -293,6 +307,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
                 window.stop()
     finally:
         engine._verify = verify
+        engine.overlap._launch = launch
     total = time.perf_counter() - started
     timed = [s for s in steps if not s["profiled"]] or steps
     wall, n = sum(s["wall"] for s in timed), max(len(timed), 1)
@@ -362,7 +377,8 @@ def engine_config(a, compile: bool, spec: SpeculativeConfig) -> EngineConfig:
     return EngineConfig(model="random", device=a.device, dtype=a.dtype_name, max_model_len=a.prompt_len + a.max_tokens + 64,
                         max_num_seqs=max(a.batches), kv_cache_memory_gb=a.kv_gb, compile=compile,
                         enable_prefix_caching=False, max_num_batched_tokens=a.chunk, speculative=spec,
-                        defer_draft_reads={"auto": None, "on": True, "off": False}[a.defer_draft_reads])
+                        defer_draft_reads={"auto": None, "on": True, "off": False}[a.defer_draft_reads],
+                        overlap_scheduling={"auto": None, "on": True, "off": False}[a.overlap])
 
 
 def oracle_engine(a, model: CausalLM, compile: bool) -> LLMEngine:
@@ -493,6 +509,9 @@ def main() -> None:
     parser.add_argument("--tree-max-batch", type=int, default=32, help="trees up to this batch, chains past it")
     parser.add_argument("--defer-draft-reads", default="auto", choices=("auto", "on", "off"),
                         help="EAGLE drafts read with the verdict (one read a cycle); auto: on CUDA")
+    parser.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                        help="overlap_scheduling of the engines (auto: on for CUDA); section no_overlap runs the "
+                             "compiled target again with it off")
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--kv-gb", type=float, default=8.0)
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
@@ -500,7 +519,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="forward-only timing iterations")
     parser.add_argument("--profile-steps", type=int, default=8, help="decode steps per run under torch.profiler")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no phase past this many seconds")
-    parser.add_argument("--sections", default="eager,compiled,forward,oracle,oracle_eager")
+    parser.add_argument("--sections", default="eager,compiled,no_overlap,forward,oracle,oracle_eager")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, the whole flow (CI)")
@@ -510,6 +529,8 @@ def main() -> None:
         a.nodes, a.depth, a.topk, a.draft_vocab, a.kv_gb, a.profile_steps, a.warm_tokens = 6, 4, 2, 256, 0.05, 2, 8
         if a.defer_draft_reads == "auto":  # the path a GPU takes (deferred drafts), on the CPU
             a.defer_draft_reads = "on"
+        if a.overlap == "auto":  # (likewise: overlap scheduling)
+            a.overlap = "on"
     a.batches = [int(b) for b in str(a.batches).split(",")]
     lengths = [float(x) for x in str(a.acceptance_lengths).split(",") if x]
     sections = set(a.sections.split(","))
@@ -546,6 +567,13 @@ def main() -> None:
             if go:
                 refs["compiled"] = run_engine(a, engine, prompts, "target compiled",
                                               {k: v for k, v in refs.items() if k == "eager"}, out)
+    if "no_overlap" in sections and engine is not None and engine.overlap.enabled():
+        with phases.phase("target alone, compiled, overlap scheduling off") as go:
+            if go:
+                engine.config.overlap_scheduling = False
+                run_engine(a, engine, prompts, "target compiled no-overlap",
+                           {k: v for k, v in refs.items() if k in ("eager", "compiled")}, out)
+                engine.config.overlap_scheduling = {"auto": None, "on": True, "off": False}[a.overlap]
     if "forward" in sections:
         with phases.phase("forward-only step (gpu_roofline.decode_step)") as go:
             if go:

@@ -20,6 +20,7 @@ device.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -55,11 +56,7 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     """One counted blocking read: the tensors (any shapes, one device) as numpy arrays, each its
     own dtype (integers and bools exact; floats widened to float64 only in transit when the
     tensors' dtypes differ)."""
-    global _reads
-    with _lock:
-        _reads += 1
-    _inside.active = True
-    try:
+    with _counted_read():
         if len(tensors) == 1:
             return [_numpy(tensors[0].detach().cpu())]
         dtypes = {t.dtype for t in tensors}
@@ -72,6 +69,17 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
             out.append(_numpy(part.to(t.dtype) if part.dtype != t.dtype else part))
             pos += t.numel()
         return out
+
+
+@contextlib.contextmanager
+def _counted_read():
+    """One read: counted, and marked as routed while it runs (tests/engine/test_host_syncs.py)."""
+    global _reads
+    with _lock:
+        _reads += 1
+    _inside.active = True
+    try:
+        yield
     finally:
         _inside.active = False
 
@@ -97,11 +105,7 @@ class PendingRead:
             self._tensors = tensors
 
     def wait(self) -> list[np.ndarray]:
-        global _reads
-        with _lock:
-            _reads += 1
-        _inside.active = True
-        try:
+        with _counted_read():
             if self._event is None:
                 return [_numpy(t.detach().cpu()) for t in self._tensors]
             self._event.synchronize()
@@ -111,8 +115,6 @@ class PendingRead:
                 out.append(flat[pos: pos + n].reshape(shape).astype(_NUMPY_INT[dtype], copy=False))
                 pos += n
             return out
-        finally:
-            _inside.active = False
 
 
 _NUMPY_INT = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8}

@@ -101,7 +101,8 @@ def test_fp4_gpu_dry_run(tmp_path):
 
 
 def test_gpu_engine_dry_run(tmp_path):
-    """benchmarks/gpu_engine.py on CPU: the target alone eager and compiled, the forward-only step on the
+    """benchmarks/gpu_engine.py on CPU: the target alone eager and compiled (with overlap scheduling, and the
+    compiled one again without), the forward-only step on the
     compiled engine's runner, EAGLE-3 with the oracle head swept over acceptance lengths (compiled) and at
     one (eager); every run's outputs equal the target's, acceptance grows with the oracle's p, and each
     row splits its cycle into draft, verify and host with the host reads counted."""
@@ -113,12 +114,15 @@ def test_gpu_engine_dry_run(tmp_path):
     runs = results["runs"]
     cells = {(r["config"], r.get("acceptance_target"), r["batch"]) for r in runs}
     assert cells == ({("target eager", None, b) for b in (1, 2)} | {("target compiled", None, b) for b in (1, 2)}
+                     | {("target compiled no-overlap", None, b) for b in (1, 2)}
                      | {("eagle3 oracle compiled", x, b) for x in (2.0, 3.5, 5.4, 6.5) for b in (1, 2)}
                      | {("eagle3 oracle eager", 5.4, b) for b in (1, 2)}), cells
     for r in runs:
         n = f"{r['batch']}/{r['batch']}"
         assert r.get("outputs_equal_vs_eager", n) == n and r.get("outputs_equal_vs_compiled", n) == n, r
-        assert r["tok_s"] > 0 and r["ms_per_cycle"] > 0 and r["verify_ms"] > 0 and r["host_reads_per_cycle"] >= 1, r
+        # (with overlap scheduling, on in the dry run as on CUDA, a step that queues the first of a run reads
+        # nothing: the target's runs average just under one read a step)
+        assert r["tok_s"] > 0 and r["ms_per_cycle"] > 0 and r["verify_ms"] > 0 and r["host_reads_max"] >= 1, r
         assert "gpu_idle_share" in r  # None on CPU (no device events), measured on CUDA
         if r["config"].startswith("eagle3"):
             assert r["draft_ms"] > 0 and 0 < r["p_per_node"] <= 1, r  # (5.4 and 6.5 are past a dry run's depth 4: p 1)

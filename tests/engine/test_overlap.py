@@ -188,3 +188,21 @@ def test_on_where_a_read_waits_for_the_device():
     assert not Overlap(engine(True, ranks=object())).enabled()
     assert not Overlap(engine(True, invariant=True)).enabled()
     assert not Overlap(engine(True, sliding=(0,))).enabled()
+
+
+def test_a_started_read_counts_once_when_waited_for():
+    """device_io.start_read: the tensors' arrays at wait(), one counted read then (none at the start);
+    integer and bool tensors only (the pinned copy's wire is int64)."""
+    import torch
+
+    from rayspec.device_io import count_host_reads, start_read
+
+    tokens, flags = torch.tensor([3, 1, 4]), torch.tensor([[True], [False]])
+    with count_host_reads() as started:
+        pending = start_read(tokens, flags)
+    with count_host_reads() as waited:
+        got = pending.wait()
+    assert (started.count, waited.count) == (0, 1)
+    assert got[0].tolist() == [3, 1, 4] and got[1].tolist() == [[True], [False]]
+    with pytest.raises(TypeError, match="integer or bool"):
+        start_read(torch.zeros(2))
