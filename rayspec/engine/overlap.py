@@ -171,12 +171,15 @@ class Overlap:
         for b, (seq, tok) in enumerate(zip(q.seqs, tokens.tolist())):
             if seq.finished:  # aborted, or finished at the previous step's read: this row is void
                 continue
-            kept = seq.append_tokens([tok])
-            if q.features is not None:
-                seq.features.append(q.features[b: b + 1])
-            if kept and seq.logprobs is not None:
-                e._record_logprobs(seq, q.raw[b: b + 1], [tok])
-            seq.num_steps += 1
-            e.stats.observe(0, 0)
+            try:
+                kept = seq.append_tokens([tok])
+                if q.features is not None:
+                    seq.features.append(q.features[b: b + 1])
+                if kept and seq.logprobs is not None:
+                    e._record_logprobs(seq, q.raw[b: b + 1], [tok])
+                seq.num_steps += 1
+                e.stats.observe(0, 0)
+            except Exception as err:  # noqa: BLE001 - this request's postprocessing failed; the others go on
+                e._fail(seq, err, " in a queued step")
             touched.append(seq)
         return touched

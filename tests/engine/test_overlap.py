@@ -158,6 +158,26 @@ def test_stops_eos_logprobs_and_an_abort(smollm2, loaded, prompts, target_only):
     assert results[True][0].token_ids[:len(target_only[0])] == target_only[0]
 
 
+def test_a_request_failing_in_a_queued_step_fails_alone(smollm2, loaded, prompts, target_only):
+    """A request whose postprocessing raises at a queued step's read finishes with "error"; the others'
+    outputs are target-only decoding's, their steps still queued."""
+    engine = _engine(smollm2, loaded, "none", True)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    victim = engine._requests[ids[1]]
+    append = victim.append_tokens
+
+    def failing(tokens):
+        if engine.overlap.num_queued > 3:
+            raise RuntimeError("the detokenizer broke")
+        return append(tokens)
+
+    victim.append_tokens = failing
+    done = run_to_completion(engine)
+    assert done[ids[1]].finish_reason == "error" and len(done[ids[1]].token_ids) < len(target_only[1])
+    assert [done[i].token_ids for i in ids[:1] + ids[2:]] == target_only[:1] + target_only[2:]
+    assert engine.overlap.num_queued > 10 and engine.kv.num_free_slots == engine.num_slots
+
+
 def test_compiled_step_queues_the_device_tokens(smollm2, loaded, prompts, target_only, monkeypatch):
     """The compiled step (traced with aot_eager, as test_lossless_grid's compiled column) takes the queued
     tokens as its input ids: target-only output at batch 2."""
