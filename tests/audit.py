@@ -124,19 +124,21 @@ class Audit:
         rule, choose = rejection.sample_verdicts, llm_engine.choose_rows
 
         def sample_verdicts(logits, index, settings, drafts, draft_probs, generators):
+            sizes = [rejection.num_nodes(d) for d in drafts]  # rows each takes (a deferred draft: its budget)
             batch = rule(logits, index, settings, drafts, draft_probs, generators)
             finish = batch.finish
 
             def recorded(arrays):
-                results = finish(arrays)
+                results = finish(arrays)  # (deferred drafts are on the host by now: their kept nodes come first)
                 rows, start = _numpy(rejection.rows_probs(logits, index, settings)), 0
-                for d, q, gen, (emitted, path) in zip(drafts, draft_probs, generators, results):
+                for d, q, gen, (emitted, path), size in zip(drafts, draft_probs, generators, results, sizes):
                     k = len(d.tokens)
+                    q = None if q is None else q[:k]
                     chain = d.parents is None or list(d.parents) == list(range(-1, k - 1))
                     self._draw(gen, kind="chain" if chain else "tree", p=rows[start: start + k + 1],
                                tokens=list(d.tokens), parents=list(range(-1, k - 1)) if chain else list(d.parents),
                                q=None if q is None else _numpy(q), emitted=list(emitted), path=list(path))
-                    start += k + 1
+                    start += size + 1
                 return results
 
             batch.finish = recorded
@@ -181,23 +183,25 @@ class PerSequence:
     A test injects a biased rule with it (`per_sequence`)."""
 
     def __init__(self, chain_rule, tree_rule, logits, index, settings, drafts, draft_probs, generators):
-        from rayspec.sampling.rejection import rows_probs
+        from rayspec.sampling.rejection import num_nodes, rows_probs
 
         self.tensors = []  # nothing to read: the rules read what they need
+        self.sizes = [num_nodes(d) for d in drafts]  # rows each takes (a deferred draft: its budget)
         self._args = (chain_rule, tree_rule, rows_probs(logits, index, settings), drafts, draft_probs, generators)
 
-    def finish(self, arrays):
+    def finish(self, arrays):  # (deferred drafts are on the host by now: their kept nodes come first)
         chain_rule, tree_rule, probs, drafts, draft_probs, generators = self._args
         out, start = [], 0
-        for d, q, gen in zip(drafts, draft_probs, generators):
+        for d, q, gen, size in zip(drafts, draft_probs, generators, self.sizes):
             k = len(d.tokens)
+            q = None if q is None else q[:k]
             rows = probs[start: start + k + 1]
             if d.parents is None or list(d.parents) == list(range(-1, k - 1)):
                 emitted = chain_rule(rows, list(d.tokens), q, gen)
                 out.append((emitted, list(range(len(emitted) - 1))))
             else:
                 out.append(tree_rule(lambda r, rows=rows: rows[r], 1, d, gen))
-            start += k + 1
+            start += size + 1
         return out
 
 

@@ -4,18 +4,20 @@ Where a read waits for the device (CUDA), an EAGLE cycle used to read twice: the
 (to build the verification's token ids and tree layout on the host), then the engine the target's
 choices. With `defer_draft_reads` the proposer leaves its drafts on the device; the verification's
 input ids get their tokens there (`verification_inputs`), a tree's depths and ancestry stay device
-tensors (TreeQuery.sees / depth_add), and one read brings the target's choices and the drafts
-together (`read_verdict`), after which every later phase sees host drafts as before.
+tensors (TreeQuery.sees / depth_add), the sampled (unseeded) sequences' rejection rule is laid out
+from the drafts' device tokens, parents and kept nodes (rayspec.sampling.rejection.SampledBatch),
+and one read brings the target's choices, the sampled verdicts and the drafts together
+(`read_verdict`), after which every later phase sees host drafts as before.
 
 Deferring applies to the requests whose verification needs no host draft before the read: no
 logits processing along the draft (penalties, logit_bias, a grammar), no coupled (seeded sampled)
 draws, on one device, without batch-invariant rows (their CPU attention takes spans from the host)
-or sliding windows. Greedy verification then makes that one read; a sampled (unseeded) sequence's
-verdict needs its host draft (rayspec.sampling.rejection.SampledBatch lays the rule out from the
-tree's parents), so a cycle with one makes a second read: the batch's verdicts, all together.
+or sliding windows. Greedy and sampled verification then make that one read.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -87,15 +89,20 @@ def _tree(num_pending: int, draft, device) -> TreeQuery:
     return TreeQuery(None, depths=list(range(P)) + [P] * n, sees=sees, depth_add=depth_add)
 
 
-def read_verdict(proposal, choice: torch.Tensor | None) -> list[int] | None:
-    """The cycle's one read: the target's choices (None: none needed) and every deferred draft.
-    proposal.drafts become host drafts. Returns the choices as a list (or None)."""
+def read_verdict(proposal, tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The cycle's one read: the verification's `tensors` (rayspec.sampling.rejection.Verification:
+    the target's choices, the sampled sequences' verdicts) and every deferred draft. The deferred
+    Drafts become host drafts in place (the verification's rule holds them). Returns the arrays of
+    `tensors`."""
     batches = list({id(d.deferred.batch): d.deferred.batch for d in proposal.drafts if d.deferred is not None}.values())
-    tensors = ([choice] if choice is not None else []) + [t for b in batches for t in b.tensors]
-    arrays = to_host(*tensors)
-    target_choice = arrays.pop(0).tolist() if choice is not None else None
+    arrays = to_host(*tensors, *(t for b in batches for t in b.tensors))
+    mine, arrays = arrays[: len(tensors)], arrays[len(tensors):]
     for b in batches:
         b.finish(arrays[: len(b.tensors)])
         arrays = arrays[len(b.tensors):]
-    proposal.drafts = [d if d.deferred is None else d.deferred.batch.drafts[d.deferred.row] for d in proposal.drafts]
-    return target_choice
+    for d in proposal.drafts:
+        if d.deferred is not None:
+            host = d.deferred.batch.drafts[d.deferred.row]
+            for field in dataclasses.fields(host):  # (host.deferred is None)
+                setattr(d, field.name, getattr(host, field.name))
+    return mine

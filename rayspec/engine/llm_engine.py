@@ -55,7 +55,7 @@ from rayspec.model.runner import ModelRunner
 from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.sampling.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.sampling.logprobs import compute_logprobs, prompt_logprobs_rows
-from rayspec.sampling.rejection import coupled, coupled_choices, verify
+from rayspec.sampling.rejection import Verification, coupled, coupled_choices, verify
 from rayspec.sampling.sampler import SamplingParams, choose_rows, coupled_key, make_generator
 from rayspec.sampling.structured import GrammarCompiler, GrammarCompilerBusy
 
@@ -605,17 +605,18 @@ class LLMEngine:
         raw = self.model.logits(hidden)  # [N, vocab]
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
         params, pending = [s.params for s in seqs], [len(p) for p in proposal.pending]
-        if deferred:  # one read: the target's choices with the drafts (no processing, nothing coupled here)
-            logits = raw
-            target_choice = read_verdict(proposal, raw.argmax(-1) if any(p.greedy for p in params) else None)
+        generators = [s.generator for s in seqs]
+        if deferred:  # one read: the target's choices and sampled verdicts with the drafts (nothing processed or coupled)
+            plan = Verification(raw, raw.argmax(-1) if any(p.greedy for p in params) else None, starts, pending,
+                                proposal.drafts, params, generators)
+            emitted, kept_rows = plan.finish(read_verdict(proposal, plan.tensors))
         else:
             logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
             target_choice = None
             if any(p.greedy or coupled(p) for p in params):  # the target's choice at every row
                 target_choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
                                                 [len(s.token_ids) for s in seqs])  # (read in verify)
-        emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params,
-                                    [s.generator for s in seqs])
+            emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params, generators)
         return Verdict(emitted, kept_rows, raw, features, starts, row_context)
 
     # ---- commit ---------------------------------------------------------------------------

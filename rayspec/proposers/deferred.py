@@ -36,6 +36,9 @@ class DeferredRow:
     tokens: torch.Tensor  # [num_nodes] target ids
     depth: torch.Tensor | None = None  # [num_nodes] 1: a child of the last committed token; None: a chain
     sees: torch.Tensor | None = None  # [num_nodes, num_nodes] bool: each node's ancestors and itself (trees)
+    parents: torch.Tensor | None = None  # [num_nodes] each node's parent among them, -1 the root (trees)
+    live: torch.Tensor | None = None  # [num_nodes] bool: the node is kept (trees; a chain's all are)
+    probs: torch.Tensor | None = None  # [num_nodes, vocab] a sampled chain's q, None for a point mass
 
 
 class DeferredBatch:
@@ -156,16 +159,21 @@ def defer_trees(tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor, ra
 
     batch = DeferredBatch([tokens, parents, kept], finish)
     rows = [min(n, tokens.shape[1]) for n in budgets]
-    return [Draft([], deferred=DeferredRow(batch, b, n, tokens[b, :n], depths[b, :n], sees[b, :n, :n]))
+    return [Draft([], deferred=DeferredRow(batch, b, n, tokens[b, :n], depths[b, :n], sees[b, :n, :n], parents[b, :n],
+                                           kept[b, :n]))
             for b, n in enumerate(rows)]
 
 
 def defer_chains(tok: torch.Tensor, budgets: list[int], read: list[torch.Tensor],
-                 finish: Callable[[list[np.ndarray]], list]) -> list:
+                 finish: Callable[[list[np.ndarray]], list], probs: list | None = None) -> list:
     """Chains drafted on the device (tok [B, K] target ids), left there: a Draft per row with
-    `deferred` set; `finish(arrays of read)` builds the host drafts after the engine's read."""
+    `deferred` set; `finish(arrays of read)` builds the host drafts after the engine's read (each
+    row's draft its first min(budget, K) tokens). probs[b]: row b's q rows ([>= its tokens, vocab]:
+    the distributions a sampled row drew from) or None."""
     from rayspec.proposers.base import Draft
 
     batch = DeferredBatch(read, finish)
     rows = [min(n, tok.shape[1]) for n in budgets]
-    return [Draft([], deferred=DeferredRow(batch, b, n, tok[b, :n])) for b, n in enumerate(rows)]
+    probs = probs or [None] * len(rows)
+    return [Draft([], deferred=DeferredRow(batch, b, n, tok[b, :n], probs=q[:n] if q is not None and n else None))
+            for b, (n, q) in enumerate(zip(rows, probs))]

@@ -209,7 +209,8 @@ class DraftModelProposer(PreDraftable):
 
         if self.num_candidates == 0 and self.should_stop is None and all(r.defer_read for r in requests):
             # read with the verdict (rayspec.proposers.deferred): _fed grows then, before the next call
-            by_id = dict(zip(seq_ids, defer_chains(drafted, [r.num_tokens for r in active], [drafted], finish)))
+            by_id = dict(zip(seq_ids, defer_chains(drafted, [r.num_tokens for r in active], [drafted], finish,
+                                                   [torch.stack(p) if p else None for p in probs])))
         else:
             by_id = dict(zip(seq_ids, finish(to_host(drafted))))
         return [by_id.get(r.seq_id, Draft([])) for r in requests]

@@ -582,7 +582,8 @@ class EagleProposer(PreDraftable):
         read = [torch.stack(toks, 1), torch.stack(scores, 1)]
         if defer:  # read with the verdict (rayspec.proposers.deferred)
             return defer_chains(read[0], [r.num_tokens for r in reqs], read,
-                                lambda arrays: self._chains_read(reqs, arrays, probs, sampled, [], False))
+                                lambda arrays: self._chains_read(reqs, arrays, probs, sampled, [], False),
+                                [torch.stack(probs[i]) if probs[i] else None for i in range(B)])
         return self._chains_read(reqs, to_host(*read, torch.stack(cand_tok, 1) if record else score,
                                                torch.stack(cand_logp, 1) if record else score), probs, sampled,
                                  states, record)

@@ -68,6 +68,21 @@ class _Nodes(NamedTuple):
     parents: list[int] | None
 
 
+def num_nodes(draft) -> int:
+    """The verification rows a draft takes after its context row: its tokens, or a draft still on the
+    device (rayspec.proposers.deferred.DeferredRow) its budget of rows."""
+    row = getattr(draft, "deferred", None)
+    return row.num_nodes if row is not None else len(draft.tokens)
+
+
+def is_chain(draft) -> bool:
+    """Whether a draft is a chain (host drafts: Draft.is_chain; a deferred one: it has no ancestry)."""
+    row = getattr(draft, "deferred", None)
+    if row is not None:
+        return row.parents is None
+    return draft.parents is None or list(draft.parents) == list(range(-1, len(draft.tokens) - 1))
+
+
 class SampledBatch:
     """Rejection sampling of a batch's sampled (unseeded) sequences on the device, finished by the
     host after one read (`tensors`, then `finish`): one set of kernels for the batch, no read per
@@ -83,77 +98,92 @@ class SampledBatch:
     p less the rejected children (point masses) or max(0, p - q) (a sampled chain), p itself at a
     leaf or when the residual has no mass. Only the visited rows' draws decide the outcome and each
     row's are independent of the others', so the outcome's law is the sequential walk's:
-    the target's distribution (module docstring)."""
+    the target's distribution (module docstring).
+
+    A draft may still be on the device (`Draft.deferred`, rayspec.proposers.deferred: the engine's
+    one read of the cycle brings it back with these verdicts): its tokens, a tree's parents and which
+    of its rows hold kept nodes are device tensors, so the layout is dense where it depends on them:
+    each row tries every node of its sequence, in node order, as a child (those whose parent it is
+    and that are kept count). A host draft takes the same layout, so both draw alike."""
 
     def __init__(self, logits: torch.Tensor, index: torch.Tensor | None, settings: list | None, drafts: list,
                  draft_probs: list, generators: list):
         """The sequences' rows, in order, are logits[index] (index None: every row of logits), each
-        sequence's 1 + nodes rows (the row of its last pending token, then one per draft node):
-        logits, made probabilities under settings[r] = (temperature, top_k, top_p) (probs_of_rows)
-        only where the rule reads them (the rows with children, and the row each walk ends at), or
-        probabilities already (settings None). drafts[i]: its tokens and parents (None or a chain's:
-        a chain); draft_probs[i]: a chain's q [k, vocab] or None; generators[i]: its random stream."""
+        sequence's 1 + nodes rows (the row of its last pending token, then one per draft node,
+        `num_nodes`): logits, made probabilities under settings[r] = (temperature, top_k, top_p)
+        (probs_of_rows) only where the rule reads them (the rows that may have children, and the row
+        each walk ends at), or probabilities already (settings None). drafts[i]: its tokens and parents
+        (None or a chain's: a chain), on the host or deferred; draft_probs[i]: a chain's q [k, vocab] or
+        None; generators[i]: its random stream. A deferred draft's host tokens are read at `finish`."""
         device, vocab = logits.device, logits.shape[-1]
         self._rows = (logits, index, settings)
-        self.drafts = [(list(d.tokens), list(d.parents) if d.parents is not None else None) for d in drafts]
-        self.offsets, self.node_base = [], []  # per sequence: its context row, its first node's index
-        node_row, parent_row, node_token, node_seq, dup = [], [], [], [], []
-        groups: dict[int, list[int]] = {}  # parent row -> its children (node indices, in node order)
-        q_rows, q_seq, q_atol, node_q, child_q = [], [], [], [], {}  # q_rows: [k, vocab] per sampled chain
-        depth, row, nq = 0, 0, 0
-        for s, ((tokens, parents), q) in enumerate(zip(self.drafts, draft_probs)):
-            n = len(tokens)
-            chain = parents is None or parents == list(range(-1, n - 1))
-            parents = list(range(-1, n - 1)) if parents is None else parents
-            self.offsets.append(row)
-            self.node_base.append(len(node_row))
-            usable_shape = chain and n and q is not None and tuple(q.shape) == (n, vocab)
-            if usable_shape:
+        self.drafts = drafts
+        sizes = [num_nodes(d) for d in drafts]
+        S, N = len(drafts), sum(sizes)
+        self.offsets = np.cumsum([0] + [n + 1 for n in sizes])[:-1].tolist()  # each sequence's context row
+        self.node_base = np.cumsum([0] + sizes)[:-1].tolist()  # each sequence's first node
+        R = N + S
+        W = max(sizes, default=0)
+        node_seq = np.repeat(np.arange(S), sizes).astype(np.int64)
+        node_j = np.arange(N, dtype=np.int64) - np.asarray(self.node_base, dtype=np.int64)[node_seq]
+        node_row = np.asarray(self.offsets, dtype=np.int64)[node_seq] + 1 + node_j
+        self.node_row = node_row.tolist()
+        # host parts of the layout; a deferred draft's tokens, parents and kept rows are placed on the device
+        token = np.zeros(N, dtype=np.int64)
+        parent = np.zeros(N, dtype=np.int64)  # index among its sequence's nodes, -1: the context row
+        live = np.ones(N, dtype=bool)
+        placed: list[tuple[int, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        chains, needed = [], np.zeros(R, dtype=bool)  # needed: rows that may have children
+        q_rows, q_seq, q_atol, node_q = [], [], [], np.full(N, -1, dtype=np.int64)
+        row_child_q = np.full(R, 0, dtype=np.int64)  # filled below: nq marks "no sampled child"
+        child_q: dict[int, int] = {}
+        nq = 0
+        for s, (d, q, n) in enumerate(zip(drafts, draft_probs, sizes)):
+            base, ctx = self.node_base[s], self.offsets[s]
+            chain = is_chain(d)
+            chains.append(chain)
+            row = getattr(d, "deferred", None)
+            if row is None:
+                token[base: base + n] = d.tokens
+                parent[base: base + n] = range(-1, n - 1) if chain else d.parents
+                for j in set(parent[base: base + n].tolist()):
+                    needed[ctx + 1 + j] = True
+            else:
+                parent[base: base + n] = np.arange(-1, n - 1)
+                placed.append((base, n, row.tokens, None if chain else row.parents, None if chain else row.live))
+                needed[ctx: ctx + (n if chain else n + 1)] = True
+            if chain and n and q is not None and tuple(q.shape) == (n, vocab):  # a usable shape
                 q_rows.append(q.float())
                 q_seq += [s] * n
                 q_atol += [_SUM_ATOL.get(q.dtype, 1e-3)] * n
-            levels: list[int] = []
-            for j, (x, par) in enumerate(zip(tokens, parents)):
-                prow = row if par < 0 else row + 1 + par
-                levels.append(1 if par < 0 else levels[par] + 1)
-                siblings = groups.setdefault(prow, [])
-                dup.append(any(node_token[g] == x for g in siblings))
-                siblings.append(len(node_row))
-                node_row.append(row + 1 + j)
-                parent_row.append(prow)
-                node_token.append(x)
-                node_seq.append(s)
-                node_q.append(nq + j if usable_shape else -1)
-                if usable_shape:
-                    child_q[prow] = nq + j
-            nq += n if usable_shape else 0
-            depth = max(depth, max(levels, default=0))
-            row += 1 + n
-        N, S, G = len(node_row), len(drafts), len(groups)
-        self.groups = list(groups)  # parent rows, in the order of the read's verdicts
-        group_of = {r: g for g, r in enumerate(self.groups)}
-        node_group = [group_of[r] for r in parent_row]
-        self.node_row = node_row
-        width = max((len(c) for c in groups.values()), default=0)
-        sib = np.full((G, max(width, 1)), N, dtype=np.int64)  # N: padding (no child)
-        for g, children in enumerate(groups.values()):
-            sib[g, : len(children)] = children
-        counts = [len(t) + 1 for t, _ in self.drafts]
-        u_base = np.cumsum([0] + counts)[:-1]
-        node_u = np.asarray([u_base[s] + j for s, (t, _) in enumerate(self.drafts) for j in range(len(t))], dtype=np.int64)
-        final_u = u_base + np.asarray(counts) - 1
-        row_child_q = np.full(row, nq, dtype=np.int64)  # nq: the zero row (no sampled child)
+                node_q[base: base + n] = nq + np.arange(n)
+                for j in range(n):
+                    child_q[ctx + j] = nq + j
+                nq += n
+        row_child_q[:] = nq
         for r, qi in child_q.items():
             row_child_q[r] = qi
-        (t_parent, t_node_group, t_token, t_seq, t_dup, t_sib, t_group, t_node_u, t_final_u, t_node_q, t_row_q,
-         t_node_row, t_ctx, t_q_seq, t_q_atol) = to_device(
-            np.asarray(parent_row, dtype=np.int64), np.asarray(node_group, dtype=np.int64),
-            np.asarray(node_token, dtype=np.int64),
-            np.asarray(node_seq, dtype=np.int64), np.asarray(dup, dtype=bool), sib,
-            np.asarray(self.groups, dtype=np.int64), node_u, final_u.astype(np.int64),
-            np.asarray(node_q, dtype=np.int64), row_child_q, np.asarray(node_row + [0], dtype=np.int64),
-            np.asarray(self.offsets, dtype=np.int64), np.asarray(q_seq, dtype=np.int64),
-            np.asarray(q_atol, dtype=np.float32), device=device)
+        counts = [n + 1 for n in sizes]
+        u_base = np.cumsum([0] + counts)[:-1]
+        node_u = (u_base[node_seq] + node_j).astype(np.int64)
+        final_u = (u_base + np.asarray(sizes, dtype=np.int64)).astype(np.int64)
+        # each row tries its sequence's nodes in order (N: padding); likewise each node its siblings' candidates
+        sib = np.full((R, max(W, 1)), N, dtype=np.int64)
+        for s, n in enumerate(sizes):
+            sib[self.offsets[s]: self.offsets[s] + n + 1, :n] = self.node_base[s] + np.arange(n)
+        need_rows = np.flatnonzero(needed)
+        slot = np.full(R + 1, len(need_rows), dtype=np.int64)  # row -> its place among the needed rows
+        slot[need_rows] = np.arange(len(need_rows))
+        (t_token, t_parent, t_live, t_seq, t_sib, t_node_u, t_final_u, t_node_q, t_row_q, t_node_row, t_ctx,
+         t_q_seq, t_q_atol, t_need, t_slot, t_j) = to_device(
+            token, parent, live, node_seq, sib, node_u, final_u, node_q, row_child_q,
+            np.append(node_row, 0), np.asarray(self.offsets, dtype=np.int64), np.asarray(q_seq, dtype=np.int64),
+            np.asarray(q_atol, dtype=np.float32), need_rows.astype(np.int64), slot, node_j, device=device)
+        for base, n, tokens, parents, kept in placed:  # the deferred drafts, where they are
+            t_token[base: base + n] = tokens[:n].to(t_token.dtype)
+            if parents is not None:
+                t_parent[base: base + n] = parents[:n].to(t_parent.dtype)
+                t_live[base: base + n] = kept[:n]
         # every uniform of the batch: per sequence one per node, then one for its final token
         u = torch.cat([torch.rand(c, generator=gen, device=device) for c, gen in zip(counts, generators)])
         # a sampled chain's q: used where all of it is usable (finite, >= 0, rows summing to 1, q(x) > 0)
@@ -166,40 +196,47 @@ class SampledBatch:
             usable &= _none_of(S, t_q_seq, bad)
         self.tensors: list[torch.Tensor] = []
         if N:
-            probs_g = self._probs(t_group, self.groups)  # [G, vocab]: the rows with children
-            p_node = probs_g[t_node_group, t_token]  # [N] p(x) at each node's parent row
-            # point masses: siblings tried in turn, each against the mass its earlier siblings left
-            mass = torch.where(t_dup, 0.0, p_node)
-            pad = torch.cat([mass, mass.new_zeros(1)])[t_sib]  # [G, W]
+            parent_row = t_ctx[t_seq] + torch.where(t_parent < 0, 0, t_parent + 1)  # [N]
+            parent_x = torch.cat([parent_row, parent_row.new_full((1,), -1)])  # (index N: padding)
+            live_x = torch.cat([t_live, t_live.new_zeros(1)])
+            token_x = torch.cat([t_token, t_token.new_full((1,), -1)])
+            probs_n = self._probs(t_need, need_rows.tolist())  # [rows that may have children, vocab]
+            p_node = probs_n[t_slot[parent_row], t_token]  # [N] p(x) at each node's parent row
+            # a node repeating the token of an earlier kept sibling: mass 0 (its token is gone by then)
+            cand = t_sib[t_node_row[:N]]  # [N, W] the nodes of each node's sequence
+            earlier = cand < torch.arange(N, device=device)[:, None]
+            dup = (earlier & live_x[cand] & (parent_x[cand] == parent_row[:, None])
+                   & (token_x[cand] == t_token[:, None])).any(1)
+            mass = torch.where(dup | ~t_live, 0.0, p_node)
+            # point masses: each row's children tried in turn, each against the mass its earlier ones left
+            valid = (parent_x[t_sib] == torch.arange(R, device=device)[:, None]) & live_x[t_sib]  # [R, W]
+            pad = torch.where(valid, torch.cat([mass, mass.new_zeros(1)])[t_sib], 0.0)
             before = pad.cumsum(1) - pad  # (a row's mass is 1: processed rows are normalised)
             u_node = u[t_node_u]
             u_sib = torch.cat([u_node, u.new_ones(1)])[t_sib]
-            valid = t_sib < N
-            taken = (u_sib * (1 - before) < pad) & valid  # [G, W]
+            taken = (u_sib * (1 - before) < pad) & valid  # [R, W]
             if nq:  # a sampled chain's draft: accepted with min(1, p / q) (its row has no other child)
                 has_q = t_node_q >= 0
                 q_node = q_all[t_node_q.clamp(min=0), t_token]
                 usable &= _none_of(S, t_seq, has_q & (q_node <= 0))  # a drafted token of q = 0: unusable
                 sampled_chain = has_q & usable[t_seq]
-                accept = torch.zeros(N + 1, dtype=torch.bool, device=device)
-                accept[t_sib.flatten()] = taken.flatten()  # (padding writes go to slot N)
-                accept = torch.where(sampled_chain, u_node * q_node < p_node, accept[:N])
+                accept = taken[parent_row, t_j]  # [N] each node's point-mass verdict
+                accept = torch.where(sampled_chain, u_node * q_node < p_node, accept) & t_live
                 taken = torch.cat([accept, accept.new_zeros(1)])[t_sib] & valid
             any_taken = taken.any(1)
             child = t_sib.gather(1, taken.to(torch.uint8).argmax(1, keepdim=True))[:, 0]
-            chosen = torch.where(any_taken, child, -1)  # per parent row: the accepted child, or -1
-            chase = torch.arange(row, device=device)  # row -> the row the walk moves to (itself: it ends)
-            chase[t_group] = torch.where(any_taken, t_node_row[child], t_group)
+            chosen = torch.where(any_taken, child, -1)  # per row: the accepted child, or -1
+            chase = torch.where(any_taken, t_node_row[child], torch.arange(R, device=device))
             self.tensors.append(chosen)
         end = t_ctx
-        for _ in range(depth):
+        for _ in range(W):  # a walk is at most a sequence's nodes deep
             end = chase[end]
         p_end = self._probs(end, self.offsets)  # [S, vocab]
         residual = p_end
         if N:
             residual = p_end - q_all.index_select(0, t_row_q[end]) * usable[:, None] if nq else p_end.clone()
             # a point-mass walk's rejected children leave the residual (repeats: clamped at 0)
-            rejected = end[t_seq] == t_parent
+            rejected = (end[t_seq] == parent_row) & t_live
             if nq:
                 rejected &= ~sampled_chain
             at = p_end[t_seq, t_token]
@@ -219,17 +256,18 @@ class SampledBatch:
 
     def finish(self, arrays: list) -> list[tuple[list[int], list[int]]]:
         """arrays: `tensors` read to the host. Per sequence: (emitted tokens, accepted node indices in
-        path order)."""
+        path order). The drafts' tokens are read now (a deferred draft's are on the host by then)."""
         final = arrays[-1].tolist()
-        chosen = dict(zip(self.groups, arrays[0].tolist())) if len(arrays) > 1 else {}
+        chosen = arrays[0].tolist() if len(arrays) > 1 else []
         out = []
-        for s, (tokens, _) in enumerate(self.drafts):
+        for s, d in enumerate(self.drafts):
             row, path = self.offsets[s], []
-            while chosen.get(row, -1) >= 0:
+            while chosen and chosen[row] >= 0:
                 g = chosen[row]
                 path.append(g - self.node_base[s])
                 row = self.node_row[g]
-            out.append(([tokens[j] for j in path] + [final[s]], path))
+            tokens = d.tokens
+            out.append(([int(tokens[j]) for j in path] + [final[s]], path))
         return out
 
 
@@ -342,7 +380,8 @@ def coupled_choices(logits: torch.Tensor, choice: torch.Tensor, starts: list[int
 
 def verify(logits: torch.Tensor, target_choice, starts: list[int], num_pending: list[int],
            drafts: list, params: list, generators: list) -> tuple[list[list[int]], list[list[int]]]:
-    """The verdicts of one verification forward over a batch: chains and trees, greedy and sampled.
+    """The verdicts of one verification forward over a batch: chains and trees, greedy and sampled
+    (`Verification`, read here in one read).
 
     logits: [N, vocab] processed target logits of the packed verification rows. Sequence i's rows
     start at starts[i]: its num_pending[i] tokens without KV yet (the last of them predicts the
@@ -355,36 +394,61 @@ def verify(logits: torch.Tensor, target_choice, starts: list[int], num_pending: 
     Returns per sequence (emitted tokens: the accepted drafts + the recovered/bonus token; kept rows:
     the rows whose KV stays, the pending tokens' and then the accepted drafts' in path order).
     """
-    sampled = [i for i, p in enumerate(params) if not (p.greedy or coupled(p))]
-    batch = None
-    if sampled:  # rejection sampling: one rule for every sampled sequence, its rows processed where read
-        index, settings = [], []
-        for i in sampled:
-            n = len(drafts[i].tokens) + 1
-            first = starts[i] + num_pending[i] - 1
-            index.append(np.arange(first, first + n))
-            p = params[i]
-            settings += [(p.temperature, p.top_k, p.top_p)] * n
-        (rows,) = to_device(np.concatenate(index), device=logits.device)
-        batch = sample_verdicts(logits, rows, settings, [drafts[i] for i in sampled],
-                                [drafts[i].probs if drafts[i].is_chain else None for i in sampled],
-                                [generators[i] for i in sampled])
-    on_device = isinstance(target_choice, torch.Tensor)
-    tensors = ([target_choice] if on_device else []) + (batch.tensors if batch is not None else [])
-    arrays = to_host(*tensors) if tensors else []  # the verdicts' one read
-    if on_device:
-        target_choice = arrays.pop(0).tolist()
-    verdicts = dict(zip(sampled, batch.finish(arrays))) if batch is not None else {}
-    emitted, kept = [], []
-    for i, (start, pending, draft) in enumerate(zip(starts, num_pending, drafts)):
-        rows = slice(start, start + pending + len(draft.tokens))
-        if i in verdicts:
-            tokens, path = verdicts[i]
-        elif draft.is_chain:  # the greedy rule over the target's choices (greedy, or coupled draws)
-            tokens = verify_greedy([target_choice[rows][pending - 1:]], [draft.tokens])[0]
-            path = list(range(len(tokens) - 1))
-        else:
-            tokens, path = verify_tree_greedy(target_choice[rows], pending, draft)
-        kept.append(list(range(pending)) + [pending + j for j in path])
-        emitted.append(tokens)
-    return emitted, kept
+    plan = Verification(logits, target_choice, starts, num_pending, drafts, params, generators)
+    return plan.finish(to_host(*plan.tensors) if plan.tensors else [])
+
+
+class Verification:
+    """`verify` in two halves around its read: built, it has queued the sampled sequences' rule on the
+    device (`tensors`: what to read, the target's choices first when they are a device tensor);
+    `finish(arrays)` gives (emitted, kept) as `verify` does. Drafts still on the device (deferred)
+    are verified where they are; the engine reads `tensors` with them (rayspec.engine.deferred_verify),
+    and they are host drafts by `finish`."""
+
+    def __init__(self, logits: torch.Tensor, target_choice, starts: list[int], num_pending: list[int],
+                 drafts: list, params: list, generators: list):
+        self.sampled = [i for i, p in enumerate(params) if not (p.greedy or coupled(p))]
+        self.batch = None
+        if self.sampled:  # rejection sampling: one rule for every sampled sequence, its rows processed where read
+            index, settings = [], []
+            for i in self.sampled:
+                n = num_nodes(drafts[i]) + 1
+                first = starts[i] + num_pending[i] - 1
+                index.append(np.arange(first, first + n))
+                p = params[i]
+                settings += [(p.temperature, p.top_k, p.top_p)] * n
+            (rows,) = to_device(np.concatenate(index), device=logits.device)
+            self.batch = sample_verdicts(logits, rows, settings, [drafts[i] for i in self.sampled],
+                                         [_chain_q(drafts[i]) for i in self.sampled],
+                                         [generators[i] for i in self.sampled])
+        self.on_device = isinstance(target_choice, torch.Tensor)
+        self.tensors = ([target_choice] if self.on_device else []) + (self.batch.tensors if self.batch else [])
+        self._args = (target_choice, starts, num_pending, drafts)
+
+    def finish(self, arrays: list) -> tuple[list[list[int]], list[list[int]]]:
+        target_choice, starts, num_pending, drafts = self._args
+        arrays = list(arrays)
+        if self.on_device:
+            target_choice = arrays.pop(0).tolist()
+        verdicts = dict(zip(self.sampled, self.batch.finish(arrays))) if self.batch is not None else {}
+        emitted, kept = [], []
+        for i, (start, pending, draft) in enumerate(zip(starts, num_pending, drafts)):
+            rows = slice(start, start + pending + len(draft.tokens))
+            if i in verdicts:
+                tokens, path = verdicts[i]
+            elif draft.is_chain:  # the greedy rule over the target's choices (greedy, or coupled draws)
+                tokens = verify_greedy([target_choice[rows][pending - 1:]], [draft.tokens])[0]
+                path = list(range(len(tokens) - 1))
+            else:
+                tokens, path = verify_tree_greedy(target_choice[rows], pending, draft)
+            kept.append(list(range(pending)) + [pending + j for j in path])
+            emitted.append(tokens)
+        return emitted, kept
+
+
+def _chain_q(draft) -> torch.Tensor | None:
+    """A chain's q (the probabilities its tokens were drawn from), None for a tree or a point mass."""
+    row = getattr(draft, "deferred", None)
+    if row is not None:
+        return row.probs if row.parents is None else None
+    return draft.probs if draft.is_chain else None

@@ -161,29 +161,33 @@ def test_chain_step_batch8(smollm2, smollm2_loaded, method, k):
     assert max(reads) == (1 if method == "ngram" else 2)
 
 
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=16)  # unseeded: verified by rejection sampling
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "t1"])
 @pytest.mark.parametrize("method,topk,batch", [("eagle3", 2, 1), ("eagle3", 2, 2), ("eagle3", 1, 8), ("draft_model", 1, 8)],
                          ids=["tree", "tree-batch2", "chains-batch8", "draft-model-batch8"])
-def test_one_read_per_cycle_with_deferred_drafts(smollm2, smollm2_loaded, method, topk, batch):
+def test_one_read_per_cycle_with_deferred_drafts(smollm2, smollm2_loaded, method, topk, batch, sampled):
     """defer_draft_reads (on by default off the CPU): an EAGLE cycle reads the device once, the drafts
     with the target's choices (rayspec.engine.deferred_verify), configs/default.yaml's tree shape
     (topk 2, stop rule, prompt-lookup branch) or chains, and a draft model's chains too; the drafts
-    still verify (tokens accepted).
-    Fails with the option off: 2 reads (the draft, then the verdict). (EAGLE-1 heads take the same
-    path: test_lossless_grid's "deferred" column.)"""
+    still verify (tokens accepted). At temperature 1 without a seed too: the rejection rule is laid
+    out from the drafts where they are (rayspec.sampling.rejection.SampledBatch) and its verdicts come
+    in the same read.
+    Fails with the option off: 2 reads (the draft, then the verdict); sampled, before the rule took
+    device drafts: 2 (the drafts with the greedy choices, then the verdicts). (EAGLE-1 heads take the
+    same path: test_lossless_grid's "deferred" column.)"""
     spec = (dict(draft_model=HEAD, eagle_topk=topk, num_steps=4, eagle_stop_prob=0.2,
                  eagle_prompt_lookup=5 if topk > 1 else 0) if method == "eagle3"
             else dict(draft_model=smollm2, draft_num_layers=2))
     # adaptive off: a fixed budget, so every cycle counted drafts (the planner, on by default, may leave a
     # cycle with no draft: one read, the verdict's, which says nothing of the drafts)
     engine = make_engine(smollm2, method, k=8, loaded=smollm2_loaded, max_num_seqs=batch, tree_max_batch=2,
-                         adaptive=False, **spec)
+                         adaptive=False, engine_seed=17, **spec)
     engine.config.defer_draft_reads = True
-    reads = _check(audit_decode_steps(engine, PROMPTS[:max(batch, 2)], GREEDY), batch)
+    reads = _check(audit_decode_steps(engine, PROMPTS[:max(batch, 2)], SAMPLED if sampled else GREEDY), batch)
     assert max(reads) == 1
     assert engine.stats.num_accepted_tokens > 0
-
-
-SAMPLED = SamplingParams(temperature=1.0, max_tokens=16)  # unseeded: verified by rejection sampling
 
 
 @pytest.mark.parametrize("method,topk,batch", [("eagle3", 2, 1), ("eagle3", 2, 2), ("eagle3", 1, 8),
