@@ -14,7 +14,9 @@ it is measured; --budget-s stops starting new phases):
    with a 1k context: the reference the end-to-end figures are divided by; with overlap scheduling on (the
    default on CUDA, rayspec.engine.overlap) the compiled target runs every batch again with it off
    (section no_overlap), so its effect on tok/s and GPU idle share is read in one run;
-3. EAGLE-3 with an oracle head, compiled: every acceptance length of the sweep at every batch;
+3. EAGLE-3 with an oracle head, compiled: every acceptance length of the sweep at every batch; then
+   (section oracle_t1) at --eager-acceptance's length with temperature 1, unseeded (rejection sampling:
+   its host reads per cycle and tok/s; the spine is the greedy continuation, so fewer nodes are accepted);
 4. EAGLE-3 with the oracle head, eager, at one acceptance length (its outputs checked too).
 
 The oracle head (`OracleEagle`) is the real proposer (rayspec.proposers.eagle.EagleProposer) over a real
@@ -182,7 +184,8 @@ class OracleEagle(EagleProposer):
         for r, i in enumerate(rows):
             n, chain = len(drafts[i].tokens), drafts[i].parents is None
             out[i] = Draft([], deferred=DeferredRow(batch, r, n, tok_d[r, :n], None if chain else depth_d[r, :n],
-                                                    None if chain else sees_d[r, :n, :n]))
+                                                    None if chain else sees_d[r, :n, :n],
+                                                    None if chain else par_d[r, :n], None if chain else kept_d[r, :n]))
         return out
 
 
@@ -246,11 +249,12 @@ def cuda_syncs(step) -> tuple:
 
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str, profile_steps: int,
-              cuda: bool) -> tuple[dict, list[list[int]]]:
+              cuda: bool, temperature: float = 0.0) -> tuple[dict, list[list[int]]]:
     """Prefill then decode `prompts` to max_tokens each; per-step timings of the decode steps (every
     sequence past its prefill), but for a window of `profile_steps` steps under torch.profiler (from the
-    4th decode step), left out of the timings. Returns (the run's row, each prompt's output tokens)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    4th decode step), left out of the timings. Returns (the run's row, each prompt's output tokens).
+    temperature > 0: unseeded (what an OpenAI client sends), verified by rejection sampling."""
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
     verify_s = [0.0]
     verify = engine._verify
@@ -404,12 +408,13 @@ def warm(a, engine: LLMEngine, prompts, label: str) -> None:
         run_batch(engine, prompts[:b], a.warm_tokens, tag_of(f"warm {label}", b), 0, False)
 
 
-def run_engine(a, engine: LLMEngine, prompts, label: str, refs: dict, out, extra=None) -> dict:
+def run_engine(a, engine: LLMEngine, prompts, label: str, refs: dict, out, extra=None, temperature: float = 0.0) -> dict:
     """Every batch through one engine; returns {batch: outputs}. refs: {"compiled"/"eager": {batch:
     outputs}} of the target alone, which the outputs are compared with."""
     got = {}
     for b in a.batches:
-        row, outs = run_batch(engine, prompts[:b], a.max_tokens, tag_of(label, b), a.profile_steps, a.device == "cuda")
+        row, outs = run_batch(engine, prompts[:b], a.max_tokens, tag_of(label, b), a.profile_steps, a.device == "cuda",
+                              temperature)
         got[b] = outs
         config = label.split(" al")[0]  # (an oracle run's label carries its acceptance length)
         row = {"config": config, **(extra or {}), **row}
@@ -519,7 +524,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="forward-only timing iterations")
     parser.add_argument("--profile-steps", type=int, default=8, help="decode steps per run under torch.profiler")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no phase past this many seconds")
-    parser.add_argument("--sections", default="eager,compiled,no_overlap,forward,oracle,oracle_eager")
+    parser.add_argument("--sections", default="eager,compiled,no_overlap,forward,oracle,oracle_t1,oracle_eager",
+                        help="oracle_t1: the compiled oracle again at --eager-acceptance's length, temperature 1 "
+                             "unseeded (rejection sampling: one read a cycle with deferred drafts too)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, the whole flow (CI)")
@@ -601,6 +608,19 @@ def main() -> None:
                     run_engine(a, engine, prompts, run_label, refs, out,
                                extra={"acceptance_target": length, "p_per_node": round(p, 4),
                                       "reachable": length <= 1 + min(a.depth, a.nodes)})
+        if compiled and "oracle_t1" in sections and a.eager_acceptance:
+            with phases.phase(f"{label}, acceptance length {a.eager_acceptance}, temperature 1") as go:
+                if go and engine is not None:
+                    # the spine is the greedy continuation: at T = 1 a node is accepted with the target's
+                    # probability of it, so the achieved length is lower than the target's (printed)
+                    p = spine_p(a.eager_acceptance, min(a.depth, a.nodes))
+                    run_label = f"{label} t1 al{a.eager_acceptance}"
+                    engine.proposer.p = p
+                    engine.proposer.references = {f"{tag_of(run_label, b)}-{i}": prompts[i] + outs[i]
+                                                  for b, outs in reference.items() for i in range(b)}
+                    run_engine(a, engine, prompts, run_label, {}, out, temperature=1.0,
+                               extra={"temperature": 1.0, "acceptance_target": a.eager_acceptance,
+                                      "p_per_node": round(p, 4)})
         engine = None
     RESULTS["summary"] = summary(a)
     RESULTS["summary"]["wall_s"] = round(phases.elapsed(), 1)

@@ -104,7 +104,7 @@ def test_gpu_engine_dry_run(tmp_path):
     """benchmarks/gpu_engine.py on CPU: the target alone eager and compiled (with overlap scheduling, and the
     compiled one again without), the forward-only step on the
     compiled engine's runner, EAGLE-3 with the oracle head swept over acceptance lengths (compiled) and at
-    one (eager); every run's outputs equal the target's, acceptance grows with the oracle's p, and each
+    one (eager, and compiled at temperature 1: one read a cycle); every run's outputs equal the target's, acceptance grows with the oracle's p, and each
     row splits its cycle into draft, verify and host with the host reads counted."""
     out = tmp_path / "engine.json"
     proc = _run("gpu_engine.py", "--json", str(out))
@@ -116,6 +116,7 @@ def test_gpu_engine_dry_run(tmp_path):
     assert cells == ({("target eager", None, b) for b in (1, 2)} | {("target compiled", None, b) for b in (1, 2)}
                      | {("target compiled no-overlap", None, b) for b in (1, 2)}
                      | {("eagle3 oracle compiled", x, b) for x in (2.0, 3.5, 5.4, 6.5) for b in (1, 2)}
+                     | {("eagle3 oracle compiled t1", 5.4, b) for b in (1, 2)}
                      | {("eagle3 oracle eager", 5.4, b) for b in (1, 2)}), cells
     for r in runs:
         n = f"{r['batch']}/{r['batch']}"
@@ -126,6 +127,8 @@ def test_gpu_engine_dry_run(tmp_path):
         assert "gpu_idle_share" in r  # None on CPU (no device events), measured on CUDA
         if r["config"].startswith("eagle3"):
             assert r["draft_ms"] > 0 and 0 < r["p_per_node"] <= 1, r  # (5.4 and 6.5 are past a dry run's depth 4: p 1)
+    # temperature 1 unseeded, deferred drafts (as on CUDA): the verdicts come in the cycle's one read
+    assert all(r["host_reads_max"] == 1 for r in runs if r["config"] == "eagle3 oracle compiled t1"), runs
     oracle = sorted((r["acceptance_target"], r["acceptance_length"]) for r in runs
                     if r["config"] == "eagle3 oracle compiled" and r["batch"] == 1)
     assert oracle[0][1] < oracle[1][1] < oracle[-1][1], oracle  # the oracle's p sets the acceptance
