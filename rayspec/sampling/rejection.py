@@ -79,7 +79,7 @@ def is_chain(draft) -> bool:
     """Whether a draft is a chain (host drafts: Draft.is_chain; a deferred one: it has no ancestry)."""
     row = getattr(draft, "deferred", None)
     if row is not None:
-        return row.parents is None
+        return row.sees is None  # (as the verification's layout reads it: rayspec.engine.deferred_verify)
     return draft.parents is None or list(draft.parents) == list(range(-1, len(draft.tokens) - 1))
 
 
@@ -149,6 +149,8 @@ class SampledBatch:
                 for j in set(parent[base: base + n].tolist()):
                     needed[ctx + 1 + j] = True
             else:
+                if not chain and (row.parents is None or row.live is None):
+                    raise ValueError("a deferred tree needs its parents and kept nodes on the device")
                 parent[base: base + n] = np.arange(-1, n - 1)
                 placed.append((base, n, row.tokens, None if chain else row.parents, None if chain else row.live))
                 needed[ctx: ctx + (n if chain else n + 1)] = True
@@ -450,5 +452,5 @@ def _chain_q(draft) -> torch.Tensor | None:
     """A chain's q (the probabilities its tokens were drawn from), None for a tree or a point mass."""
     row = getattr(draft, "deferred", None)
     if row is not None:
-        return row.probs if row.parents is None else None
+        return row.probs if row.sees is None else None
     return draft.probs if draft.is_chain else None

@@ -226,7 +226,7 @@ def test_deferred_drafts_follow_their_law():
     repeating a kept root child's token), chains carry their q there. Each sequence's outcome follows
     its host case's law: a row not kept is never accepted, takes no mass from its siblings and leaves
     the residual alone. 6,000 of each; Pearson's test per case at LAW_ALPHA."""
-    from rayspec.proposers.deferred import DeferredRow
+    from rayspec.proposers.deferred import DeferredRow, ancestry
 
     cases = LAW_CASES + MIXED_EXTRA
     n = 6000
@@ -243,6 +243,7 @@ def test_deferred_drafts_follow_their_law():
         if kind == "tree":
             row.parents = torch.tensor(list(parents) + [-1] * extra)
             row.live = torch.tensor([True] * len(tokens) + [False] * extra)
+            row.sees = ancestry(row.parents[None], len(tokens))[0]  # (a tree: its ancestry on the device)
         else:
             row.probs = qt
         drafts.append(Draft([], deferred=row))
