@@ -10,9 +10,10 @@ and one read brings the target's choices, the sampled verdicts and the drafts to
 (`read_verdict`), after which every later phase sees host drafts as before.
 
 Deferring applies to the requests whose verification needs no host draft before the read: no
-logits processing along the draft (penalties, logit_bias, a grammar), no coupled (seeded sampled)
-draws, on one device, without batch-invariant rows (their CPU attention takes spans from the host)
-or sliding windows. Greedy and sampled verification then make that one read.
+logits processing along the draft (penalties, logit_bias, a grammar), on one device, without
+batch-invariant rows (their CPU attention takes spans from the host) or sliding windows. Greedy,
+sampled and seeded (coupled: the draws' keys made from the tree's depths on the device) verification
+then make that one read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from rayspec.device_io import to_device, to_host
 from rayspec.model.batch_layout import TreeQuery
 from rayspec.sampling.logits_processing import needs_processing
-from rayspec.sampling.rejection import coupled, verify_tree_parents
+from rayspec.sampling.rejection import verify_tree_parents
 
 
 def may_defer(engine, seqs) -> bool:
@@ -36,7 +37,7 @@ def may_defer(engine, seqs) -> bool:
         return False
     if engine.model.args.sliding_layers:
         return False
-    return all(s.grammar is None and not needs_processing(s.params) and not coupled(s.params) for s in seqs)
+    return all(s.grammar is None and not needs_processing(s.params) for s in seqs)
 
 
 def row_lengths(proposal) -> list[int]:

@@ -606,16 +606,17 @@ class LLMEngine:
         starts = packed_offsets(lengths)  # row i's tokens are logits[starts[i]: starts[i] + lengths[i]]
         params, pending = [s.params for s in seqs], [len(p) for p in proposal.pending]
         generators = [s.generator for s in seqs]
-        if deferred:  # one read: the target's choices and sampled verdicts with the drafts (nothing processed or coupled)
-            plan = Verification(raw, raw.argmax(-1) if any(p.greedy for p in params) else None, starts, pending,
-                                proposal.drafts, params, generators)
+        # (deferred drafts: nothing to process, may_defer)
+        logits = raw if deferred else process_verification_logits(raw, seqs, proposal.pending, proposal.drafts,
+                                                                   starts, lengths)
+        target_choice = None
+        if any(p.greedy or coupled(p) for p in params):  # the target's choice at every row (a coupled draw, seeded)
+            target_choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
+                                            [len(s.token_ids) for s in seqs])  # (read in verify)
+        if deferred:  # one read: the choices and sampled verdicts with the drafts
+            plan = Verification(logits, target_choice, starts, pending, proposal.drafts, params, generators)
             emitted, kept_rows = plan.finish(read_verdict(proposal, plan.tensors))
         else:
-            logits = process_verification_logits(raw, seqs, proposal.pending, proposal.drafts, starts, lengths)
-            target_choice = None
-            if any(p.greedy or coupled(p) for p in params):  # the target's choice at every row
-                target_choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
-                                                [len(s.token_ids) for s in seqs])  # (read in verify)
             emitted, kept_rows = verify(logits, target_choice, starts, pending, proposal.drafts, params, generators)
         return Verdict(emitted, kept_rows, raw, features, starts, row_context)
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from rayspec.device_io import to_device, to_host
-from rayspec.sampling.sampler import coupled_key, coupled_sample, probs_of_rows
+from rayspec.sampling.sampler import coupled_keys_at, coupled_sample, probs_of_rows
 
 
 def verify_greedy(target_argmax, draft_tokens: list[list[int]]) -> list[list[int]]:
@@ -363,19 +363,29 @@ def coupled_choices(logits: torch.Tensor, choice: torch.Tensor, starts: list[int
     """choice: [N] the target's per-row choice (its argmax); at the rows a coupled (seeded sampled)
     sequence's verification reads, the target's coupled draw there instead (in place, no host read).
     Sequence i's last pending row predicts position positions[i] (its token count); a draft
-    token's row predicts the position past its depth."""
-    rows, keys, settings = [], [], []
+    token's row predicts the position past its depth (a deferred tree's depths are on the device:
+    its keys are made there, `coupled_keys_at`)."""
+    rows, seeds, at, settings, spread = [], [], [], [], []
     for start, pending, draft, p, pos in zip(starts, num_pending, drafts, params, positions):
         if not coupled(p):
             continue
         first = start + pending - 1  # the last pending token's row: depth 0
-        for r, depth in [(first, 0)] + [(first + 1 + j, d) for j, d in enumerate(draft_depths(draft))]:
-            rows.append(r)
-            keys.append(coupled_key(p.seed, pos + depth))
-            settings.append((p.temperature, p.top_k, p.top_p))
+        row = getattr(draft, "deferred", None)
+        n = num_nodes(draft)
+        if row is not None and row.sees is not None:  # a deferred tree: depths added on the device
+            depths = [0] * (n + 1)
+            spread.append((len(rows) + 1, n, row.depth))
+        else:
+            depths = [0] + (list(range(1, n + 1)) if row is not None else draft_depths(draft))
+        rows += range(first, first + n + 1)
+        seeds += [p.seed] * (n + 1)
+        at += [pos + d for d in depths]
+        settings += [(p.temperature, p.top_k, p.top_p)] * (n + 1)
     if rows:
-        (index,) = to_device(np.asarray(rows, dtype=np.int64), device=logits.device)
-        draws = coupled_sample(probs_of_rows(logits.index_select(0, index), settings), keys)
+        index, at_t = to_device(np.asarray(rows, dtype=np.int64), np.asarray(at, dtype=np.int64), device=logits.device)
+        for offset, n, depth in spread:
+            at_t[offset: offset + n] += depth[:n].to(at_t.dtype)
+        draws = coupled_sample(probs_of_rows(logits.index_select(0, index), settings), coupled_keys_at(seeds, at_t))
         choice.index_copy_(0, index, draws.to(choice.dtype))
     return choice
 

@@ -245,6 +245,14 @@ def coupled_key(seed: int, position: int) -> int:
     return _mix64(_mix64(seed ^ 0x5EEDC0DE) + (position + 1) * _GAMMA)
 
 
+def coupled_keys_at(seeds: list[int], positions: torch.Tensor) -> torch.Tensor:
+    """coupled_key(seeds[r], positions[r]) for every row, computed on positions' device (int64 lanes;
+    positions may be known on the device only, a deferred draft's depths: no host read)."""
+    (base,) = to_device(np.asarray([_signed(_mix64(seed ^ 0x5EEDC0DE)) for seed in seeds], dtype=np.int64),
+                        device=positions.device)
+    return _mix64_tensor(base + (positions.to(torch.int64) + 1) * _signed(_GAMMA))
+
+
 def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     """A logical right shift of int64 lanes (torch's >> is arithmetic)."""
     return (z >> s) & ((1 << (64 - s)) - 1)
@@ -270,12 +278,16 @@ def _token_steps(token_ids: torch.Tensor | int, device) -> torch.Tensor:
     return token_ids.to(torch.int64) * _signed(_GAMMA)
 
 
-def coupled_noise(keys: list[int], token_ids: torch.Tensor | int, device) -> torch.Tensor:
+def coupled_noise(keys: list[int] | torch.Tensor, token_ids: torch.Tensor | int, device) -> torch.Tensor:
     """E[r, j] = -log U, U uniform on (0, 1) from 52 bits of splitmix64 at (keys[r], token j):
     [R, V] float64 standard exponentials, independent across tokens and keys. token_ids: the vocabulary
     size V (tokens 0..V-1), or the target ids of a draft vocabulary's entries (EAGLE-3's reduced one),
-    so a draft's E at a token is the target's. The keys reach the device without a blocking copy."""
-    (k,) = to_device(np.array([_signed(x) for x in keys], dtype=np.int64), device=torch.device(device))
+    so a draft's E at a token is the target's. The keys reach the device without a blocking copy (or
+    are there already: an int64 tensor, `coupled_keys_at`)."""
+    if isinstance(keys, torch.Tensor):
+        k = keys.to(device=torch.device(device), dtype=torch.int64)
+    else:
+        (k,) = to_device(np.array([_signed(x) for x in keys], dtype=np.int64), device=torch.device(device))
     z = _mix64_tensor(k[:, None] + _token_steps(token_ids, device)[None, :])
     # 52 bits as the mantissa of a float64 in [1, 2) (a bit pattern, no int -> float conversion), less
     # 1 - 2**-53: (2 m + 1) 2**-53, exact, in (0, 1)
@@ -283,7 +295,7 @@ def coupled_noise(keys: list[int], token_ids: torch.Tensor | int, device) -> tor
     return -torch.log(u)
 
 
-def coupled_sample(probs: torch.Tensor, keys: list[int], token_ids: torch.Tensor | int | None = None) -> torch.Tensor:
+def coupled_sample(probs: torch.Tensor, keys: list[int] | torch.Tensor, token_ids: torch.Tensor | int | None = None) -> torch.Tensor:
     """probs: [R, V] -> [R] token indices (int64, on probs' device, no host read): row r's draw
     argmax_x probs[r, x] / E[r, x] with E from coupled_noise(keys[r]). A token of probability 0 is never
     drawn (a row without mass returns index 0). token_ids: what coupled_noise takes (default V)."""

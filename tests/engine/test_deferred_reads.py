@@ -172,6 +172,32 @@ def test_sampled_output_is_the_same_draw_for_draw(smollm2, loaded, topk):
     assert np.mean([len(o) for o in outs[0]]) > 4
 
 
+@pytest.mark.parametrize("topk", [2, 1, 0], ids=["trees", "chains", "draft-model"])
+def test_seeded_output_is_target_only_decoding(smollm2, loaded, topk):
+    """Seeded sampled requests (coupled draws: the target's draw at each position comes from the seed and
+    the position alone) verified with their drafts still on the device, the draws' keys at a tree's
+    depths made there (rejection.coupled_choices): the output is target-only decoding's with those
+    seeds, token for token, at T = 1 and at T = 0.8 with top-k / top-p, the stop rule on; drafts were
+    deferred and accepted."""
+    engine = _engine(smollm2, loaded, True, topk)
+    deferred, propose = [0], engine.proposer.propose
+
+    def counting(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        deferred[0] += sum(d.deferred is not None for d in drafts)
+        return drafts
+
+    engine.proposer.propose = counting
+    prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in TEXTS[:3]]
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=24),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=4, max_tokens=24),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=24)]
+    want = [o.token_ids for o in make_engine(smollm2, "none", loaded=loaded).generate(prompts, params)]
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    assert deferred[0] > 0 and engine.stats.num_accepted_tokens > 0, (deferred, engine.stats.num_accepted_tokens)
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["host", "deferred"])
 def test_depth_six_trees_greedy_output_is_the_targets(smollm2, loaded, defer):
     """EAGLE-3 trees 6 levels deep (topk 2, 12 nodes, stop rule off so every level grows, the lookup

@@ -164,7 +164,10 @@ def test_chain_step_batch8(smollm2, smollm2_loaded, method, k):
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=16)  # unseeded: verified by rejection sampling
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "t1"])
+SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, max_tokens=16)  # seeded: coupled draws (a top-p on CPU counts its candidates on the host)
+
+
+@pytest.mark.parametrize("sampled", [None, SAMPLED, SEEDED], ids=["greedy", "t1", "seeded"])
 @pytest.mark.parametrize("method,topk,batch", [("eagle3", 2, 1), ("eagle3", 2, 2), ("eagle3", 1, 8), ("draft_model", 1, 8)],
                          ids=["tree", "tree-batch2", "chains-batch8", "draft-model-batch8"])
 def test_one_read_per_cycle_with_deferred_drafts(smollm2, smollm2_loaded, method, topk, batch, sampled):
@@ -176,7 +179,8 @@ def test_one_read_per_cycle_with_deferred_drafts(smollm2, smollm2_loaded, method
     in the same read.
     Fails with the option off: 2 reads (the draft, then the verdict); sampled, before the rule took
     device drafts: 2 (the drafts with the greedy choices, then the verdicts). (EAGLE-1 heads take the
-    same path: test_lossless_grid's "deferred" column.)"""
+    same path: test_lossless_grid's "deferred" column.) Seeded (coupled draws, the keys at a tree's
+    depths made on the device): 1 read; before, seeded requests were not deferred (2 reads)."""
     spec = (dict(draft_model=HEAD, eagle_topk=topk, num_steps=4, eagle_stop_prob=0.2,
                  eagle_prompt_lookup=5 if topk > 1 else 0) if method == "eagle3"
             else dict(draft_model=smollm2, draft_num_layers=2))
@@ -185,7 +189,7 @@ def test_one_read_per_cycle_with_deferred_drafts(smollm2, smollm2_loaded, method
     engine = make_engine(smollm2, method, k=8, loaded=smollm2_loaded, max_num_seqs=batch, tree_max_batch=2,
                          adaptive=False, engine_seed=17, **spec)
     engine.config.defer_draft_reads = True
-    reads = _check(audit_decode_steps(engine, PROMPTS[:max(batch, 2)], SAMPLED if sampled else GREEDY), batch)
+    reads = _check(audit_decode_steps(engine, PROMPTS[:max(batch, 2)], sampled or GREEDY), batch)
     assert max(reads) == 1
     assert engine.stats.num_accepted_tokens > 0
 

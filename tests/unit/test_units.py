@@ -837,6 +837,13 @@ def test_coupled_hash_is_splitmix64():
     e = coupled_noise([coupled_key(7, t) for t in range(8)], 4096, "cpu")
     assert e.dtype == torch.float64 and torch.isfinite(e).all() and (e > 0).all()
     assert abs(e.mean().item() - 1) < 0.02 and abs(e.var().item() - 1) < 0.05
+    # the keys made on the device (a deferred tree's depths are there) are coupled_key's, seeds of every size
+    from rayspec.sampling.sampler import coupled_keys_at
+
+    seeds = [0, 7, (1 << 63) - 1, (1 << 64) - 1, 12345678901234567890] + [int(x) for x in rng.integers(0, 2**62, 50)]
+    positions = [0, 1, 2**40, 5, 99] + [int(x) for x in rng.integers(0, 2**20, 50)]
+    keys = coupled_keys_at(seeds, torch.tensor(positions)).tolist()
+    assert [k & ((1 << 64) - 1) for k in keys] == [coupled_key(s, p) for s, p in zip(seeds, positions)]
 
 
 def test_coupled_draws_follow_the_row_and_are_independent():
