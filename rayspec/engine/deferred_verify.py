@@ -26,7 +26,7 @@ import torch
 from rayspec.device_io import to_device, to_host
 from rayspec.model.batch_layout import TreeQuery
 from rayspec.sampling.logits_processing import needs_processing
-from rayspec.sampling.rejection import verify_tree_parents
+from rayspec.sampling.rejection import num_nodes, verify_tree_parents
 
 
 def may_defer(engine, seqs) -> bool:
@@ -42,8 +42,7 @@ def may_defer(engine, seqs) -> bool:
 
 def row_lengths(proposal) -> list[int]:
     """Each sequence's verification rows: its pending tokens, then its draft's rows."""
-    return [len(p) + (d.deferred.num_nodes if d.deferred is not None else len(d.tokens))
-            for p, d in zip(proposal.pending, proposal.drafts)]
+    return [len(p) + num_nodes(d) for p, d in zip(proposal.pending, proposal.drafts)]
 
 
 def verification_inputs(proposal, device) -> tuple[list[list[int]] | torch.Tensor, list[TreeQuery] | None]:
