@@ -8,6 +8,7 @@
 # folder; /tmp/gpu_serve_random elsewhere): served.json (rayspec bench serve's), serve.log, bench.txt.
 #
 #   bash benchmarks/gpu_serve_random.sh             # on the GPU machine (< 5 min: ~1 min writing 16 GB of weights)
+#   NUM=16 CONC=1,16 bash benchmarks/gpu_serve_random.sh   # fewer prompts (MAX_TOKENS too)
 #   bash benchmarks/gpu_serve_random.sh --dry-run   # tiny shapes on CPU, concurrency 1 and 2 (Ray needed)
 set -eo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ OUT=${OUT:-/tmp/gpu_serve_random}
 PY=${PY:-python3}
 PORT=${PORT:-8123}
 MODEL_DIR=${MODEL_DIR:-/tmp/rayspec-random}
-SHAPE=llama3.1-8b VOCAB=128256 WORDS=1000 MAX_TOKENS=256 CONC=1,32 NUM=64 KV_GB=8 GPUS=1
+SHAPE=llama3.1-8b VOCAB=128256 WORDS=1000 MAX_TOKENS=${MAX_TOKENS:-256} CONC=${CONC:-1,32} NUM=${NUM:-64} KV_GB=8 GPUS=1
 CONFIG=configs/llama3_eagle3.yaml NAME=llama-3.1-8b-instruct
 if [ "$1" = --dry-run ]; then
   SHAPE=tiny VOCAB=512 WORDS=40 MAX_TOKENS=16 CONC=1,2 NUM=4 KV_GB=0.05 GPUS=0
