@@ -672,6 +672,29 @@ class Page:
                               fmt(c["adaptive_speedup"], 2, "x"), fmt(c["fixed_speedup"], 2, "x"),
                               f"{c['adaptive_drafted']} / {c['adaptive_accepted']}", f"{c['fixed_drafted']} / {c['fixed_accepted']}",
                               f"{c['adaptive_equal']}, {c['fixed_equal']}"] for c in d["cells"] if "proposer" in c]))
+        for rel, d in sorted(self.data.items()):
+            if not (Path(rel).name.startswith("gpu_engine") and isinstance(d, dict) and "runs" in d):
+                continue
+            self.used.add(rel)
+            env = d.get("environment") or {}
+            self.add(f"### The engine end to end on the GPU: `{Path(rel).stem}` ({env.get('gpu_model')}, torch {env.get('torch')})", "",
+                     f"{link(rel)} (`benchmarks/gpu_engine.py`): tokens out of `LLMEngine` at `{(d.get('args') or {}).get('shape')}`"
+                     f" shapes, random bfloat16 weights; machine {self.m.of(rel, d)}. {d.get('note', '')}", "")
+            self.add(*table(["config", "batch", "AL", "tok/s", "ms/cycle", "draft", "verify", "host", "GPU idle",
+                             "reads/cycle", "= compiled", "= eager"],
+                            [[r["config"] + (f" (AL target {r['acceptance_target']})" if r.get("acceptance_target") else "")
+                              + (f", T {r['temperature']}" if r.get("temperature") else ""),
+                              r["batch"], fmt(r.get("acceptance_length"), 2), fmt(r.get("tok_s")),
+                              fmt(r.get("ms_per_cycle"), 2), fmt(r.get("draft_ms"), 2), fmt(r.get("verify_ms"), 2),
+                              fmt(r.get("host_ms"), 2), fmt(r.get("gpu_idle_share"), 2), fmt(r.get("host_reads_per_cycle"), 2),
+                              r.get("outputs_equal_vs_compiled", "-"), r.get("outputs_equal_vs_eager", "-")]
+                             for r in d["runs"]]))
+            if d.get("forward_only"):
+                self.add(*table(["forward only (compiled), batch", "ms/step", "tok/s"],
+                                [[r["batch"], fmt(r["ms_per_step"], 2), fmt(r["tok_s"])] for r in d["forward_only"]]))
+            if d.get("phases"):
+                self.add("Phases (s): " + ", ".join(f"{p['phase']} {p.get('seconds', p.get('skipped', '?'))}"
+                                                    for p in d["phases"]) + ".", "")
         served = sorted((self.results / "gpu").glob("*/summary.json"))
         if served:
             path = served[-1]
