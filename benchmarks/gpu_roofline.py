@@ -102,7 +102,10 @@ def bandwidth(device, clock: Clock, gib: float) -> dict:
 
 
 @torch.inference_mode(False)  # (packing for the CPU keeps the weights' version counters)
-def build_ours(shape: str, device, dtype, num_layers: int | None = None, vocab: int | None = None) -> CausalLM:
+def build_ours(shape: str, device, dtype, num_layers: int | None = None, vocab: int | None = None,
+               prepare=None) -> CausalLM:
+    """A random model of `shape` (weights N(0, 0.02), norms 1). `prepare(model)`: run on the weights before
+    they are packed (gpu_engine.py's decisive target)."""
     v, h, i, layers, heads, kv, hd, theta = SHAPES[shape]
     args = ModelArgs(vocab_size=vocab or v, hidden_size=h, intermediate_size=i, num_layers=num_layers or layers,
                      num_heads=heads, num_kv_heads=kv, head_dim=hd, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -116,6 +119,8 @@ def build_ours(shape: str, device, dtype, num_layers: int | None = None, vocab: 
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     model.inv_freq = inv_freq.to(device)
+    if prepare is not None:
+        prepare(model)
     return model.eval().pack_for_cpu()  # off the CPU: q/k/v and gate/up fused
 
 

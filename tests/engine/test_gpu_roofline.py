@@ -136,3 +136,39 @@ def test_gpu_engine_dry_run(tmp_path):
     assert results["summary"]["target_b1_ms_over_forward_only"] > 0
     assert "eagle3 oracle compiled" in proc.stdout  # the table
     assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_gpu_engine_decisive_target_survives_rounding():
+    """gpu_engine.py's oracle proposes the target's recorded greedy continuation; with random bfloat16 weights
+    the top two logits are often closer than rounding (the H200's runs: the continuation changed with the
+    computation's shape and nothing was accepted). make_decisive makes token x followed by perm[x] by a wide
+    margin: every position's argmax is perm[x] with the top two logits many standard deviations apart,
+    where the plain random model's closest pair is within a small fraction of one."""
+    import torch
+
+    sys.path[:0] = [str(REPO / "benchmarks")]
+    try:
+        import gpu_engine
+        from gpu_roofline import SHAPES, build_ours, make_runner
+    finally:
+        del sys.path[:1]
+    SHAPES["decisive-test"] = (8192, 256, 768, 4, 4, 2, 64, 10000.0)
+    try:
+        ids = torch.randint(3, 8192, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+        margins = {}
+        for decisive in (False, True):
+            perm = {}
+            model = build_ours("decisive-test", torch.device("cpu"), torch.bfloat16,
+                               prepare=(lambda m: perm.setdefault("p", gpu_engine.make_decisive(m))) if decisive else None)
+            runner = make_runner(model, max_model_len=128, num_slots=1, slack=0, compile=False)
+            runner.kv.allocate("s")
+            with torch.inference_mode():
+                hidden, _ = runner.forward_hidden(["s"], [ids])
+                logits = model.logits(hidden).float().reshape(len(ids), -1)
+            top = logits.topk(2, -1)
+            margins[decisive] = float(((top.values[:, 0] - top.values[:, 1]) / logits.std(-1)).min())
+            if decisive:
+                assert top.indices[:, 0].tolist() == perm["p"][torch.tensor(ids)].tolist()
+        assert margins[True] > 5.0 and margins[False] < 0.5, margins
+    finally:
+        del SHAPES["decisive-test"]
