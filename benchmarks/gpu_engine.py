@@ -19,13 +19,22 @@ it is measured; --budget-s stops starting new phases):
    its host reads per cycle and tok/s; the spine is the greedy continuation, so fewer nodes are accepted);
 4. EAGLE-3 with the oracle head, eager, at one acceptance length (its outputs checked too).
 
+The target (--target decisive, the default) is made decisive (`make_decisive`): its greedy continuation of
+token x is perm[x] by a wide margin, so it is the same whatever the computation's shape and rounding (with
+plain random bfloat16 weights it is not: the first H200 runs, results/gpu_engine_h200_run{1,2,3}.json, where
+the oracle's recorded continuation was left within ~8 tokens and nothing was accepted). Every greedy run is
+checked against that known continuation (=succ), and the oracle needs no reference run: its phases can run in
+a call of their own (--sections oracle,oracle_t1). What =succ checks is the tokens and positions fed, not
+attention's values (the continuation does not depend on them; benchmarks/gpu_checks.py checks those).
+
 The oracle head (`OracleEagle`) is the real proposer (rayspec.proposers.eagle.EagleProposer) over a real
 EAGLE-3 head of the real head's shapes (one decoder layer fed the inputs of 3 target layers, a 32k draft
 vocabulary, random weights): it catches up, runs its depth forwards, top-k and one read, so its draft time
 is what a real head's is. It then replaces the draft's tokens: a fixed tree of the same node count (a spine
 of `depth` nodes, the other nodes siblings along it), the spine's node at depth d is the target's own
 greedy continuation (from phase 2) with probability p given the nodes above it are, siblings never are.
-The expected tokens per cycle (acceptance length) is then 1 + p + p^2 + ... + p^depth; p is solved for each
+(With the decisive target the continuation is perm's chain from the last token; with --target random, the
+compiled target's recorded output.) The expected tokens per cycle (acceptance length) is then 1 + p + p^2 + ... + p^depth; p is solved for each
 target length and the achieved one is printed beside it (shorter near max_tokens, where drafts shrink).
 
 Per run: output tok/s of steady decode (and end to end with prefill), ms per cycle (one engine step with
@@ -37,9 +46,14 @@ torch.profiler (CUDA only: the union of kernel and copy intervals against the wi
 reads per cycle (rayspec.device_io.count_host_reads), and whether the greedy outputs equal target-only's
 (compiled and eager). JSON + table + plot (matplotlib, else a note).
 
-Budget on an H100/H200 (estimated, not yet measured): model build ~10 s, phase 1 ~25 s, phase 2 ~45 s
-compile warm-up + ~15 s runs + ~5 s forward-only, phase 3 ~60-130 s warm-up (the head's depth graphs) +
-~60 s runs, phase 4 ~30 s: ~5 min of the 8.
+Budget, measured on an H200 (2026-12-04, host Intel Xeon, 16 cores): model build 5-7 s; target eager at
+batches 1, 8, 32: 80 s; the compiled target's warm-up: 204 s for batches 1, 8, 32 (30 s for batch 1 alone, the
+inductor cache warm), its runs 9 s per section, forward-only 2.5 s; the oracle's compiled warm-up 153 s at
+batch 1 alone; each oracle run at batch 1 8-19 s. The whole default run does not fit one 8-minute call: run it
+as two, back to back on the warm machine (the second needs no reference from the first):
+
+    python benchmarks/gpu_engine.py --sections eager,compiled,no_overlap,forward --json $OUT/gpu_engine_target.json
+    python benchmarks/gpu_engine.py --sections oracle,oracle_t1 --json $OUT/gpu_engine_oracle.json
 
     python benchmarks/gpu_engine.py --json benchmarks/results/gpu_engine_h200.json
     python benchmarks/gpu_engine.py --dry-run        # tiny shapes on CPU (CI), the same flow
@@ -151,6 +165,7 @@ class OracleEagle(EagleProposer):
         super().__init__(*args, **kwargs)
         self.p, self.seed = 1.0, seed
         self.references: dict[str, list[int]] = {}
+        self.successor: list[int] | None = None  # a decisive target's perm: its continuation, no reference needed
 
     def propose(self, requests: list[ProposeRequest], standins=None) -> list[Draft]:
         drafts = super().propose(requests, standins)  # catch-up, the depth forwards, top-k, one read or none
@@ -170,6 +185,10 @@ class OracleEagle(EagleProposer):
         depths = [j + 1 for j in range(spine)] + [k % spine + 1 for k in range(n - spine)]
         parents = [d - 2 for d in depths]  # the spine node one level up (-1: the root)
         ref, L = self.references.get(req.seq_id), len(req.token_ids)
+        if self.successor is not None:  # the decisive target: token x is followed by successor[x]
+            ref = list(req.token_ids)
+            for _ in range(n):
+                ref.append(self.successor[ref[-1]])
         aligned = ref is not None and len(ref) >= L and ref[L - 1] == req.token_ids[-1]
         rng = random.Random(f"{self.seed}:{req.seq_id}:{L}")
         vocab = self.head.args.vocab_size
@@ -429,6 +448,15 @@ def oracle_engine(a, model: CausalLM, compile: bool) -> LLMEngine:
     return LLMEngine(config, model=model, tokenizer=None, proposer=proposer)
 
 
+def chain(successor: list[int], token: int, n: int) -> list[int]:
+    """The decisive target's greedy continuation of `token`: n tokens."""
+    out = []
+    for _ in range(n):
+        token = successor[token]
+        out.append(token)
+    return out
+
+
 def tag_of(label: str, batch: int) -> str:
     """The request ids' prefix of one run (the oracle finds its references by them)."""
     return f"{label}-b{batch}".replace(" ", "_")
@@ -522,14 +550,15 @@ def plot(path: Path) -> None:
 
 def table() -> None:
     print(f"\n{'config':<26}{'AL':>6}{'b':>4}{'tok/s':>9}{'ms/cyc':>9}{'median':>8}{'p90':>8}{'draft':>8}{'verify':>8}{'host':>8}"
-          f"{'idle':>7}{'reads':>7}{'=comp':>9}{'=eager':>9}")
+          f"{'idle':>7}{'reads':>7}{'=comp':>9}{'=eager':>9}{'=succ':>9}")
     for r in RESULTS.get("runs", []):
         idle = r.get("gpu_idle_share")
         print(f"{r['config']:<26}{r['acceptance_length']:>6.2f}{r['batch']:>4}{r['tok_s'] or 0:>9.1f}"
               f"{r['ms_per_cycle']:>9.2f}{r.get('ms_per_cycle_median') or 0:>8.2f}{r.get('ms_per_cycle_p90') or 0:>8.2f}"
               f"{r['draft_ms']:>8.2f}{r['verify_ms']:>8.2f}{r['host_ms']:>8.2f}"
               f"{'-' if idle is None else f'{idle:.2f}':>7}{r['host_reads_per_cycle']:>7}"
-              f"{str(r.get('outputs_equal_vs_compiled')):>9}{str(r.get('outputs_equal_vs_eager')):>9}")
+              f"{str(r.get('outputs_equal_vs_compiled')):>9}{str(r.get('outputs_equal_vs_eager')):>9}"
+              f"{str(r.get('outputs_equal_vs_successor')):>9}")
     for r in RESULTS.get("forward_only", []):
         print(f"{'forward only (compiled)':<26}{'':>6}{r['batch']:>4}{r['tok_s']:>9.1f}{r['ms_per_step']:>9.2f}")
 
@@ -595,35 +624,41 @@ def main() -> None:
     vocab = SHAPES[a.shape][0]
     prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(max(a.batches))]
     refs: dict[str, dict] = {}
+    perm: dict[str, torch.Tensor] = {}
     with phases.phase("build the model") as go:
         model = build_ours(a.shape, torch.device(a.device), dtype,
-                           prepare=make_decisive if a.target == "decisive" else None)
+                           prepare=(lambda m: perm.setdefault("p", make_decisive(m))) if a.target == "decisive" else None)
+    successor = perm["p"].tolist() if perm else None
+    if successor is not None:  # the decisive target's greedy output is known: every run is checked against it
+        refs["successor"] = {b: [chain(successor, p[-1], a.max_tokens) for p in prompts[:b]] for b in a.batches}
+    engine = None
     if "eager" in sections:
         with phases.phase("target alone, eager") as go:
             if go:
                 engine = LLMEngine(engine_config(a, False, SpeculativeConfig(method="none")), model=model, tokenizer=None)
                 warm(a, engine, prompts, "target eager")
-                refs["eager"] = run_engine(a, engine, prompts, "target eager", {}, out)
-                del engine
+                refs["eager"] = run_engine(a, engine, prompts, "target eager",
+                                           {k: v for k, v in refs.items() if k == "successor"}, out)
+                engine = None
     with phases.phase("target alone, compiled: warm-up") as go:
-        if go:
+        if go and sections & {"compiled", "no_overlap", "forward"}:
             engine = LLMEngine(engine_config(a, True, SpeculativeConfig(method="none")), model=model, tokenizer=None)
             warm(a, engine, prompts, "target compiled")
     if "compiled" in sections:
         with phases.phase("target alone, compiled") as go:
             if go:
                 refs["compiled"] = run_engine(a, engine, prompts, "target compiled",
-                                              {k: v for k, v in refs.items() if k == "eager"}, out)
+                                              {k: v for k, v in refs.items() if k in ("eager", "successor")}, out)
     if "no_overlap" in sections and engine is not None and engine.overlap.enabled():
         with phases.phase("target alone, compiled, overlap scheduling off") as go:
             if go:
                 engine.config.overlap_scheduling = False
                 run_engine(a, engine, prompts, "target compiled no-overlap",
-                           {k: v for k, v in refs.items() if k in ("eager", "compiled")}, out)
+                           {k: v for k, v in refs.items() if k in ("eager", "compiled", "successor")}, out)
                 engine.config.overlap_scheduling = {"auto": None, "on": True, "off": False}[a.overlap]
     if "forward" in sections:
         with phases.phase("forward-only step (gpu_roofline.decode_step)") as go:
-            if go:
+            if go and engine is not None:
                 with torch.inference_mode():
                     forward_only(a, engine, prompts, clock, out)
     engine = None
@@ -635,7 +670,7 @@ def main() -> None:
         with phases.phase(f"{label}: warm-up") as go:
             if go:
                 engine = oracle_engine(a, model, compiled)
-                engine.proposer.p = 0.5
+                engine.proposer.p, engine.proposer.successor = 0.5, successor
                 warm(a, engine, prompts, label)
         for length in wanted:
             with phases.phase(f"{label}, acceptance length {length}") as go:

@@ -22,6 +22,7 @@ from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullErro
 from rayspec.model.native import CausalLM
 from rayspec.model.paged_attention import PagedLayout, chain_tail, tree_tail
 from rayspec.model.row_attention import RowKeys, row_key_spans
+from rayspec.model.tree_steps import TreeSteps
 
 
 def make_runner(model: CausalLM, max_model_len: int, num_slots: int, slack: int, num_blocks: int | None = None,
@@ -78,6 +79,14 @@ class ModelRunner:
             self.compiled = None
         elif self.compiled is None and compilable(self.model) and not self.batch_invariant:
             self.compiled = CompiledForward(self.model, self.device, self.max_compiled_rows)
+
+    def tree_steps(self, seq_ids: list[str], width: int, steps: int, static: bool = True) -> TreeSteps | None:
+        """A drafting cycle's depth forwards prepared once (rayspec.model.tree_steps), or None where they
+        do not apply: sliding-window layers (keys' positions per row) and batch-invariant forwards (rows
+        computed one by one on CPU)."""
+        if self.model.args.sliding_layers or self.batch_invariant:
+            return None
+        return TreeSteps(self, seq_ids, width, steps, static)
 
     def apply_moves(self) -> None:
         """Move the rows the books queued (copy-on-write, a relocated prefix, accepted tree paths) on

@@ -148,6 +148,9 @@ class EagleProposer(PreDraftable):
         self._clock = itertools.count()
         # the stop rule's early exit reads the device after each depth: only where that is free
         self.early_exit_reads = self.runner.device.type == "cpu" and self.stop_prob > 0
+        # a tree's depth forwards prepared once per cycle on the host, device work per depth
+        # (rayspec.model.tree_steps); False: each depth through forward_hidden (the path before it)
+        self.prepared_depths = True
         # asynchronous drafting: > 0 records each draft's best path and its top candidates
         super().__init__()  # (PreDraftable: candidates, path position -> top tokens, probs)
         self.paths: dict[str, tuple[list[int], torch.Tensor]] = {}  # path tokens, [len, H] states predicting them
@@ -454,6 +457,7 @@ class EagleProposer(PreDraftable):
         f_fed_parent = None  # [B, w] the fed slot of each frontier node's parent (None: the prefix)
         eye = torch.eye(w, dtype=torch.bool, device=dev)
         num_nodes = w
+        steps = self.runner.tree_steps(ids, w, D - 1) if D > 1 and self.prepared_depths else None
         fed_nodes, fed_hidden = [], []  # per depth: the frontier fed [B, w] and its head outputs [B, w, H]
         if self.num_candidates > 0:
             cand_tok, cand_logp = [self.head.to_target(top)[:, None]], [logp[:, None]]
@@ -466,10 +470,13 @@ class EagleProposer(PreDraftable):
             if f_fed_parent is not None:
                 sees[:, lo: lo + w] = sees.gather(1, f_fed_parent[..., None].expand(B, w, sees.shape[2]))
             sees[:, lo: lo + w, lo: lo + w] = eye
-            depths = [j // w for j in range(lo + w)]
-            trees = [TreeQuery(None, first=lo, depths=depths, sees=sees[b, lo: lo + w, : lo + w]) for b in range(B)]
-            hidden, _ = self.runner.forward_hidden(ids, f_tok, trees=trees, features=f_hidden.contiguous(),
-                                                   static=True)  # [B, w, H]
+            if steps is not None:  # device work only (rayspec.model.tree_steps)
+                hidden = steps.forward(d - 2, f_tok, f_hidden.contiguous(), sees[:, lo: lo + w])  # [B, w, H]
+            else:
+                depths = [j // w for j in range(lo + w)]
+                trees = [TreeQuery(None, first=lo, depths=depths, sees=sees[b, lo: lo + w, : lo + w]) for b in range(B)]
+                hidden, _ = self.runner.forward_hidden(ids, f_tok, trees=trees, features=f_hidden.contiguous(),
+                                                       static=True)  # [B, w, H]
             fed_nodes.append(f_node)
             fed_hidden.append(hidden)
             logp, top = top_logprobs(self.head.draft_logits(hidden), c)  # [B, w, c]: children first
@@ -548,6 +555,11 @@ class EagleProposer(PreDraftable):
         hidden = last  # [B, H]: predicts the next token
         c = max(self.num_candidates, 1)
         states, cand_tok, cand_logp = [], [], []  # per depth, pre-drafting only: [B, H], [B, c], [B, c]
+        # a chain is a tree of width 1 (node j at cache row start + j, position start + j, seeing the
+        # nodes before it): its depth forwards prepared once (rayspec.model.tree_steps)
+        steps = self.runner.tree_steps(ids, 1, K - 1) if K > 1 and self.prepared_depths else None
+        if steps is not None:
+            sees = torch.ones(K - 1, K - 1, dtype=torch.bool, device=dev).tril()
         for d in range(1, K + 1):
             if d > 1:
                 if (self.early_exit_reads and greedy_rows and not sampled and not defer
@@ -555,8 +567,12 @@ class EagleProposer(PreDraftable):
                     break
                 if self._stop():
                     return [Draft([]) for _ in reqs]
-                out, _ = self.runner.forward_hidden(ids, toks[-1][:, None], features=hidden[:, None],
-                                                    static=True)  # [B, 1, H]
+                if steps is not None:
+                    out = steps.forward(d - 2, toks[-1][:, None], hidden[:, None],
+                                        sees[None, d - 2: d - 1].expand(B, 1, K - 1))
+                else:
+                    out, _ = self.runner.forward_hidden(ids, toks[-1][:, None], features=hidden[:, None],
+                                                        static=True)  # [B, 1, H]
                 hidden = out[:, 0]
             logits = self.head.draft_logits(hidden)  # [B, Vd]
             logp = torch.log_softmax(logits, dim=-1)

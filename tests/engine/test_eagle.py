@@ -291,14 +291,28 @@ def test_stop_prob_stays_exact_and_drafts_less(target_dir, target, reference, tr
     head_dir = trained["eagle3"][0]
 
     def counting(engine):
+        """Head forwards: the catch-up's (forward_hidden) and each depth's (a cycle's TreeSteps.forward)."""
         calls = [0]
-        original = engine.proposer.runner.forward_hidden
+        runner = engine.proposer.runner
+        original, prepare = runner.forward_hidden, runner.tree_steps
 
         def forward_hidden(*args, **kwargs):
             calls[0] += 1
             return original(*args, **kwargs)
 
-        engine.proposer.runner.forward_hidden = forward_hidden
+        def tree_steps(*args, **kwargs):
+            steps = prepare(*args, **kwargs)
+            if steps is not None:
+                step = steps.forward
+
+                def forward(*a, **k):
+                    calls[0] += 1
+                    return step(*a, **k)
+
+                steps.forward = forward
+            return steps
+
+        runner.forward_hidden, runner.tree_steps = forward_hidden, tree_steps
         return calls
 
     # adaptive off: compares the drafts of a fixed budget with and without the stop (the planner would

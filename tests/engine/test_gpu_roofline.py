@@ -121,6 +121,8 @@ def test_gpu_engine_dry_run(tmp_path):
     for r in runs:
         n = f"{r['batch']}/{r['batch']}"
         assert r.get("outputs_equal_vs_eager", n) == n and r.get("outputs_equal_vs_compiled", n) == n, r
+        if r.get("temperature") is None:  # greedy: the decisive target's known continuation (make_decisive)
+            assert r["outputs_equal_vs_successor"] == n, r
         # (with overlap scheduling, on in the dry run as on CUDA, a step that queues the first of a run reads
         # nothing: the target's runs average just under one read a step)
         assert r["tok_s"] > 0 and r["ms_per_cycle"] > 0 and r["verify_ms"] > 0 and r["host_reads_max"] >= 1, r
@@ -172,3 +174,21 @@ def test_gpu_engine_decisive_target_survives_rounding():
         assert margins[True] > 5.0 and margins[False] < 0.5, margins
     finally:
         del SHAPES["decisive-test"]
+
+
+def test_gpu_engine_oracle_alone(tmp_path):
+    """The oracle's phases in a call of their own (a GPU lease runs the target's and the oracle's phases as two
+    calls): no target run before it, the decisive target's known continuation is what it drafts and what its
+    greedy outputs equal, and its p still sets the acceptance."""
+    out = tmp_path / "oracle.json"
+    _run("gpu_engine.py", "--sections", "oracle", "--acceptance-lengths", "1.5,3.0", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert not results.get("errors"), results.get("errors")
+    assert not any(p["phase"].startswith("target") and p.get("seconds", 0) > 1 for p in results["phases"]), results["phases"]
+    runs = results["runs"]
+    assert {r["config"] for r in runs} == {"eagle3 oracle compiled"}, runs
+    assert all(r["outputs_equal_vs_successor"] == f"{r['batch']}/{r['batch']}" for r in runs), runs
+    for b in (1, 2):
+        low, high = (next(r["acceptance_length"] for r in runs if r["batch"] == b and r["acceptance_target"] == t)
+                     for t in (1.5, 3.0))
+        assert 1.2 < low < high, (low, high)

@@ -1,0 +1,112 @@
+"""A drafting cycle's depth forwards prepared once on the host (rayspec.model.tree_steps, issue #50 item 2b's
+ground): the EAGLE head's trees and chains are the ones each depth's own forward_hidden drafted, token for
+token (greedy and sampled, trees and chains, batched with joins), the engine's output is unchanged, and the
+host's preparation and copies to the device happen once per cycle, whatever the depth."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_utils import cached_model, make_engine, run_joining  # noqa: E402
+from rayspec.assets import assets_root  # noqa: E402
+from rayspec.sampling.sampler import SamplingParams  # noqa: E402
+
+HEAD = str(assets_root() / "heads" / "smollm2-135m-eagle3")
+TEXTS = ["Write a short poem about the sea.", "def fibonacci(n):",
+         "Repeat after me: one two three, one two three, one two three.", "Explain recursion to a child."]
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2):
+    return cached_model(smollm2)
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded) -> list[list[int]]:
+    from rayspec.engine.intake import encode_chat
+
+    return [encode_chat(loaded[1], [{"role": "user", "content": t}]) for t in TEXTS]
+
+
+def _run(smollm2, loaded, prompts, prepared: bool, topk: int, params: SamplingParams, defer: bool):
+    """(outputs, every drafted token list per cycle) of one engine: EAGLE-3 trees (topk 3) or chains (topk 1)."""
+    # adaptive off: every cycle drafts its whole budget (the comparison is of the drafts themselves)
+    engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=topk, num_steps=5,
+                         adaptive=False, engine_seed=7)
+    engine.config.defer_draft_reads = defer
+    proposer = engine.proposer
+    proposer.prepared_depths = prepared
+    drafted, draft = [], proposer._draft
+
+    def recording(reqs, last):
+        out = draft(reqs, last)
+        drafted.append([(r.seq_id, d.tokens, d.parents) if d.deferred is None else
+                        (r.seq_id, d.deferred.tokens.tolist()) for r, d in zip(reqs, out)])
+        return out
+
+    proposer._draft = recording
+    return run_joining(engine, prompts, params, first=2, steps_before_join=3), drafted
+
+
+@pytest.mark.parametrize("topk", [3, 1], ids=["trees", "chains"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_prepared_depths_draft_what_each_depth_drafted(smollm2, loaded, prompts, topk, sampled):
+    params = SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0, max_tokens=24)
+    before = _run(smollm2, loaded, prompts, False, topk, params, defer=False)
+    after = _run(smollm2, loaded, prompts, True, topk, params, defer=False)
+    assert after[1] == before[1]  # every cycle's drafts
+    assert after[0] == before[0]
+    assert sum(len(t) for cycle in after[1] for _, t, *_ in cycle) > 0
+
+
+def test_prepared_depths_with_deferred_drafts(smollm2, loaded, prompts):
+    """Drafts left on the device (defer_draft_reads, the GPU's default) are the same too."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    before = _run(smollm2, loaded, prompts, False, 3, params, defer=True)
+    after = _run(smollm2, loaded, prompts, True, 3, params, defer=True)
+    assert after == before
+
+
+def test_one_preparation_per_cycle(smollm2, loaded, prompts, monkeypatch):
+    """The host prepares and sends once per drafting cycle, not once per depth: during the head's depth
+    loop nothing goes through forward_hidden, and the prepared steps copy to the device once."""
+    import rayspec.model.tree_steps as tree_steps
+
+    engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=3, num_steps=6,
+                         adaptive=False)
+    proposer = engine.proposer
+    counts = {"copies": 0, "depth_forwards": 0, "static_forward_hidden": 0, "cycles": 0}
+    copy, forward_hidden, draft = tree_steps.to_device, proposer.runner.forward_hidden, proposer._draft
+    step = tree_steps.TreeSteps.forward
+
+    def counted_copy(*args, **kwargs):
+        counts["copies"] += 1
+        return copy(*args, **kwargs)
+
+    def counted_forward_hidden(*args, **kwargs):
+        counts["static_forward_hidden"] += bool(kwargs.get("static"))  # (a depth's, before; the catch-up is not)
+        return forward_hidden(*args, **kwargs)
+
+    def counted_step(self, *args, **kwargs):
+        counts["depth_forwards"] += 1
+        return step(self, *args, **kwargs)
+
+    def counted_draft(reqs, last):
+        counts["cycles"] += 1
+        return draft(reqs, last)
+
+    monkeypatch.setattr(tree_steps, "to_device", counted_copy)
+    monkeypatch.setattr(tree_steps.TreeSteps, "forward", counted_step)
+    monkeypatch.setattr(proposer.runner, "forward_hidden", counted_forward_hidden)
+    monkeypatch.setattr(proposer, "_draft", counted_draft)
+    engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16))
+    assert counts["cycles"] > 3 and counts["static_forward_hidden"] == 0, counts
+    # one copy a cycle (a cycle whose budget is one token has no depth forward, and no copy), and it
+    # serves every depth of the cycle (5 here, fewer near max_tokens)
+    assert counts["cycles"] - 2 <= counts["copies"] <= counts["cycles"], counts
+    assert counts["depth_forwards"] >= 4 * counts["copies"], counts
