@@ -695,6 +695,19 @@ class Page:
             if d.get("phases"):
                 self.add("Phases (s): " + ", ".join(f"{p['phase']} {p.get('seconds', p.get('skipped', '?'))}"
                                                     for p in d["phases"]) + ".", "")
+        for rel, d in sorted(self.data.items()):
+            if not (Path(rel).name.startswith("draft_depths") and isinstance(d, dict) and "cells" in d):
+                continue
+            self.used.add(rel)
+            args = d.get("args") or {}
+            self.add(f"### A drafting cycle's depth forwards prepared once: `{Path(rel).stem}`", "",
+                     f"{link(rel)} (`benchmarks/draft_depths.py`): the EAGLE-3 proposer's seconds per run (median of"
+                     f" {args.get('rounds')} interleaved rounds; `{args.get('shape')}` shapes, {args.get('nodes')} nodes,"
+                     f" depth {args.get('depth')}, top-k {args.get('topk')}, {args.get('max_tokens')} tokens), a forward"
+                     f" per depth against prepared once (`rayspec/model/tree_steps.py`); machine {self.m.of(rel, d)}.", "")
+            self.add(*table(["mode", "batch", "a forward per depth s", "prepared once s", "ratio"],
+                            [[c["mode"], c["batch"], fmt(c["per_depth_s"], 3), fmt(c["prepared_s"], 3),
+                              fmt(c["prepared_over_per_depth"], 3, "x")] for c in d["cells"]]))
         served = sorted((self.results / "gpu").glob("*/summary.json"))
         if served:
             path = served[-1]

@@ -110,3 +110,20 @@ def test_one_preparation_per_cycle(smollm2, loaded, prompts, monkeypatch):
     # serves every depth of the cycle (5 here, fewer near max_tokens)
     assert counts["cycles"] - 2 <= counts["copies"] <= counts["cycles"], counts
     assert counts["depth_forwards"] >= 4 * counts["copies"], counts
+
+
+def test_draft_depths_benchmark_dry_run(tmp_path):
+    """benchmarks/draft_depths.py (the proposer's time per cycle, prepared depths against a forward per
+    depth) on its smallest settings: both engines timed, their ratio recorded with the machine."""
+    import json
+    import subprocess
+
+    out = tmp_path / "depths.json"
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "draft_depths.py"), "--dry-run", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    (cell,) = result["cells"]
+    assert cell["per_depth_s"] > 0 and cell["prepared_s"] > 0 and cell["prepared_over_per_depth"] > 0
+    assert result["environment"]["cpu_model"]
