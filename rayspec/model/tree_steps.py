@@ -9,7 +9,9 @@ depths (the nodes' cache rows, every key's pool row up to a key length fixed for
 prefix lengths), sends it in one copy, and each depth is device work only: slices of those tensors,
 the visibility from the device's ancestry, the head's forward. Every depth has the same shapes
 (batch bucket x width rows over the same keys), so they share one compiled graph, and nothing
-between them waits for the host: the ground for capturing the whole drafting loop in one graph.
+between them waits for the host: the ground for capturing the whole drafting loop in one graph. (Each
+depth's rows are their own [Bp, width] tensor with standard strides: a compiled graph is specialised on its
+inputs' strides, and slices of one [Bp, nodes] tensor compiled a graph per depth.)
 
 Node slot j of the tree (depth j // width) sits in cache row start + j at rope position
 start + j // width, as TreeQuery(depths=..., sees=...) puts it: the same forward, the same cache
@@ -50,8 +52,11 @@ class TreeSteps:
         node_pos = starts_np[:, None] + np.arange(n)  # [Bp, n] each node's cache position
         write = np.take_along_axis(blocks, np.minimum(node_pos // bs, blocks.shape[1] - 1), axis=1) * bs + node_pos % bs
         write[B:] = SCRATCH_BLOCK * bs + np.arange(n) % bs  # padding rows write scratch
-        t_blocks, self.write, self.starts, self.cache_pos = to_device(blocks, write, starts_np, node_pos,
-                                                                      device=runner.device)
+        # per depth [steps, Bp, width]: each depth's rows a tensor of standard strides (a compiled graph is
+        # specialised on its inputs' strides: a [Bp, width] slice of [Bp, n] compiled a graph per depth)
+        by_step = lambda a: a.reshape(Bp, steps, width).transpose(1, 0, 2).copy()  # noqa: E731 (copy: C strides)
+        t_blocks, self.write, self.starts, self.cache_pos = to_device(blocks, by_step(write), starts_np,
+                                                                      by_step(node_pos), device=runner.device)
         offsets = torch.arange(bs, device=runner.device)
         self.read = (t_blocks[:, :, None] * bs + offsets).reshape(Bp, -1)[:, :kv_len]  # [Bp, kv_len]
         self.Bp = Bp
@@ -61,15 +66,12 @@ class TreeSteps:
         device, sees [B, width, width * steps] which node slots each fed node attends to (its ancestors and
         itself) -> the head's output [B, width, H]."""
         w, B, Bp, runner = self.width, self.B, self.Bp, self.runner
-        cols = slice(step * w, (step + 1) * w)
         nodes = pad_rows(sees, Bp, w)[:, None]  # [Bp, 1, w, n]
         visible = spread_tree_visible(nodes, self.starts, self.kv_len)  # prefix + the ancestry
-        # (contiguous: a compiled graph is specialised on its inputs' strides and offsets, so every depth
-        # would compile a graph of its own for views at other offsets of the same tensors)
         positions = (self.starts + step)[:, None].expand(Bp, w).contiguous()
-        batch = ForwardBatch(write_index=self.write[:, cols].contiguous(), read_index=self.read, positions=positions,
+        batch = ForwardBatch(write_index=self.write[step], read_index=self.read, positions=positions,
                              kv_len=self.kv_len, mask=additive_mask(visible, runner.dtype),
-                             cache_positions=self.cache_pos[:, cols].contiguous())
+                             cache_positions=self.cache_pos[step])
         if self.compiled:
             out = runner.compiled(pad_rows(tokens, Bp, w), runner.cache, batch, features=pad_rows(features, Bp, w))
             return out[:B]

@@ -127,3 +127,45 @@ def test_draft_depths_benchmark_dry_run(tmp_path):
     (cell,) = result["cells"]
     assert cell["per_depth_s"] > 0 and cell["prepared_s"] > 0 and cell["prepared_over_per_depth"] > 0
     assert result["environment"]["cpu_model"]
+
+
+def test_one_compiled_graph_for_every_depth():
+    """Through the compiled step every depth of a cycle takes the head's one graph: the prepared tensors are
+    sliced per depth with the same strides (a [B, width] slice of [B, nodes] has its row stride, a graph
+    specialises on strides, and such slices compiled a graph per depth). Counted as dynamo's recompiles of the
+    head's forward over a run (aot_eager: the traced step, no inductor build)."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+    import torch._dynamo
+
+    sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "benchmarks")]
+    try:
+        import gpu_engine
+        from gpu_roofline import build_ours
+    finally:
+        del sys.path[:1]
+    from rayspec.model.compiled import CompiledForward
+
+    backend, CompiledForward.backend = CompiledForward.backend, "aot_eager"
+    try:
+        a = SimpleNamespace(device="cpu", dtype_name="float32", prompt_len=60, max_tokens=24, batches=[1], kv_gb=0.05,
+                            chunk=8192, defer_draft_reads="on", overlap="off", nodes=16, topk=4, depth=8,
+                            tree_max_batch=32, draft_vocab=256, warm_tokens=8)
+        engine = gpu_engine.oracle_engine(a, build_ours("tiny", torch.device("cpu"), torch.float32), True)
+        engine.proposer.p = 0.5
+        head = engine.proposer.runner.compiled
+        calls = []
+        original = head.fn
+
+        def fn(input_ids, cache, batch, **kwargs):
+            calls.append((tuple(batch.write_index.stride()), tuple(batch.cache_positions.stride())))
+            return original(input_ids, cache, batch, **kwargs)
+
+        head.fn = fn
+        rng = random.Random(0)
+        gpu_engine.run_batch(engine, [[rng.randrange(3, 512) for _ in range(a.prompt_len)]], a.max_tokens, "g", 0, False)
+        assert len(calls) > 10 and len(set(calls)) == 1, set(calls)  # every depth: one layout of its inputs
+    finally:
+        CompiledForward.backend = backend
