@@ -651,11 +651,20 @@ def test_plan_quotes_the_measured_gpu_step_for_measured_shapes(tmp_path):
         "args": {"shape": "llama3.1-8b"}, "summary": {"gpu": "GPU X"},
         "runs": [{"config": "target compiled", "batch": 1, "tok_s": 140.0},
                  {"config": "eagle3 oracle compiled", "acceptance_target": 5.4, "acceptance_length": 5.3, "batch": 1,
-                  "tok_s": 510.0}, {"config": "target eager", "batch": 1, "tok_s": 60.0}]}))
+                  "tok_s": 510.0}, {"config": "target eager", "batch": 1, "tok_s": 60.0},
+                 {"config": "eagle3 oracle compiled", "acceptance_target": 6.5, "acceptance_length": 1.02, "batch": 1,
+                  "tok_s": 37.0}]}))
     (measured / "gpu_roofline_x.json").write_text((RESULTS_DIR / "gpu_roofline_h100.json").read_text())
     both = measured_step_lines(llama8b, results_dir=measured)
     assert "measured end to end on GPU X" in both[1] and "target compiled batch 1 140 tok/s" in both[1], both
     assert "(acceptance length 5.3) batch 1 510 tok/s" in both[1] and "eager" not in both[1]
+    # an oracle whose drafts were not accepted measured no speculation: left out, and said so
+    assert "37 tok/s" not in both[1] and "1 speculative run(s) left out" in both[1], both
+    (measured / "gpu_engine_x.json").write_text(_json.dumps({  # outputs unlike the target's: left out too
+        "args": {"shape": "llama3.1-8b"}, "summary": {"gpu": "GPU X"},
+        "runs": [{"config": "eagle3 oracle compiled", "acceptance_target": 2.0, "acceptance_length": 1.9, "batch": 1,
+                  "tok_s": 300.0, "outputs_equal_vs_compiled": "0/1"}]}))
+    assert "300 tok/s" not in "\n".join(measured_step_lines(llama8b, results_dir=measured))
     assert "forward only" in both[2]
     other = ModelArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True)
