@@ -466,7 +466,15 @@ def warm(a, engine: LLMEngine, prompts, label: str) -> None:
     """A short untimed run at every batch: the shapes a run takes are compiled (the head's depth forwards
     compile when first seen) and their kernels loaded before any timing."""
     for b in a.batches:
+        t = time.perf_counter()
         run_batch(engine, prompts[:b], a.warm_tokens, tag_of(f"warm {label}", b), 0, False)
+        # which compiled shapes (batch x rows buckets) the warm-up left, and its seconds per batch: where a
+        # warm-up's minutes go (each 8B graph ~25 s on the H200)
+        shapes = {name: sorted(c.shapes) for name, c in (("target", engine.runner.compiled),
+                                                          ("proposer", getattr(getattr(engine.proposer, "runner", None),
+                                                                               "compiled", None))) if c is not None}
+        RESULTS.setdefault("warm_ups", []).append({"engine": label, "batch": b, "seconds": round(time.perf_counter() - t, 1),
+                                                   "compiled_shapes": shapes})
 
 
 def run_engine(a, engine: LLMEngine, prompts, label: str, refs: dict, out, extra=None, temperature: float = 0.0) -> dict:
