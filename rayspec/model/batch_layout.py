@@ -211,3 +211,11 @@ def add_tree_depths(positions: torch.Tensor, trees: list[TreeQuery] | None) -> N
     for b, tree in enumerate(trees or []):
         if tree.depth_add is not None:
             positions[b, : tree.depth_add.shape[0]] += tree.depth_add
+
+
+def rows_of_blocks(blocks: torch.Tensor, block_size: int, kv_len: int) -> torch.Tensor:
+    """[B, kv_len] the pool row of each position 0..kv_len-1, from the blocks [B, nb] holding them
+    (KVSpace.covering_blocks), on their device."""
+    B, nb = blocks.shape
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks[:, :, None] * block_size + offsets).reshape(B, nb * block_size)[:, :kv_len]

@@ -15,7 +15,8 @@ import torch
 
 from rayspec.device_io import to_device
 from rayspec.model.batch_layout import (TreeQuery, add_tree_depths, additive_mask, last_rows, pad_rows,
-                                        sliding_window_mask, spread_tree_visible, tree_layout_host, tree_layout_nodes)
+                                        rows_of_blocks, sliding_window_mask, spread_tree_visible, tree_layout_host,
+                                        tree_layout_nodes)
 from rayspec.model.compiled import KV_BUCKET, MAX_ROWS, CompiledForward, bucket, compilable, round_up
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
@@ -221,7 +222,7 @@ class ModelRunner:
             host["real_rows"] = np.concatenate([np.arange(n) + i * Q for i, n in enumerate(lengths)])
             host["write_rows"] = host["write_index"].reshape(-1)[host["real_rows"]]
         t = dict(zip(host, to_device(*host.values(), device=self.device)))
-        t["read_index"] = _rows_of_blocks(t.pop("blocks"), bs, kv_len)  # [B, kv_len]
+        t["read_index"] = rows_of_blocks(t.pop("blocks"), bs, kv_len)  # [B, kv_len]
         if "nodes_visible" in t:
             t["visible"] = spread_tree_visible(t.pop("nodes_visible"), t.pop("starts"), kv_len)
         return t
@@ -366,7 +367,7 @@ class ModelRunner:
             ids, positions, blocks, write, nodes, np.asarray(starts, dtype=np.int64), real,
             *([key_positions] if key_positions is not None else []), device=self.device)
         add_tree_depths(t_pos, trees)  # (a tree whose depths the device completes: deferred drafts)
-        t_read = _rows_of_blocks(t_blocks, bs, kv_len)  # [Bp, kv_len]
+        t_read = rows_of_blocks(t_blocks, bs, kv_len)  # [Bp, kv_len]
         # every row sees the keys up to its position (padding rows: their own scratch rows), a tree's
         # rows their prefix and the nodes tree_layout_nodes marked
         t_visible = torch.arange(kv_len, device=self.device)[None, None, None, :] <= t_pos[:, None, :, None]
@@ -403,10 +404,3 @@ class ModelRunner:
             tail[b] = tree_tail(tree.parents, Qp)
         return table, context, tail
 
-
-def _rows_of_blocks(blocks: torch.Tensor, block_size: int, kv_len: int) -> torch.Tensor:
-    """[B, kv_len] the pool row of each position 0..kv_len-1, from the blocks [B, nb] holding them
-    (KVSpace.covering_blocks), on their device."""
-    B, nb = blocks.shape
-    offsets = torch.arange(block_size, device=blocks.device)
-    return (blocks[:, :, None] * block_size + offsets).reshape(B, nb * block_size)[:, :kv_len]

@@ -25,7 +25,7 @@ import torch
 
 from rayspec.device_io import to_device
 from rayspec.kv.kv_space import SCRATCH_BLOCK
-from rayspec.model.batch_layout import additive_mask, pad_rows, spread_tree_visible
+from rayspec.model.batch_layout import additive_mask, pad_rows, rows_of_blocks, spread_tree_visible
 from rayspec.model.compiled import KV_BUCKET, bucket, round_up
 from rayspec.model.kv_cache import ForwardBatch
 
@@ -57,8 +57,7 @@ class TreeSteps:
         by_step = lambda a: a.reshape(Bp, steps, width).transpose(1, 0, 2).copy()  # noqa: E731 (copy: C strides)
         t_blocks, self.write, self.starts, self.cache_pos = to_device(blocks, by_step(write), starts_np,
                                                                       by_step(node_pos), device=runner.device)
-        offsets = torch.arange(bs, device=runner.device)
-        self.read = (t_blocks[:, :, None] * bs + offsets).reshape(Bp, -1)[:, :kv_len]  # [Bp, kv_len]
+        self.read = rows_of_blocks(t_blocks, bs, kv_len)  # [Bp, kv_len]
         self.Bp = Bp
 
     def forward(self, step: int, tokens: torch.Tensor, features: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
