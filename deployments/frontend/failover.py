@@ -9,18 +9,23 @@ an unseeded one keeps the target's distribution. A whole (non-streamed) request 
 from the start. Usage counts add up over the replicas. Before a request goes again, its call or stream
 on the lost replica is cancelled: a replica that is only unreachable (ActorUnavailableError) would
 otherwise go on decoding it for no one. A request's deadline (GenerateRequest.timeout_s) holds over
-failovers: each replica gets the time left (`time_left`), none left is a RequestTimeoutError.
+failovers: each replica gets the time left (`time_left`), none left is a RequestTimeoutError. A resumed
+stream that Serve refuses for want of room before its first chunk (BackPressureError: its router may still
+count the lost replica's request, or the replacement is not up) is tried again after short pauses, within
+the deadline: a caller who has part of its output waits rather than ending with a 429 mid-stream.
 A verifier replica whose engine hangs fails its health check (step_watchdog_s); Serve then stops it
 and its requests come here as from any dead replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Awaitable, Callable, TypeVar
 
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, RequestTimeoutError
 
@@ -28,6 +33,11 @@ logger = logging.getLogger("rayspec.serve")
 
 MAX_FAILOVERS = 3
 REPLICA_LOST = (RayActorError, ActorUnavailableError)  # the verifier replica died or cannot be reached
+
+# a resumed stream that Serve refuses for want of room (its router may still count the lost replica's
+# request, or the replacement is not up yet): tried again after these pauses, within the deadline
+REFUSED = (BackPressureError, DeploymentUnavailableError)
+RESUME_PAUSES_S = (0.1, 0.25, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0, 8.0)
 
 T = TypeVar("T")
 
@@ -71,6 +81,8 @@ class FailoverStream:
         self._drafts_before = self._accepted_before = 0  # counts of the replicas that died
         self._drafts = self._accepted = 0  # the current replica's, as of its last chunk
         self._started = time.monotonic()  # the deadline's start
+        self._resumed_waiting = False  # resumed after a failover, no chunk from the new replica yet
+        self._resume_request: GenerateRequest | None = None
         self._gen = self._open(request)
 
     def _open(self, request: GenerateRequest):
@@ -80,10 +92,20 @@ class FailoverStream:
         return self
 
     async def __anext__(self) -> GenerateChunk:
+        refusals = 0
         while True:
             try:
                 chunk = await self._gen.__anext__()
                 break
+            except REFUSED:
+                # a stream resumed after a failover, refused before its first chunk: the caller has had
+                # part of its output already, so it waits for room rather than ending with a 429
+                if not self._resumed_waiting or refusals >= len(RESUME_PAUSES_S):
+                    raise
+                await asyncio.sleep(RESUME_PAUSES_S[refusals])
+                refusals += 1
+                logger.info("the resumed stream was refused (no room yet); trying again (%d)", refusals)
+                self._gen = self._open(time_left(self._resume_request, self._started))
             except REPLICA_LOST as err:
                 if self.num_failovers >= MAX_FAILOVERS:
                     raise
@@ -96,9 +118,14 @@ class FailoverStream:
                 self._drafts_before += self._drafts
                 self._accepted_before += self._accepted
                 self._drafts = self._accepted = 0
-                self._gen = self._open(resumed.model_copy(update={
+                self._resume_request = self.request.model_copy(update={
                     "resume_output_ids": list(self.request.resume_output_ids) + self.output_ids,
-                    "resume_sent_chars": self.request.resume_sent_chars + self.sent_chars}))
+                    "resume_sent_chars": self.request.resume_sent_chars + self.sent_chars})
+                self._gen = self._open(resumed.model_copy(update={
+                    "resume_output_ids": self._resume_request.resume_output_ids,
+                    "resume_sent_chars": self._resume_request.resume_sent_chars}))
+                self._resumed_waiting = True
+        self._resumed_waiting = False
         self.counts.answered_at = time.monotonic()
         self.output_ids += chunk.delta_token_ids
         self.sent_chars += len(chunk.delta_text)

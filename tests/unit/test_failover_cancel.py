@@ -97,3 +97,60 @@ def test_a_failed_over_call_cancels_the_old_one():
     counts = FailoverCounts()
     assert asyncio.run(call_with_failover(call, counts)) == "done" and counts.requests == 1
     assert responses[0].cancelled and not responses[1].cancelled
+
+
+def test_a_resumed_stream_refused_for_room_waits_for_it(monkeypatch):
+    """The stream's replica is lost after a chunk; Serve refuses the resumed stream twice for want of room
+    (BackPressureError: its router still counting the lost replica's request, the replacement not up yet;
+    seen in CI as a 429 in the middle of a 200 stream). The stream waits and resumes: the caller gets every
+    token once, and a refusal before any failover still raises (a new request is answered with a 429)."""
+    import deployments.frontend.failover as failover
+    from ray.serve.exceptions import BackPressureError
+
+    monkeypatch.setattr(failover, "RESUME_PAUSES_S", (0.0,) * 4)
+
+    class Refusing(_Verifier):
+        @property
+        def generate_stream(self):
+            outer = self
+
+            class _Method:
+                def remote(self, request):
+                    n = len(outer.streams)
+                    if n == 0:
+                        items = [_chunk([1, 2], False), ActorUnavailableError("unreachable", None)]
+                    elif n in (1, 2):
+                        items = [BackPressureError(num_queued_requests=1, max_queued_requests=1)]
+                    else:
+                        assert request.resume_output_ids == [1, 2]
+                        items = [_chunk([3], True)]
+                    outer.streams.append(_Stream(items))
+                    return outer.streams[-1]
+            return _Method()
+
+    async def read_all(stream):
+        out = []
+        async for chunk in stream:
+            out += chunk.delta_token_ids
+            if chunk.finished:
+                return out
+
+    verifier = Refusing()
+    counts = FailoverCounts()
+    assert asyncio.run(read_all(FailoverStream(verifier, GenerateRequest(prompt=[5, 6, 7]), counts))) == [1, 2, 3]
+    assert len(verifier.streams) == 4 and counts.streams == 1
+
+    class RefusedAtOnce(_Verifier):
+        @property
+        def generate_stream(self):
+            class _Method:
+                def remote(self, request):
+                    return _Stream([BackPressureError(num_queued_requests=1, max_queued_requests=1)])
+            return _Method()
+
+    try:
+        asyncio.run(read_all(FailoverStream(RefusedAtOnce(), GenerateRequest(prompt=[5]), FailoverCounts())))
+    except BackPressureError:
+        pass
+    else:
+        raise AssertionError("a new stream refused for room must raise (the ingress answers 429)")
