@@ -4,8 +4,8 @@ from a directory outside the checkout; and how shipped configs and heads are fou
 The wheel test builds from the checkout's tracked and untracked-but-not-ignored files, installs
 torch and the wheel's serve extra at constraints.txt's versions, and takes the default model from
 the rayspec cache this run uses ($RAYSPEC_CACHE, inherited), so nothing is fetched again.
-Measured on the 2-core machine here, shared with other work (load 12-30): 190 s in all, the build
-11 s, the install 100 s (the packages downloaded, pip's cache unused here), the app up 62 s.
+The install uses uv where scripts/setup installed it (pip otherwise). Measured on the 2-core machine
+here in a CI run with pip: 79 s in all.
 """
 
 from __future__ import annotations
@@ -82,6 +82,22 @@ def _source_copy(dest: Path) -> Path:
     return dest
 
 
+def _installer(python: Path) -> list:
+    """The install command for the fresh venv: uv's where scripts/setup installed it beside this run's
+    Python (it links from the cache the setup filled: ~10 s against pip's ~50 s of the CI run), pip's
+    otherwise (--no-compile: byte-compiling torch and ray up front doubled pip's CPU time; what runs is
+    compiled on import). Either is given the local wheel directories pip is configured with."""
+    links = []
+    found = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                           capture_output=True, text=True).stdout.split()
+    for where in os.environ.get("PIP_FIND_LINKS", "").split() + found:
+        if Path(where).is_dir():
+            links += ["--find-links", where]
+    if subprocess.run([sys.executable, "-m", "uv", "--version"], capture_output=True).returncode == 0:
+        return [sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python", python, *links]
+    return [python, "-m", "pip", "install", "--quiet", "--no-compile", *links]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_wheel_in_fresh_venv_serves_default_config(tmp_path, own_cluster):
@@ -102,10 +118,7 @@ def test_wheel_in_fresh_venv_serves_default_config(tmp_path, own_cluster):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "VIRTUAL_ENV")}
     venv.create(tmp_path / "venv", with_pip=True)
     bin_dir = tmp_path / "venv" / "bin"
-    # --no-compile: byte-compiling torch and ray up front doubled the install's CPU time (what runs
-    # is compiled on import)
-    _run([bin_dir / "python", "-m", "pip", "install", "--quiet", "--no-compile", "-c", CONSTRAINTS, "torch==2.13.0",
-          f"{wheel}[serve]"], 600, env=env)
+    _run([*_installer(bin_dir / "python"), "-c", CONSTRAINTS, "torch==2.13.0", f"{wheel}[serve]"], 600, env=env)
     timings["install"] = time.monotonic() - start - timings["build"]
 
     elsewhere = tmp_path / "elsewhere"  # no configs/ nor heads/ here, and the checkout is not on the path
