@@ -82,6 +82,10 @@ def main() -> None:
     if a.dry_run:
         a.width, a.dtype, a.pools_mb, a.context, a.steps, a.rounds = "tiny", "float32", "1,8", 32, 3, 1
         a.threads = a.threads or 1
+        # the compiled step as traced (aot_eager: a copy of the pool would still be in the graph), without
+        # inductor's C++ builds (half of the dry run's time in CI)
+        from rayspec.model.compiled import CompiledForward
+        CompiledForward.backend = "aot_eager"
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)

@@ -444,6 +444,8 @@ def oracle_engine(a, model: CausalLM, compile: bool) -> LLMEngine:
     head = build_head(model, a.draft_vocab)
     proposer = OracleEagle(head, config.max_model_len, config.max_num_seqs, a.nodes, topk=a.topk, depth=a.depth)
     proposer.runner.max_chunk_tokens = a.chunk
+    # compiled: the tree's depth loop as one graph (rayspec.proposers.tree_graph), or each depth from Python
+    proposer.captured_trees = getattr(a, "captured_trees", "on") == "on"
     proposer.set_compile(compile)
     return LLMEngine(config, model=model, tokenizer=None, proposer=proposer)
 
@@ -473,6 +475,9 @@ def warm(a, engine: LLMEngine, prompts, label: str) -> None:
         shapes = {name: sorted(c.shapes) for name, c in (("target", engine.runner.compiled),
                                                           ("proposer", getattr(getattr(engine.proposer, "runner", None),
                                                                                "compiled", None))) if c is not None}
+        graph = getattr(engine.proposer, "tree_graph", None)
+        if graph is not None:  # the captured depth loops: (batch bucket, width, depth)
+            shapes["tree_graph"] = sorted(graph.shapes)
         RESULTS.setdefault("warm_ups", []).append({"engine": label, "batch": b, "seconds": round(time.perf_counter() - t, 1),
                                                    "compiled_shapes": shapes})
 
@@ -588,6 +593,9 @@ def main() -> None:
     parser.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
                         help="overlap_scheduling of the engines (auto: on for CUDA); section no_overlap runs the "
                              "compiled target again with it off")
+    parser.add_argument("--captured-trees", default="on", choices=("on", "off"),
+                        help="compiled EAGLE: a tree's whole depth loop as one graph (CUDA graph), or a compiled "
+                             "head forward per depth from Python (the path before it)")
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--kv-gb", type=float, default=8.0)
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")

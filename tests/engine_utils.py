@@ -32,7 +32,7 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
                 max_model_len: int = 256, max_num_seqs: int = 8, loaded=None, proposer=None,
                 kv_cache_memory_gb: float = 2.0, measured_costs: bool = False,
                 max_num_batched_tokens: int | None = 2048, engine_seed: int | None = None,
-                enable_prefix_caching: bool = True, **spec) -> LLMEngine:
+                enable_prefix_caching: bool = True, compile: bool | None = None, **spec) -> LLMEngine:
     """An engine on `model`; `loaded=(model, tokenizer)` reuses weights already in memory.
     The production defaults are on, as in EngineConfig and the served fixture (serve_utils.tiny_args):
     the adaptive draft planner and prefix caching (issue #53, item 5). A test that needs one off
@@ -40,6 +40,7 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
     counts the drafts, steps or cached blocks of a fixed budget, or needs drafts verified on every
     step where the planner would stop drafting after the first rejections).
     engine_seed: EngineConfig.seed (unseeded sampled requests draw reproducible streams).
+    compile: EngineConfig.compile (None: the suite's, TEST_COMPILE).
 
     With `adaptive`, the draft planner weighs modelled step costs (MODELLED_COSTS, the config's
     `draft_costs`), so the budgets it picks, and every count a test asserts, are the same on a
@@ -48,7 +49,7 @@ def make_engine(model: str | Path, method: str = "none", k: int = 4, adaptive: b
         spec.setdefault("draft_costs", MODELLED_COSTS)
     config = EngineConfig(model=str(model), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           kv_cache_memory_gb=kv_cache_memory_gb, max_num_batched_tokens=max_num_batched_tokens,
-                          compile=TEST_COMPILE, seed=engine_seed, enable_prefix_caching=enable_prefix_caching,
+                          compile=TEST_COMPILE if compile is None else compile, seed=engine_seed, enable_prefix_caching=enable_prefix_caching,
                           speculative=SpeculativeConfig(method=method, num_speculative_tokens=k,
                                                         adaptive=adaptive, **spec))
     if loaded is None:

@@ -39,6 +39,7 @@ from rayspec.model.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
+from rayspec.proposers.tree_graph import TreeGraph
 from rayspec.proposers.deferred import defer_chains, defer_trees
 from rayspec.proposers.ngram import NgramIndex
 from rayspec.proposers.recorded_paths import gather_states, tree_path
@@ -151,6 +152,9 @@ class EagleProposer(PreDraftable):
         # a tree's depth forwards prepared once per cycle on the host, device work per depth
         # (rayspec.model.tree_steps); False: each depth through forward_hidden (the path before it)
         self.prepared_depths = True
+        # with the compiled step: a tree's depth loop captured whole (TreeGraph; set_compile makes it)
+        self.captured_trees = True
+        self.tree_graph: TreeGraph | None = None
         # asynchronous drafting: > 0 records each draft's best path and its top candidates
         super().__init__()  # (PreDraftable: candidates, path position -> top tokens, probs)
         self.paths: dict[str, tuple[list[int], torch.Tensor]] = {}  # path tokens, [len, H] states predicting them
@@ -163,6 +167,11 @@ class EagleProposer(PreDraftable):
 
     def set_compile(self, on: bool) -> None:
         self.runner.set_compile(on)
+        compiled = self.runner.compiled
+        # a tree's whole depth loop as one compiled graph (rayspec.proposers.tree_graph) where the
+        # head's step is compiled; None: the loop in Python, a compiled head forward per depth
+        self.tree_graph = (TreeGraph(compiled.backend, compiled.mode) if compiled is not None and self.captured_trees
+                           else None)
 
     def models(self) -> list[torch.nn.Module]:
         return [self.head]
@@ -458,6 +467,13 @@ class EagleProposer(PreDraftable):
         eye = torch.eye(w, dtype=torch.bool, device=dev)
         num_nodes = w
         steps = self.runner.tree_steps(ids, w, D - 1) if D > 1 and self.prepared_depths else None
+        if (steps is not None and steps.compiled and self.tree_graph is not None and self.num_candidates <= 0):
+            if self._stop():
+                return [Draft([]) for _ in reqs]
+            # the whole depth loop, one graph (rayspec.proposers.tree_graph): every depth runs, no early exit
+            tok_d, score_d, parent_d = self.tree_graph(self.head, self.runner.cache, steps, last, row_depth, D,
+                                                       self.stop_prob, self.runner.dtype)
+            return self._trees_out(reqs, defer, tok_d, score_d, parent_d, w + (D - 1) * w * w, D, None)
         fed_nodes, fed_hidden = [], []  # per depth: the frontier fed [B, w] and its head outputs [B, w, H]
         if self.num_candidates > 0:
             cand_tok, cand_logp = [self.head.to_target(top)[:, None]], [logp[:, None]]
@@ -499,17 +515,27 @@ class EagleProposer(PreDraftable):
             if self.stop_prob > 0:
                 stopped = stopped | self._stopped(f_score)
             num_nodes += w * w
-        record = self.num_candidates > 0
+        record = None
+        if self.num_candidates > 0:  # the fed nodes, their head states and their candidates
+            record = (torch.cat(fed_nodes, 1) if fed_nodes else torch.zeros(B, 0, dtype=torch.long, device=dev),
+                      torch.cat(fed_hidden, 1) if fed_hidden else None, torch.cat(cand_tok, 1), torch.cat(cand_logp, 1))
+        return self._trees_out(reqs, defer, torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                               num_nodes, D, record, last)
+
+    def _trees_out(self, reqs, defer: bool, tok_d, score_d, parent_d, num_nodes: int, D: int, record,
+                   last: torch.Tensor | None = None) -> list[Draft]:
+        """The grown trees (tokens, path scores, parents [B, nodes] on the device) -> each request's Draft:
+        deferred (chosen on the device), or read once and chosen here. record: (fed nodes, their head
+        states, candidates' tokens and log-probabilities) where a pre-drafter wants the best paths."""
+        w, B, dev = self.topk, len(reqs), tok_d.device
         if defer:  # chosen on the device and read with the verdict (rayspec.proposers.deferred)
             chains = [self._lookup_chain(r) for r in reqs]
             node_depth = [1] * w + [d for d in range(2, D + 1) for _ in range(w * w)]
-            return defer_trees(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                               node_depth[: num_nodes], [r.num_tokens for r in reqs], chains)
-        fed_h = torch.cat(fed_nodes, 1) if record and fed_nodes else torch.zeros(B, 0, dtype=torch.long, device=dev)
-        ctok_h, clogp_h = (torch.cat(cand_tok, 1), torch.cat(cand_logp, 1)) if record else (fed_h, fed_h)
-        tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = to_host(
-            torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), fed_h, ctok_h, clogp_h)
-        fed_all = torch.cat(fed_hidden, 1) if record and fed_hidden else None  # [B, F, H]
+            return defer_trees(tok_d, score_d, parent_d, node_depth[: num_nodes], [r.num_tokens for r in reqs], chains)
+        fed_h = record[0] if record else torch.zeros(B, 0, dtype=torch.long, device=dev)
+        ctok_h, clogp_h = (record[2], record[3]) if record else (fed_h, fed_h)
+        tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = to_host(tok_d, score_d, parent_d, fed_h, ctok_h, clogp_h)
+        fed_all = record[1] if record else None  # [B, F, H]
         # Python lists once (indexing arrays element by element cost more than the head's forwards
         # at batch 256 on CPU)
         tok_h, score_h, parent_h, fed_h, ctok_h, clogp_h = (
@@ -626,7 +652,7 @@ class EagleProposer(PreDraftable):
 
     def _add_lookup_branch(self, req: ProposeRequest, nodes: list[_Node]) -> None:
         """Graft the n-gram prompt-lookup continuation onto the tree as a sure branch: its nodes
-        (shared with the head's where the tokens agree) get path score 0, so _select keeps them
+        (shared with the head's where the tokens agree) get path score 0, so _keep keeps them
         first and their head-drafted children stay below them."""
         chain = self._lookup_chain(req)
         parent = -1
@@ -652,13 +678,6 @@ class EagleProposer(PreDraftable):
         """Leave these drafts on the device for the engine's one read (ProposeRequest.defer_read): not
         while a pre-drafter records paths (it reads them at once)."""
         return self.num_candidates == 0 and all(r.defer_read for r in reqs)
-
-    @staticmethod
-    def _select(nodes: list[_Node], probs: list[torch.Tensor], budget: int, sampled: bool) -> Draft:
-        if sampled:  # a chain, in order
-            n = min(budget, len(nodes))
-            return Draft([nd.token for nd in nodes[:n]], torch.stack(probs[:n]) if n else None)
-        return EagleProposer._tree_draft(nodes, EagleProposer._keep(nodes, budget))
 
     @staticmethod
     def _keep(nodes: list[_Node], budget: int) -> list[int]:

@@ -155,6 +155,7 @@ def test_one_compiled_graph_for_every_depth():
                             tree_max_batch=32, draft_vocab=256, warm_tokens=8)
         engine = gpu_engine.oracle_engine(a, build_ours("tiny", torch.device("cpu"), torch.float32), True)
         engine.proposer.p = 0.5
+        engine.proposer.tree_graph = None  # the depth loop in Python (the captured loop: tests below)
         head = engine.proposer.runner.compiled
         calls = []
         original = head.fn
@@ -169,3 +170,102 @@ def test_one_compiled_graph_for_every_depth():
         assert len(calls) > 10 and len(set(calls)) == 1, set(calls)  # every depth: one layout of its inputs
     finally:
         CompiledForward.backend = backend
+
+
+# ---- the whole depth loop as one graph (rayspec.proposers.tree_graph) ------------------------------------
+
+def _captured_run(smollm2, loaded, prompts, captured: bool, params: SamplingParams, defer: bool, batch: int = 4):
+    """(outputs, each cycle's drafts, the TreeGraph or None) of a compiled EAGLE-3 tree engine (aot_eager: the
+    traced graphs, no inductor build), its depth loop captured whole or run in Python."""
+    from rayspec.model.compiled import CompiledForward
+
+    backend, CompiledForward.backend = CompiledForward.backend, "aot_eager"
+    try:
+        engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=3, num_steps=5,
+                             adaptive=False, engine_seed=7, compile=True)
+        engine.config.defer_draft_reads = defer
+        proposer = engine.proposer
+        assert proposer.tree_graph is not None  # made with the compiled step
+        if not captured:
+            proposer.tree_graph = None
+        drafted, draft = [], proposer._draft
+
+        def recording(reqs, last):
+            out = draft(reqs, last)
+            drafted.append([(r.seq_id, d.tokens, d.parents) if d.deferred is None else
+                            (r.seq_id, d.deferred.tokens.tolist(), d.deferred.parents.tolist())
+                            for r, d in zip(reqs, out)])
+            return out
+
+        proposer._draft = recording
+        outputs = run_joining(engine, prompts[:batch], params, first=2, steps_before_join=3)
+        return outputs, drafted, proposer.tree_graph
+    finally:
+        CompiledForward.backend = backend
+
+
+@pytest.mark.parametrize("sampled,defer", [(False, False), (True, False), (False, True)],
+                         ids=["greedy", "sampled", "deferred"])
+def test_captured_depth_loop_drafts_what_the_python_loop_drafted(smollm2, loaded, prompts, sampled, defer):
+    """The depth loop captured whole (one compiled graph of every depth's head forward, top-k and frontier) drafts
+    the trees the Python loop drafted, cycle for cycle and node for node, greedy and sampled (T 0.8, top-p 0.95),
+    read on the host or left on the device (deferred), in a batch with joins (rows padded to the bucket); the
+    outputs are the same. Fails if a depth's visibility, frontier, parents or a padded row's masking differs."""
+    params = SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0, max_tokens=24)
+    before = _captured_run(smollm2, loaded, prompts, False, params, defer)
+    after = _captured_run(smollm2, loaded, prompts, True, params, defer)
+    assert after[2] is not None and after[2].shapes, "the captured loop never ran"
+    assert after[1] == before[1]
+    assert after[0] == before[0]
+    assert sum(len(t) for cycle in after[1] for _, t, *_ in cycle) > 0
+
+
+def test_captured_depth_loop_is_one_graph_per_bucket_and_reads_once(smollm2, loaded, prompts, monkeypatch):
+    """A cycle's drafting is one call of the captured loop: no head forward of its own between depths, one
+    graph per batch bucket and depth whatever the context length grows to (the keys' length a dynamic
+    dimension: counted as dynamo's compiles of grow_tree over a run), and one read of the drafts to the host
+    per cycle."""
+    import torch._dynamo
+
+    import rayspec.proposers.eagle as eagle
+    from rayspec.model.compiled import CompiledForward
+    from rayspec.proposers import tree_graph
+
+    frames = []
+    original_grow = tree_graph.grow_tree
+
+    def counting_backend(gm, example_inputs):
+        frames.append(len(example_inputs))
+        return gm.forward
+
+    backend, CompiledForward.backend = CompiledForward.backend, "aot_eager"
+    try:
+        engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=3, num_steps=5,
+                             adaptive=False, compile=True)
+    finally:
+        CompiledForward.backend = backend
+    proposer = engine.proposer
+    torch._dynamo.reset()
+    proposer.tree_graph.fn = torch.compile(original_grow, dynamic=False, backend=counting_backend)
+    reads, cycles = [], []
+    to_host, draft = eagle.to_host, proposer._draft
+    monkeypatch.setattr(eagle, "to_host", lambda *a: reads.append(len(a)) or to_host(*a))
+
+    def counted(reqs, last):
+        cycles.append(len(reqs))
+        before = len(reads)
+        out = draft(reqs, last)
+        assert len(reads) - before <= 1  # the drafts, once
+        return out
+
+    monkeypatch.setattr(proposer, "_draft", counted)
+    head_calls = []
+    step = proposer.runner.compiled.fn
+    proposer.runner.compiled.fn = lambda *a, **k: head_calls.append(1) or step(*a, **k)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40))  # contexts grow by ~40
+    assert len(cycles) > 5 and not head_calls, (len(cycles), len(head_calls))
+    # one graph per depth the cycles grew (5; fewer in the last cycles, whose budget is under 5 tokens),
+    # none more as the context grew by 40 tokens
+    shapes = proposer.tree_graph.shapes
+    assert (1, 3, 5) in shapes and {s[:2] for s in shapes} == {(1, 3)}, shapes
+    assert len(frames) == len(shapes), f"{len(frames)} graphs of the drafting loop for {sorted(shapes)}"
