@@ -242,7 +242,13 @@ class VocabParallelEmbedding(torch.nn.Embedding):
         self.tp = tp
         self.split = splits_vocab(tp, vocab_size)
         self.vocab_start, self.vocab_stop = tp.shard(vocab_size, "vocab_size") if self.split else (0, vocab_size)
-        super().__init__(self.vocab_stop - self.vocab_start, dim)
+        # the weight given, not drawn by reset_parameters: on the meta device (every loaded model) torch's
+        # init runs through its reference ops, whose first call imports torch._dynamo (0.4 s of every
+        # process that builds a model: each Serve replica); drawn as torch draws it elsewhere
+        weight = torch.empty(self.vocab_stop - self.vocab_start, dim)
+        if weight.device.type != "meta":
+            torch.nn.init.normal_(weight)
+        super().__init__(self.vocab_stop - self.vocab_start, dim, _weight=weight)
         if self.split:
             self.tp_shards = {"weight": (0, self.vocab_start, self.vocab_stop)}
 
