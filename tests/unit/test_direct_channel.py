@@ -569,7 +569,10 @@ def test_a_forged_q_on_the_path_cannot_force_a_sampled_output(tiny_model_dir):
         out = engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))[0]
     finally:
         proposer_server.close()
-    assert out.token_ids.count(forced) == 0, out.token_ids  # p(FORCED) ~ 1e-5 a token on this model
+    # the tiny model's next-token law is near uniform over its 8,192 ids: p(FORCED) ~ 1.2e-4 a token, so once
+    # in 12 tokens happens in ~0.15% of runs (it did, in a CI run), twice in ~1e-6; the attack makes most of
+    # the 12 FORCED
+    assert out.token_ids.count(forced) <= 1, out.token_ids
     assert remote.num_failed_calls >= 1 and remote.num_direct_calls == 0  # each forged reply was refused
 
 
