@@ -114,6 +114,13 @@ RAY_FIXTURES = {"serve": {"ray_cluster", "serve_url"}, "cluster": {"own_cluster"
 # Of the modules on the shared cluster, these go first: test_serve_openai checks Prometheus counters,
 # which must be its app's alone (tests/serve/test_serve_openai.py, fixture server).
 SERVE_FIRST = ("test_serve_openai",)
+# The longest engine modules first, longest first (their seconds in CI runs here: ~95 down to ~30), then
+# the unit and other engine modules: on two workers (scripts/test runs this tier without xdist's reorder
+# by test count, which put test_gpu_roofline's few long tests last, one worker idle for ~20 s) the many
+# short modules fill the tail.
+ENGINE_FIRST = ("test_deferred_reads", "test_lossless_sampled", "test_gpu_roofline", "test_compiled_step",
+                "test_tree_steps", "test_overlap", "test_host_syncs", "test_paged_attention", "test_lossless_grid",
+                "test_default_config_greedy", "test_sampling_distribution")
 
 
 def item_tier(item) -> str:
@@ -142,8 +149,13 @@ def pytest_collection_modifyitems(session, config, items):
         item.add_marker(tier)
         # cluster modules before the serve ones: the shared cluster then starts once, after them, and
         # on two workers (scripts/test) the many short serve modules fill the tail
-        order = {"unit": 0, "engine": 1, "cluster": 2, "serve": 3}[tier]
-        keys[item] = (order, not (tier == "serve" and item.module.__name__ in SERVE_FIRST), index)
+        order = {"unit": 0, "engine": 0, "cluster": 2, "serve": 3}[tier]
+        name = item.module.__name__
+        if tier == "engine" and name in ENGINE_FIRST:
+            first = ENGINE_FIRST.index(name)
+        else:
+            first = 0 if tier == "serve" and name in SERVE_FIRST else len(ENGINE_FIRST)
+        keys[item] = (order, first, index)
     items.sort(key=keys.__getitem__)
 
 
