@@ -11,6 +11,8 @@ the decode. Writes JSON (the median per cell and its ratio, every round) with th
 
     python benchmarks/draft_depths.py --json benchmarks/results/draft_depths_<commit>.json
     python benchmarks/draft_depths.py --dry-run      # one batch, eager, 1 round (tests)
+    python benchmarks/draft_depths.py --compare captured --json ...  # the depth loop from Python against the
+        whole loop captured as one graph (rayspec.proposers.tree_graph; compiled engines)
 """
 
 from __future__ import annotations
@@ -34,10 +36,16 @@ from gpu_roofline import build_ours  # noqa: E402
 from rayspec.bench.environment import environment  # noqa: E402
 
 
-def engine_for(a, compiled: bool, prepared: bool, batch: int):
+# --compare: the two proposer variants side by side, (name, prepared_depths, captured_trees) each
+COMPARISONS = {"prepared": (("per_depth", False, "off"), ("prepared", True, "off")),
+               "captured": (("loop", True, "off"), ("captured", True, "on"))}
+
+
+def engine_for(a, compiled: bool, prepared: bool, batch: int, captured: str = "off"):
     args = SimpleNamespace(device="cpu", dtype_name="float32", prompt_len=a.prompt_len, max_tokens=a.max_tokens,
                            batches=[batch], kv_gb=0.05, chunk=8192, defer_draft_reads="on", overlap="on",
-                           nodes=a.nodes, topk=a.topk, depth=a.depth, tree_max_batch=32, draft_vocab=256, warm_tokens=8)
+                           nodes=a.nodes, topk=a.topk, depth=a.depth, tree_max_batch=32, draft_vocab=256, warm_tokens=8,
+                           captured_trees=captured)
     model = build_ours(a.shape, torch.device("cpu"), torch.float32)
     engine = gpu_engine.oracle_engine(args, model, compiled)
     engine.proposer.prepared_depths, engine.proposer.p = prepared, 0.8  # (random target: the oracle's tokens miss)
@@ -55,21 +63,30 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compare", default="prepared", choices=sorted(COMPARISONS),
+                        help="prepared: a forward per depth against prepared once; captured: the prepared loop "
+                             "from Python against the whole loop captured as one graph (compiled mode only)")
+    parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend on CPU (inductor: C++ builds)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--dry-run", action="store_true")
     a = parser.parse_args()
+    if a.compare == "captured":
+        a.modes = "compiled"  # the captured loop is the compiled head's
     if a.dry_run:
-        a.batches, a.modes, a.rounds, a.max_tokens, a.prompt_len = "1", "eager", 1, 16, 40
+        a.batches, a.rounds, a.max_tokens, a.prompt_len = "1", 1, 16, 40
+        a.modes = "compiled" if a.compare == "captured" else "eager"
     torch.set_num_threads(1)
     from rayspec.model.compiled import CompiledForward
-    CompiledForward.backend = "aot_eager"
+    CompiledForward.backend = a.backend
+    (name_a, prep_a, cap_a), (name_b, prep_b, cap_b) = COMPARISONS[a.compare]
     rng = random.Random(0)
     vocab = gpu_engine.SHAPES[a.shape][0]
     cells = []
     for mode in a.modes.split(","):
         for batch in (int(b) for b in a.batches.split(",")):
             prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(batch)]
-            engines = {p: engine_for(a, mode == "compiled", p, batch) for p in (False, True)}
+            engines = {False: engine_for(a, mode == "compiled", prep_a, batch, cap_a),
+                       True: engine_for(a, mode == "compiled", prep_b, batch, cap_b)}
             for p, engine in engines.items():
                 gpu_engine.run_batch(engine, prompts, a.max_tokens, f"warm-{p}", 0, False)
             seconds = {False: [], True: []}
@@ -80,12 +97,12 @@ def main() -> None:
                     gpu_engine.run_batch(engine, prompts, a.max_tokens, f"r{r}-{p}", 0, False)
                     seconds[p].append(engine.stats.propose_seconds - before)
             old, new = statistics.median(seconds[False]), statistics.median(seconds[True])
-            cell = {"mode": mode, "batch": batch, "per_depth_s": round(old, 4), "prepared_s": round(new, 4),
-                    "prepared_over_per_depth": round(new / old, 3), "rounds": {"per_depth": seconds[False],
-                                                                               "prepared": seconds[True]}}
+            cell = {"mode": mode, "batch": batch, f"{name_a}_s": round(old, 4), f"{name_b}_s": round(new, 4),
+                    f"{name_b}_over_{name_a}": round(new / old, 3), "rounds": {name_a: seconds[False],
+                                                                                name_b: seconds[True]}}
             cells.append(cell)
-            print(f"{mode:9s} batch {batch}: proposer s per run {old:.3f} (a forward per depth) -> {new:.3f} "
-                  f"(prepared once): {new / old:.3f}x", flush=True)
+            print(f"{mode:9s} batch {batch}: proposer s per run {old:.3f} ({name_a}) -> {new:.3f} "
+                  f"({name_b}): {new / old:.3f}x", flush=True)
     out = {"args": vars(a), "environment": environment(), "cells": cells,
            "note": "the proposer's seconds over a run's decode (EngineStats.propose_seconds), median of the rounds"}
     if a.json:

@@ -705,6 +705,13 @@ class Page:
                      f" {args.get('rounds')} interleaved rounds; `{args.get('shape')}` shapes, {args.get('nodes')} nodes,"
                      f" depth {args.get('depth')}, top-k {args.get('topk')}, {args.get('max_tokens')} tokens), a forward"
                      f" per depth against prepared once (`rayspec/model/tree_steps.py`); machine {self.m.of(rel, d)}.", "")
+            if args.get("compare") == "captured":  # the loop from Python against it captured whole
+                self.add(f"Compared: the prepared depth loop from Python against the whole loop as one graph "
+                         f"(`rayspec/proposers/tree_graph.py`), compiled with `{args.get('backend')}`.", "")
+                self.add(*table(["mode", "batch", "loop from Python s", "captured s", "ratio"],
+                                [[c["mode"], c["batch"], fmt(c["loop_s"], 3), fmt(c["captured_s"], 3),
+                                  fmt(c["captured_over_loop"], 3, "x")] for c in d["cells"]]))
+                continue
             self.add(*table(["mode", "batch", "a forward per depth s", "prepared once s", "ratio"],
                             [[c["mode"], c["batch"], fmt(c["per_depth_s"], 3), fmt(c["prepared_s"], 3),
                               fmt(c["prepared_over_per_depth"], 3, "x")] for c in d["cells"]]))

@@ -112,20 +112,22 @@ def test_one_preparation_per_cycle(smollm2, loaded, prompts, monkeypatch):
     assert counts["depth_forwards"] >= 4 * counts["copies"], counts
 
 
-def test_draft_depths_benchmark_dry_run(tmp_path):
-    """benchmarks/draft_depths.py (the proposer's time per cycle, prepared depths against a forward per
-    depth) on its smallest settings: both engines timed, their ratio recorded with the machine."""
+@pytest.mark.parametrize("compare,a,b", [("prepared", "per_depth", "prepared"), ("captured", "loop", "captured")])
+def test_draft_depths_benchmark_dry_run(tmp_path, compare, a, b):
+    """benchmarks/draft_depths.py (the proposer's time per cycle: prepared depths against a forward per
+    depth, or the whole loop captured against the loop from Python) on its smallest settings: both engines
+    timed, their ratio recorded with the machine."""
     import json
     import subprocess
 
     out = tmp_path / "depths.json"
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "draft_depths.py"), "--dry-run", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=repo)
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "draft_depths.py"), "--dry-run", "--compare", compare,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=repo)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     (cell,) = result["cells"]
-    assert cell["per_depth_s"] > 0 and cell["prepared_s"] > 0 and cell["prepared_over_per_depth"] > 0
+    assert cell[f"{a}_s"] > 0 and cell[f"{b}_s"] > 0 and cell[f"{b}_over_{a}"] > 0
     assert result["environment"]["cpu_model"]
 
 
