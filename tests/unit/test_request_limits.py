@@ -477,8 +477,11 @@ def test_identical_grammars_compile_once_and_share_no_state(hf_tokenizer, monkey
         states = [f.result(timeout=60) for f in futures]
         assert isinstance(other.result(timeout=60), GrammarState)
     assert len(calls) == 2 and grammars.num_compiled == 2, calls
+    # (a pooled call that reached the compiler only after the compile ended copied the kept result too: on a
+    # loaded machine one did, in CI)
+    reused = grammars.num_reused
     states.append(grammars.state(spec))  # kept: copied, not compiled again
-    assert len(calls) == 2 and grammars.num_reused == 1
+    assert len(calls) == 2 and grammars.num_reused == reused + 1
     assert len({id(s.matcher) for s in states}) == len(states)
     token = hf_tokenizer.encode("abc", add_special_tokens=False)[0]
     fresh = states[1].matcher.compute_bitmask()
