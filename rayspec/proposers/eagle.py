@@ -39,7 +39,7 @@ from rayspec.model.batch_layout import TreeQuery, catch_up_pieces, last_rows
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, KVSpace, proposer_num_blocks
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
-from rayspec.proposers.tree_graph import TreeGraph
+from rayspec.proposers.tree_graph import TreeGraph, expand_frontier
 from rayspec.proposers.deferred import defer_chains, defer_trees
 from rayspec.proposers.ngram import NgramIndex
 from rayspec.proposers.recorded_paths import gather_states, tree_path
@@ -499,19 +499,11 @@ class EagleProposer(PreDraftable):
             if self.num_candidates > 0:
                 cand_tok.append(self.head.to_target(top))
                 cand_logp.append(logp)
-            c_score = f_score[..., None] + logp[..., :w]
-            dead = stopped | (row_depth < d)
-            c_score = c_score.masked_fill(dead[:, None, None], float("-inf")).reshape(B, w * w)
-            c_tok = self.head.to_target(top[..., :w]).reshape(B, w * w)
-            toks.append(c_tok)
-            scores.append(c_score)
-            parents.append(f_node[..., None].expand(B, w, w).reshape(B, w * w))
-            best = torch.topk(c_score, w)  # the next frontier: the best w children by path score
-            f_tok, f_score = c_tok.gather(1, best.indices), best.values
-            f_node = num_nodes + best.indices
-            slot = best.indices // w  # which frontier node each one hangs from
-            f_hidden = hidden.gather(1, slot[..., None].expand(B, w, hidden.shape[-1]))
-            f_fed_parent = lo + slot
+            children, frontier = expand_frontier(f_score, f_node, logp[..., :w], self.head.to_target(top[..., :w]),
+                                                 hidden, stopped | (row_depth < d), num_nodes, lo)
+            for out, x in zip((toks, scores, parents), children):
+                out.append(x)
+            f_tok, f_score, f_node, f_hidden, f_fed_parent = frontier
             if self.stop_prob > 0:
                 stopped = stopped | self._stopped(f_score)
             num_nodes += w * w

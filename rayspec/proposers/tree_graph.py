@@ -65,22 +65,32 @@ def grow_tree(head, cache, write: torch.Tensor, read: torch.Tensor, starts: torc
                              mask=additive_mask(visible, dtype), cache_positions=cache_pos[d - 2])
         hidden = head(f_tok, cache, batch, features=f_hidden.contiguous())  # [Bp, w, H]
         logp, top = top_logprobs(head.draft_logits(hidden), w)  # [Bp, w, w]
-        dead = stopped | (row_depth < d)
-        c_score = (f_score[..., None] + logp).masked_fill(dead[:, None, None], float("-inf")).reshape(Bp, w * w)
-        c_tok = head.to_target(top).reshape(Bp, w * w)
-        toks.append(c_tok)
-        scores.append(c_score)
-        parents.append(f_node[..., None].expand(Bp, w, w).reshape(Bp, w * w))
-        best = torch.topk(c_score, w)  # the next frontier: the best w children by path score
-        f_tok, f_score = c_tok.gather(1, best.indices), best.values
-        f_node = num_nodes + best.indices
-        slot = best.indices // w
-        f_hidden = hidden.gather(1, slot[..., None].expand(Bp, w, hidden.shape[-1]))
-        f_fed_parent = lo + slot
+        children, frontier = expand_frontier(f_score, f_node, logp, head.to_target(top), hidden,
+                                             stopped | (row_depth < d), num_nodes, lo)
+        for out, x in zip((toks, scores, parents), children):
+            out.append(x)
+        f_tok, f_score, f_node, f_hidden, f_fed_parent = frontier
         if stop_prob > 0:
             stopped = stopped | _stopped(f_score, stop_prob)
         num_nodes += w * w
     return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+
+
+def expand_frontier(f_score, f_node, logp, child_tok, hidden, dead, num_nodes: int, lo: int):
+    """One depth of a tree (grow_tree's and EagleProposer._draft_trees' loops): the `w` frontier nodes' `w`
+    children each (log-probabilities logp, target tokens child_tok: [B, w, w]; rows `dead` [B] grow none:
+    -inf) -> ((their tokens, path scores, parents) [B, w * w], the next frontier: the best w children by path
+    score as (tokens, scores, node numbers, the head states that predicted them [B, w, H], their parents'
+    fed slots))."""
+    B, w = f_score.shape
+    c_score = (f_score[..., None] + logp).masked_fill(dead[:, None, None], float("-inf")).reshape(B, w * w)
+    c_tok = child_tok.reshape(B, w * w)
+    parents = f_node[..., None].expand(B, w, w).reshape(B, w * w)
+    best = torch.topk(c_score, w)
+    slot = best.indices // w  # which frontier node each one hangs from
+    frontier = (c_tok.gather(1, best.indices), best.values, num_nodes + best.indices,
+                hidden.gather(1, slot[..., None].expand(B, w, hidden.shape[-1])), lo + slot)
+    return (c_tok, c_score, parents), frontier
 
 
 def _stopped(scores: torch.Tensor, stop_prob: float) -> torch.Tensor:
