@@ -47,7 +47,7 @@ from rayspec.engine.warm_up import (calibrate_costs, compile_buckets, keep_compi
                                     time_decode, verification_rows)
 from rayspec.memory.malloc import keep_freed_memory
 from rayspec.model.batch_layout import packed_offsets, prefill_groups
-from rayspec.model.compiled import default_compile
+from rayspec.model.compiled import bucket, default_compile
 from rayspec.kv.kv_space import KVSpace
 from rayspec.model.native import CausalLM
 from rayspec.model.row_attention import default_batch_invariant
@@ -118,6 +118,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, compile=self.compile, paged_attention=config.paged_attention,
                                   batch_invariant=default_batch_invariant(config, model, self.device),
                                   max_compiled_rows=verification_rows(config.max_num_seqs, self.max_k))
+        self.runner.min_verify_rows = bucket(1 + self.max_k)  # the rows compile_buckets warms (warm_up.py)
         self.tree_topk, self.tree_max_batch = spec.eagle_topk, spec.tree_max_batch
         self.adaptive = spec.adaptive and self.max_k > 0
         costs = ModelledCosts(spec.draft_costs) if spec.draft_costs is not None else MeasuredCosts()

@@ -60,6 +60,11 @@ class ModelRunner:
         # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it, up
         # to max_compiled_rows padded rows (batch x rows)
         self.compiled, self.max_compiled_rows = None, max_compiled_rows
+        # a static forward of more than one row (a verification) pads its rows to at least this bucket:
+        # an engine sets its verification's (1 + num_speculative_tokens, bucketed), the one its warm-up
+        # compiles, so a shorter verification (a request's last tokens, a planner's shorter draft) takes
+        # that graph rather than compiling (on CUDA: recording) a new one mid-serving
+        self.min_verify_rows = 1
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
         # than gathering each row's keys and masking them densely
@@ -296,6 +301,8 @@ class ModelRunner:
         a multiple of KV_BUCKET; padding rows read and write the scratch block, padded keys are masked."""
         B, Q = len(seq_ids), max(lengths)
         Bp, Qp = bucket(B), bucket(Q)
+        if Q > 1 and Qp < self.min_verify_rows and self.compiled.fits(B, self.min_verify_rows):
+            Qp = self.min_verify_rows
         kv_len = round_up(self._grow_for(seq_ids, starts, lengths, Qp, trees), KV_BUCKET)
         self.apply_moves()
         on_device = isinstance(token_lists, torch.Tensor)  # [B, Q] drafted on the device: padded there
