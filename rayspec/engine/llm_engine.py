@@ -599,8 +599,7 @@ class LLMEngine:
         lengths = row_lengths(proposal)
         inputs, trees = verification_inputs(proposal, self.device)  # (deferred drafts: placed on the device)
         row_context = sum(n * (self.kv.cached_len(i) + n) for i, n in zip(ids, lengths))
-        # packed: rows of different lengths cost only their real tokens (no padding computed); the
-        # rows are written past each cached length, which only commit moves
+        # packed rows (the real tokens), written past each cached length, which only commit moves
         hidden, features = self._target_forward(ids, inputs, trees, packed=True, static=True, advance=False,
                                                 lengths=lengths)  # [N, H], [N, F]
         raw = self.model.logits(hidden)  # [N, vocab]

@@ -11,7 +11,7 @@ import torch
 
 from rayspec.device_io import to_host
 from rayspec.engine.drafting import MeasuredCosts
-from rayspec.model.compiled import MAX_ROWS, bucket
+from rayspec.model.compiled import MAX_ROWS, bucket, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,17 @@ def verification_rows(max_num_seqs: int, max_k: int) -> int:
 
 def compile_buckets(engine) -> list[tuple[int, int]]:
     """Compile (and on CUDA capture) every batch bucket up to max_num_seqs at 1 row (decoding) and
-    at the verification's rows (1 + num_speculative_tokens, bucketed). Returns the (batch, rows) done."""
+    at the verification's rows (1 + num_speculative_tokens, bucketed), and where a shorter verification
+    is not padded to those (rayspec.model.compiled.verify_rows: a batch past PAD_ROWS) at each smaller
+    row bucket too: no graph is left to compile mid-serving. Returns the (batch, rows) done."""
     runner, kv, done = engine.runner, engine.kv, []
-    for rows in sorted({1, bucket(1 + engine.max_k)}):
+    top = bucket(1 + engine.max_k)
+    for rows in [1 << i for i in range(top.bit_length())]:  # 1, 2, 4, ..., top
         b = 1
         while b <= bucket(engine.config.max_num_seqs) and runner.compiled.fits(b, rows):
+            if verify_rows(b, rows, runner.min_verify_rows) != rows:  # padded to a bucket done already
+                b *= 2
+                continue
             ids = [f"__warm_up_{i}" for i in range(min(b, kv.num_free_slots))]
             if len(ids) < b:
                 break

@@ -24,6 +24,21 @@ logger = logging.getLogger(__name__)
 
 KV_BUCKET = 64
 MAX_ROWS = 64  # by default a forward of more padded rows (batch x rows) runs eager (a prefill's size)
+# a verification of fewer rows than the engine's (1 + num_speculative_tokens, bucketed) is padded to it while
+# the batch's padded rows stay within this (an 8B forward on an H100 reads its weights for ~4.8 ms and
+# computes 64 rows in ~1.5 ms: padding to 64 is nearly free); past it the warm-up compiles each smaller
+# row bucket as well (rayspec.engine.warm_up.compile_buckets). Either way no graph is compiled mid-serving.
+PAD_ROWS = 64
+
+
+def verify_rows(batch: int, rows: int, verify_bucket: int) -> int:
+    """The padded rows per sequence of a static forward of `rows` rows at `batch` sequences, where the
+    engine's verification takes `verify_bucket` rows: a decode (1 row) its own bucket, a shorter
+    verification the engine's bucket while bucket(batch) x that is within PAD_ROWS, else its own."""
+    own = bucket(rows)
+    if rows > 1 and own < verify_bucket and bucket(batch) * verify_bucket <= PAD_ROWS:
+        return verify_bucket
+    return own
 
 # where the compiled step may be faster than eager (docs/benchmarks-history.md, "Compiled step"). On an
 # H200 it measured 3.4-3.9x faster for SmolLM2's shapes (launch-bound) and 0.76-0.83x for

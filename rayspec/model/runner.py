@@ -17,7 +17,7 @@ from rayspec.device_io import to_device
 from rayspec.model.batch_layout import (TreeQuery, add_tree_depths, additive_mask, last_rows, pad_rows,
                                         rows_of_blocks, sliding_window_mask, spread_tree_visible, tree_layout_host,
                                         tree_layout_nodes)
-from rayspec.model.compiled import KV_BUCKET, MAX_ROWS, CompiledForward, bucket, compilable, round_up
+from rayspec.model.compiled import KV_BUCKET, MAX_ROWS, CompiledForward, bucket, compilable, round_up, verify_rows
 from rayspec.model.kv_cache import ForwardBatch, KVCache
 from rayspec.kv.kv_space import DEFAULT_BLOCK_SIZE, SCRATCH_BLOCK, CacheFullError, KVSpace
 from rayspec.model.native import CausalLM
@@ -60,10 +60,10 @@ class ModelRunner:
         # the compiled step (rayspec.model.compiled): forwards asked for with `static` run through it, up
         # to max_compiled_rows padded rows (batch x rows)
         self.compiled, self.max_compiled_rows = None, max_compiled_rows
-        # a static forward of more than one row (a verification) pads its rows to at least this bucket:
-        # an engine sets its verification's (1 + num_speculative_tokens, bucketed), the one its warm-up
-        # compiles, so a shorter verification (a request's last tokens, a planner's shorter draft) takes
-        # that graph rather than compiling (on CUDA: recording) a new one mid-serving
+        # the verification's rows, bucketed (an engine sets 1 + num_speculative_tokens): a shorter one (a
+        # request's last tokens, a planner's shorter draft) at a small batch is padded to it, the graph
+        # the warm-up compiled, rather than compiling (on CUDA: recording) a new one mid-serving
+        # (rayspec.model.compiled.verify_rows)
         self.min_verify_rows = 1
         self.set_compile(compile)
         # in the compiled step, attention reads the pool in place (rayspec.model.paged_attention) rather
@@ -300,9 +300,7 @@ class ModelRunner:
         """forward_hidden through the compiled step: batch and rows padded to powers of two, keys to
         a multiple of KV_BUCKET; padding rows read and write the scratch block, padded keys are masked."""
         B, Q = len(seq_ids), max(lengths)
-        Bp, Qp = bucket(B), bucket(Q)
-        if Q > 1 and Qp < self.min_verify_rows and self.compiled.fits(B, self.min_verify_rows):
-            Qp = self.min_verify_rows
+        Bp, Qp = bucket(B), verify_rows(B, Q, self.min_verify_rows)
         kv_len = round_up(self._grow_for(seq_ids, starts, lengths, Qp, trees), KV_BUCKET)
         self.apply_moves()
         on_device = isinstance(token_lists, torch.Tensor)  # [B, Q] drafted on the device: padded there

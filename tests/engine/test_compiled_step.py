@@ -7,6 +7,8 @@ benchmarks/gpu_roofline.py.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace as dataclasses_replace
+
 import pytest
 
 from conftest import make_tiny_model_dir
@@ -165,9 +167,10 @@ def test_warm_up_compiles_the_usual_shapes_before_requests(tiny_model_dir, monke
     graphs, warmed, drafted = counters["stats"]["unique_graphs"], set(engine.runner.compiled.shapes), set(draft.shapes)
     out = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
     assert all(len(o.token_ids) == 70 for o in out)  # past a 64-key bucket too: keys are dynamic
-    # only the last steps' shorter drafts (rows 1 + 1, bucket 2) are new, one graph each, no recompiles
+    # the last steps' shorter drafts (rows 1 + 1) are padded to the warmed 4 rows: no target graph is new
+    # (before: (2, 2) compiled mid-generation)
     new = engine.runner.compiled.shapes - warmed
-    assert new <= {(2, 2)}, new
+    assert not new, new
     new_draft = draft.shapes - drafted
     assert new_draft and {b for b, _ in new_draft} <= {1, 2}, new_draft
     assert graphs < counters["stats"]["unique_graphs"] <= graphs + len(new) + len(new_draft)
@@ -238,3 +241,34 @@ def test_every_verification_bucket_up_to_max_num_seqs_is_compiled(tiny_model_dir
     assert step.fits(32, 9) and step.fits(5, 9) and not step.fits(33, 9) and not step.fits(32, 17)
     engine = _engine(tiny_model_dir, "none", False)  # (eager here: the engine sizes its runner alike)
     assert engine.runner.max_compiled_rows == verification_rows(engine.config.max_num_seqs, engine.max_k)
+
+
+def test_warm_up_compiles_the_row_buckets_a_large_batch_is_not_padded_to(tiny_model_dir, monkeypatch):
+    """rayspec.model.compiled.verify_rows: a verification shorter than 1 + k (bucketed) is padded to it
+    while bucket(batch) x those rows stay within PAD_ROWS (64), and past that takes its own row bucket,
+    which the warm-up then compiles too: at max_num_seqs 32 and k 3 (4 rows), every batch bucket at 1
+    and 4 rows, and at 2 rows only batch 32 (16 x 4 = 64 pads; 32 x 4 = 128 does not). Greedy output
+    of a full batch whose requests end at different steps then compiles nothing new."""
+    from rayspec.model.compiled import PAD_ROWS, CompiledForward, verify_rows
+
+    assert PAD_ROWS == 64
+    assert [verify_rows(b, q, 4) for b, q in ((1, 1), (1, 2), (3, 3), (16, 2), (32, 2), (32, 3), (32, 1))] == \
+        [1, 4, 4, 4, 2, 4, 1]
+    assert verify_rows(4, 2, 1) == 2  # a runner without a verification's bucket (a proposer's): its own
+    monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
+    loaded = cached_model(str(tiny_model_dir))
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=64, max_num_seqs=32, kv_cache_memory_gb=0.05,
+                          compile=True, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                                      adaptive=False))
+    engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1])
+    batches = [1, 2, 4, 8, 16, 32]
+    assert engine.runner.compiled.shapes == {(b, 1) for b in batches} | {(b, 4) for b in batches} | {(32, 2)}
+    warmed = set(engine.runner.compiled.shapes)
+    prompts = [[5 + i % 7, 9, 5 + i % 7, 9, 5 + i % 7] for i in range(32)]  # repeats: n-gram drafts
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + i % 9, ignore_eos=True) for i in range(32)]
+    got = engine.generate(prompts, params)
+    want = LLMEngine(dataclasses_replace(config, compile=False), model=loaded[0], tokenizer=loaded[1]).generate(
+        prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.stats.num_draft_tokens > 0
+    assert engine.runner.compiled.shapes == warmed
