@@ -65,11 +65,12 @@ SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26] * 2
 JOINING = [SHARED + [40, 41], SHARED + [50], [9, 8, 7, 6], SHARED + [60, 61, 62]]
 
 
-# inductor's CPU kernels (the compiled step as it runs) for EAGLE-3 trees, whose graphs span the decode
-# buckets, the tree verification and the head; the other methods' compiled steps traced (aot_eager: the
-# same graphs, padding and buckets, without inductor's C++ builds, ~60 s of a CI run): the plain target's
-# decode and verification rows run inductor's kernels in test_compiled_kv
-INDUCTOR = {"eagle3-tree"}
+# inductor's CPU kernels (the compiled step as it runs) for plain decoding and EAGLE-3 trees, whose graphs
+# span the decode buckets, the tree verification and the head; the other proposers' compiled steps traced
+# (aot_eager: the same graphs, padding and buckets, without inductor's C++ builds, ~40 s of a CI run):
+# their verification rows run inductor's kernels in test_compiled_kv (chain verification) and
+# test_compiled_step_equals_eager[none]
+INDUCTOR = {"none", "eagle3-tree"}
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3-tree", "eagle3-chain"])
@@ -122,7 +123,7 @@ def test_compiled_step_equals_eager_joining_with_prefix_hits(tiny_model_dir, eag
 @pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
 def test_compiled_step_equals_eager(tiny_model_dir, method, monkeypatch):
     # the target as its own draft: every draft accepted; n-gram drafts: mostly rejected
-    # (traced, as in the test above)
+    # (inductor for "none"; the others traced, as in the test above)
     from rayspec.model.compiled import CompiledForward
 
     if method not in INDUCTOR:
