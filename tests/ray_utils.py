@@ -30,7 +30,7 @@ CLUSTER_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                "RAYSPEC_PROXY_BODY_TIMEOUT_S": "10"}
 
 def head_node_args(**args) -> dict:
-    """ray.cluster_utils.Cluster's head_node_args with a dashboard port of its own: CI's serve workers
+    """ray.cluster_utils.Cluster's head_node_args with a dashboard port of its own: CI's two serve workers
     may each run a cluster test at once, and a second head on Ray's default 8265 fails to bind it and
     starts no dashboard, which Ray's state API (list_actors) then cannot reach."""
     return {"dashboard_port": _free_port(), **args}
