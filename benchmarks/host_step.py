@@ -76,6 +76,12 @@ def make_model_dir(path: Path, max_positions: int) -> Path:
     return model_dir
 
 
+# vocabulary-wide tensor ops the engine runs outside the forwards (drafting's top-k and scores, the
+# verification's choice, sampling): on a GPU device work, on the CPU counted in the host time (--split-ops)
+TENSOR_OPS = [(owner, name) for name in ("topk", "argmax", "log_softmax", "softmax", "index_select", "gather",
+                                         "multinomial", "cumsum", "sort", "where") for owner in ("torch", "Tensor")]
+
+
 class ForwardTimer:
     """Seconds spent inside the given modules' compute calls (TIMED), patched on the instances."""
 
@@ -99,6 +105,40 @@ class ForwardTimer:
                 self.seconds += time.perf_counter() - started
                 self._depth -= 1
         return timed
+
+
+class OpTimer:
+    """Seconds in TENSOR_OPS called outside the forwards of the cell being stepped (`current`, a
+    ForwardTimer), patched on torch between start() and stop() (--split-ops)."""
+
+    def __init__(self):
+        self.seconds, self.current, self._patched = 0.0, None, []
+
+    def start(self) -> None:
+        for owner_name, name in TENSOR_OPS:
+            owner = torch if owner_name == "torch" else torch.Tensor
+            if hasattr(owner, name):
+                self._patched.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, self._op(getattr(owner, name)))
+
+    def stop(self) -> None:
+        for owner, name, fn in self._patched:
+            setattr(owner, name, fn)
+        self._patched = []
+
+    def _op(self, fn):
+        def timed(*args, **kwargs):
+            if self.current is None or self.current._depth:
+                return fn(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+        return timed
+
+
+OPS = OpTimer()
 
 
 def max_tokens(batch: int, context: int, steps: int, k: int) -> int:
@@ -136,21 +176,22 @@ def start_decoding(engine: LLMEngine, batch: int, context: int, steps: int, seed
         engine.step()
 
 
-def timed_steps(engine: LLMEngine, timer: ForwardTimer, steps: int) -> list[tuple[float, float, int]]:
-    """(wall seconds, seconds in forwards, tokens emitted) per decode step."""
+def timed_steps(engine: LLMEngine, timer: ForwardTimer, steps: int) -> list[tuple[float, float, int, float]]:
+    """(wall seconds, seconds in forwards, tokens emitted, seconds in tensor ops outside them) per decode step."""
     out = []
     for _ in range(steps):
         before = sum(len(s.token_ids) for s in engine.running)
-        timer.seconds = 0.0
+        timer.seconds, OPS.seconds, OPS.current = 0.0, 0.0, timer
         started = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - started
         emitted = sum(len(s.token_ids) for s in engine.running) - before
-        out.append((wall, timer.seconds, emitted))
+        out.append((wall, timer.seconds, emitted, OPS.seconds))
     return out
 
 
-def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int, temperature: float = 0.0) -> list[dict]:
+def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int, temperature: float = 0.0,
+        split_ops: bool = False) -> list[dict]:
     from rayspec.model import loader
 
     loaded = loader.load_model(str(model_dir))
@@ -165,21 +206,31 @@ def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int, te
             timed_steps(engine, timer, warm)
             engines[(config, batch, context)] = (engine, timer)
             results[(config, batch, context)] = []
-    for _ in range(rounds):  # the cells take turns
-        for key, (engine, timer) in engines.items():
-            results[key] += timed_steps(engine, timer, steps)
+    if split_ops:
+        OPS.start()
+    try:
+        for _ in range(rounds):  # the cells take turns
+            for key, (engine, timer) in engines.items():
+                results[key] += timed_steps(engine, timer, steps)
+    finally:
+        OPS.stop()
     rows = []
     for (config, batch, context), steps_ in results.items():
         assert engines[(config, batch, context)][0].num_running == batch, "a request finished early"
-        wall = [w for w, _, _ in steps_]
-        host = [w - f for w, f, _ in steps_]
-        rows.append(dict(config=config, batch=batch, context=context, steps=len(steps_),
-                         wall_ms=round(1e3 * statistics.median(wall), 3),
-                         forwards_ms=round(1e3 * statistics.median([f for _, f, _ in steps_]), 3),
-                         host_ms=round(1e3 * statistics.median(host), 3),
-                         host_ms_per_token=round(1e3 * statistics.median([h / max(1, n) for h, (_, _, n)
-                                                                           in zip(host, steps_)]), 4),
-                         tokens_per_step=round(statistics.mean([n for _, _, n in steps_]), 2)))
+        wall = [w for w, _, _, _ in steps_]
+        host = [w - f for w, f, _, _ in steps_]
+        row = dict(config=config, batch=batch, context=context, steps=len(steps_),
+                   wall_ms=round(1e3 * statistics.median(wall), 3),
+                   forwards_ms=round(1e3 * statistics.median([f for _, f, _, _ in steps_]), 3),
+                   host_ms=round(1e3 * statistics.median(host), 3),
+                   host_ms_per_token=round(1e3 * statistics.median([h / max(1, n) for h, (_, _, n, _)
+                                                                     in zip(host, steps_)]), 4),
+                   tokens_per_step=round(statistics.mean([n for _, _, n, _ in steps_]), 2))
+        if split_ops:  # the host time's share in vocabulary-wide tensor ops, and the rest
+            row["tensor_ops_ms"] = round(1e3 * statistics.median([o for *_, o in steps_]), 3)
+            row["host_less_tensor_ops_ms"] = round(1e3 * statistics.median(
+                [h - o for h, (*_, o) in zip(host, steps_)]), 3)
+        rows.append(row)
     return rows
 
 
@@ -192,6 +243,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="the requests' temperature (> 0: unseeded, verified by rejection sampling)")
+    parser.add_argument("--split-ops", action="store_true",
+                        help="also time the vocabulary-wide tensor ops run outside the forwards (top-k, argmax, "
+                             "log-softmax, index_select, ...: device work on a GPU, host time here) and report "
+                             "the host time less them")
     parser.add_argument("--dry-run", action="store_true", help="tiny cells (batch <= 2, contexts 32, 64), 2 steps")
     parser.add_argument("--output-json", help="write the result here")
     args = parser.parse_args(argv)
@@ -203,7 +258,7 @@ def main(argv=None) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp), max(contexts) + 4096)
-        rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm, args.temperature)
+        rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm, args.temperature, args.split_ops)
     report = {"what": "engine host time per decode step (step wall - forwards), tiny model, issue #50 (d)",
               "cpu_model": cpu_model()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "torch_threads": torch.get_num_threads(), "commit": git_commit(),
@@ -213,7 +268,9 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"{r['config']:12s} batch {r['batch']:3d} context {r['context']:5d}: wall {r['wall_ms']:8.2f} ms  "
               f"forwards {r['forwards_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms/step  "
-              f"({r['host_ms_per_token']:.3f} ms/token, {r['tokens_per_step']} tokens/step)")
+              f"({r['host_ms_per_token']:.3f} ms/token, {r['tokens_per_step']} tokens/step)"
+              + (f"  tensor ops {r['tensor_ops_ms']:.2f} ms, the rest {r['host_less_tensor_ops_ms']:.2f} ms"
+                 if "tensor_ops_ms" in r else ""))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -105,10 +105,15 @@ def test_host_work_per_step_does_not_grow_with_the_context(model_dir, loaded, co
 
 def test_host_step_benchmark_dry_run(tmp_path, smollm2):
     out = tmp_path / "host_step.json"
-    report = host_step.main(["--dry-run", "--output-json", str(out)])
+    import torch
+
+    topk = torch.topk
+    report = host_step.main(["--dry-run", "--split-ops", "--output-json", str(out)])
+    assert torch.topk is topk  # --split-ops' timing wrappers taken off torch again
     assert out.exists() and report["cpu_model"]
     cells = {(r["config"], r["batch"], r["context"]) for r in report["rows"]}
     assert cells == {(c, b, n) for c, b in [("eagle3-tree", 1), ("eagle3-tree", 2), ("target-only", 2)]
                      for n in (32, 64)}
     for r in report["rows"]:
         assert 0 < r["forwards_ms"] < r["wall_ms"] and r["host_ms"] > 0
+        assert 0 < r["tensor_ops_ms"] < r["host_ms"] and r["host_less_tensor_ops_ms"] > 0  # (a choice every step)
