@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import torch
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 from rayspec.engine.drafting import PROBE_SHARE
 from rayspec.model.weights.hub import DEFAULT_MODEL  # (defined there, with the package it comes from)
+
+if TYPE_CHECKING:
+    import torch
 
 # unknown keys are errors (a misspelt setting must not pass silently as its default)
 _STRICT = ConfigDict(extra="forbid")
@@ -40,6 +42,8 @@ def set_torch_threads(num_threads: int | None) -> None:
             raise ValueError(f"RAYSPEC_NUM_THREADS must be a positive integer, not {override!r}")
         num_threads = int(override)
     if num_threads:
+        import torch
+
         torch.set_num_threads(num_threads)
 
 

@@ -42,7 +42,7 @@ from deployments.frontend.openai_requests import ChatCompletionRequest, Completi
 from deployments.frontend.openai_responses import new_id, now, sum_usage
 from deployments.transport.protocol import GenerateChunk, GenerateRequest, GenerateResponse, RequestTimeoutError
 from deployments.frontend.sse import SSE_HEADERS
-from rayspec.engine.llm_engine import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
+from rayspec.engine.outputs import EngineOverloadedError, InvalidGrammarError, InvalidRequestError
 from rayspec.sampling.tool_parsers import ToolCallParser, get_parser
 
 logger = logging.getLogger("rayspec.serve")

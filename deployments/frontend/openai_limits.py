@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from rayspec.sampling.logprobs import MAX_TOP_LOGPROBS
-from rayspec.sampling.sampler import MAX_SEED
+from rayspec.sampling.params import MAX_SEED
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rayspec.engine.llm_engine import EngineOverloadedError, InvalidRequestError
+from rayspec.engine.outputs import EngineOverloadedError, InvalidRequestError
 from rayspec.sampling.logprobs import TokenLogprob
-from rayspec.sampling.sampler import SamplingParams
+from rayspec.sampling.params import SamplingParams
 from rayspec.sampling.structured import StructuredOutput
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rayspec.engine.sequence import Sequence
 from rayspec.sampling.logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from rayspec.engine.sequence import Sequence
 
 
 class InvalidRequestError(ValueError):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from rayspec.engine.drafting import SeqDraftState
-from rayspec.sampling.sampler import SamplingParams
+from rayspec.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(enum.Enum):

@@ -9,8 +9,11 @@ row of target logits that predicted it. The values are the target's raw distribu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
@@ -33,6 +36,8 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int, t
                      texts: dict[int, str] | None = None) -> list[TokenLogprob]:
     """logits: [N, vocab], row i predicting token_ids[i] -> N TokenLogprobs with `num_top` alternatives.
     texts: token id -> its text, decoded so far (shared by calls for one prompt's chunks)."""
+    import torch
+
     logprobs = logits.float().log_softmax(-1)  # [N, vocab]
     index = torch.tensor(token_ids, device=logits.device)
     chosen = logprobs.gather(-1, index[:, None])[:, 0].tolist()  # [N]

@@ -17,7 +17,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
 
 logger = logging.getLogger("rayspec")
 
@@ -236,6 +235,8 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
         self._words = (vocab_size + 31) // 32
+        import torch
+
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def accept(self, token: int) -> bool:
@@ -329,6 +330,7 @@ class GrammarState:
         """For rows that come after the committed tokens plus row_extra[r]: bool [R, vocab], the
         tokens the grammar allows there (everything for a row behind a rejected draft)."""
         import llguidance.torch
+        import torch
 
         bitmask = torch.full((len(row_extra), self._words), -1, dtype=torch.int32)  # [R, words], -1: all allowed
         for r, extra in enumerate(row_extra):

@@ -6,8 +6,11 @@ from __future__ import annotations
 import fnmatch
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -60,6 +63,8 @@ def weight_files(model_dir: Path) -> tuple[str, list[Path]]:
 
 
 def torch_load(path: Path) -> dict:
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # e.g. a checkpoint in the legacy (pre zip) format cannot be mapped

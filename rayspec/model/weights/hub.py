@@ -19,7 +19,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import torch
 
 from rayspec.model.weights.files import (BIN_INDEX, LOOKED_FOR, SAFETENSORS_INDEX, ModelNotFoundError, index_shards,
                                          weight_files, weight_layout)
@@ -272,6 +271,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None) -> Path:
         out_dir = cache_root() / "models" / f"{gguf_path.stem}-{key}"
     if (out_dir / "config.json").exists():
         return out_dir
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
