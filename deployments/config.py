@@ -44,11 +44,9 @@ def resolve_local_path(spec: str | None) -> str | None:
 
 def feeds_target_features(method: str) -> bool:
     """EAGLE-style proposers: they draft from target hidden states handed over every step."""
-    from rayspec.proposers import PROPOSERS
-    from rayspec.proposers.eagle import EagleProposer
+    from rayspec.methods import FEATURE_METHODS
 
-    cls = PROPOSERS.get(method)
-    return cls is not None and issubclass(cls, EagleProposer)
+    return method in FEATURE_METHODS
 
 
 class _Strict(BaseModel):

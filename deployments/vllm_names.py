@@ -53,7 +53,7 @@ def infer_vllm_method(model: str) -> str:
 def translate_speculative_config(spec: Any, spec_fields: set[str]) -> dict:
     """vLLM's speculative_config (a mapping or its JSON) -> our `speculative` keys (`spec_fields`:
     rayspec.config.SpeculativeConfig's fields)."""
-    from rayspec.proposers import PROPOSERS
+    from rayspec.methods import METHODS
 
     spec = _as_object(spec, "speculative_config")
     ours = set(spec_fields)
@@ -77,9 +77,9 @@ def translate_speculative_config(spec: Any, spec_fields: set[str]) -> dict:
         method = infer_vllm_method(str(model))
     elif method in VLLM_METHODS:
         method = VLLM_METHODS[method]
-    elif method not in PROPOSERS:
+    elif method not in METHODS:
         raise ValueError(f"speculative_config: method {method!r} has no rayspec proposer; vLLM's methods taken: "
-                         f"{sorted(VLLM_METHODS)} (rayspec's: {sorted(PROPOSERS)})")
+                         f"{sorted(VLLM_METHODS)} (rayspec's: {sorted(METHODS)})")
     out["method"] = method
     if method == "ngram":
         if isinstance(model, str) and model.lower() in ("ngram", "[ngram]"):

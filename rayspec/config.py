@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
 from rayspec.engine.drafting import PROBE_SHARE
+from rayspec.methods import check_method
 from rayspec.model.weights.hub import DEFAULT_MODEL  # (defined there, with the package it comes from)
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def field_names(cls) -> set[str]:
 
 @dataclass(config=_STRICT)
 class SpeculativeConfig:
-    method: str = "ngram"  # a name in rayspec.proposers.PROPOSERS
+    method: str = "ngram"  # a name in rayspec.methods.METHODS
     num_speculative_tokens: NonNegative = 5  # the maximum draft length k (method none: 0)
     # cost-aware drafting (rayspec.engine.drafting): per step and sequence, draft only what pays (k for
     # chains, the node budget for trees, 0 when nothing does). False: always the full budget
@@ -102,14 +103,11 @@ class SpeculativeConfig:
     disable_by_batch_size: Positive | None = None
 
     def __post_init__(self):
-        from rayspec.proposers import PROPOSERS
-
-        if self.method not in PROPOSERS:
-            raise ValueError(f"unknown speculative method {self.method!r}; registered: {sorted(PROPOSERS)}")
+        check_method(self.method)  # (by name: validating a config imports no proposer, nor torch)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.draft_quantization is not None:
-            from rayspec.model.quantize import check_scheme
+            from rayspec.model.schemes import check_scheme
 
             check_scheme(self.draft_quantization)
             if self.method != "draft_model":
@@ -190,7 +188,7 @@ class EngineSettings:
     seed: NonNegative | None = None
 
     def __post_init__(self):
-        from rayspec.model.fp4_linear import check_mode
+        from rayspec.model.schemes import check_mode
 
         check_mode(self.quantized_weights)
         if self.paged_attention and self.compile is False:

@@ -30,17 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayspec.model.schemes import MODES, check_mode  # noqa: F401 (re-exported)
+
 NVFP4, MXFP4 = "NVFP4", "MXFP4"
 GROUP = {NVFP4: 16, MXFP4: 32}
 SKINNY_ROWS = 64  # at most this many rows take the Triton kernel (the compiled step's most padded rows)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MODES = ("keep", "dequantize")
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"quantized_weights {mode!r}: use one of {list(MODES)}")
-    return mode
 
 
 def byte_table(device) -> torch.Tensor:

@@ -20,15 +20,7 @@ import warnings
 
 import torch
 
-SCHEMES = ("int8",)
-
-
-def check_scheme(scheme: str | None) -> str | None:
-    if scheme is None:
-        return None
-    if scheme not in SCHEMES:
-        raise ValueError(f"draft_quantization {scheme!r} is not supported; supported: {list(SCHEMES)} (or null)")
-    return scheme
+from rayspec.model.schemes import SCHEMES, check_scheme  # noqa: F401 (re-exported)
 
 
 def _fbgemm_ready() -> bool:

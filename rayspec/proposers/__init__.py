@@ -1,20 +1,12 @@
-"""Proposer registry: adding a method is one new file plus one line here."""
+"""Proposer registry, built from rayspec.methods (the methods by name, as data): adding a method is one new
+file plus one line there."""
 
 from __future__ import annotations
 
+from rayspec.methods import METHODS, proposer_class
 from rayspec.proposers.base import Draft, Proposer, ProposeRequest
-from rayspec.proposers.draft_model import DraftModelProposer
-from rayspec.proposers.eagle import Eagle1Proposer, EagleProposer
-from rayspec.proposers.ngram import NgramProposer
-from rayspec.proposers.none import NoProposer
 
-PROPOSERS: dict[str, type[Proposer]] = {
-    NoProposer.name: NoProposer,
-    NgramProposer.name: NgramProposer,
-    DraftModelProposer.name: DraftModelProposer,
-    EagleProposer.name: EagleProposer,
-    Eagle1Proposer.name: Eagle1Proposer,
-}
+PROPOSERS: dict[str, type[Proposer]] = {method: proposer_class(method) for method in METHODS}
 
 
 def build_proposer(config, context) -> Proposer:

@@ -146,13 +146,15 @@ def test_the_engine_imports_neither_the_serving_layer_nor_the_cli():
 # of its name (`rayspec` itself only by name: a new top-level module has no layer until it is given
 # one). A layer imports only itself and the layers it names, so a lower layer never reaches up:
 #   base       rayspec itself, the top-level modules that import nothing of rayspec (assets,
-#              progress, device_io) and rayspec.cpu
+#              progress, device_io, methods: the proposers by name, imported only when asked for) and
+#              rayspec.cpu
 #   kv         rayspec.kv: the paged KV cache's books (block manager, KVSpace), host-only
 #   model      rayspec.model (the model, its layers, weights, KV cache tensors, ModelRunner) and the EAGLE
 #              head's definition and checkpoints (rayspec.eagle.head, .checkpoint)
 #   sampling   rayspec.sampling: logits to tokens; beside the model, neither imports the other
 #   proposers  rayspec.proposers: drafts, from the model layer's runner and sampling's draws
-#   config     rayspec.config: the settings check the proposer registry and quantize's schemes
+#   config     rayspec.config: the settings check the method names (rayspec.methods) and the weight
+#              formats (rayspec.model.schemes), importing neither torch nor a proposer
 #   memory     rayspec.memory: a process's memory from the model's shapes and the config
 #   engine     rayspec.engine: LLMEngine and what it drives
 #   apps       what builds on the engine: rayspec.bench, the EAGLE trainer (rayspec.eagle's data,
@@ -163,7 +165,8 @@ def test_the_engine_imports_neither_the_serving_layer_nor_the_cli():
 # imports nothing of rayspec, so no circle can form through it.
 RAYSPEC_LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # layer: (module prefixes, the other layers it may import)
-    "base": (("rayspec", "rayspec.assets", "rayspec.progress", "rayspec.device_io", "rayspec.cpu"), ()),
+    "base": (("rayspec", "rayspec.assets", "rayspec.progress", "rayspec.device_io", "rayspec.methods", "rayspec.cpu"),
+             ()),
     "kv": (("rayspec.kv",), ("base",)),
     "model": (("rayspec.model", "rayspec.eagle.head", "rayspec.eagle.checkpoint"), ("base", "kv")),
     "sampling": (("rayspec.sampling",), ("base",)),
@@ -258,14 +261,21 @@ def test_the_old_public_names_stay():
 
 
 def test_the_ingress_imports_no_torch():
-    """A Serve ingress replica (deployments.frontend.ingress) parses, checks and forwards requests: it imports
-    neither torch nor the engine (its request types, limits and errors are plain data: rayspec.sampling.params,
-    rayspec.engine.outputs), so it starts in ~0.2 s of imports after Ray's rather than ~1 s, without torch's
-    memory."""
+    """A Serve ingress replica (deployments.frontend.ingress) parses, checks and forwards requests: neither
+    importing it nor building a replica of it (which validates the app's config) imports torch or the
+    engine (its request types, limits and errors are plain data: rayspec.sampling.params,
+    rayspec.engine.outputs; the methods and weight formats a config names: rayspec.methods,
+    rayspec.model.schemes), so a replica starts in ~1 s of CPU rather than ~2.2 s, without torch's memory."""
     import subprocess
     import sys
 
-    code = ("import sys; import deployments.frontend.ingress; "
+    # the module, then a replica of it as Serve builds one (its app's config validated), for each kind of
+    # method (by name: rayspec.methods) and with the config's weight formats (rayspec.model.schemes)
+    code = ("import sys; import deployments.frontend.ingress as m; cls = m.OpenAIIngress.func_or_class.__bases__[0]\n"
+            "for spec in ({'method': 'eagle3', 'draft_model': 'heads/smollm2-135m-eagle3'}, {'method': 'ngram'},\n"
+            "             {'method': 'draft_model', 'draft_model': 'd', 'draft_quantization': 'int8'}):\n"
+            "    cls({'model': 'smollm2-135m-instruct', 'speculative': spec, 'topology': 'disaggregated',\n"
+            "         'engine': {'quantized_weights': 'dequantize'}}, None)\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers', "
             "'rayspec.engine.llm_engine', 'rayspec.proposers', 'rayspec.model.native'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout

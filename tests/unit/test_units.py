@@ -56,7 +56,13 @@ def test_ngram_proposer_batch_and_limits():
 
 
 def test_proposer_registry():
-    assert {"none", "ngram", "draft_model"} <= set(PROPOSERS)
+    from rayspec.methods import FEATURE_METHODS, METHODS
+    from rayspec.proposers.eagle import EagleProposer
+
+    assert {"none", "ngram", "draft_model", "eagle3", "eagle"} <= set(PROPOSERS)
+    # the table of names (checked without torch) and the classes agree
+    assert list(PROPOSERS) == list(METHODS) and all(cls.name == method for method, cls in PROPOSERS.items())
+    assert FEATURE_METHODS == {m for m, cls in PROPOSERS.items() if issubclass(cls, EagleProposer)}
     with pytest.raises(ValueError, match="unknown speculative method"):
         from rayspec.config import SpeculativeConfig
 
