@@ -103,15 +103,16 @@ def release_shared_cluster() -> None:
 
 @contextlib.contextmanager
 def serving(*apps):
-    """Deploy (name, application, route_prefix) triples on the shared Serve instance; delete them on
-    exit, so the next module finds the cluster's resources free and its route prefixes unused."""
+    """Deploy (name, application, route_prefix) triples on the shared Serve instance, all at once (their
+    replicas start beside each other, not app after app); delete them on exit, so the next module finds
+    the cluster's resources free and its route prefixes unused."""
     from ray import serve
+    from ray.serve.api import RunTarget  # (a DeveloperAPI of serve.run_many)
 
-    names: list[str] = []
+    names = [name for name, _, _ in apps]  # a deploy that fails part-way is deleted too
     try:
-        for name, app, route_prefix in apps:
-            names.append(name)  # a deploy that fails part-way is deleted too
-            serve.run(app, name=name, route_prefix=route_prefix)
+        serve.run_many([RunTarget(app, name=name, route_prefix=route_prefix)
+                        for name, app, route_prefix in apps])
         yield
     finally:
         delete_apps(names)
