@@ -274,7 +274,7 @@ def transforms(probs: torch.Tensor, tokens: torch.Tensor, rng: np.random.Generat
     return us, shapes, (float(surprisal), float(variance))
 
 
-def law(reference: Reference, samples: dict, seed: int = 0) -> tuple[audit.LawResult, float]:
+def law(reference: Reference, samples: dict, seed: int = 0) -> tuple[audit.LawResult, "Surprisal"]:
     """samples: (prompt ids, (T, top_k, top_p)) -> the output token lists. Pearson's test of every
     output token's PIT, with the two shapes' mean TV and bin moves (audit.LawResult); the surprisal
     test's p-value."""
@@ -296,15 +296,25 @@ def law(reference: Reference, samples: dict, seed: int = 0) -> tuple[audit.LawRe
                 totals[name][1] += move
     n = max(len(us), 1)
     result = audit._pearson(us, impossible, {k: (tv / n, move / n) for k, (tv, move) in totals.items()})
-    return result, surprisal_p(excess, variance)
+    return result, Surprisal(excess, variance)
 
 
-def surprisal_p(excess: float, variance: float) -> float:
-    """Two-sided p-value of the summed surprisal excess (mean 0, this variance under the null; normal
-    by the central limit theorem over hundreds of tokens)."""
-    import math
+class Surprisal(float):
+    """The surprisal test's two-sided p-value (a float) with its z-score: the summed excess over its
+    standard deviation (mean 0 under the null; normal by the central limit theorem over hundreds of
+    tokens: checked by simulation at these prompts, benchmarks/results/ci_module_seconds_session17.md).
+    z > 0: the tokens were less likely than the target's law makes them; z < 0: likelier (a sharper draw)."""
 
-    return math.erfc(abs(excess) / math.sqrt(2 * max(variance, 1e-300)))
+    def __new__(cls, excess: float, variance: float):
+        import math
+
+        z = excess / math.sqrt(max(variance, 1e-300))
+        out = super().__new__(cls, math.erfc(abs(z) / math.sqrt(2)))
+        out.z = z
+        return out
+
+    def __format__(self, spec: str) -> str:
+        return f"{float(self):{spec}} (z = {self.z:+.2f})"
 
 
 def power_at(result: audit.LawResult, shape: str, tv: float) -> float:
