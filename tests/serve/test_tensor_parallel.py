@@ -257,12 +257,13 @@ SMOL_TOKENS = 14
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["none", "eagle3"])
-def test_smollm2_tp3_greedy_equals_tp1(smollm2, method):
-    """SmolLM2 split 3 ways (one KV head per rank): target-only, and EAGLE-3 with the shipped head
-    (its features taken from 3 layers of the sharded target). n-gram and draft-model chains at TP 2 are
-    test_tp2_greedy_equals_tp1_target_only's (a SmolLM2 engine at TP 3 each: 16-19 s of CI apiece)."""
-    spec = {"none": dict(method="none"), "eagle3": dict(method="eagle3", draft_model=str(SMOL_HEAD))}[method]
+def test_smollm2_tp3_greedy_equals_tp1(smollm2):
+    """SmolLM2 split 3 ways (one KV head per rank), EAGLE-3 with the shipped head (its features taken
+    from 3 layers of the sharded target): greedy output equal to TP 1 target-only decoding, which holds
+    only where the sharded target's choice at every verified position is TP 1's, so it checks the TP 3
+    target too (its own target-only run was dropped for CI time: 12-22 s; target-only decoding at TP 2
+    is test_tp2_greedy_equals_tp1_target_only's, as are n-gram and draft-model chains)."""
+    spec = dict(method="eagle3", draft_model=str(SMOL_HEAD))
     reference = [list(greedy_reference(smollm2, p, SMOL_TOKENS)) for p in SMOL_PROMPTS]
     engine = engine_at(smollm2, 3, max_num_seqs=4, **spec)
     try:
