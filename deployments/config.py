@@ -74,6 +74,9 @@ class DeploymentArgs(_Strict):
     ray_actor_options: RayActorOptions = Field(default_factory=RayActorOptions)
     health_check_period_s: float | None = None
     graceful_shutdown_timeout_s: float | None = None
+    # how often a stopping replica checks that its requests are done (Serve's default 2 s, which is
+    # also the least a replica takes to stop: an app's delete waits for it)
+    graceful_shutdown_wait_loop_s: float | None = Field(None, gt=0)
     # Serve's placement group options (a tensor-parallel verifier: one bundle per rank). Bundles
     # default to the replica's num_cpus / num_gpus per rank; the replica itself takes the first.
     placement_group_bundles: list[dict[str, float]] | None = None
@@ -110,7 +113,7 @@ class DeploymentArgs(_Strict):
             else default_max_queued
         if retry_after_s is not None:
             opts["backpressure_config"] = {"status_code": 429, "retry_after_s": retry_after_s}
-        for key in ("health_check_period_s", "graceful_shutdown_timeout_s"):
+        for key in ("health_check_period_s", "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s"):
             if getattr(self, key) is not None:
                 opts[key] = getattr(self, key)
         actor = self.ray_actor_options.to_dict()

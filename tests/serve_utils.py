@@ -14,6 +14,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+QUICK = {"health_check_period_s": 1, "graceful_shutdown_wait_loop_s": 0.1}  # (tiny_args)
+
+
 def tiny_args(model_dir, **overrides) -> dict:
     """AppArgs for a fast CPU app on the tiny random model, with the production defaults on (the
     adaptive draft planner, prefix caching). The planner weighs modelled step costs
@@ -29,9 +32,11 @@ def tiny_args(model_dir, **overrides) -> dict:
         # Serve notices a killed replica at its next health check: every 1 s here rather than Serve's
         # default 10 (measured: a killed verifier's replacement listed 8.6 s after the kill at the
         # default, 0.2-0.5 s at 1 s), so the tests that kill replicas wait seconds less for each
-        "ingress": {"ray_actor_options": {"num_cpus": 0.1}, "health_check_period_s": 1},
-        "verifier": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1},
-        "proposer": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1},
+        # And a stopping replica checks for unfinished requests every 0.1 s rather than every 2 s, which
+        # is also the least it takes to stop (measured: deleting a tiny app 3.0 s at the default, 1.0 s)
+        "ingress": {"ray_actor_options": {"num_cpus": 0.1}, **QUICK},
+        "verifier": {"ray_actor_options": {"num_cpus": 0.5}, **QUICK},
+        "proposer": {"ray_actor_options": {"num_cpus": 0.5}, **QUICK},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(args.get(key), dict):

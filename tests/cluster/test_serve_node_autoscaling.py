@@ -73,7 +73,9 @@ def _app_args(model_dir) -> dict:
         model_dir, topology="disaggregated",
         verifier={"max_ongoing_requests": 8,
                   "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                         "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 12},
+                                         "upscale_delay_s": 1, "downscale_delay_s": 3,
+                                         # (metrics every 0.5 s: tests/serve/test_serve_autoscaling.py)
+                                         "look_back_period_s": 2, "metrics_interval_s": 0.5},
                   "ray_actor_options": {"num_cpus": 1, "num_gpus": 1, "resources": {"target_node": 0.01}}},
         proposer={"num_replicas": 1,
                   "ray_actor_options": {"num_cpus": 1, "num_gpus": 1, "resources": {"draft_node": 0.01}}})
@@ -98,12 +100,9 @@ def cluster(tmp_path_factory, own_cluster):
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            _stop_cluster(HEAD_PORT)
+    finally:  # (no serve.shutdown(): the whole cluster stops)
+        ray.shutdown()
+        _stop_cluster(HEAD_PORT)
 
 
 def _stop_cluster(port: int) -> None:
@@ -124,7 +123,9 @@ def _stop_cluster(port: int) -> None:
             p.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(list(mine.values()), timeout=20)
+    # (the raylets, the GCS and the autoscaler took the whole 20 s this waited at first: two seconds,
+    # then they are killed)
+    _, alive = psutil.wait_procs(list(mine.values()), timeout=2)
     for p in alive:
         try:
             p.kill()

@@ -24,7 +24,8 @@ from serve_utils import is_error_event, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.operations.autoscaling import BUSY_METRIC, BusyMeter, ProposerBusyPolicy, proposer_autoscaling_config
 
-FAST = {"upscale_delay_s": 1, "downscale_delay_s": 600, "look_back_period_s": 12}  # > metrics_interval_s (10)
+# metrics pushed every 0.5 s rather than Serve's 10 (tests/serve/test_serve_autoscaling.py), the look-back past it
+FAST = {"upscale_delay_s": 1, "downscale_delay_s": 600, "look_back_period_s": 3, "metrics_interval_s": 0.5}
 
 
 # ---- the signal and the policy, without Ray ------------------------------------------------------
