@@ -101,6 +101,21 @@ def release_shared_cluster() -> None:
         ray.shutdown()
 
 
+def stop_cluster(cluster) -> None:
+    """Stop a test's own ray.cluster_utils.Cluster at once: the driver disconnected, then each node's
+    processes killed, not stopped gracefully (Cluster.shutdown() sends SIGTERM and waits process by
+    process; nothing of a test's cluster is kept). Serve's controller, proxy and replicas go with
+    their nodes: no serve.shutdown() first."""
+    import ray
+
+    ray.shutdown()
+    for node in list(cluster.worker_nodes):
+        cluster.remove_node(node, allow_graceful=False)
+    if cluster.head_node is not None:
+        cluster.remove_node(cluster.head_node, allow_graceful=False)
+    ray.experimental.internal_kv._internal_kv_reset()
+
+
 @contextlib.contextmanager
 def serving(*apps):
     """Deploy (name, application, route_prefix) triples on the shared Serve instance, all at once (their

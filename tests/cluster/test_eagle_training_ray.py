@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ray_utils import head_node_args
+from ray_utils import head_node_args, stop_cluster
 
 from rayspec.eagle.checkpoint import read_state_dict
 
@@ -41,7 +41,11 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
     cluster = Cluster(initialize_head=True, head_node_args=head_node_args(**{"num_cpus": 0}))
     nodes = {cluster.add_node(num_cpus=1).node_id for _ in range(2)}
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    # RAY_ADDRESS for the job's workers: Ray Train's placement-group cleaner asks Ray's state API whether
+    # the training controller lives, at the address it finds on this machine, the newest cluster: on
+    # CI's two workers that was once the other worker's, where it found no controller and removed the
+    # training workers' placement group mid-run (a WorkerGroupError, "A worker health check failed")
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
     try:
         two = run(TrainConfig(work_dir=str(tmp_path / "two"), output=str(tmp_path / "head-two"), num_workers=2,
                               **common))
@@ -55,8 +59,7 @@ def test_data_parallel_training_on_ray_equals_one_process(tiny_model_dir, tmp_pa
             placed.setdefault(actor.class_name, set()).add(actor.node_id)
         assert placed["_TargetActor"] == nodes and placed["RayTrainWorker"] == nodes, placed
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        stop_cluster(cluster)
     data = {}
     for d in ("one", "three"):
         rows = [json.loads(line) for line in (tmp_path / d / "answers.jsonl").read_text().splitlines()]

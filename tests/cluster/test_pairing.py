@@ -24,7 +24,7 @@ from deployments.app import build_app
 from deployments.config import AppArgs
 from deployments.operations.kuberay import deployment_units, worker_groups
 from deployments.operations.plan import plan_app
-from ray_utils import head_node_args
+from ray_utils import head_node_args, stop_cluster
 
 PROMPTS = ["one two three four five", "the quick brown fox", "alpha beta gamma"]
 MAX_TOKENS = 96
@@ -121,9 +121,7 @@ def served(tiny_model_dir, own_cluster):
         yield {name: f"http://127.0.0.1:{port}/{name}" for name in APPS}, \
             {cluster.head_node.node_id} | {n.node_id for n in nodes}
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        stop_cluster(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from deployments.app import build_app  # noqa: E402
 from rayspec.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from rayspec.engine.llm_engine import LLMEngine  # noqa: E402
 from rayspec.sampling.sampler import SamplingParams  # noqa: E402
-from ray_utils import head_node_args
+from ray_utils import head_node_args, stop_cluster
 
 PROMPT = "one two three four five six seven one two three four five six seven one two"
 
@@ -49,9 +49,7 @@ def cluster_app(tiny_model_dir, tiny_draft_dir, own_cluster):
     serve.run(app, name="rayspec", route_prefix="/")
     yield {"url": f"http://127.0.0.1:{port}", "draft_node": draft_node.node_id, "target_node": target_node.node_id,
            "head_node": cluster.head_node.node_id}
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    stop_cluster(cluster)
 
 
 def _replica_nodes(deployment: str) -> set[str]:

@@ -17,7 +17,7 @@ from ray.cluster_utils import Cluster
 from serve_utils import astream_completion, free_port, target_only_texts, tiny_args, wait_for
 from deployments.app import build_app
 from deployments.replicas.tensor_parallel import rank_actor_name
-from ray_utils import head_node_args
+from ray_utils import head_node_args, stop_cluster
 
 PROMPTS = ["one two three four five one two three four five one two", "The quick brown fox jumps over"]
 DEADLINE_S = 240
@@ -43,9 +43,7 @@ def apps(tiny_model_dir, own_cluster):
             serve.run(build_app(_tp_args(tiny_model_dir, strategy)), name=name, route_prefix=f"/{name}")
         yield {"url": f"http://127.0.0.1:{port}", "gpu_nodes": {n.node_id for n in nodes}}
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        stop_cluster(cluster)
 
 
 @pytest.fixture(scope="module")
