@@ -1,6 +1,6 @@
 """Our users' dialects (deployments/dialects.py): vLLM's `speculative_config` and top-level engine keys
 in app args, Ray Serve LLM's `llm_configs` through deployments.app:build_llm_app, and `rayspec serve`'s
-arguments: translation unit tests (served: tests/cluster/test_dialect_config_served.py)."""
+arguments: translation unit tests (served: tests/serve/test_dialect_config_served.py)."""
 
 from __future__ import annotations
 
