@@ -121,6 +121,15 @@ SERVE_FIRST = ("test_serve_openai",)
 ENGINE_FIRST = ("test_deferred_reads", "test_lossless_sampled", "test_gpu_roofline", "test_compiled_step",
                 "test_tree_steps", "test_overlap", "test_host_syncs", "test_paged_attention", "test_lossless_grid",
                 "test_default_config_greedy", "test_sampling_distribution")
+# Likewise the longest cluster and serve modules (CI runs here, 2026-12-04/05: ~180 down to ~30 s), after
+# SERVE_FIRST: the run's last modules are short ones, so neither worker ends a long module alone (before,
+# the serve tier's alphabetical order ended with test_serve_shipped_configs and test_tensor_parallel, ~180
+# and ~120 s)
+CLUSTER_FIRST = ("test_serve_node_autoscaling", "test_gpu_bench", "test_wheel", "test_pairing",
+                 "test_serve_tensor_parallel", "test_hub_download", "test_serve_disaggregated", "test_eagle_training_ray")
+SERVE_LONGEST = ("test_serve_shipped_configs", "test_serve_faults", "test_tensor_parallel", "test_serve_eagle",
+                 "test_serve_sampled_default", "test_serve_pool_scaling", "test_serve_autoscaling", "test_step_watchdog",
+                 "test_serve_async", "test_gpu_serve_random")
 
 
 def item_tier(item) -> str:
@@ -151,10 +160,9 @@ def pytest_collection_modifyitems(session, config, items):
         # on two workers (scripts/test) the many short serve modules fill the tail
         order = {"unit": 0, "engine": 0, "cluster": 2, "serve": 3}[tier]
         name = item.module.__name__
-        if tier == "engine" and name in ENGINE_FIRST:
-            first = ENGINE_FIRST.index(name)
-        else:
-            first = 0 if tier == "serve" and name in SERVE_FIRST else len(ENGINE_FIRST)
+        longest = {"unit": ENGINE_FIRST, "engine": ENGINE_FIRST, "cluster": CLUSTER_FIRST,  # (unit: after the long engine ones)
+                   "serve": SERVE_FIRST + SERVE_LONGEST}[tier]
+        first = longest.index(name) if name in longest else len(longest)
         keys[item] = (order, first, index)
     items.sort(key=keys.__getitem__)
 
