@@ -221,29 +221,54 @@ def test_depth_six_trees_greedy_output_is_the_targets(smollm2, loaded, defer):
     assert max(accepted) >= 4, accepted
 
 
-def test_compiled_step_with_deferred_drafts_is_the_targets(smollm2, loaded, monkeypatch):
+# The compiled test's target: conftest's tiny model with seed 3, whose greedy continuations of these prompts
+# an oracle head (eagle_utils.oracle_head) drafts, so its trees are accepted (test_compiled_step's choice)
+ORACLE_PROMPTS = [[5, 17, 99, 3, 42, 8], [7, 7, 7, 12, 30, 31, 32, 33, 5]]
+
+
+@pytest.fixture(scope="module")
+def tiny_oracle(tmp_path_factory):
+    """(target dir, oracle EAGLE-3 head dir, loaded target, its greedy outputs of ORACLE_PROMPTS)."""
+    from conftest import make_tiny_model_dir
+    from eagle_utils import oracle_head
+    from rayspec.eagle.checkpoint import save_eagle_head
+
+    target = make_tiny_model_dir(tmp_path_factory.mktemp("deferred-tiny") / "model", seed=3)
+    loaded = cached_model(str(target))
+    ref = run_alone(make_engine(target, "none", loaded=loaded), ORACLE_PROMPTS,
+                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    args = loaded[0].args
+    head = oracle_head(target, args.num_layers, args.hidden_size, [p[-1:] + r for p, r in zip(ORACLE_PROMPTS, ref)])
+    return target, save_eagle_head(head, tmp_path_factory.mktemp("deferred-head") / "head", dtype=torch.float32), \
+        loaded, ref
+
+
+def test_compiled_step_with_deferred_drafts_is_the_targets(tiny_oracle, monkeypatch):
     """The compiled step (traced with aot_eager, as test_lossless_grid's compiled column: the padded
     buckets, a deferred tree's device mask and depths placed into the static batch) verifies deferred
-    EAGLE-3 trees into target-only greedy output (a batch of 2; its last steps run one sequence), with no
-    graph compiled after the warm-up."""
+    EAGLE-3 trees into target-only greedy output (a batch of 2 whose last steps run one sequence: the
+    requests ask for 24 and 13 tokens), with no graph compiled after the warm-up. (On the tiny model and an
+    oracle head: SmolLM2's 30 layers traced at four shapes took ~26 s of a CI run.)"""
+    from engine_utils import run_to_completion
     from rayspec.config import EngineConfig, SpeculativeConfig
     from rayspec.engine.llm_engine import LLMEngine
     from rayspec.model.compiled import CompiledForward
 
+    target, head, loaded, ref = tiny_oracle
     monkeypatch.setattr(CompiledForward, "backend", "aot_eager")
-    config = EngineConfig(model=smollm2, max_model_len=256, max_num_seqs=2, kv_cache_memory_gb=1.0, compile=True,
+    config = EngineConfig(model=str(target), max_model_len=256, max_num_seqs=2, kv_cache_memory_gb=0.05, compile=True,
                           defer_draft_reads=True,
-                          speculative=SpeculativeConfig(method="eagle3", draft_model=HEAD, num_speculative_tokens=8,
+                          speculative=SpeculativeConfig(method="eagle3", draft_model=str(head), num_speculative_tokens=8,
                                                         eagle_topk=2, num_steps=4, eagle_prompt_lookup=5,
                                                         adaptive=False))
     engine = LLMEngine(config, model=loaded[0], tokenizer=loaded[1])
     assert engine.runner.compiled is not None
     warmed = set(engine.runner.compiled.shapes)  # compile_buckets': batch 1 and 2 at 1 row and at 16 (1 + 8)
     assert warmed == {(1, 1), (2, 1), (1, 16), (2, 16)}, warmed
-    prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in TEXTS[2:4]]
-    params = SamplingParams(temperature=0, max_tokens=24)
-    want = run_alone(make_engine(smollm2, "none", loaded=loaded), prompts, params)
-    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+           for p, n in zip(ORACLE_PROMPTS, (24, 13))]
+    done = run_to_completion(engine)
+    assert [done[i].token_ids for i in ids] == [ref[0], ref[1][:13]]
     assert engine.stats.num_accepted_tokens > 0
     # the last cycles verify smaller trees (a request's budget under 8 tokens): padded to the warmed 16
     # rows, no graph compiled after the warm-up (issue #50 (e); before, (1, 8) and (1, 4) were compiled
