@@ -436,7 +436,7 @@ def test_killed_proposer_replica_loses_no_request(served, eagle_setup):
     has replaced the replica, requests draft again on the new one."""
     import time
 
-    want, chunks = _stream_long_request("disaggregated", eagle_setup, 900)  # in flight when the kill lands
+    want, chunks = _stream_long_request("disaggregated", eagle_setup, 400)  # in flight when the kill lands
     handle = serve.get_app_handle("disaggregated")
     got = []
     while len(got) < 64:  # the sequence's draft state now lives on that replica
