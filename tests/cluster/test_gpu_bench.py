@@ -22,7 +22,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_summary  # noqa: E402
 
-SETS = ("mt_bench", "gsm8k")  # two of the three (the third differs only in its prompt file): ~30 s less in CI
+# one of the three (the others differ only in their prompt files; the summary's merge of several sets:
+# test_summary_merges_a_peer_per_level): ~15 s less in CI than two, ~30 s less than three
+SETS = ("mt_bench",)
 OURS = ("rayspec-eagle3", "rayspec-baseline")
 # `rayspec bench serve`'s per-level fields under vLLM's names (tests/serve/test_bench_serve.py checks them all)
 FIELDS = ("completed", "failed", "output_throughput", "request_throughput", "duration", "mean_ttft_ms",
@@ -158,24 +160,33 @@ def test_summary_merges_a_peer_per_level(tmp_path):
     runs.mkdir()
     ours = {"num_drafts": 10, "num_draft_tokens": 80, "num_accepted_tokens": 20, "acceptance_rate": 0.25,
             "mean_acceptance_length": 3.0, "method": "eagle3"}
-    (runs / "gsm8k_rayspec-eagle3.json").write_text(json.dumps(_run(
-        ["rayspec-eagle3"], [1, 4], [_row("rayspec-eagle3", 1, 30.0, ours), _row("rayspec-eagle3", 4, 80.0, ours)])))
-    (runs / "gsm8k_rayspec-baseline.json").write_text(json.dumps(_run(
-        ["rayspec-baseline"], [1, 4], [_row("rayspec-baseline", 1, 20.0), _row("rayspec-baseline", 4, 100.0)])))
-    for c, tok_s in ((1, 40.0), (4, 90.0)):
-        stem = f"gsm8k_vllm-eagle3_c{c}"
-        (runs / f"{stem}.json").write_text(json.dumps(_run(["vllm-eagle3"], [c], [_row("vllm-eagle3", c, tok_s)])))
-        (runs / f"{stem}_before.prom").write_text(_prom(5, 15, 6))
-        (runs / f"{stem}_after.prom").write_text(_prom(5 + 4 * c, 15 + 12 * c, 6 + 6 * c))
+    # two prompt sets (the GPU run's three differ only in their files; the dry run end to end serves one),
+    # the second's our servers' numbers halved: each set is merged from its own files
+    for set_name, scale in (("gsm8k", 1.0), ("mt_bench", 0.5)):
+        (runs / f"{set_name}_rayspec-eagle3.json").write_text(json.dumps(_run(
+            ["rayspec-eagle3"], [1, 4], [_row("rayspec-eagle3", 1, 30.0 * scale, ours),
+                                         _row("rayspec-eagle3", 4, 80.0 * scale, ours)])))
+        (runs / f"{set_name}_rayspec-baseline.json").write_text(json.dumps(_run(
+            ["rayspec-baseline"], [1, 4], [_row("rayspec-baseline", 1, 20.0), _row("rayspec-baseline", 4, 100.0)])))
+        for c, tok_s in ((1, 40.0), (4, 90.0)):
+            stem = f"{set_name}_vllm-eagle3_c{c}"
+            (runs / f"{stem}.json").write_text(json.dumps(_run(["vllm-eagle3"], [c], [_row("vllm-eagle3", c, tok_s)])))
+            (runs / f"{stem}_before.prom").write_text(_prom(5, 15, 6))
+            (runs / f"{stem}_after.prom").write_text(_prom(5 + 4 * c, 15 + 12 * c, 6 + 6 * c))
 
-    code = gpu_summary.main([str(tmp_path), "--sets", "gsm8k", "--expect", "rayspec-eagle3,rayspec-baseline,vllm-eagle3",
-                             "--concurrency", "1,4"])
+    code = gpu_summary.main([str(tmp_path), "--sets", "gsm8k,mt_bench", "--expect",
+                             "rayspec-eagle3,rayspec-baseline,vllm-eagle3", "--concurrency", "1,4"])
     assert code == 0
-    merged = json.loads((tmp_path / "gsm8k.json").read_text())
-    assert merged["config"]["concurrency"] == [1, 4]
-    assert sorted(merged["config"]["labels"]) == ["rayspec-baseline", "rayspec-eagle3", "vllm-eagle3"]
-    assert (tmp_path / "gsm8k.png").read_bytes()[:8] == PNG_MAGIC
-    rows = {(r["system"], r["concurrency"]): r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    for set_name in ("gsm8k", "mt_bench"):
+        merged = json.loads((tmp_path / f"{set_name}.json").read_text())
+        assert merged["config"]["concurrency"] == [1, 4] and merged["config"]["prompt_set"] == set_name
+        assert sorted(merged["config"]["labels"]) == ["rayspec-baseline", "rayspec-eagle3", "vllm-eagle3"]
+        assert (tmp_path / f"{set_name}.png").read_bytes()[:8] == PNG_MAGIC
+    every = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert len(every) == 2 * 3 * 2  # sets x systems x levels
+    (halved,) = [r for r in every if (r["set"], r["system"], r["concurrency"]) == ("mt_bench", "rayspec-eagle3", 1)]
+    assert halved["speedup_vs_baseline"] == pytest.approx(0.75)
+    rows = {(r["system"], r["concurrency"]): r for r in every if r["set"] == "gsm8k"}
     assert rows["rayspec-eagle3", 1]["speedup_vs_baseline"] == pytest.approx(1.5)
     assert rows["vllm-eagle3", 4]["speedup_vs_baseline"] == pytest.approx(0.9)
     for c in (1, 4):
