@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,64 @@ def pytest_collection_modifyitems(session, config, items):
         first = longest.index(name) if name in longest else len(longest)
         keys[item] = (order, first, index)
     items.sort(key=keys.__getitem__)
+
+
+_last_tier: list[str] = []  # this process's tier of the test that ran last
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def release_engine_memory() -> None:
+    """What the engine tier's modules leave in this process, given back before its Ray tiers start: the
+    per-process caches of loaded models and references (tests/engine_utils.py, functools caches of test
+    modules), then unreachable
+    objects, then the C heap's free pages (glibc keeps them otherwise). On two xdist workers the
+    engine tier is followed by the serve and cluster tiers in the same processes (scripts/test): a
+    worker held ~6 GB into them, and with both workers' Ray replicas the 24 GiB machine ran short
+    (CI run of 2026-12-05 03:00: Ray's memory monitor killed Serve's controller and three replicas,
+    two requests got 500s)."""
+    import ctypes
+    import gc
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    for module in list(sys.modules.values()):  # the helpers' and the test modules' functools caches
+        if not (getattr(module, "__file__", None) or "").startswith(tests_dir):
+            continue
+        for value in list(vars(module).values()):
+            if callable(getattr(value, "cache_clear", None)) and hasattr(value, "cache_info"):
+                value.cache_clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def pytest_runtest_setup(item):
+    tier = item.get_closest_marker("serve") or item.get_closest_marker("cluster")
+    tier = tier.name if tier else "local"
+    if _last_tier and _last_tier[0] == "local" and tier != "local":
+        before = _rss_mib()
+        release_engine_memory()
+        _log_rss(f"released engine-tier memory before {item.nodeid}: {before:.0f} -> {_rss_mib():.0f} MiB")
+    _last_tier[:] = [tier]
+
+
+def _log_rss(line: str) -> None:
+    """A line to $RAYSPEC_TEST_RSS_LOG (unset: nothing), with this process's xdist worker and RSS."""
+    path = os.environ.get("RAYSPEC_TEST_RSS_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} "
+                    f"{_rss_mib():.0f} MiB {line}\n")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None or nextitem.module is not item.module:
+        _log_rss(f"after {item.module.__name__}")
 
 
 # Outcomes that fail a strict run: a test that did not run as written (skipped), or whose outcome

@@ -51,3 +51,33 @@ def test_skips_and_xfails_are_not_run_as_written():
     excused = conftest._not_run_as_written(SimpleNamespace(stats=reports))
     assert sorted(r.nodeid for r in excused) == ["skipped", "xfailed", "xpassed"]
     assert conftest._not_run_as_written(SimpleNamespace(stats={"passed": reports["passed"]})) == []
+
+
+def test_engine_memory_is_released_before_the_ray_tiers(monkeypatch):
+    """A worker's first serve or cluster test drops the test modules' functools caches (the engine tier's
+    loaded models and references), once, at the tier change; local tests keep them."""
+    import functools
+
+    calls = []
+
+    @functools.lru_cache(maxsize=None)
+    def loaded(key):
+        calls.append(key)
+        return bytearray(1 << 20)
+
+    monkeypatch.setattr(conftest, "_probe_cache", loaded, raising=False)  # a module global of tests/conftest.py
+    monkeypatch.setattr(conftest, "_last_tier", [])
+
+    def item(tier):
+        return SimpleNamespace(get_closest_marker=lambda name: SimpleNamespace(name=name) if name == tier else None,
+                               nodeid=f"tests/{tier}/test_x.py::test_y")
+
+    loaded("model")
+    conftest.pytest_runtest_setup(item("engine"))
+    conftest.pytest_runtest_setup(item("unit"))
+    assert loaded.cache_info().currsize == 1  # still local: kept
+    conftest.pytest_runtest_setup(item("serve"))
+    assert loaded.cache_info().currsize == 0  # released at the change
+    loaded("model")
+    conftest.pytest_runtest_setup(item("cluster"))
+    assert loaded.cache_info().currsize == 1 and calls == ["model", "model"]  # not again within the Ray tiers
