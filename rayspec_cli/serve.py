@@ -91,6 +91,46 @@ def _finished_within(fn, seconds: float) -> bool:
     return not thread.is_alive()
 
 
+PROXY_CHECK_S = 60  # how long `rayspec serve` waits for Serve's proxy to answer on its port once the app runs
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be served (None: it can), checked before Ray starts."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Serve's proxy (uvicorn) binds
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            return f"cannot listen on {host}:{port} ({err.strerror or err}): choose another --port"
+    return None
+
+
+def _proxy_problem(host: str, port: int, seconds: float) -> str | None:
+    """None once Serve's proxy answers on host:port with this app's route ("/" in its /-/routes);
+    otherwise what answered instead. (Serve starts its proxy even where the port was taken
+    meanwhile, e.g. by one of Ray's own processes, and serve.run returns all the same.)"""
+    import urllib.error
+    import urllib.request
+
+    where = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+    url = f"http://{where if ':' not in where else f'[{where}]'}:{port}/-/routes"
+    deadline, problem = time.monotonic() + seconds, None
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                routes = json.loads(resp.read() or b"{}")
+            if isinstance(routes, dict) and "/" in routes:
+                return None
+            problem = f"{url} answered {routes!r}, not this app's route"
+        except (urllib.error.URLError, OSError, ValueError) as err:  # (http.client's errors are OSErrors)
+            problem = f"{url}: {err}"
+        if time.monotonic() > deadline:
+            return problem
+        time.sleep(0.5)
+
+
 def cmd_serve(args) -> int:
     import signal
 
@@ -116,6 +156,10 @@ def cmd_serve(args) -> int:
     from deployments.app import build_app
 
     local = not args.address
+    taken = _port_taken(host, port) if local else None  # (joining a cluster: its Serve may hold the port already)
+    if taken:
+        print(f"rayspec serve: {taken}", file=sys.stderr)
+        return 2
     from deployments.frontend.proxy_guard import install_env
 
     install_env()  # Serve's proxies bounded (deployments/frontend/proxy_guard.py): they inherit this environment
@@ -134,6 +178,11 @@ def cmd_serve(args) -> int:
     try:
         serve.start(http_options={"host": host, "port": port, "request_timeout_s": REQUEST_TIMEOUT_S})
         serve.run(build_app(cfg), name=args.app_name, route_prefix="/")
+        problem = _proxy_problem(host, port, PROXY_CHECK_S)
+        if problem:
+            print(f"rayspec serve: the app runs but Serve's HTTP proxy does not answer on {host}:{port}: {problem}",
+                  file=sys.stderr, flush=True)
+            return 1  # (after the finally below: Serve and the local Ray stopped)
         print(f"rayspec serve: {cfg.model_name} ({cfg.model}, {cfg.speculative.method}) on "
               f"http://{host}:{port}/v1; Ctrl-C stops", file=sys.stderr, flush=True)
         while True:

@@ -39,12 +39,37 @@ def head_node_args(**args) -> dict:
 _shared: dict | None = None  # while the shared cluster is up: its metrics port, and Serve's HTTP port once started
 
 
-def _free_port() -> int:
+_issued: set[int] = set()
+PORT_RANGE = (20000, 32767)  # below Linux's ephemeral ports (32768-60999), above Ray's worker ports (10002-19999)
+
+
+def free_port() -> int:
+    """A port free now, for a server a test starts, from PORT_RANGE, never the same twice in a process.
+
+    Not a port the kernel picks (binding port 0): Ray's own processes take theirs that way (GCS,
+    raylet, object manager, agents, metrics), so a port picked so and then left free until the test's
+    server binds it could be handed to one of them meanwhile: a test that picked a port and then
+    started a Ray cluster behind `rayspec serve` found a Ray process answering on it (CI run of
+    2026-12-05 03:38: httpx's RemoteProtocolError "illegal request line")."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(*PORT_RANGE)
+        if port in _issued:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _issued.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
+
+
+_free_port = free_port
 
 
 def shared_cluster() -> dict:

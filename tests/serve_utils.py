@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 from planner_costs import MODELLED_COSTS
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ray_utils import free_port  # noqa: F401 (re-exported: the tests import it from here)
 
 
 QUICK = {"health_check_period_s": 1, "graceful_shutdown_wait_loop_s": 0.1}  # (tiny_args)

@@ -56,6 +56,3 @@ def test_rayspec_serve_runs(tiny_model_dir, tmp_path, own_cluster):
     # (the replicas' health-check lines every 2 s would fill the message: what the CLI said instead)
     said = [line for line in lines if "CALL health" not in line]
     assert proc.returncode == 0, "".join(said)[-5000:]
-
-
-# ---- served: both dialect YAMLs beside the native app -------------------------------------------

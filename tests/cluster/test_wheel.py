@@ -143,9 +143,12 @@ def test_wheel_in_fresh_venv_serves_default_config(tmp_path, own_cluster):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-5000:]
             time.sleep(0.5)
         timings["serve up"] = time.monotonic() - start - timings["build"] - timings["install"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
-            "model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
-            "messages": [{"role": "user", "content": "Write a haiku about GPUs."}]})
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+                "model": "smollm2-135m-instruct", "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "Write a haiku about GPUs."}]})
+        except httpx.HTTPError as err:  # what `rayspec serve` said, with the error
+            pytest.fail(f"{err!r}\n{''.join(lines)[-5000:]}")
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"].strip()
     finally:

@@ -67,6 +67,7 @@ def test_engine_memory_is_released_before_the_ray_tiers(monkeypatch):
 
     monkeypatch.setattr(conftest, "_probe_cache", loaded, raising=False)  # a module global of tests/conftest.py
     monkeypatch.setattr(conftest, "_last_tier", [])
+    monkeypatch.setattr(conftest, "_log_rss", lambda line: None)
 
     def item(tier):
         return SimpleNamespace(get_closest_marker=lambda name: SimpleNamespace(name=name) if name == tier else None,
