@@ -202,14 +202,19 @@ def release_engine_memory() -> None:
         pass
 
 
+RAY_TIER_RSS_MIB = 3072  # within the Ray tiers: a module that starts with this process above it releases too
+
+
 def pytest_runtest_setup(item):
     tier = item.get_closest_marker("serve") or item.get_closest_marker("cluster")
     tier = tier.name if tier else "local"
-    if _last_tier and _last_tier[0] == "local" and tier != "local":
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if _last_tier and tier != "local" and (_last_tier[0] == "local" or (
+            module != _last_tier[1] and _rss_mib() > RAY_TIER_RSS_MIB)):  # (serve modules load references too)
         before = _rss_mib()
         release_engine_memory()
-        _log_rss(f"released engine-tier memory before {item.nodeid}: {before:.0f} -> {_rss_mib():.0f} MiB")
-    _last_tier[:] = [tier]
+        _log_rss(f"released test memory before {item.nodeid}: {before:.0f} -> {_rss_mib():.0f} MiB")
+    _last_tier[:] = [tier, module]
 
 
 def _log_rss(line: str) -> None:

@@ -55,7 +55,8 @@ def test_skips_and_xfails_are_not_run_as_written():
 
 def test_engine_memory_is_released_before_the_ray_tiers(monkeypatch):
     """A worker's first serve or cluster test drops the test modules' functools caches (the engine tier's
-    loaded models and references), once, at the tier change; local tests keep them."""
+    loaded models and references) at the tier change; local tests keep them; within the Ray tiers a new
+    module drops them again only where the process holds more than RAY_TIER_RSS_MIB."""
     import functools
 
     calls = []
@@ -69,9 +70,9 @@ def test_engine_memory_is_released_before_the_ray_tiers(monkeypatch):
     monkeypatch.setattr(conftest, "_last_tier", [])
     monkeypatch.setattr(conftest, "_log_rss", lambda line: None)
 
-    def item(tier):
+    def item(tier, module="test_x"):
         return SimpleNamespace(get_closest_marker=lambda name: SimpleNamespace(name=name) if name == tier else None,
-                               nodeid=f"tests/{tier}/test_x.py::test_y")
+                               nodeid=f"tests/{tier}/{module}.py::test_y", module=SimpleNamespace(__name__=module))
 
     loaded("model")
     conftest.pytest_runtest_setup(item("engine"))
@@ -82,3 +83,11 @@ def test_engine_memory_is_released_before_the_ray_tiers(monkeypatch):
     loaded("model")
     conftest.pytest_runtest_setup(item("cluster"))
     assert loaded.cache_info().currsize == 1 and calls == ["model", "model"]  # not again within the Ray tiers
+    monkeypatch.setattr(conftest, "RAY_TIER_RSS_MIB", 1 << 30)
+    conftest.pytest_runtest_setup(item("serve", "test_other"))  # a new module, this process below the bound: kept
+    assert loaded.cache_info().currsize == 1
+    monkeypatch.setattr(conftest, "RAY_TIER_RSS_MIB", 0)  # above it: released
+    conftest.pytest_runtest_setup(item("serve", "test_other"))  # (the same module: not at every test)
+    assert loaded.cache_info().currsize == 1
+    conftest.pytest_runtest_setup(item("serve", "test_third"))
+    assert loaded.cache_info().currsize == 0
