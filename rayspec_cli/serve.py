@@ -117,9 +117,10 @@ def _proxy_problem(host: str, port: int, seconds: float) -> str | None:
     where = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
     url = f"http://{where if ':' not in where else f'[{where}]'}:{port}/-/routes"
     deadline, problem = time.monotonic() + seconds, None
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # this machine's port, never via $http_proxy
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
+            with opener.open(url, timeout=10) as resp:
                 routes = json.loads(resp.read() or b"{}")
             if isinstance(routes, dict) and "/" in routes:
                 return None

@@ -34,7 +34,7 @@ def test_a_taken_port_is_refused_before_ray_starts(tiny_model_dir):
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
 
 
-def test_the_proxy_check_tells_a_stranger_on_the_port_from_serve():
+def test_the_proxy_check_tells_a_stranger_on_the_port_from_serve(monkeypatch):
     """What `rayspec serve` checks once its app runs: Serve's proxy listing the app's route on the port; a
     server of another kind there (as when one of Ray's own processes took the port first) is reported."""
     import http.server
@@ -58,6 +58,9 @@ def test_the_proxy_check_tells_a_stranger_on_the_port_from_serve():
     try:
         port = server.server_address[1]
         Routes.body = json.dumps({"/": "rayspec"}).encode()
+        # (an HTTP proxy in the environment is not asked: the port is this machine's)
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")
+        monkeypatch.setenv("no_proxy", "")
         assert _proxy_problem("127.0.0.1", port, 0) is None
         assert _proxy_problem("0.0.0.0", port, 0) is None  # (all interfaces: checked on loopback)
         Routes.body = b"{}"
