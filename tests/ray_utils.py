@@ -33,7 +33,7 @@ def head_node_args(**args) -> dict:
     """ray.cluster_utils.Cluster's head_node_args with a dashboard port of its own: CI's two serve workers
     may each run a cluster test at once, and a second head on Ray's default 8265 fails to bind it and
     starts no dashboard, which Ray's state API (list_actors) then cannot reach."""
-    return {"dashboard_port": _free_port(), **args}
+    return {"dashboard_port": free_port(), **args}
 
 
 _shared: dict | None = None  # while the shared cluster is up: its metrics port, and Serve's HTTP port once started
@@ -69,8 +69,6 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
-_free_port = free_port
-
 
 def shared_cluster() -> dict:
     """Start the shared cluster unless it is up; {"metrics_port": ..., ["http_port": ...]}."""
@@ -81,7 +79,7 @@ def shared_cluster() -> dict:
         return _shared
     if ray.is_initialized():  # a test's own cluster left connected: not ours to keep
         ray.shutdown()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     saved = {key: os.environ.get(key) for key in CLUSTER_ENV}
     os.environ.update(CLUSTER_ENV)
     try:
@@ -103,7 +101,7 @@ def shared_serve_url() -> str:
 
     info = shared_cluster()
     if "http_port" not in info:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         info["http_port"] = port
     return f"http://127.0.0.1:{info['http_port']}"
