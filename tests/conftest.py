@@ -168,7 +168,7 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=keys.__getitem__)
 
 
-_last_tier: list[str] = []  # this process's tier of the test that ran last
+_last_tier: list[str] = []  # [tier, module] of the test this process ran last ("local": unit or engine)
 
 
 def _rss_mib() -> float:
@@ -178,9 +178,8 @@ def _rss_mib() -> float:
 
 def release_engine_memory() -> None:
     """What the engine tier's modules leave in this process, given back before its Ray tiers start: the
-    per-process caches of loaded models and references (tests/engine_utils.py, functools caches of test
-    modules), then unreachable
-    objects, then the C heap's free pages (glibc keeps them otherwise). On two xdist workers the
+    per-process caches of loaded models and references (the functools caches of tests/engine_utils.py and
+    the test modules), then unreachable objects, then the C heap's free pages (glibc keeps them otherwise). On two xdist workers the
     engine tier is followed by the serve and cluster tiers in the same processes (scripts/test): a
     worker held ~6 GB into them, and with both workers' Ray replicas the 24 GiB machine ran short
     (CI run of 2026-12-05 03:00: Ray's memory monitor killed Serve's controller and three replicas,
