@@ -203,3 +203,42 @@ def test_engine_compaction_when_middle_sequence_leaves(tiny_model_dir, tiny, met
     assert done[ids[0]].token_ids == alone[0]
     assert done[ids[1]].token_ids == alone[1][:3]
     assert done[ids[2]].token_ids == alone[2]
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_pool_is_zero_and_takes_memory_only_where_written(dtype):
+    """A CPU pool of 1 MiB or more is an anonymous map (rayspec.model.kv_cache.zeroed_pool): all zeros as
+    torch.zeros would give, holding the memory of the pages written and not of the whole pool, and
+    writes and reads land as in any tensor; a small pool is a plain torch.zeros tensor."""
+    import gc
+    import sys
+
+    from rayspec.model.kv_cache import LAZY_ZERO_MIN_BYTES, zeroed_pool
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc/self/statm")
+    shape = (1 << 16, 4, 256)  # 256 MiB in fp32, 128 MiB in bf16
+    gc.collect()
+    before = _rss_bytes()
+    pool = zeroed_pool(shape, dtype, "cpu")
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert _rss_bytes() - before < 16 << 20  # not one page of it written yet
+    rows = torch.tensor([0, 7, 1 << 15, (1 << 16) - 1])
+    assert not pool[rows].any()
+    values = torch.randn(4, 4, 256).to(dtype)
+    pool.index_copy_(0, rows, values)
+    assert torch.equal(pool[rows], values) and not pool[1:7].any()
+    assert _rss_bytes() - before < 32 << 20  # the written rows' pages (and the zero page read above)
+    # the rest still zeros (reading an unwritten page maps the kernel's shared zero page)
+    assert pool.count_nonzero().item() == values.count_nonzero().item()
+    small = zeroed_pool((8, 2, 16), dtype, "cpu")
+    assert small.numel() * small.element_size() < LAZY_ZERO_MIN_BYTES and not small.any()
+    del pool
+    gc.collect()
