@@ -75,7 +75,10 @@ def read_eagle_head(spec: str, target: CausalLM, kind: str | None = None) -> tup
         raise ValueError(f"{spec} is an {config.kind} head, not {kind}")
     if config.args.vocab_size != target.args.vocab_size:
         raise ValueError(f"head vocab {config.args.vocab_size} != target vocab {target.args.vocab_size}")
-    head = build_head(config)
+    # built without initializing weights the checkpoint then replaces (a 49k-vocabulary embedding's random
+    # init took ~0.1 s and its memory, in every engine built with the head): the checkpoint's tensors are
+    # assigned, not copied
+    head = build_head(config, device="meta")
     has_embedding = "embed_tokens.weight" in state
     if config.kind == "eagle3" and "d2t" not in state:
         if config.draft_vocab_size != config.args.vocab_size:
@@ -85,10 +88,13 @@ def read_eagle_head(spec: str, target: CausalLM, kind: str | None = None) -> tup
         d2t = state["d2t"].long()
         state["t2d"] = torch.zeros(config.args.vocab_size, dtype=torch.bool)
         state["t2d"][torch.arange(len(d2t)) + d2t] = True
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if k != "embed_tokens.weight"]
     if missing or unexpected:
         raise ValueError(f"{spec}: not an {config.kind} checkpoint (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    if not has_embedding:  # the target's, shared by attach_target; until then one zero of its shape, expanded
+        shape, dtype = head.embed_tokens.weight.shape, head.embed_tokens.weight.dtype
+        head.embed_tokens.weight = torch.nn.Parameter(torch.zeros((), dtype=dtype).expand(shape), requires_grad=False)
     return head.float(), has_embedding
 
 

@@ -213,10 +213,16 @@ def attach_target(head: EagleHead, target: CausalLM, has_own_embedding: bool) ->
         head.target_lm_head = target.lm_head
 
 
-def build_head(config: EagleConfig) -> EagleHead:
+def build_head(config: EagleConfig, device=None) -> EagleHead:
+    """A head of this config with freshly initialized weights; device "meta": its weights without storage
+    or initialization (for a checkpoint's to be assigned: rayspec.eagle.checkpoint.read_eagle_head), the
+    rotary buffer computed all the same."""
     from rayspec.model.loader import rope_from_config
     from transformers import LlamaConfig
 
     inv_freq, scaling = rope_from_config(LlamaConfig(**config.hf_config))
     cls = Eagle3Head if config.kind == "eagle3" else Eagle1Head
-    return cls(config, inv_freq, scaling)
+    if device is None:
+        return cls(config, inv_freq, scaling)
+    with torch.device(device):
+        return cls(config, inv_freq, scaling)

@@ -595,7 +595,9 @@ def test_wrong_kind_and_broken_checkpoints_fail_clearly(tmp_path, target_dir, ta
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
-def test_safetensors_round_trip(tmp_path, target_dir, target, kind):
+def test_safetensors_round_trip(tmp_path, target_dir, target, kind, monkeypatch):
+    """Saved and loaded, a head computes what it did; loading initializes no weight at random (the
+    checkpoint's are assigned; the embedding is the target's, shared)."""
     model = target[0]
     torch.manual_seed(3)
     cfg = new_eagle_config(kind, target_dir, LAYERS, HIDDEN, draft_vocab_size=DRAFT_VOCAB)
@@ -616,7 +618,12 @@ def test_safetensors_round_trip(tmp_path, target_dir, target, kind):
         assert (out / "model.safetensors").exists() and not (out / "pytorch_model.bin").exists()
         saved = read_state_dict(out)
         assert not any(k.startswith(("embed_tokens", "target_lm_head")) for k in saved)
-        loaded = load_eagle_head(str(out), model, kind=kind)
+        with monkeypatch.context() as patch:
+            for init in ("normal_", "uniform_", "kaiming_uniform_"):  # (on a tensor without storage: free)
+                patch.setattr(torch.nn.init, init, lambda t, *a, _init=init, **k: t if t.is_meta else
+                              pytest.fail(f"{_init} of a {tuple(t.shape)} tensor while loading"))
+            loaded = load_eagle_head(str(out), model, kind=kind)
+        assert loaded.embed_tokens.weight is model.model.embed_tokens.weight
         assert loaded.config.aux_layers == cfg.aux_layers and loaded.config.kind == kind
         assert loaded.config.draft_vocab_size == cfg.draft_vocab_size
         if kind == "eagle3":
