@@ -330,19 +330,36 @@ def test_tp_shard_survives_materialization_and_is_checked(small_dir, monkeypatch
         checkpoint.load_checkpoint(model, small_dir)
 
 
-def test_reads_through_a_buffer_smaller_than_a_tensor(small_dir, monkeypatch):
-    """A tensor bigger than the read buffer is read in pieces; a buffer holding several small runs
-    (a column slice of many rows) gathers them: both give the same values."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reads_through_a_buffer_smaller_than_a_tensor(small_dir, monkeypatch, dtype):
+    """float32 as stored: each run read straight into the parameter. bfloat16 (a cast): through the read
+    buffer, a tensor bigger than it read in pieces and a buffer holding several small runs (a column slice
+    of many rows) gathering them. Both give the checkpoint's values."""
     config = hub.load_hf_config(small_dir)
     ref = _checkpoint(small_dir)
     monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 1000)  # not a multiple of a row or of the item size
-    model = loader.empty_model(config, "cpu", torch.float32)
+    model = loader.empty_model(config, "cpu", dtype)
     row = _sharded_param(model, model.model.layers[1].self_attn.o_proj, 1, 16, 48)
     checkpoint.load_checkpoint(model, small_dir)
-    assert torch.equal(row, ref["model.layers.1.self_attn.o_proj.weight"][:, 16:48])
+    assert torch.equal(row, ref["model.layers.1.self_attn.o_proj.weight"][:, 16:48].to(dtype))
     for name, param in model.named_parameters():
         if name != "model.layers.1.self_attn.o_proj.weight":
-            assert torch.equal(param, ref[name]), name
+            assert torch.equal(param, ref[name].to(param.dtype)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_truncated_file_is_refused(small_dir, tmp_path, dtype):
+    """A safetensors file cut short inside a tensor's data: a ValueError naming the tensor, read straight
+    into the parameter (float32) or through the buffer (bfloat16)."""
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(small_dir, cut)
+    (weights,) = cut.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-100])
+    model = loader.empty_model(hub.load_hf_config(cut), "cpu", dtype)
+    with pytest.raises(ValueError, match="truncated in"):
+        checkpoint.load_checkpoint(model, cut)
 
 
 _PEAK_SCRIPT = """
