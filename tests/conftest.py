@@ -151,29 +151,6 @@ def item_tier(item) -> str:
     return tier
 
 
-# On xdist workers (scripts/test: --dist loadfile) a module's tests run on one worker, except that the
-# cluster tier's modules are one unit: one after the other on one worker while the other runs serve
-# modules. Each cluster module starts a Ray cluster of its own and spends much of its time waiting
-# (nodes, replicas, autoscaling look-backs): two of them at once, as per-module units gave, left the
-# CPUs ~20% idle for the cluster tier's ~4 minutes of a CI run (vmstat, 2026-12-05); a serve module
-# beside one fills that.
-CLUSTER_UNIT = "tests/cluster/"
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile with the cluster tier's modules as one unit (CLUSTER_UNIT)."""
-    if config.getvalue("dist") != "loadfile":
-        return None  # xdist's own
-    from xdist.scheduler import LoadFileScheduling
-
-    class ClusterTierTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return CLUSTER_UNIT if scope.startswith(CLUSTER_UNIT) else scope
-
-    return ClusterTierTogether(config, log)
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(session, config, items):
     keys = {}
