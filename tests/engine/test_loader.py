@@ -332,9 +332,9 @@ def test_tp_shard_survives_materialization_and_is_checked(small_dir, monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reads_through_a_buffer_smaller_than_a_tensor(small_dir, monkeypatch, dtype):
-    """float32 as stored: each run read straight into the parameter. bfloat16 (a cast): through the read
-    buffer, a tensor bigger than it read in pieces and a buffer holding several small runs (a column slice
-    of many rows) gathering them. Both give the checkpoint's values."""
+    """A tensor bigger than the read buffer is read in pieces; a buffer holding several small runs
+    (a column slice of many rows) gathers them: both give the checkpoint's values, as stored (float32)
+    or cast (bfloat16)."""
     config = hub.load_hf_config(small_dir)
     ref = _checkpoint(small_dir)
     monkeypatch.setattr(checkpoint, "READ_CHUNK_BYTES", 1000)  # not a multiple of a row or of the item size
@@ -349,8 +349,8 @@ def test_reads_through_a_buffer_smaller_than_a_tensor(small_dir, monkeypatch, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_truncated_file_is_refused(small_dir, tmp_path, dtype):
-    """A safetensors file cut short inside a tensor's data: a ValueError naming the tensor, read straight
-    into the parameter (float32) or through the buffer (bfloat16)."""
+    """A safetensors file cut short inside a tensor's data: a ValueError naming the tensor, as stored
+    (float32) or cast (bfloat16)."""
     import shutil
 
     cut = tmp_path / "cut"

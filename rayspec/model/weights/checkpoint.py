@@ -211,14 +211,6 @@ class SafetensorsReader:
             raise ValueError(f"{self.path}: truncated (wanted {size} bytes at {offset}, got {len(data)})")
         return data
 
-    def _read_into(self, target: memoryview, offset: int, name: str) -> None:
-        """Fill `target` with the file's bytes from `offset` (a read may return fewer bytes than asked)."""
-        while len(target):
-            got = os.preadv(self._fd, [target], offset)
-            if got <= 0:
-                raise ValueError(f"{self.path}: truncated in {name} (wanted {len(target)} bytes at {offset})")
-            target, offset = target[got:], offset + got
-
     def names(self) -> list[str]:
         """Tensor names in the order of their data in the file."""
         return sorted(self._entries, key=lambda name: self._entries[name]["data_offsets"][0])
@@ -284,12 +276,6 @@ class SafetensorsReader:
         first = start * inner
         size = dtype.itemsize
         begin += self._data_start
-        if param.device.type == "cpu" and param.dtype == dtype and param.numel():
-            # as stored, into host memory: read straight into the parameter (no buffer, no second copy)
-            target = memoryview(param.detach().view(-1).view(torch.uint8).numpy())
-            for o in range(outer):
-                self._read_into(target[o * run * size:(o + 1) * run * size], begin + (o * stride + first) * size, name)
-            return
         dest = param.view(-1)  # [numel]
         staging = torch.frombuffer(buffer, dtype=torch.uint8)  # [READ_CHUNK_BYTES], shares `buffer`
         capacity = len(buffer) // size  # elements per buffer
