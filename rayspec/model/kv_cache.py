@@ -3,6 +3,7 @@ blocks), and ForwardBatch: where one forward reads and writes it (rows, position
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 
@@ -72,13 +73,10 @@ def zeroed_pool(shape: tuple[int, ...], dtype, device) -> torch.Tensor:
     sequence's keys reach them. torch.zeros writes every page at once: a SmolLM2 replica's 1 GB pool
     took 0.26 s to build alone and 4.6-6.2 s with three replicas starting at once on two cores
     (2026-12-05, AMD EPYC VM; page faults, not the memset), and its memory was resident from the
-    start. The pool is the same zeros either way (tests/engine/test_kv_pool_memory.py). On an
+    start. The pool is the same zeros either way (tests/engine/test_kv_cache.py, test_cpu_pool_is_zero_and_takes_memory_only_where_written). On an
     accelerator: torch.zeros (the device's memset, no host pages)."""
     device = torch.device(device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes < LAZY_ZERO_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     # the tensor holds the map (frombuffer keeps its buffer alive), unmapped when the tensor is freed
