@@ -37,10 +37,10 @@ def detect_kind(hf_config: dict) -> str:
 
 def eagle_config_from_hf(hf_config: dict, num_target_layers: int, target_hidden_size: int,
                          fc_bias: bool = False) -> EagleConfig:
-    from transformers import LlamaConfig
+    from rayspec.model.weights.plain_config import llama_config
 
     kind = detect_kind(hf_config)
-    args = ModelArgs.from_hf_config(LlamaConfig(**hf_config))
+    args = ModelArgs.from_hf_config(llama_config(hf_config))
     aux = ()
     if kind == "eagle3":
         ids = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

@@ -107,7 +107,10 @@ class EagleHead(Float32Rotary):
         super().__init__()
         self.config = config
         self.args = config.args
-        self.embed_tokens = nn.Embedding(config.args.vocab_size, config.args.hidden_size)
+        shape = (config.args.vocab_size, config.args.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
+        if not self.embed_tokens.weight.is_meta:  # (normal_ on the meta device imports torch._dynamo: 0.5 s)
+            self.embed_tokens.reset_parameters()
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
@@ -218,9 +221,9 @@ def build_head(config: EagleConfig, device=None) -> EagleHead:
     or initialization (for a checkpoint's to be assigned: rayspec.eagle.checkpoint.read_eagle_head), the
     rotary buffer computed all the same."""
     from rayspec.model.loader import rope_from_config
-    from transformers import LlamaConfig
+    from rayspec.model.weights.plain_config import llama_config
 
-    inv_freq, scaling = rope_from_config(LlamaConfig(**config.hf_config))
+    inv_freq, scaling = rope_from_config(llama_config(config.hf_config))
     cls = Eagle3Head if config.kind == "eagle3" else Eagle1Head
     if device is None:
         return cls(config, inv_freq, scaling)

@@ -14,6 +14,7 @@ from rayspec.model.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArc
 from rayspec.model.native import CausalLM
 from rayspec.model.weights.checkpoint import load_checkpoint, load_state
 from rayspec.model.weights.hub import load_hf_config, resolve_model_dir
+from rayspec.model.weights.plain_config import tokenizer_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,9 @@ def empty_model(config, device, dtype, tp=None, dequantize_experts: bool = False
     if checkpoint_names is not None:
         _keep_4bit(model, checkpoint_names, args.tie_word_embeddings)
     shards = {name: p.tp_shard for name, p in model.named_parameters() if hasattr(p, "tp_shard")}
-    # to_empty makes new Parameter objects: their attributes are lost and tied weights come apart
-    model = model.to_empty(device=device)
+    # new Parameter objects (as Module.to_empty makes them, whose empty_like of a meta tensor goes through
+    # torch's Python references and imports sympy: 0.2 s): their attributes are lost, tied weights come apart
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for name, shard in shards.items():
         model.get_parameter(name).tp_shard = shard
     if args.tie_word_embeddings:
@@ -213,5 +215,5 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
         model = load_generic_model(model_dir, config, device, dtype, num_layers=num_layers)
     # a checkpoint without tokenizer files serves token ids only (tokenizer None)
     has_tokenizer = tokenizer and (any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **tokenizer_kwargs(model_dir, config)) if has_tokenizer else None
     return model, tokenizer

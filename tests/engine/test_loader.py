@@ -413,3 +413,66 @@ def test_peak_memory_stays_near_the_weights(tmp_path):
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["weights"] > 30e6
     assert figures["peak"] < 1.5 * figures["weights"], figures
+
+
+# ---- what a load imports: the config read plainly (rayspec.model.weights.plain_config) ----------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_tokenizer_with_the_plain_config_is_autotokenizers(which, tiny_model_dir):
+    """AutoTokenizer handed the plain config (so it reads none of its own) builds the tokenizer it builds
+    alone: the same class, ids, special tokens and chat template rendering."""
+    from transformers import AutoTokenizer
+
+    from conftest import smollm2_dir
+    from rayspec.model.weights.plain_config import PlainConfig, tokenizer_kwargs
+
+    model_dir = tiny_model_dir if which == "tiny" else smollm2_dir()
+    config = hub.load_hf_config(model_dir)
+    assert isinstance(config, PlainConfig) and tokenizer_kwargs(model_dir, config) == {"config": config}
+    ours = AutoTokenizer.from_pretrained(model_dir, **tokenizer_kwargs(model_dir, config))
+    alone = AutoTokenizer.from_pretrained(model_dir)
+    assert type(ours) is type(alone)
+    texts = ["Hello, world!", "  spaces\tand\nnewlines ", "ünïcödé 東京 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
+    assert [ours.encode(t) for t in texts] == [alone.encode(t) for t in texts]
+    assert ours.all_special_ids == alone.all_special_ids and ours.eos_token_id == alone.eos_token_id
+    ids = alone.encode(texts[2] + texts[3])
+    assert ours.decode(ids) == alone.decode(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    if alone.chat_template:
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            alone.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+_IMPORTS_SCRIPT = """
+import json, sys
+from rayspec.config import EngineConfig, SpeculativeConfig
+from rayspec.engine.llm_engine import LLMEngine
+from rayspec.sampling.sampler import SamplingParams
+
+spec = SpeculativeConfig(method="eagle3", draft_model=sys.argv[2], num_speculative_tokens=3)
+engine = LLMEngine(EngineConfig(model=sys.argv[1], max_model_len=256, max_num_seqs=2, kv_cache_memory_gb=0.05,
+                                device="cpu", speculative=spec))
+engine.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(tuple(sys.argv[3].split(","))))))
+"""
+# imported by none of a served engine's start, load and steps (eager): transformers' Llama config (whose
+# import chain reaches the next two: ~1 CPU-second of every process that loads a model), DTensor, dynamo
+# (meta-device initializers import it), sympy (Module.to_empty on meta tensors imports it)
+NOT_IMPORTED = ("transformers.models.llama.configuration_llama", "transformers.utils.type_validators",
+                "torch.distributed.tensor", "torch._dynamo", "sympy")
+
+
+@pytest.mark.slow
+def test_an_eagle3_engine_on_smollm2_imports_no_config_class_dynamo_or_sympy(smollm2):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    head = root / "heads" / "smollm2-135m-eagle3"
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_SCRIPT, str(smollm2), str(head), ",".join(NOT_IMPORTED)],
+                         cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
