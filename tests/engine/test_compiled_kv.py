@@ -55,14 +55,15 @@ def _runner(model, num_blocks: int, context: int, compile: bool) -> ModelRunner:
     return runner
 
 
-def _generated_code(fn) -> str:
+def _generated_code(fn):
+    """(fn's result, inductor's code for it)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()  # compile now, whatever earlier tests compiled
     with torch.inference_mode():
-        _, codes = run_and_get_code(fn)
+        result, codes = run_and_get_code(fn)
     assert codes, "nothing was compiled"
-    return "\n".join(codes)
+    return result, "\n".join(codes)
 
 
 def _numel(shape: str, symbols: int) -> int:
@@ -83,17 +84,21 @@ def test_compiled_step_writes_the_pool_in_place(case):
     pool_rows, kv_heads = runner.cache.k[0].shape[:2]
     pool_numel = runner.cache.k[0].numel()
 
-    def step():
+    def step(runner=runner):
         runner.kv.set_cached_len("s", context)
         if case == "decode":
-            runner.forward_hidden(["s"], [[5]], packed=True, static=True)
-        elif case == "chain verification":
-            runner.forward_hidden(["s"], [[5, 6, 7, 8]], packed=True, static=True)
-        else:
-            tree = TreeQuery(parents=[-1, 0, 0, 1, 2, 3, -1])
-            runner.forward_hidden(["s"], [[5, 6, 7, 8, 9, 10, 11]], trees=[tree], packed=True, static=True)
+            return runner.forward_hidden(["s"], [[5]], packed=True, static=True)[0]
+        if case == "chain verification":
+            return runner.forward_hidden(["s"], [[5, 6, 7, 8]], packed=True, static=True)[0]
+        tree = TreeQuery(parents=[-1, 0, 0, 1, 2, 3, -1])
+        return runner.forward_hidden(["s"], [[5, 6, 7, 8, 9, 10, 11]], trees=[tree], packed=True, static=True)[0]
 
-    code = _generated_code(step)
+    compiled, code = _generated_code(step)
+    # and inductor's kernels compute what the eager step computes (the engines' greedy outputs through
+    # inductor: tests/engine/test_compiled_step.py, decode; this is where a tree's verification is checked)
+    with torch.inference_mode():
+        eager = step(_runner(model, num_blocks=256, context=context, compile=False))
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     # the pool inputs: a layer's [rows, kv_heads, head_dim], or (one tensor for all) [layers, rows, ...]
     pools = set(re.findall(rf"assert_size_stride\((\w+), \((?:{layers}, )?{pool_rows}, {kv_heads}, {HEAD_DIM}\)", code))
     assert pools

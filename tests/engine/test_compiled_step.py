@@ -65,12 +65,12 @@ SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26] * 2
 JOINING = [SHARED + [40, 41], SHARED + [50], [9, 8, 7, 6], SHARED + [60, 61, 62]]
 
 
-# inductor's CPU kernels (the compiled step as it runs) for plain decoding and EAGLE-3 trees, whose graphs
-# span the decode buckets, the tree verification and the head; the other proposers' compiled steps traced
-# (aot_eager: the same graphs, padding and buckets, without inductor's C++ builds, ~40 s of a CI run):
-# their verification rows run inductor's kernels in test_compiled_kv (chain verification) and
-# test_compiled_step_equals_eager[none]
-INDUCTOR = {"none", "eagle3-tree"}
+# inductor's CPU kernels (the compiled step as it runs) for plain decoding over the decode buckets; the
+# other methods' compiled steps traced (aot_eager: the same graphs, padding and buckets, without
+# inductor's C++ builds: each of the 65 kernels of this test's inductor runs took 0.5-2 CPU-s of g++,
+# 95 CPU-s with EAGLE-3 trees through inductor as well, 2026-12-05). Inductor's kernels for chain and
+# tree verification are compared with the eager step's in test_compiled_kv.
+INDUCTOR = {"none"}
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3-tree", "eagle3-chain"])
