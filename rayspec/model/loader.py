@@ -14,7 +14,7 @@ from rayspec.model.families import NATIVE_MODEL_TYPES, ModelArgs, UnsupportedArc
 from rayspec.model.native import CausalLM
 from rayspec.model.weights.checkpoint import load_checkpoint, load_state
 from rayspec.model.weights.hub import load_hf_config, resolve_model_dir
-from rayspec.model.weights.plain_config import tokenizer_kwargs
+from rayspec.model.weights.plain_config import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,6 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
     quantization: "int8" for weight-only int8 linears (a draft's precision; rayspec.model.quantize).
     dequantize_experts: a native gpt-oss's MXFP4 experts dequantized at load (else kept 4-bit).
     quantized_weights: "keep" (a checkpoint's NVFP4 / MXFP4 weights stay 4-bit) or "dequantize" (at `dtype`)."""
-    from transformers import AutoTokenizer
-
     device = torch.device(device) if device is not None else default_device()
     dtype = parse_dtype(dtype, device)
     model_dir = resolve_model_dir(spec)
@@ -215,5 +213,5 @@ def load_model(spec: str, device=None, dtype=None, num_layers: int | None = None
         model = load_generic_model(model_dir, config, device, dtype, num_layers=num_layers)
     # a checkpoint without tokenizer files serves token ids only (tokenizer None)
     has_tokenizer = tokenizer and (any(model_dir.glob("tokenizer*")) or (model_dir / "vocab.json").exists())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, **tokenizer_kwargs(model_dir, config)) if has_tokenizer else None
+    tokenizer = load_tokenizer(model_dir, config) if has_tokenizer else None
     return model, tokenizer

@@ -5,7 +5,8 @@ Importing any of them (configuration_utils, whose validators import transformers
 chain reaches torch.distributed.tensor and sympy) took 0.9-1.1 of the ~3.6 CPU-seconds a process
 spends to start and load SmolLM2-135M (AMD EPYC, 2026-12-05): in every Serve replica, tensor-parallel
 rank and CLI that loads a model, for a handful of numbers read from config.json. AutoTokenizer loads
-the config too unless it is handed one (`tokenizer_kwargs`).
+the config too unless it is handed one (`tokenizer_kwargs`), and its module scans every model's files
+(`load_tokenizer` builds the tokenizers backend directly where AutoTokenizer would build it).
 
 Only a plain Llama config is read here: model_type "llama", no quantization, no custom code, rope of
 the default type. Anything else returns None and goes through transformers (`load_hf_config`). Where
@@ -99,14 +100,40 @@ def read_plain_config(model_dir: Path) -> PlainConfig | None:
     return plain
 
 
+# tokenizer classes that are transformers' tokenizers-library backend itself: AutoTokenizer builds that
+# class for them whatever the model type (its other classes add per-family rules)
+BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(model_dir: Path, config):
+    """model_dir's tokenizer as AutoTokenizer.from_pretrained(model_dir) builds it. With a plain config
+    and a tokenizer.json whose tokenizer_config.json names the backend class (SmolLM2's, Llama 3's),
+    that class is built directly: AutoTokenizer's module imports transformers.models, whose scan of
+    every model's files took 0.3 CPU-s more of each load (tests/engine/test_loader.py compares the two)."""
+    model_dir = Path(model_dir)
+    named = _tokenizer_config(model_dir).get("tokenizer_class")
+    if isinstance(config, PlainConfig) and named in BACKEND_CLASSES and (model_dir / "tokenizer.json").exists() \
+            and "auto_map" not in _tokenizer_config(model_dir):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, **tokenizer_kwargs(model_dir, config))
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    try:
+        fields = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
 def tokenizer_kwargs(model_dir: Path, config) -> dict:
     """AutoTokenizer.from_pretrained's extra arguments for model_dir: the config already read, where it
     is plain and the tokenizer names its class (AutoTokenizer then reads no config of its own; without
     a named class it picks one by the config's class, which only transformers' own config has)."""
     if not isinstance(config, PlainConfig):
         return {}
-    try:
-        named = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return {"config": config} if named else {}
+    return {"config": config} if _tokenizer_config(model_dir).get("tokenizer_class") else {}
