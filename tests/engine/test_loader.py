@@ -482,3 +482,18 @@ def test_an_eagle3_engine_on_smollm2_imports_no_config_class_dynamo_or_sympy(smo
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_load_cpu_benchmark_runs(tiny_model_dir, tmp_path):
+    """benchmarks/load_cpu.py (a model-loading process's CPU seconds), one round on the tiny model."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "load_cpu.py"), "--model", str(tiny_model_dir),
+                           "--rounds", "1", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["rows"]["this"]["cpu_s_median"] > 0 and figures["cpu"]
+    assert "| this |" in proc.stdout
