@@ -111,9 +111,9 @@ def load_tokenizer(model_dir: Path, config):
     that class is built directly: AutoTokenizer's module imports transformers.models, whose scan of
     every model's files took 0.3 CPU-s more of each load (tests/engine/test_loader.py compares the two)."""
     model_dir = Path(model_dir)
-    named = _tokenizer_config(model_dir).get("tokenizer_class")
-    if isinstance(config, PlainConfig) and named in BACKEND_CLASSES and (model_dir / "tokenizer.json").exists() \
-            and "auto_map" not in _tokenizer_config(model_dir):
+    fields = _tokenizer_config(model_dir)
+    if isinstance(config, PlainConfig) and fields.get("tokenizer_class") in BACKEND_CLASSES \
+            and "auto_map" not in fields and (model_dir / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
