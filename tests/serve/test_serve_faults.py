@@ -161,20 +161,34 @@ def _failovers_since(app: str, before: dict[str, dict], count: int) -> dict[str,
             for key in ("num_stream_failovers", "num_request_failovers")}
 
 
+async def _until_under_way(tasks: list[asyncio.Task], progress: list[int], events: int) -> None:
+    """Until every stream has had `events` events or has ended. A stream may end before the fault
+    only complete ([DONE], no error): the proxy and the routers need not spread the streams evenly
+    (just after a replacement came up, one replica may run a single stream and finish it while the
+    other still runs 15), but a stream that ended any other way before the fault is a failure of its
+    own, reported with what it got (CI run 26 saw "a stream ended before the fault" and no more)."""
+    started = time.monotonic()
+    while any(n < events and not t.done() for n, t in zip(progress, tasks)):
+        assert time.monotonic() - started < DEADLINE_S, ("streams did not start", progress)
+        await asyncio.sleep(0.02)
+    for i, t in enumerate(tasks):
+        if t.done():
+            r = t.result()
+            assert r["status"] == 200 and r["error"] is None and r["done"], (
+                f"stream {i} ended before the fault, not complete", r, progress)
+    assert not all(t.done() for t in tasks), ("every stream ended before the fault", progress)
+
+
 def _run_with_fault(url: str, max_tokens: int, fault=None, after_events: int = 12) -> list[dict]:
-    """NUM_CLIENTS concurrent streams; once each has had `after_events` events, fault() runs.
-    Every stream must end within DEADLINE_S."""
+    """NUM_CLIENTS concurrent streams; once each has had `after_events` events (or ended complete),
+    fault() runs. Every stream must end within DEADLINE_S."""
     async def main():
         progress = [0] * NUM_CLIENTS
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
             tasks = [asyncio.create_task(astream_completion(client, url, p, max_tokens, progress, i))
                      for i, p in enumerate(PROMPTS)]
             if fault is not None:
-                started = time.monotonic()
-                while min(progress) < after_events and not all(t.done() for t in tasks):
-                    assert time.monotonic() - started < DEADLINE_S, "streams did not start"
-                    await asyncio.sleep(0.02)
-                assert not any(t.done() for t in tasks), "a stream ended before the fault"
+                await _until_under_way(tasks, progress, after_events)
                 await asyncio.to_thread(fault)
             return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
     return asyncio.run(main())
@@ -347,11 +361,7 @@ def test_killed_verifier_replica_under_sampled_load(served, tiny_model_dir):
         async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
             tasks = [asyncio.create_task(_sampled_stream(client, url, p, SAMPLED_TOKENS, progress, i))
                      for i, p in enumerate(PROMPTS)]
-            started = time.monotonic()
-            while min(progress) < 12 and not all(t.done() for t in tasks):
-                assert time.monotonic() - started < DEADLINE_S, "streams did not start"
-                await asyncio.sleep(0.02)
-            assert not any(t.done() for t in tasks), "a stream ended before the fault"
+            await _until_under_way(tasks, progress, 12)
             victims[:] = [await asyncio.to_thread(_busiest_verifier, "faults", 2)]
             assert victims[0] is not None, "no verifier replica runs the streams"
             await asyncio.to_thread(_kill, victims[0])
@@ -436,25 +446,42 @@ def test_killed_colocated_verifier_replica(served, reference):
     wait_for(lambda: _idle("bounded", 1), timeout=60)
 
 
+def _ingress_in_flight(app: str) -> dict[str, int]:
+    """Generation requests in flight on each ingress replica (its admission gate's count), by actor name."""
+    return {name: ray.get(ray.get_actor(name, namespace="serve").record_routing_stats.remote(),
+                          timeout=60)["ingress_in_flight"] for name in _replicas(app, "OpenAIIngress")}
+
+
 def test_killed_ingress_replica_under_load(served, reference):
     """An ingress replica dies mid-load. The streams it carried lose their HTTP connection (the
     replica held it: Serve's proxy cannot move an open response elsewhere) and end at once, cut
     short; every other stream completes with the target's output. The verifier requests of the cut
     streams are aborted (nothing keeps decoding for a client no one serves), and new requests
-    succeed on the surviving and the replacement replicas."""
+    succeed on the surviving and the replacement replicas. The replica killed is the one holding
+    the most streams at the fault (not a fixed one: Serve's proxy put all 16 on the other in CI run
+    25, and nothing was cut); the streams cut are at most those it held."""
     want = reference(FAULT_TOKENS)
-    victim = _replicas("faults", "OpenAIIngress")[0]
     before = _verifier_stats("faults", 2)
-    results = _run_with_fault(f"{served}/faults/v1/completions", FAULT_TOKENS, lambda: _kill(victim))
-    complete = [r for r in results if r["done"]]
+    victims: list[tuple[str, int]] = []
+
+    def kill_the_busiest():
+        held = _ingress_in_flight("faults")
+        victim = max(held, key=held.get)
+        assert held[victim] >= 1, ("no ingress replica holds a stream", held)
+        victims.append((victim, held[victim]))
+        _kill(victim)
+
+    results = _run_with_fault(f"{served}/faults/v1/completions", FAULT_TOKENS, kill_the_busiest)
+    [(victim, held)] = victims
     cut = [r for r in results if not r["done"]]
-    for r in results:
+    for i, r in enumerate(results):
         assert r["status"] == 200, r
         if r["done"]:
-            assert r["error"] is None and r["text"] == want[results.index(r)]
+            assert r["error"] is None and r["text"] == want[i]
         else:  # a prefix of the right output, then nothing
-            assert want[results.index(r)].startswith(r["text"])
-    assert cut and complete, (len(cut), len(complete))  # the proxy spread the clients over both replicas
+            assert want[i].startswith(r["text"]), (i, r)
+    # the victim's streams were cut (one may have completed between the count and the kill), no other
+    assert 1 <= len(cut) <= held, (len(cut), held)
     _wait_replaced("faults", "OpenAIIngress", victim, 2)
     wait_for(lambda: _idle("faults", 2), timeout=60)
     after = _verifier_stats("faults", 2)
