@@ -401,7 +401,8 @@ def test_killed_verifier_replica_under_non_streamed_load(served, reference):
 
             await asyncio.to_thread(wait_for, one_running, DEADLINE_S, 0.1)
             await asyncio.sleep(1.0)  # some tokens in: the lost work is real
-            assert not any(t.done() for t in tasks), "a request ended before the fault"
+            # one may have ended (alone on a replica, as in the sampled test): it is checked below like the rest
+            assert not all(t.done() for t in tasks), "every request ended before the fault"
             await asyncio.to_thread(_kill, victims[0])
             return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
 
