@@ -200,6 +200,10 @@ class AppArgs(_Strict):
     # draft_model, eagle3 and eagle (an EAGLE head pre-drafts from its own states in place of the
     # target's features of the hypothesised accepted tokens).
     proposer_async_hypotheses: int = Field(0, ge=0, le=64)
+    # ... and when: 'measured' pre-drafts only while the verifier's measured cycle is shorter for it
+    # (pre-drafting shares cores or a device with verification; rayspec.proposers.pre_draft);
+    # 'always' pre-drafts every round and every hypothesis (a proposer on a device of its own).
+    proposer_async_pacing: Literal["measured", "always"] = "measured"
     # clients must send `Authorization: Bearer <api_key>` on every route but /health; None: the
     # RAYSPEC_API_KEY environment variable, else no key. Goes to the ingress only, never into logs.
     api_key: SecretStr | None = None

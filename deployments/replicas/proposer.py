@@ -89,7 +89,8 @@ class ProposerServer:
         self._pre_draft_thread: PreDraftThread | None = None
         if self.cfg.proposer_async_hypotheses:
             self.pre_drafter = PreDrafter(self.proposer, self.cfg.proposer_async_hypotheses,
-                                          self.cfg.engine.max_model_len)
+                                          self.cfg.engine.max_model_len,
+                                          budget=self.cfg.proposer_async_pacing == "measured")
             self._pre_draft_thread = PreDraftThread(self.pre_drafter)
 
     def feature_layers(self) -> tuple[int, ...] | None:
