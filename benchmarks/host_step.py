@@ -147,8 +147,10 @@ def max_tokens(batch: int, context: int, steps: int, k: int) -> int:
     return (steps + batch * context // MAX_BATCHED + batch + 4) * (k + 1)
 
 
-def build_engine(model_dir: Path, loaded, config: str, batch: int, context: int, steps: int) -> LLMEngine:
-    """An engine whose `batch` requests of `context` tokens can all decode `steps` steps."""
+def build_engine(model_dir: Path, loaded, config: str, batch: int, context: int, steps: int,
+                 **engine_options) -> LLMEngine:
+    """An engine whose `batch` requests of `context` tokens can all decode `steps` steps (engine_options:
+    EngineConfig's, e.g. defer_draft_reads)."""
     spec = dict(CONFIGS[config])
     if spec["method"] == "eagle3":
         spec.update(draft_model=str(model_dir.parent / "head"), tree_max_batch=max(batch, 2))
@@ -156,7 +158,7 @@ def build_engine(model_dir: Path, loaded, config: str, batch: int, context: int,
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=max_len, max_num_seqs=batch,
                                     kv_cache_memory_gb=max(0.5, batch * max_len * 2048 / 2**30),
                                     max_num_batched_tokens=MAX_BATCHED, compile=False,
-                                    speculative=SpeculativeConfig(**spec)),
+                                    speculative=SpeculativeConfig(**spec), **engine_options),
                        model=loaded[0], tokenizer=loaded[1])
     return engine
 
@@ -191,7 +193,7 @@ def timed_steps(engine: LLMEngine, timer: ForwardTimer, steps: int) -> list[tupl
 
 
 def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int, temperature: float = 0.0,
-        split_ops: bool = False) -> list[dict]:
+        split_ops: bool = False, **engine_options) -> list[dict]:
     from rayspec.model import loader
 
     loaded = loader.load_model(str(model_dir))
@@ -200,7 +202,7 @@ def run(model_dir: Path, cells, contexts, rounds: int, steps: int, warm: int, te
     total = rounds * steps + warm
     for config, batch in cells:
         for context in contexts:
-            engine = build_engine(model_dir, loaded, config, batch, context, total)
+            engine = build_engine(model_dir, loaded, config, batch, context, total, **engine_options)
             timer = ForwardTimer([engine.model] + engine.proposer.models())
             start_decoding(engine, batch, context, total, temperature=temperature)
             timed_steps(engine, timer, warm)
@@ -247,6 +249,8 @@ def main(argv=None) -> dict:
                         help="also time the vocabulary-wide tensor ops run outside the forwards (top-k, argmax, "
                              "log-softmax, index_select, ...: device work on a GPU, host time here) and report "
                              "the host time less them")
+    parser.add_argument("--defer-draft-reads", choices=("auto", "on", "off"), default="auto",
+                        help="EngineConfig.defer_draft_reads (auto: its default, off on the CPU)")
     parser.add_argument("--dry-run", action="store_true", help="tiny cells (batch <= 2, contexts 32, 64), 2 steps")
     parser.add_argument("--output-json", help="write the result here")
     args = parser.parse_args(argv)
@@ -258,13 +262,15 @@ def main(argv=None) -> dict:
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp), max(contexts) + 4096)
-        rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm, args.temperature, args.split_ops)
+        defer = {"auto": None, "on": True, "off": False}[args.defer_draft_reads]
+        rows = run(model_dir, cells, contexts, args.rounds, args.steps, args.warm, args.temperature, args.split_ops,
+                   defer_draft_reads=defer)
     report = {"what": "engine host time per decode step (step wall - forwards), tiny model, issue #50 (d)",
               "cpu_model": cpu_model()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
               "torch_threads": torch.get_num_threads(), "commit": git_commit(),
               "command": "python benchmarks/host_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "load_average_at_start": [round(v, 1) for v in os.getloadavg()],
-              "temperature": args.temperature, "rounds": args.rounds, "steps": args.steps, "seconds": round(time.time() - started, 1), "rows": rows}
+              "defer_draft_reads": args.defer_draft_reads, "temperature": args.temperature, "rounds": args.rounds, "steps": args.steps, "seconds": round(time.time() - started, 1), "rows": rows}
     for r in rows:
         print(f"{r['config']:12s} batch {r['batch']:3d} context {r['context']:5d}: wall {r['wall_ms']:8.2f} ms  "
               f"forwards {r['forwards_ms']:8.2f} ms  host {r['host_ms']:8.2f} ms/step  "
