@@ -287,6 +287,8 @@ class AppArgs(_Strict):
                                                or self.speculative.method not in ASYNC_METHODS):
             raise ValueError("proposer_async_hypotheses needs topology 'disaggregated' and a method among "
                              f"{ASYNC_METHODS}")
+        if self.proposer_async_pacing != "measured" and not self.proposer_async_hypotheses:
+            raise ValueError("proposer_async_pacing paces pre-drafting: it needs proposer_async_hypotheses > 0")
         if self.topology == "disaggregated" and self.speculative.method == "none":
             raise ValueError("topology 'disaggregated' needs a speculative method; method 'none' has no proposer")
         if self.paired:

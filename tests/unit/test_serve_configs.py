@@ -181,6 +181,9 @@ def test_cluster_config():
     ({"speculative": {"method": "eagle", "draft_model": "h", "eagle_topk": 0}}, "eagle_topk"),
     ({"speculative": {"method": "eagle3", "draft_model": "h", "num_steps": 0}}, "num_steps"),
     ({"proposer_call_timeout_s": 0}, "proposer_call_timeout_s"),
+    ({"proposer_async_pacing": "always"}, "needs proposer_async_hypotheses"),
+    ({"topology": "disaggregated", "speculative": {"method": "ngram"}, "proposer_async_hypotheses": 2,
+      "proposer_async_pacing": "sometimes"}, "proposer_async_pacing"),
 ])
 def test_invalid_args(args, match):
     with pytest.raises(ValidationError, match=match):
