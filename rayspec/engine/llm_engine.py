@@ -56,7 +56,7 @@ from rayspec.proposers import Draft, Proposer, ProposeRequest, build_proposer
 from rayspec.sampling.logits_processing import grammar_draft, needs_processing, process_rows, process_verification_logits
 from rayspec.sampling.logprobs import compute_logprobs, prompt_logprobs_rows
 from rayspec.sampling.rejection import Verification, coupled, coupled_choices, verify
-from rayspec.sampling.sampler import SamplingParams, choose_rows, coupled_key, make_generator
+from rayspec.sampling.sampler import SamplingParams, argmax, choose_rows, coupled_key, make_generator
 from rayspec.sampling.structured import GrammarCompiler, GrammarCompilerBusy
 
 
@@ -611,7 +611,7 @@ class LLMEngine:
                                                                    starts, lengths)
         target_choice = None
         if any(p.greedy or coupled(p) for p in params):  # the target's choice at every row (a coupled draw, seeded)
-            target_choice = coupled_choices(logits, logits.argmax(-1), starts, pending, proposal.drafts, params,
+            target_choice = coupled_choices(logits, argmax(logits), starts, pending, proposal.drafts, params,
                                             [len(s.token_ids) for s in seqs])  # (read in verify)
         if deferred:  # one read: the choices and sampled verdicts with the drafts
             plan = Verification(logits, target_choice, starts, pending, proposal.drafts, params, generators)

@@ -12,6 +12,7 @@ import torch
 from rayspec.device_io import to_host
 from rayspec.engine.drafting import MeasuredCosts
 from rayspec.model.compiled import MAX_ROWS, bucket, verify_rows
+from rayspec.sampling.sampler import argmax
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def calibrate_costs(engine, costs: MeasuredCosts, context: int = 32, repeats: in
                     kv.set_cached_len(seq_id, context)
                     started = time.perf_counter()
                     hidden, _ = engine._target_forward([seq_id], [[0] * rows], packed=True, static=True)
-                    to_host(engine.model.logits(hidden).argmax(-1))
+                    to_host(argmax(engine.model.logits(hidden)))
                     times.append(time.perf_counter() - started)
                 costs.observe_verify(1, rows, rows * (context + rows), sorted(times)[repeats // 2], warm=True)
     finally:

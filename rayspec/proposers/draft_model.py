@@ -12,7 +12,7 @@ from rayspec.model.native import CausalLM
 from rayspec.model.runner import ModelRunner
 from rayspec.proposers.deferred import defer_chains
 from rayspec.proposers.base import Draft, PreDraftable, ProposeRequest
-from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows
+from rayspec.sampling.sampler import DraftSources, argmax, draw_rows, probs_of_rows
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -183,7 +183,7 @@ class DraftModelProposer(PreDraftable):
             for req in active:
                 self.candidates[req.seq_id] = []
         for step in range(k):
-            choice = logits.argmax(-1)  # [B]
+            choice = argmax(logits)  # [B]
             if sampled:  # one batch of kernels for all sampled rows, no host read
                 p = probs_of_rows(logits.index_select(0, rows), settings)
                 choice.index_copy_(0, rows, draw_rows(p, [

@@ -43,7 +43,7 @@ from rayspec.proposers.tree_graph import TreeGraph, expand_frontier
 from rayspec.proposers.deferred import defer_chains, defer_trees
 from rayspec.proposers.ngram import NgramIndex
 from rayspec.proposers.recorded_paths import gather_states, tree_path
-from rayspec.sampling.sampler import DraftSources, draw_rows, probs_of_rows, top_logprobs
+from rayspec.sampling.sampler import DraftSources, argmax, draw_rows, probs_of_rows, top_logprobs
 
 _UNKNOWN = object()  # a sequence whose cache_salt the head was not told
 
@@ -599,7 +599,7 @@ class EagleProposer(PreDraftable):
                 states.append(hidden)
                 cand_tok.append(self.head.to_target(top.indices))
                 cand_logp.append(top.values)
-            choice = logp.argmax(-1)  # [B] draft ids
+            choice = argmax(logp)  # [B] draft ids
             if sampled:  # one batch of kernels for all sampled rows, no host read
                 p = probs_of_rows(logits.index_select(0, rows), settings)  # [S, Vd]
                 sources = [self._sources.source(reqs[i].seq_id, reqs[i].seed, reqs[i].stream_seed,

@@ -112,6 +112,35 @@ def test_one_preparation_per_cycle(smollm2, loaded, prompts, monkeypatch):
     assert counts["depth_forwards"] >= 4 * counts["copies"], counts
 
 
+def test_depth_mask_is_the_spread_visibility(smollm2, loaded, prompts):
+    """TreeSteps.mask (the prefix's part built once a cycle, each depth's node columns written into it) equals
+    the additive form of spread_tree_visible's mask, for random ancestries over rows of different lengths."""
+    import torch
+
+    from rayspec.model.batch_layout import additive_mask, pad_rows, spread_tree_visible
+
+    engine = make_engine(smollm2, "eagle3", k=8, loaded=loaded, draft_model=HEAD, eagle_topk=3, num_steps=4,
+                         adaptive=False)
+    for p in prompts[:3]:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=8))
+    while engine.num_waiting or not all(s.prefilled for s in engine.running):
+        engine.step()
+    engine.step()  # a decode step: the head has cached every prompt
+    runner, ids = engine.proposer.runner, [s.request_id for s in engine.running]
+    width, steps = 3, 3
+    starts = [runner.kv.cached_len(s) for s in ids]
+    tree = runner.tree_steps(ids, width, steps)
+    assert len(set(starts)) > 1 and tree.starts[: len(ids)].tolist() == starts
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        sees = torch.rand(len(ids), width, width * steps, generator=gen) < 0.4
+        want = additive_mask(spread_tree_visible(pad_rows(sees, tree.Bp, width)[:, None], tree.starts, tree.kv_len),
+                             runner.dtype)
+        got = tree.mask(sees)
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert torch.isinf(got).any() and (got == 0).sum() > sum(starts) * width  # (not all seen, not none)
+
+
 @pytest.mark.parametrize("compare,a,b", [("prepared", "per_depth", "prepared"), ("captured", "loop", "captured")])
 def test_draft_depths_benchmark_dry_run(tmp_path, compare, a, b):
     """benchmarks/draft_depths.py (the proposer's time per cycle: prepared depths against a forward per
