@@ -78,7 +78,7 @@ def make_model_dir(path: Path, max_positions: int) -> Path:
 
 # vocabulary-wide tensor ops the engine runs outside the forwards (drafting's top-k and scores, the
 # verification's choice, sampling): on a GPU device work, on the CPU counted in the host time (--split-ops)
-TENSOR_OPS = [(owner, name) for name in ("topk", "argmax", "log_softmax", "softmax", "index_select", "gather",
+TENSOR_OPS = [(owner, name) for name in ("topk", "argmax", "max", "log_softmax", "softmax", "index_select", "gather",
                                          "multinomial", "cumsum", "sort", "where") for owner in ("torch", "Tensor")]
 
 
