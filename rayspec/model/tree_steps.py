@@ -60,13 +60,7 @@ class TreeSteps:
             blocks, by_step(write), starts_np, by_step(node_pos), by_step(depth_pos), device=runner.device)
         self.read = rows_of_blocks(t_blocks, bs, kv_len)  # [Bp, kv_len]
         self.Bp = Bp
-        # the additive mask's part every depth shares, built once: the prefix seen, the rest not (each depth
-        # then writes its rows' node columns, start + slot: kv_len holds every row's nodes)
-        dtype, dev = runner.dtype, runner.device
-        self._prefix = torch.zeros((Bp, 1, 1, kv_len), dtype=dtype, device=dev).masked_fill_(
-            (torch.arange(kv_len, device=dev) >= self.starts[:, None])[:, None, None], float("-inf"))
-        self._node_cols = (self.starts[:, None] + torch.arange(n, device=dev))[:, None, None]  # [Bp, 1, 1, n]
-        self._seen = (torch.zeros((), dtype=dtype, device=dev), torch.full((), float("-inf"), dtype=dtype, device=dev))
+        self._shared = None  # the depths' shared part of the mask (`mask`; not built where a graph masks itself)
 
     def forward(self, step: int, tokens: torch.Tensor, features: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
         """Depth `step` (0: the root's children fed): tokens [B, width] and features [B, width, F] on the
@@ -84,6 +78,14 @@ class TreeSteps:
         """sees [B, width, n] (which node slots each fed node attends to) -> the additive mask [Bp, 1, width,
         kv_len]: the prefix and those slots 0, the rest -inf; what additive_mask(spread_tree_visible(...))
         gives, in four ops instead of fifteen (tests/engine/test_tree_steps.py compares them)."""
+        if self._shared is None:  # once a cycle: the prefix seen and the rest not, where each row's nodes sit
+            dtype, dev, kv_len = self.runner.dtype, self.runner.device, self.kv_len
+            prefix = torch.zeros((self.Bp, 1, 1, kv_len), dtype=dtype, device=dev).masked_fill_(
+                (torch.arange(kv_len, device=dev) >= self.starts[:, None])[:, None, None], float("-inf"))
+            columns = (self.starts[:, None] + torch.arange(sees.shape[-1], device=dev))[:, None, None]  # [Bp, 1, 1, n]
+            seen = (torch.zeros((), dtype=dtype, device=dev), torch.full((), float("-inf"), dtype=dtype, device=dev))
+            self._shared = prefix, columns, seen
+        prefix, columns, seen = self._shared
         nodes = pad_rows(sees, self.Bp, self.width)[:, None]  # [Bp, 1, w, n]
-        out = self._prefix.expand(self.Bp, 1, self.width, self.kv_len).contiguous()
-        return out.scatter_(3, self._node_cols.expand(nodes.shape), torch.where(nodes, *self._seen))
+        out = prefix.expand(self.Bp, 1, self.width, self.kv_len).contiguous()  # (kv_len holds every row's nodes)
+        return out.scatter_(3, columns.expand(nodes.shape), torch.where(nodes, *seen))
