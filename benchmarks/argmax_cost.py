@@ -11,28 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
+from norm_cost import per_call_ms  # noqa: E402  (benchmarks/norm_cost.py: median of 5 rounds)
 from rayspec.bench.environment import cpu_model  # noqa: E402
-
-
-def per_call_ms(fn, calls: int, rounds: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None) -> dict:
