@@ -117,3 +117,35 @@ def test_host_step_benchmark_dry_run(tmp_path, smollm2):
     for r in report["rows"]:
         assert 0 < r["forwards_ms"] < r["wall_ms"] and r["host_ms"] > 0
         assert 0 < r["tensor_ops_ms"] < r["host_ms"] and r["host_less_tensor_ops_ms"] > 0  # (a choice every step)
+
+
+def test_side_by_side_orders_and_ratios():
+    import host_step_sidebyside as sbs
+
+    assert sbs.pass_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    rows = lambda host, ops=None: [dict(config="t", batch=1, context=8, host_ms=host,  # noqa: E731
+                                        **({"tensor_ops_ms": ops} if ops is not None else {}))]
+    summary = sbs.summarize(["base", "new"], [{"side": "base", "rows": rows(2.0)}, {"side": "new", "rows": rows(1.0, 0.2)},
+                                              {"side": "new", "rows": rows(0.5, 0.4)}, {"side": "base", "rows": rows(4.0)}])
+    assert summary["base"]["t b1 ctx8"] == {"host_ms": 3.0, "runs": 2, "vs_first": 1.0}  # (no ops: an old script)
+    assert summary["new"]["t b1 ctx8"] == {"host_ms": 0.75, "runs": 2, "tensor_ops_ms": 0.3, "vs_first": 0.25}
+
+
+def test_side_by_side_dry_run_from_a_worktree(tmp_path, smollm2):
+    """HEAD from a worktree of its own beside this checkout, each its own host_step.py in its own process;
+    the worktree is gone afterwards."""
+    import subprocess
+
+    import host_step_sidebyside as sbs
+
+    out = tmp_path / "sides.json"
+    report = sbs.main(["--dry-run", "--sides", "HEAD,.", "--split-ops", "--output-json", str(out)])
+    assert out.exists() and report["cpu_model"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert report["sides"]["HEAD"] == head and report["sides"]["."].startswith(head)
+    assert [r["side"] for r in report["runs"]] == ["HEAD", "."]
+    for side in ("HEAD", "."):
+        cells = report["mean_host_ms_by_side"][side]
+        assert len(cells) == 6 and all(c["host_ms"] > 0 and 0 < c["tensor_ops_ms"] < c["host_ms"] for c in cells.values())
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "host-step-sides-" not in worktrees
