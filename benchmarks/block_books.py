@@ -17,35 +17,22 @@ last commit before its free list became a dict, a54e25d).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from revisions import module_at  # noqa: E402
 
 from rayspec.kv import block_manager as current  # noqa: E402
 
 BASELINE = "a54e25d"
-
-
-def load_revision(rev: str):
-    """rayspec/kv/block_manager.py as of `rev`, imported as a module of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:rayspec/kv/block_manager.py"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="block-books-")) / f"block_manager_{rev.replace('/', '_')}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def decode_steps(module, free_blocks: int, batch: int, context: int, steps: int, tree_rows: int, block_size: int,
@@ -97,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     pools = [int(p) for p in a.pools.split(",")]
     if a.dry_run:
         pools, a.batch, a.context, a.steps, a.rounds = [100, 1000], 4, 64, 5, 1
-    sides = {"this checkout": current, a.baseline: load_revision(a.baseline)}
+    sides = {"this checkout": current, a.baseline: module_at(a.baseline, "rayspec/kv/block_manager.py")}
     from rayspec.bench.environment import cpu_model
 
     rows = []

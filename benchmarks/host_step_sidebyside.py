@@ -16,6 +16,7 @@ Worktrees are made under a temporary folder and removed at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -25,13 +26,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from revisions import git, worktree  # noqa: E402
 
 DEFAULT_ARGS = ["--rounds", "2", "--steps", "15", "--contexts", "256"]
-
-
-def git(*args: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def pass_orders(sides: list[str], passes: int) -> list[list[str]]:
@@ -91,38 +90,32 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.time()
     runs: list[dict] = []
     commits: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="host-step-sides-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="host-step-sides-") as tmp, contextlib.ExitStack() as stack:
         dirs: dict[str, Path] = {}
-        try:
-            for side in sides:
-                if side == ".":
-                    dirs[side], commits[side] = ROOT, git("rev-parse", "HEAD") + (
-                        " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
-                    continue
-                commits[side] = git("rev-parse", "--verify", side + "^{commit}")
-                dirs[side] = Path(tmp) / commits[side][:12]
-                git("worktree", "add", "--detach", str(dirs[side]), commits[side])
-            for number, order in enumerate(pass_orders(sides, passes), 1):
-                for side in order:
-                    script = dirs[side] / "benchmarks" / "host_step.py"
-                    extra = ["--split-ops"] if args.split_ops and "--split-ops" in script.read_text() else []
-                    out = Path(tmp) / f"{commits[side][:12]}_{number}.json"
-                    command = [sys.executable, str(script), *side_args, *extra, "--output-json", str(out)]
-                    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                    done = subprocess.run(command, cwd=dirs[side], env=env, capture_output=True, text=True)
-                    if done.returncode:
-                        raise SystemExit(f"{side}: host_step.py failed ({done.returncode}):\n{done.stderr[-4000:]}")
-                    report = json.loads(out.read_text())
-                    runs.append({"side": side, "commit": commits[side], "pass": number,
-                                 "command": "python benchmarks/host_step.py " + " ".join(side_args + extra),
-                                 "rows": report["rows"]})
-                    print(f"pass {number} {side}: " + ", ".join(
-                        f"{r['config']} b{r['batch']} ctx{r['context']} {r['host_ms']:.2f} ms" for r in report["rows"]),
-                        flush=True)
-        finally:
-            for side, path in dirs.items():
-                if path != ROOT:
-                    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
+        for side in sides:
+            if side == ".":
+                dirs[side], commits[side] = ROOT, git("rev-parse", "HEAD") + (
+                    " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+                continue
+            commits[side] = git("rev-parse", "--verify", side + "^{commit}")
+            dirs[side] = stack.enter_context(worktree(commits[side], Path(tmp)))
+        for number, order in enumerate(pass_orders(sides, passes), 1):
+            for side in order:
+                script = dirs[side] / "benchmarks" / "host_step.py"
+                extra = ["--split-ops"] if args.split_ops and "--split-ops" in script.read_text() else []
+                out = Path(tmp) / f"{commits[side][:12]}_{number}.json"
+                command = [sys.executable, str(script), *side_args, *extra, "--output-json", str(out)]
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                done = subprocess.run(command, cwd=dirs[side], env=env, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"{side}: host_step.py failed ({done.returncode}):\n{done.stderr[-4000:]}")
+                report = json.loads(out.read_text())
+                runs.append({"side": side, "commit": commits[side], "pass": number,
+                             "command": "python benchmarks/host_step.py " + " ".join(side_args + extra),
+                             "rows": report["rows"]})
+                print(f"pass {number} {side}: " + ", ".join(
+                    f"{r['config']} b{r['batch']} ctx{r['context']} {r['host_ms']:.2f} ms" for r in report["rows"]),
+                    flush=True)
     summary = summarize(sides, runs)
     report = {"what": "benchmarks/host_step.py side by side (each side its own commit's script, in its own worktree), "
                       "passes alternated ABC CBA; engine host time per decode step outside the forwards, ms",

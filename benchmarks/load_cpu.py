@@ -13,6 +13,7 @@ writes the figures with the machine's CPU model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -22,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from revisions import worktree  # noqa: E402
 
 CHILD = """
 import resource, sys, time
@@ -66,22 +70,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     head = str((REPO / args.head).resolve()) if args.head else ""
     checkouts = {"this": REPO}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         if args.against:
-            other = Path(tmp) / "other"
-            subprocess.run(["git", "worktree", "add", "-q", "--detach", str(other), args.against], cwd=REPO, check=True)
-            checkouts = {args.against: other, "this": REPO}
-        try:
-            for checkout in checkouts.values():
-                subprocess.run([sys.executable, "-m", "compileall", "-q", "rayspec", "deployments"], cwd=checkout,
-                               capture_output=True)
-            figures: dict[str, list[tuple[float, float]]] = {name: [] for name in checkouts}
-            for _ in range(args.rounds):  # alternated: the VM's speed drifts
-                for name, checkout in checkouts.items():
-                    figures[name].append(measure(checkout, args.model, head))
-        finally:
-            if args.against:
-                subprocess.run(["git", "worktree", "remove", "--force", str(checkouts[args.against])], cwd=REPO)
+            checkouts = {args.against: stack.enter_context(worktree(args.against, Path(tmp), cwd=REPO)), "this": REPO}
+        for checkout in checkouts.values():
+            subprocess.run([sys.executable, "-m", "compileall", "-q", "rayspec", "deployments"], cwd=checkout,
+                           capture_output=True)
+        figures: dict[str, list[tuple[float, float]]] = {name: [] for name in checkouts}
+        for _ in range(args.rounds):  # alternated: the VM's speed drifts
+            for name, checkout in checkouts.items():
+                figures[name].append(measure(checkout, args.model, head))
     rows = {name: {"cpu_s_median": statistics.median(c for c, _ in runs), "wall_s_median": statistics.median(w for _, w in runs),
                    "cpu_s": [c for c, _ in runs]} for name, runs in figures.items()}
     print(f"| checkout | CPU s (median of {args.rounds}) | wall s |\n|---|---:|---:|")

@@ -56,17 +56,9 @@ def _import_loader(old_ref: str | None):
         from rayspec.model import loader
 
         return loader
-    import importlib.util
-    import tempfile
+    from revisions import module_at
 
-    source = subprocess.run(["git", "show", f"{old_ref}:rayspec/model/loader.py"], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "old_loader.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("old_loader", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_at(old_ref, "rayspec/model/loader.py", cwd=REPO)
 
 
 def measure(model: str, dtype: str, old_ref: str | None) -> dict:
